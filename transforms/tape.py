@@ -1,0 +1,122 @@
+"""The weight-grad tape: where deferred weight gradients wait for the dw pass.
+
+A weight-bearing primitive (a matmul, a grouped GEMM) computes its weight gradient in its
+backward. While a tape is *active* (during the dx pass of `split_vjp`), the primitive asks the
+tape whether it defers that weight; if so its backward returns only dx and records a thunk that
+computes dw later from plain tensors. `WeightGradTape.run()` evaluates the thunks and sums them per
+parameter (a weight used twice accumulates).
+
+Identity matters: a tape defers exactly the tensors it was built with (the parameter leaves handed
+to `split_vjp`). A primitive sees the very same tensor objects in its `forward`, also under nested
+`torch.func` transforms, so deferral is decided by object identity. A weight that is an
+intermediate (a cast or a slice of a parameter) is not deferred: its gradient flows in the dx pass.
+
+The tape knows nothing of MoE or schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch._C._functorch as _functorch
+
+# The active tape is process-wide, not a contextvar: the autograd engine may run a backward on its own
+# device threads (CUDA), where a contextvar set by the caller would be invisible. One dx pass runs at a
+# time per process; `active_tape` nests like a stack.
+_ACTIVE: list[WeightGradTape | None] = [None]
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """Return the tensor object under every functorch wrapper of `t` (identity kept, no detach)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """Return `t` with every functorch wrapper removed and detached from autograd.
+
+    Tensors seen inside a backward under `torch.func.vjp` are wrappers whose transform level dies when
+    the vjp returns; a deferred thunk must hold plain tensors (../shared/notes/torch-func.md).
+    """
+    return unwrapped(t).detach()
+
+
+class WeightGradTape:
+    """Deferred weight-gradient thunks for a fixed list of parameter tensors.
+
+    `defers(w)` is True when `w` is one of the tensors the tape was built with. `record(w, thunk)`
+    stores `thunk() -> dw` (same shape as `w`). `run()` returns one gradient (or None) per parameter,
+    in construction order, and empties the tape.
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor]):
+        self._weights = list(weights)
+        self._index = {id(w): i for i, w in enumerate(self._weights)}
+        self._entries: list[tuple[int, Callable[[], torch.Tensor]]] = []
+
+    def defers(self, w: torch.Tensor) -> bool:
+        """True when the weight gradient of `w` goes on this tape instead of the dx pass."""
+        return id(w) in self._index
+
+    def record(self, w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> None:
+        """Queue `thunk() -> dw` for weight `w` (which this tape must defer)."""
+        if id(w) not in self._index:
+            raise ValueError("record(): this tape does not defer that tensor; ask defers(w) first")
+        self._entries.append((self._index[id(w)], thunk))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def run(self) -> list[torch.Tensor | None]:
+        """Evaluate all thunks, summing per weight; returns [dw or None] per weight. Empties the tape."""
+        grads: list[torch.Tensor | None] = [None] * len(self._weights)
+        entries, self._entries = self._entries, []
+        with torch.no_grad():
+            while entries:
+                i, thunk = entries.pop(0)
+                g = thunk()
+                if g.shape != self._weights[i].shape:
+                    raise RuntimeError(
+                        f"deferred weight grad has shape {tuple(g.shape)}, "
+                        f"weight has {tuple(self._weights[i].shape)}"
+                    )
+                grads[i] = g if grads[i] is None else grads[i].add_(g)
+        return grads
+
+    def clear(self) -> None:
+        """Drop every recorded thunk and the weight references."""
+        self._entries = []
+        self._weights = []
+        self._index = {}
+
+
+@contextlib.contextmanager
+def active_tape(tape: WeightGradTape | None) -> Iterator[WeightGradTape | None]:
+    """Make `tape` the tape that primitives consult while the block runs (None disables deferral)."""
+    _ACTIVE.append(tape)
+    try:
+        yield tape
+    finally:
+        _ACTIVE.pop()
+
+
+def current_tape() -> WeightGradTape | None:
+    """The active weight-grad tape, or None when weight grads are computed immediately."""
+    return _ACTIVE[-1]
+
+
+def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> bool:
+    """Record `thunk` on the active tape if it defers `w`; returns True when deferred.
+
+    The helper a primitive's backward calls: when it returns False the primitive must compute the
+    weight gradient itself, now.
+    """
+    tape = _ACTIVE[-1]
+    w = unwrapped(w)
+    if tape is None or not tape.defers(w):
+        return False
+    tape.record(w, thunk)
+    return True
