@@ -1,0 +1,128 @@
+"""Tools for users' own gradient property tests: check_vjp, assert_close, hypothesis strategies.
+
+    check_vjp(f, *primals)   # float64 central difference in one random direction: <c, J t> == <J^T c, t>
+
+Strategies build parameter pytrees (nested dicts of tensors) and input tensors with random shapes
+and dtypes, so a research script can property-test its own layers in a few lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+# rtol/atol per dtype for comparing two computations of the same quantity in that dtype.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-9, 1e-10),
+    torch.float32: (2e-4, 2e-5),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (1e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Return (rtol, atol) for comparing results computed in `dtype`."""
+    return TOLERANCES.get(dtype, (1e-5, 1e-6))
+
+
+def assert_close(actual: Any, expected: Any, *, dtype: torch.dtype | None = None, scale: float = 1.0,
+                 msg: str = "") -> None:
+    """Assert two pytrees of tensors are close with dtype-aware tolerances (scaled by `scale`).
+
+    Fails on NaN/Inf anywhere in `actual` and on any structure or shape mismatch.
+    """
+    a_leaves, a_spec = tree_flatten(actual)
+    e_leaves, e_spec = tree_flatten(expected)
+    if a_spec != e_spec:
+        raise AssertionError(f"{msg} pytree structures differ: {a_spec} vs {e_spec}")
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if a is None and e is None:
+            continue
+        if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
+            if a != e:
+                raise AssertionError(f"{msg} leaf {i}: {a!r} != {e!r}")
+            continue
+        if not torch.isfinite(a).all():
+            raise AssertionError(f"{msg} leaf {i}: non-finite values in actual")
+        rtol, atol = tolerance(dtype or a.dtype)
+        torch.testing.assert_close(a.to(e.dtype), e, rtol=rtol * scale, atol=atol * scale,
+                                   msg=lambda m, i=i: f"{msg} leaf {i}: {m}")
+
+
+def _to64(tree: Any) -> Any:
+    return tree_map(lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, tree)
+
+
+def check_vjp(
+    f: Callable[..., Any],
+    *primals: Any,
+    vjp: Callable[..., tuple[Any, Callable[[Any], Any]]] | None = None,
+    eps: float = 1e-6,
+    rtol: float = 1e-6,
+    generator: torch.Generator | None = None,
+) -> tuple[float, float]:
+    """Check `vjp` of `f` against a float64 central difference in one random direction.
+
+    Casts floating primals to float64, draws a tangent t (over primals) and a cotangent c (over the
+    output), and compares <c, (f(x + eps t) - f(x - eps t)) / 2 eps> with <vjp(c), t>. `vjp(f, *primals)`
+    must return `(out, fn)` with `fn(c)` giving one gradient pytree per primal (default
+    `torch.func.vjp`). Returns the two numbers; raises AssertionError when they differ.
+    """
+    vjp = vjp or torch.func.vjp
+    gen = generator or torch.Generator().manual_seed(0)
+    primals64 = _to64(primals)
+
+    def rand_like(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        return None
+
+    tangent = tree_map(rand_like, primals64)
+
+    def shifted(sign: float) -> Any:
+        return tree_map(lambda p, t: p if t is None else p + sign * eps * t, primals64, tangent)
+
+    out, vjp_fn = vjp(f, *primals64)
+    cot = tree_map(rand_like, out)
+    grads = vjp_fn(cot)
+    f_plus, f_minus = f(*shifted(1.0)), f(*shifted(-1.0))
+    fd = sum(
+        float((c * (p - m)).sum()) / (2 * eps)
+        for c, p, m in zip(tree_flatten(cot)[0], tree_flatten(f_plus)[0], tree_flatten(f_minus)[0])
+        if c is not None
+    )
+    an = sum(
+        float((g * t).sum())
+        for g, t in zip(tree_flatten(grads)[0], tree_flatten(tangent)[0])
+        if g is not None and t is not None
+    )
+    if abs(fd - an) > rtol * max(1.0, abs(fd), abs(an)) + 1e3 * eps * eps:
+        raise AssertionError(f"check_vjp: finite difference <c, J t> = {fd:.10g}, vjp <J^T c, t> = {an:.10g}")
+    return fd, an
+
+
+# ---- hypothesis strategies ---------------------------------------------------------------------
+
+float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16])
+
+
+@st.composite
+def tensors(draw: st.DrawFn, shape: Sequence[int], dtype: torch.dtype = torch.float64,
+            scale: float = 1.0) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` with N(0, scale^2) entries from a hypothesis-drawn seed."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tuple(shape), generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+@st.composite
+def param_pytrees(draw: st.DrawFn, shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
+                  scale: float = 0.5) -> dict[str, Any]:
+    """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts)."""
+    leaves, spec = tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    return tree_unflatten([draw(tensors(s, dtype, scale)) for s in leaves], spec)
