@@ -13,6 +13,7 @@ zeros; a weight used twice accumulates.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,45 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from transforms.tape import WeightGradTape, active_tape
+
+
+def _split_tensors(tree: Any, found: list[torch.Tensor]) -> Any:
+    """Replace every tensor in `tree` (dicts, lists, tuples, dataclasses) by its index in `found`."""
+    if isinstance(tree, torch.Tensor):
+        found.append(tree)
+        return _Slot(len(found) - 1)
+    if isinstance(tree, dict):
+        return {k: _split_tensors(v, found) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_split_tensors(v, found) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {f.name: _split_tensors(getattr(tree, f.name), found) for f in dataclasses.fields(tree)}
+        return dataclasses.replace(tree, **changes) if _has_init_fields(tree) else tree
+    return tree
+
+
+def _has_init_fields(obj: Any) -> bool:
+    return all(f.init for f in dataclasses.fields(obj))
+
+
+def _fill_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of `_split_tensors`."""
+    if isinstance(tree, _Slot):
+        return tensors[tree.index]
+    if isinstance(tree, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_fill_tensors(v, tensors) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type) and _has_init_fields(tree):
+        return dataclasses.replace(
+            tree, **{f.name: _fill_tensors(getattr(tree, f.name), tensors) for f in dataclasses.fields(tree)}
+        )
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
 
 
 def _is_diff(leaf: Any) -> bool:
@@ -63,7 +103,17 @@ def split_vjp(
         return f(p, *a)
 
     if has_aux:
-        out, vjp_fn, aux = torch.func.vjp(flat_f, *diff_leaves, has_aux=True)
+        # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
+        aux_skeleton: list[Any] = []
+
+        def flat_f_aux(*xs: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+            out, aux = flat_f(*xs)
+            tensors: list[torch.Tensor] = []
+            aux_skeleton.append(_split_tensors(aux, tensors))
+            return out, tensors
+
+        out, vjp_fn, aux_tensors = torch.func.vjp(flat_f_aux, *diff_leaves, has_aux=True)
+        aux = _fill_tensors(aux_skeleton[0], aux_tensors)
     else:
         out, vjp_fn = torch.func.vjp(flat_f, *diff_leaves)
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff])

@@ -1,0 +1,123 @@
+"""remat against the same function without remat, under torch.func.vjp, split_vjp and tape autograd.
+
+Legend: N rows, D model width, F hidden width.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from fmoe.ops.linear import linear
+from transforms import (
+    checkpoint_name,
+    everything_saveable,
+    nothing_saveable,
+    remat,
+    save_only_these_names,
+    saved_residuals,
+    split_vjp,
+)
+from transforms.testing import assert_close, float_dtypes
+
+POLICIES = [nothing_saveable, everything_saveable, save_only_these_names("fc1"),
+            save_only_these_names("fc1", "act", "count")]
+
+
+def block(p: dict, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h_NF = checkpoint_name(linear(x_ND, p["w1_DF"]), "fc1")
+    a_NF = checkpoint_name(torch.nn.functional.silu(h_NF) * p["s_F"], "act")
+    count = checkpoint_name((h_NF > 0).sum(), "count")  # an integer output: no gradient
+    return linear(a_NF, p["w2_FD"]) + x_ND, count
+
+
+def params(d: int, f: int, dtype: torch.dtype, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w1_DF": torch.randn(d, f, generator=g, dtype=torch.float64).to(dtype) / d**0.5,
+            "s_F": torch.randn(f, generator=g, dtype=torch.float64).to(dtype),
+            "w2_FD": torch.randn(f, d, generator=g, dtype=torch.float64).to(dtype) / f**0.5}
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 8), d=st.integers(1, 8), f=st.integers(1, 8), dtype=float_dtypes,
+       policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
+@example(n=1, d=1, f=1, dtype=torch.float64, policy=nothing_saveable, seed=0)
+def test_remat_grads_equal_plain_grads(n, d, f, dtype, policy, seed):
+    p = params(d, f, dtype, seed)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    ct = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
+
+    def plain_f(p, x):
+        return block(p, x)[0]
+
+    def remat_f(p, x):
+        y, count = remat(block, policy)(p, x)
+        return y
+
+    ref_out, ref_fn = torch.func.vjp(plain_f, p, x)
+    ref = ref_fn(ct)
+    out, fn = torch.func.vjp(remat_f, p, x)
+    assert_close(out, ref_out)
+    assert_close(fn(ct), ref)
+    # through split_vjp
+    out, vjp_dx = split_vjp(remat_f, p, x)
+    (dx,), vjp_dw = vjp_dx(ct)
+    assert_close((vjp_dw(), dx), ref)
+
+
+def test_split_vjp_recomputes_once_in_dx_and_never_in_dw():
+    calls = []
+
+    def counted(p, x):
+        calls.append(1)
+        return block(p, x)
+
+    p, x = params(6, 7, torch.float32, 0), torch.randn(5, 6)
+    out, vjp_dx = split_vjp(lambda p, x: remat(counted)(p, x)[0], p, x)
+    assert len(calls) == 1
+    with FlopCounterMode(display=False):
+        _, vjp_dw = vjp_dx(torch.ones_like(out))
+    assert len(calls) == 2
+    with FlopCounterMode(display=False) as dw_counter:
+        vjp_dw()
+    assert len(calls) == 2
+    # The dw of both matmuls went on the tape (deferred), the recompute's forward matmuls went to dx.
+    assert dw_counter.get_total_flops() == 2 * (2 * 5 * 6 * 7)
+
+
+def test_remat_under_tape_autograd():
+    p = {k: v.requires_grad_() for k, v in params(4, 5, torch.float64, 1).items()}
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    remat(block)(p, x)[0].square().sum().backward()
+    got = [p[k].grad.clone() for k in sorted(p)] + [x.grad.clone()]
+    for t in [*p.values(), x]:
+        t.grad = None
+    block(p, x)[0].square().sum().backward()
+    assert_close(got, [p[k].grad for k in sorted(p)] + [x.grad])
+
+
+def test_saved_values_are_replayed_verbatim():
+    """With a saving policy the recompute sees the forward's values, even if the inputs would now
+    produce different ones (here: a function with a side channel that changes between calls)."""
+    state = {"shift": 0.0}
+
+    def f(x):
+        h = checkpoint_name(x * 2 + state["shift"], "h")
+        return h * x
+
+    x = torch.randn(4, dtype=torch.float64)
+    _, fn_saved = torch.func.vjp(remat(f, save_only_these_names("h")), x)
+    _, fn_plain = torch.func.vjp(remat(f, nothing_saveable), x)
+    state["shift"] = 100.0
+    g_saved, = fn_saved(torch.ones(4, dtype=torch.float64))
+    g_plain, = fn_plain(torch.ones(4, dtype=torch.float64))
+    assert_close(g_saved, 4 * x)  # d/dx (2x) x = 4x, with h from the forward (shift 0)
+    assert_close(g_plain, 4 * x + 100.0)
+
+
+def test_saved_residuals_lists_tags():
+    p, x = params(3, 4, torch.float32, 0), torch.randn(2, 3)
+    seen = saved_residuals(block, save_only_these_names("fc1"), p, x)
+    assert seen == [("fc1", (2, 4), True), ("act", (2, 4), False), ("count", (), False)]

@@ -1,0 +1,188 @@
+"""remat: recompute a function's activations in the backward, inside torch.func transforms.
+
+    g = remat(f, policy=nothing_saveable)
+    y = g(*args)                     # saves only args; the backward re-runs f and takes its vjp
+
+`torch.utils.checkpoint` relies on saved-tensor hooks, which `torch.func.vjp` does not support;
+this one is a setup_context autograd Function that saves only its inputs and whose backward calls
+`torch.func.vjp` on the recomputed forward. It works under an outer `torch.func.vjp`, tape autograd,
+and `split_vjp`: the dx pass recomputes once, and the weight-bearing primitives inside the recompute
+put their dw on the active tape, so the dw pass recomputes nothing.
+
+Policies, as in JAX (`jax.checkpoint_policies`):
+- `nothing_saveable`: save the inputs only, recompute everything.
+- `everything_saveable`: no recompute (f runs as is).
+- `save_only_these_names(*names)`: values tagged with `checkpoint_name(x, name)` for those names are
+  kept from the forward and reused verbatim by the recompute (so data-dependent decisions such as
+  routing see bit-identical inputs). Eager PyTorch has no graph to prune, so the ops producing a
+  saved value still run in the recompute when their own backward needs them; what the policy
+  guarantees is value identity, and that only the tagged values are held between forward and
+  backward. `saved_residuals` lists what a policy keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which `checkpoint_name`-tagged values a remat keeps from its forward."""
+
+    name: str
+    save_all: bool = False
+    names: frozenset[str] = frozenset()
+
+    def saves(self, tag: str) -> bool:
+        return self.save_all or tag in self.names
+
+
+nothing_saveable = Policy("nothing_saveable")
+everything_saveable = Policy("everything_saveable", save_all=True)
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Policy that keeps the values tagged with one of `names` and recomputes the rest."""
+    return Policy(f"save_only_these_names{names}", names=frozenset(names))
+
+
+@dataclass
+class _Record:
+    """Tagged values of one remat call: filled during forward, replayed during recompute."""
+
+    policy: Policy
+    replay: bool = False
+    saved: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    cursor: dict[str, int] = field(default_factory=dict)
+    seen: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+
+
+_RECORDS: list[_Record] = []  # stack of remat calls in progress (forward or recompute)
+
+
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Tag `x` with `name` for remat policies; returns x (or, in a recompute, the saved value)."""
+    if not _RECORDS:
+        return x
+    rec = _RECORDS[-1]
+    if not rec.policy.saves(name):
+        if not rec.replay:
+            rec.seen.append((name, tuple(x.shape), False))
+        return x
+    if not rec.replay:
+        rec.seen.append((name, tuple(x.shape), True))
+        rec.saved.setdefault(name, []).append(x.detach())
+        return x
+    i = rec.cursor.get(name, 0)
+    rec.cursor[name] = i + 1
+    saved = rec.saved[name][i]
+    if not (x.is_floating_point() and x.requires_grad):
+        return saved
+    return x + (saved - x).detach()  # the saved value, with the gradient still flowing into x
+
+
+class _Plan:
+    """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
+
+    def __init__(self, f: Callable[..., Any], leaves: list[Any], spec: Any, diff_pos: list[int],
+                 policy: Policy):
+        self.f, self.leaves, self.spec, self.diff_pos, self.policy = f, leaves, spec, diff_pos, policy
+        self.out_spec: Any = None
+        self.out_static: list[Any] = []
+        self.out_tensor_pos: list[int] = []
+        self.record: _Record | None = None
+
+    def call(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        full = list(self.leaves)
+        for i, x in zip(self.diff_pos, xs):
+            full[i] = x
+        out = self.f(*tree_unflatten(full, self.spec))
+        out_leaves, self.out_spec = tree_flatten(out)
+        self.out_static = out_leaves
+        self.out_tensor_pos = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        return tuple(out_leaves[i] for i in self.out_tensor_pos)
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        full = list(self.out_static)
+        for i, t in zip(self.out_tensor_pos, tensors):
+            full[i] = t
+        return tree_unflatten(full, self.out_spec)
+
+
+class _Remat(torch.autograd.Function):
+    @staticmethod
+    def forward(plan: _Plan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan.record = _Record(plan.policy)
+        _RECORDS.append(plan.record)
+        try:
+            outs = plan.call(xs)
+        finally:
+            _RECORDS.pop()
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.plan = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.output_is_float = [o.is_floating_point() for o in output]
+        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan: _Plan = ctx.plan
+        xs = ctx.saved_tensors
+        record = plan.record
+        record.replay, record.cursor = True, {}
+        _RECORDS.append(record)
+        try:
+            with torch.enable_grad():
+                # vjp differentiates floating outputs only; integer ones (counts, ids) carry no gradient.
+                def float_outs(*a: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[()]]:
+                    return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
+
+                outs, vjp_fn, _ = torch.func.vjp(float_outs, *xs, has_aux=True)
+        finally:
+            _RECORDS.pop()
+        float_grads = [g for g, o in zip(grads, ctx.output_is_float) if o]
+        cts = tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, float_grads))
+        dxs = vjp_fn(cts, retain_graph=False)
+        return (None, *dxs)
+
+
+def remat(f: Callable[..., Any], policy: Policy = nothing_saveable) -> Callable[..., Any]:
+    """Return g with g(*args) == f(*args) whose backward recomputes f's activations (see module doc).
+
+    Differentiable inputs are the floating-point tensor leaves of args (pytrees allowed); other leaves
+    are passed through. Outputs may be any pytree; its non-tensor leaves are returned as computed in
+    the forward.
+    """
+    if policy.save_all:
+        return f
+
+    def rematted(*args: Any) -> Any:
+        leaves, spec = tree_flatten(args)
+        diff_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        plan = _Plan(f, leaves, spec, diff_pos, policy)
+        outs = _Remat.apply(plan, *[leaves[i] for i in diff_pos])
+        return plan.rebuild(outs)
+
+    return rematted
+
+
+def saved_residuals(
+    f: Callable[..., Any], policy: Policy, *args: Any
+) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Run f once and return [(name, shape, saved?)] for every `checkpoint_name` tag it passes."""
+    record = _Record(policy)
+    _RECORDS.append(record)
+    try:
+        with torch.no_grad():
+            f(*args)
+    finally:
+        _RECORDS.pop()
+    return record.seen
