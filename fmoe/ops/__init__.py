@@ -3,3 +3,5 @@
 from fmoe.ops.grouped_linear import available_backends as available_backends
 from fmoe.ops.grouped_linear import grouped_linear as grouped_linear
 from fmoe.ops.linear import linear as linear
+from fmoe.ops.rms_norm import rms_norm as rms_norm
+from fmoe.ops.swiglu import swiglu as swiglu

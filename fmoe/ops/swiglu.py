@@ -1,0 +1,51 @@
+"""swiglu: silu(gate) * up, the gated activation of a SwiGLU MLP, with a hand-written backward.
+
+Legend: N rows (any leading dims), F hidden features.
+Math in fp32 for half-precision inputs (fp64 stays fp64); the output has the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _SwiGLU(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> torch.Tensor:
+        ct = _compute_dtype(gate_NF.dtype)
+        return (torch.nn.functional.silu(gate_NF.to(ct)) * up_NF.to(ct)).to(gate_NF.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g_NF):
+        gate_NF, up_NF = ctx.saved_tensors
+        ct = _compute_dtype(gate_NF.dtype)
+        a_NF, u_NF, gf_NF = gate_NF.to(ct), up_NF.to(ct), g_NF.to(ct)
+        sig_NF = torch.sigmoid(a_NF)
+        dgate = dup = None
+        if ctx.needs_input_grad[0]:
+            # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a)))
+            dgate = (gf_NF * u_NF * sig_NF * (1 + a_NF * (1 - sig_NF))).to(gate_NF.dtype)
+        if ctx.needs_input_grad[1]:
+            dup = (gf_NF * a_NF * sig_NF).to(up_NF.dtype)
+        return dgate, dup
+
+
+def swiglu(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> torch.Tensor:
+    """Return h_NF = silu(gate_NF) * up_NF (same shape and dtype as the inputs)."""
+    if gate_NF.shape != up_NF.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate_NF.shape)} and up {tuple(up_NF.shape)} "
+                         "must have one shape")
+    if gate_NF.dtype != up_NF.dtype or not gate_NF.is_floating_point():
+        raise ValueError("swiglu: gate and up must share one floating dtype, "
+                         f"got {gate_NF.dtype}, {up_NF.dtype}")
+    return _SwiGLU.apply(gate_NF, up_NF)
