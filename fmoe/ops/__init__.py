@@ -1,5 +1,7 @@
 """fmoe.ops: differentiable primitives (setup_context autograd Functions; weight grads deferrable)."""
 
+from fmoe.ops.attention import attention as attention
+from fmoe.ops.attention import rope as rope
 from fmoe.ops.cross_entropy import cross_entropy as cross_entropy
 from fmoe.ops.embedding import embedding as embedding
 from fmoe.ops.grouped_linear import available_backends as available_backends
