@@ -209,6 +209,33 @@ def test_flops_conserved_by_split() -> None:
     assert dx_pass + dw_pass == full
 
 
+def test_flops_conserved_by_split_grouped_mm() -> None:
+    # Same check for the grouped_mm backend, with the missing formula supplied by custom_mapping:
+    # [N, K] x [E, K, F] and [D, N] x [N, F] (grouped along N) both cost 2 * a0 * a1 * b_last.
+    def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    mapping = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+    x_ND, w_EDF, g_NF, counts_E = make(Case([3, 0, 5, 2], 8, 16, torch.float32, "grouped_mm"))
+
+    def f(p, x):
+        return grouped_linear(x, p["w"], counts_E, "grouped_mm")
+
+    def flops(fn):
+        with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    _, vjp_fn = torch.func.vjp(lambda w, x: f({"w": w}, x), w_EDF, x_ND)
+    full = flops(lambda: vjp_fn(g_NF))
+    _, vjp_dx = split_vjp(f, {"w": w_EDF}, x_ND)
+    out = {}
+    dx_pass = flops(lambda: out.update(dw_fn=vjp_dx(g_NF)[1]))
+    dw_pass = flops(lambda: out["dw_fn"]())
+    assert dw_pass == 2 * 10 * 8 * 16
+    assert dx_pass + dw_pass == full
+
+
 def test_vmap_over_batch_loop_backend() -> None:
     x_BND = torch.randn(3, 5, 4, dtype=torch.float64)
     w_EDF = torch.randn(2, 4, 6, dtype=torch.float64)
