@@ -3,9 +3,22 @@
 Generic: never imports fmoe. See docs/schedules.md.
 """
 
-from schedule.comms import with_comms, without_comms
-from schedule.gen_1f1b import gpipe, interleaved_1f1b, one_f_one_b
-from schedule.gen_dualpipe import dualpipe, dualpipev
-from schedule.gen_zb import zb_h1, zbv
-from schedule.ir import Action, Op, Overlap, Placement, Recv, Schedule, ScheduleError, Send, diff
-from schedule.verify import verify
+from schedule.comms import with_comms as with_comms
+from schedule.comms import without_comms as without_comms
+from schedule.gen_1f1b import gpipe as gpipe
+from schedule.gen_1f1b import interleaved_1f1b as interleaved_1f1b
+from schedule.gen_1f1b import one_f_one_b as one_f_one_b
+from schedule.gen_dualpipe import dualpipe as dualpipe
+from schedule.gen_dualpipe import dualpipev as dualpipev
+from schedule.gen_zb import zb_h1 as zb_h1
+from schedule.gen_zb import zbv as zbv
+from schedule.ir import Action as Action
+from schedule.ir import Op as Op
+from schedule.ir import Overlap as Overlap
+from schedule.ir import Placement as Placement
+from schedule.ir import Recv as Recv
+from schedule.ir import Schedule as Schedule
+from schedule.ir import ScheduleError as ScheduleError
+from schedule.ir import Send as Send
+from schedule.ir import diff as diff
+from schedule.verify import verify as verify

@@ -45,7 +45,8 @@ def interleaved_1f1b(pp: int, m: int, v: int, extra_warmup: bool = False, overla
     overlap only with extra_warmup.
     """
     positive(name, pp=pp, m=m, v=v)
-    require(v == 1 or m % pp == 0, name, f"with v={v} > 1 microbatches must be a multiple of pp, got m={m}, pp={pp}")
+    require(v == 1 or m % pp == 0, name,
+            f"with v={v} > 1 microbatches must be a multiple of pp, got m={m}, pp={pp}")
     overlap = extra_warmup if overlap is None else overlap
     require(not overlap or extra_warmup, name, "overlap needs extra_warmup=True (else the steady F and B of "
             "the last stage are the same microbatch)")

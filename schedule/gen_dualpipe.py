@@ -82,7 +82,8 @@ def dualpipev(pp: int, m: int, dw_detach: bool = False, *, layers: int | None = 
     if layers is not None:
         require(isinstance(layers, int) and layers >= 2 * pp, "dualpipev",
                 f"needs layers >= 2*pp = {2 * pp}, got layers={layers}")
-        require(layers % (2 * pp) == 0, "dualpipev", f"layers must be a multiple of 2*pp = {2 * pp}, got {layers}")
+        require(layers % (2 * pp) == 0, "dualpipev",
+                f"layers must be a multiple of 2*pp = {2 * pp}, got {layers}")
     ranks = [_steps(pp, m, r, (r, 2 * pp - 1 - r), (0, 0), dw_detach) for r in range(pp)]
     return build("dualpipev" + ("+dw_detach" if dw_detach else ""), stages.vshape(pp), m, ranks)
 

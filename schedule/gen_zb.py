@@ -47,7 +47,7 @@ def zbv(pp: int, m: int) -> Schedule:
         cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
         acts: list[Action] = []
 
-        def op(kind: str, key: str, stage: int) -> Op:
+        def op(kind: str, key: str, stage: int, cnt: dict = cnt) -> Op:
             j = cnt[key]
             cnt[key] += 1
             return Op(kind, stage, j)

@@ -30,9 +30,10 @@ def _check_shape(s: Schedule) -> None:
                 if not 0 <= op.stage < pl.num_stages or pl.stage_rank[op.stage] != r:
                     raise ScheduleError(f"{s.name}: r{r} {op}: stage {op.stage} is not placed on rank {r}")
                 if op.stage not in s.path(op.mb):
-                    raise ScheduleError(f"{s.name}: r{r} {op}: microbatch {op.mb} does not visit stage {op.stage}")
+                    raise ScheduleError(f"{s.name}: r{r} {op}: microbatch {op.mb} does not visit stage "
+                                        f"{op.stage}")
             if isinstance(a, Overlap) and a.f.mb == a.b.mb:
-                raise ScheduleError(f"{s.name}: r{r} {a}: an overlapped pair needs two different microbatches")
+                raise ScheduleError(f"{s.name}: r{r} {a}: an overlapped pair needs two microbatches")
 
 
 def _check_counts(s: Schedule) -> None:
@@ -57,10 +58,10 @@ def _check_messages(s: Schedule) -> None:
             elif isinstance(a, Recv):
                 recvs[(a.peer, r, a.what, a.stage, a.mb)] += 1
     for (src, dst, what, st, mb), k in (sends - recvs).items():
-        raise ScheduleError(f"{s.name}: send {str(Send(what, st, mb, dst))} on r{src} has no matching receive "
+        raise ScheduleError(f"{s.name}: send {Send(what, st, mb, dst)} on r{src} has no matching receive "
                             f"on r{dst} ({k} unmatched)")
     for (src, dst, what, st, mb), k in (recvs - sends).items():
-        raise ScheduleError(f"{s.name}: receive {str(Recv(what, st, mb, src))} on r{dst} has no matching send "
+        raise ScheduleError(f"{s.name}: receive {Recv(what, st, mb, src)} on r{dst} has no matching send "
                             f"on r{src} ({k} unmatched)")
     want = Counter()
     for r, acts in enumerate(s.ranks):
@@ -70,8 +71,8 @@ def _check_messages(s: Schedule) -> None:
                     want[(r, snd.peer, snd.what, snd.stage, snd.mb)] += 1
     for key in (sends - want) + (want - sends):
         src, dst, what, st, mb = key
-        raise ScheduleError(f"{s.name}: {what} of stage {st} microbatch {mb} must go r{src} -> r{dst} per the "
-                            f"placement exactly once, found {sends[key]} sends")
+        raise ScheduleError(f"{s.name}: {what} of stage {st} microbatch {mb} must go r{src} -> r{dst} "
+                            f"per the placement exactly once, found {sends[key]} sends")
 
 
 def _deps_met(s: Schedule, r: int, op: Op, have: set) -> str | None:
@@ -90,7 +91,8 @@ def _deps_met(s: Schedule, r: int, op: Op, have: set) -> str | None:
         if nxt is not None:
             key = ("G", nxt, op.mb) if pl.stage_rank[nxt] == r else (GRAD, nxt, op.mb)
             if key not in have:
-                return f"the output grad (backward of stage {nxt} microbatch {op.mb}) has not run or arrived on r{r}"
+                return (f"the output grad (backward of stage {nxt} microbatch {op.mb}) has not run or "
+                        f"arrived on r{r}")
     elif op.kind == W and ("I", op.stage, op.mb) not in have:
         return f"its I{op.stage}.{op.mb} has not run before it"
     return None
@@ -108,7 +110,7 @@ def _run(s: Schedule) -> None:
                 a = acts[ptr[r]]
                 if isinstance(a, Send):
                     if ("F" if a.what == ACT else "G", a.stage, a.mb) not in have[r]:
-                        raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: sends data not yet computed")
+                        raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: sends uncomputed data")
                     posted.add((r, a.peer, a.what, a.stage, a.mb))
                 elif isinstance(a, Recv):
                     if (a.peer, r, a.what, a.stage, a.mb) not in posted:
