@@ -1,0 +1,111 @@
+"""Process layout: the dp / pp / ep / tp process groups from a DeviceMesh, and which ranks share a node.
+
+Legend: P ranks in a group, S nodes a group spans, G ranks of that group per node.
+
+`Topology` says how many consecutive global ranks share a node, so 4 local processes can play
+2 nodes x 2 ranks: the link class of a transfer (intra-node / inter-node) comes from it, and so do the
+node-level groups of the hierarchical dispatcher. `ParallelLayout` builds one
+`torch.distributed.device_mesh` with dims ("pp", "dp", "ep_inter", "ep_intra", "tp") (tp innermost, so
+tp ranks are neighbours on a node) and hands out its groups by name; rank arithmetic is left to the
+mesh. The expert group is ep x tp flattened: with TP-extends-EP (MISSION.md feature 21) the tp ranks own
+different experts instead of slices of the same ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+INTRA = "intra"  # link class: both ranks on one node
+INTER = "inter"  # link class: ranks on different nodes
+LINK_CLASSES = (INTRA, INTER)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`ranks_per_node` consecutive global ranks share a node (real or simulated)."""
+
+    world_size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError(f"Topology: world size {self.world_size} is not a multiple of "
+                             f"ranks_per_node {self.ranks_per_node}")
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """Return the node that global `rank` lives on."""
+        return rank // self.ranks_per_node
+
+    def link_class(self, src: int, dst: int) -> str:
+        """Return INTRA or INTER for a transfer between global ranks `src` and `dst`."""
+        return INTRA if self.node_of(src) == self.node_of(dst) else INTER
+
+    @classmethod
+    def from_env(cls, world_size: int | None = None) -> Topology:
+        """The real topology: LOCAL_WORLD_SIZE (set by torchrun) ranks per node, else one node."""
+        ws = world_size if world_size is not None else dist.get_world_size()
+        return cls(ws, int(os.environ.get("LOCAL_WORLD_SIZE", ws)))
+
+
+class ParallelLayout:
+    """Process groups by name ("dp", "pp", "tp", "ep", "expert", "expert_intra", "expert_inter").
+
+    `expert` is ep x tp flattened (the group dispatchers exchange tokens over); `expert_intra` and
+    `expert_inter` split it into the ranks of this node and the ranks with the same node-local position
+    on the other nodes (the two stages of hierarchical dispatch). Must be built by every rank, after
+    `init_process_group`, with the same arguments.
+    """
+
+    DIMS = ("pp", "dp", "ep_inter", "ep_intra", "tp")
+
+    def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
+                 topology: Topology | None = None, device_type: str = "cpu"):
+        ws = dist.get_world_size()
+        dp = dp if dp is not None else ws // (tp * ep * pp)
+        if tp * ep * pp * dp != ws:
+            raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {ws}")
+        self.topology = topology or Topology.from_env(ws)
+        rpn = self.topology.ranks_per_node
+        # The expert group (ep x tp, contiguous ranks) either fits in a node or spans whole nodes.
+        if ep * tp <= rpn:
+            if rpn % (ep * tp):
+                raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} does not divide ranks per node {rpn}")
+            ep_intra = ep
+        else:
+            if (ep * tp) % rpn or rpn % tp:
+                raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} must span whole nodes of {rpn} ranks "
+                                 f"with tp {tp} inside a node")
+            ep_intra = rpn // tp
+        self.tp, self.ep, self.pp, self.dp = tp, ep, pp, dp
+        shape = (pp, dp, ep // ep_intra, ep_intra, tp)
+        self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
+        self._meshes: dict[str, DeviceMesh] = {
+            "pp": self.mesh["pp"], "dp": self.mesh["dp"], "tp": self.mesh["tp"],
+            "ep": self.mesh["ep_inter", "ep_intra"]._flatten("ep"),
+            "expert": self.mesh["ep_inter", "ep_intra", "tp"]._flatten("expert"),
+            "expert_intra": self.mesh["ep_intra", "tp"]._flatten("expert_intra"),
+            "expert_inter": self.mesh["ep_inter"],
+        }
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """Return the process group called `name` that contains this rank."""
+        if name not in self._meshes:
+            raise KeyError(f"ParallelLayout.group: unknown group {name!r}; have {sorted(self._meshes)}")
+        return self._meshes[name].get_group()
+
+    def size(self, name: str) -> int:
+        """Number of ranks in group `name`."""
+        return self._meshes[name].size()
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside group `name`."""
+        return self._meshes[name].get_local_rank()
