@@ -42,7 +42,9 @@ def assert_close(actual: Any, expected: Any, *, dtype: torch.dtype | None = None
     for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
         if a is None and e is None:
             continue
-        if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
+        if isinstance(a, torch.Tensor) != isinstance(e, torch.Tensor):
+            raise AssertionError(f"{msg} leaf {i}: {type(a).__name__} vs {type(e).__name__}")
+        if not isinstance(a, torch.Tensor):
             if a != e:
                 raise AssertionError(f"{msg} leaf {i}: {a!r} != {e!r}")
             continue

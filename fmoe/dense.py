@@ -1,0 +1,48 @@
+"""A dense (MoE-free) pre-norm SwiGLU MLP stack as pure functions: the split_vjp demo and benchmark model.
+
+Legend: T tokens, D model width, F ffn width, L layers.
+
+    params = init_dense_stack(num_layers, d_model, d_ff, generator)
+    y_TD = dense_stack(params, x_TD)     # per layer: x + down(swiglu(gate(norm(x)), up(norm(x))))
+
+Weights are stored [in, out] (y = x @ w), as everywhere in fmoe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fmoe.ops.linear import linear
+from fmoe.ops.rms_norm import rms_norm
+from fmoe.ops.swiglu import swiglu
+
+
+def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Return {"norm_D": ones [D], "w_gate_DF": [D, F], "w_up_DF": [D, F], "w_down_FD": [F, D]}."""
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=generator) / shape[0] ** 0.5).to(dtype)
+
+    return {"norm_D": torch.ones(d_model, dtype=dtype), "w_gate_DF": normal(d_model, d_ff),
+            "w_up_DF": normal(d_model, d_ff), "w_down_FD": normal(d_ff, d_model)}
+
+
+def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Return x_TD + down(swiglu(gate(h), up(h))) with h = rms_norm(x_TD): shape [T, D]."""
+    h_TD = rms_norm(x_TD, p["norm_D"], eps)
+    return x_TD + linear(swiglu(linear(h_TD, p["w_gate_DF"]), linear(h_TD, p["w_up_DF"])), p["w_down_FD"])
+
+
+def init_dense_stack(num_layers: int, d_model: int, d_ff: int, generator: torch.Generator | None = None,
+                     dtype: torch.dtype = torch.float32) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Return {"layers": [init_swiglu_mlp(...)] * num_layers} (independent draws)."""
+    if min(num_layers, d_model, d_ff) <= 0:
+        raise ValueError(f"init_dense_stack: sizes must be positive, got L={num_layers} D={d_model} F={d_ff}")
+    return {"layers": [init_swiglu_mlp(d_model, d_ff, generator, dtype) for _ in range(num_layers)]}
+
+
+def dense_stack(params: dict[str, list[dict[str, torch.Tensor]]], x_TD: torch.Tensor) -> torch.Tensor:
+    """Return y_TD after every layer of the stack: shape [T, D]."""
+    for layer in params["layers"]:
+        x_TD = swiglu_mlp(layer, x_TD)
+    return x_TD
