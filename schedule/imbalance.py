@@ -1,0 +1,59 @@
+"""Stage imbalance (feature 23): extra cost on the first/last stage (embedding, loss, MTP) and a layer
+placement that evens per-rank cost.
+
+Legend: S stages, L layers; costs in units of one transformer layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schedule.ir import Placement, ScheduleError
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """`layers[s]` layers on stage s; `rank_cost[r]` its total cost; `imbalance_pct` = (max/mean-1)*100."""
+
+    layers: tuple[int, ...]
+    rank_cost: tuple[float, ...]
+    imbalance_pct: float
+
+
+def rank_costs(placement: Placement, layers: tuple[int, ...], first_extra: float = 0.0,
+               last_extra: float = 0.0) -> tuple[float, ...]:
+    """Returns per-rank cost: layers of its stages + `first_extra` on stage 0 + `last_extra` on the last."""
+    cost = [0.0] * placement.pp
+    for s, n in enumerate(layers):
+        extra = (first_extra if s == 0 else 0.0) + (last_extra if s == placement.num_stages - 1 else 0.0)
+        cost[placement.stage_rank[s]] += n + extra
+    return tuple(cost)
+
+
+def imbalance_pct(costs: tuple[float, ...]) -> float:
+    """Returns (max / mean - 1) * 100 of `costs` (0 for perfectly even)."""
+    mean = sum(costs) / len(costs)
+    return (max(costs) / mean - 1.0) * 100.0 if mean else 0.0
+
+
+def place_layers(placement: Placement, num_layers: int, first_extra: float = 0.0, last_extra: float = 0.0,
+                 min_layers: int = 0) -> LayerPlacement:
+    """Returns a LayerPlacement of `num_layers` over the stages that minimises the costliest rank
+    (local search from the even split, moving one layer from the costliest rank's stage to the
+    cheapest rank's stage while that lowers the pair's maximum), at least `min_layers` per stage."""
+    n = placement.num_stages
+    if num_layers < n * min_layers:
+        raise ScheduleError(f"place_layers: {num_layers} layers cannot give {min_layers} to each of {n} stages")
+    layers = [num_layers // n + (1 if s < num_layers % n else 0) for s in range(n)]
+    while True:
+        cost = rank_costs(placement, tuple(layers), first_extra, last_extra)
+        hi = max(range(placement.pp), key=lambda r: cost[r])
+        lo = min(range(placement.pp), key=lambda r: cost[r])
+        src = [s for s in placement.stages_of(hi) if layers[s] > min_layers]
+        dst = placement.stages_of(lo)
+        if hi == lo or not src or not dst or max(cost[hi] - 1, cost[lo] + 1) >= cost[hi]:
+            break
+        layers[max(src, key=lambda s: layers[s])] -= 1
+        layers[min(dst, key=lambda s: layers[s])] += 1
+    cost = rank_costs(placement, tuple(layers), first_extra, last_extra)
+    return LayerPlacement(tuple(layers), cost, imbalance_pct(cost))
