@@ -59,7 +59,9 @@ class Costs:
         if op.kind == I:
             return _at(self.i, op.stage)
         if op.kind == B:
-            return _at(self.b, op.stage) if self.b is not None else _at(self.i, op.stage) + _at(self.w, op.stage)
+            if self.b is not None:
+                return _at(self.b, op.stage)
+            return _at(self.i, op.stage) + _at(self.w, op.stage)
         return _at(self.w, op.stage)
 
     def comm(self, op: Op) -> float:

@@ -43,7 +43,8 @@ def place_layers(placement: Placement, num_layers: int, first_extra: float = 0.0
     cheapest rank's stage while that lowers the pair's maximum), at least `min_layers` per stage."""
     n = placement.num_stages
     if num_layers < n * min_layers:
-        raise ScheduleError(f"place_layers: {num_layers} layers cannot give {min_layers} to each of {n} stages")
+        raise ScheduleError(f"place_layers: {num_layers} layers cannot give {min_layers} to each of "
+                            f"{n} stages")
     layers = [num_layers // n + (1 if s < num_layers % n else 0) for s in range(n)]
     while True:
         cost = rank_costs(placement, tuple(layers), first_extra, last_extra)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from schedule.comms import without_comms
 from schedule.costs import Costs
-from schedule.ir import B, F, I, W, Op, Overlap, Schedule, ScheduleError, ops_of
+from schedule.ir import B, F, I, Op, Overlap, Schedule, ScheduleError, W, ops_of
 
 
 @dataclass(frozen=True)

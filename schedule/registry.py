@@ -1,0 +1,32 @@
+"""Generators by name, for the CLI and benchmarks: build(name, pp, m, v) -> Schedule.
+
+Legend: pp ranks, m microbatches, v chunks per rank (only the interleaved schedules use it).
+"""
+
+from __future__ import annotations
+
+from schedule.gen_1f1b import gpipe, interleaved_1f1b, one_f_one_b
+from schedule.gen_dualpipe import dualpipe, dualpipev
+from schedule.gen_zb import zb_h1, zbv
+from schedule.ir import Schedule, ScheduleError
+
+NAMES = ("gpipe", "1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipe", "dualpipev",
+         "dualpipev+dw_detach")
+
+
+def build(name: str, pp: int, m: int, v: int = 2) -> Schedule:
+    """Returns the schedule called `name` (one of NAMES) for pp ranks and m microbatches."""
+    table = {
+        "gpipe": lambda: gpipe(pp, m),
+        "1f1b": lambda: one_f_one_b(pp, m),
+        "interleaved": lambda: interleaved_1f1b(pp, m, v),
+        "interleaved+extra": lambda: interleaved_1f1b(pp, m, v, extra_warmup=True),
+        "zb_h1": lambda: zb_h1(pp, m),
+        "zbv": lambda: zbv(pp, m),
+        "dualpipe": lambda: dualpipe(pp, m),
+        "dualpipev": lambda: dualpipev(pp, m),
+        "dualpipev+dw_detach": lambda: dualpipev(pp, m, dw_detach=True),
+    }
+    if name not in table:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
+    return table[name]()
