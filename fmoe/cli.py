@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmoe.commands import demo
+from fmoe.commands import demo, simulate
 
-COMMANDS = {"demo": demo}
+COMMANDS = {"demo": demo, "simulate": simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

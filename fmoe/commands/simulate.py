@@ -1,0 +1,53 @@
+"""Simulate a pipeline schedule: print a summary table and write a timeline PNG / trace JSON.
+
+Example: fmoe simulate --schedule dualpipev --pp 4 --microbatches 16 --a2a 0.25 --out timeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import schedule
+from schedule.registry import NAMES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the schedule, shape and cost options to `parser`; returns None."""
+    parser.add_argument("--schedule", choices=NAMES, default="1f1b")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, default=16)
+    parser.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved schedules")
+    parser.add_argument("--f", type=float, default=1.0, help="forward time per stage")
+    parser.add_argument("--i", type=float, default=1.0, help="input-grad time per stage")
+    parser.add_argument("--w", type=float, default=1.0, help="weight-grad time per stage")
+    parser.add_argument("--p2p", type=float, default=0.0, help="P2P latency")
+    parser.add_argument("--a2a", type=float, default=0.0, help="one all-to-all of one MoE layer")
+    parser.add_argument("--moe-layers", type=int, default=1, help="MoE layers per stage")
+    parser.add_argument("--lone-hide", type=float, default=0.0,
+                        help="share of a lone step's all-to-all hidden (seed fb overlap: 0.5)")
+    parser.add_argument("--no-pair-overlap", action="store_true", help="F&B pairs do not hide all-to-all")
+    parser.add_argument("--print-schedule", action="store_true", help="print the per-rank action lists")
+    parser.add_argument("--out", default=None, help="timeline PNG path")
+    parser.add_argument("--trace", default=None, help="Chrome/Perfetto trace JSON path")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Builds, verifies and simulates the schedule; prints the report; returns 0 (2 on a bad schedule)."""
+    try:
+        s = schedule.build(args.schedule, args.pp, args.microbatches, args.v)
+        schedule.verify(s)
+    except schedule.ScheduleError as exc:
+        print(f"error: {exc}")
+        return 2
+    costs = schedule.Costs(f=args.f, i=args.i, w=args.w, p2p=args.p2p, a2a=args.a2a,
+                           moe_layers=args.moe_layers, lone_hide=args.lone_hide,
+                           pair_overlap=not args.no_pair_overlap)
+    if args.print_schedule:
+        print(s)
+    rep = schedule.simulate(s, costs)
+    print(schedule.format_report(rep))
+    if args.out:
+        print(f"wrote {schedule.write_png(rep, args.out)}")
+    if args.trace:
+        print(f"wrote {schedule.write_trace(rep, args.trace)}")
+    return 0
