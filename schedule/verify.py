@@ -98,6 +98,23 @@ def _deps_met(s: Schedule, r: int, op: Op, have: set) -> str | None:
     return None
 
 
+def _check_local_order(s: Schedule) -> None:
+    # same-rank dependencies, checked on the compute order alone so the message names the swapped pair
+    for r, acts in enumerate(s.ranks):
+        have: set = set()
+        for k, a in enumerate(acts):
+            for op in ops_of(a):
+                why = None
+                if op.kind in (B, I) and ("F", op.stage, op.mb) not in have:
+                    why = f"F{op.stage}.{op.mb} has not run before it"
+                elif op.kind == W and (I, op.stage, op.mb) not in have:
+                    why = f"its I{op.stage}.{op.mb} has not run before it"
+                if why:
+                    raise ScheduleError(f"{s.name}: r{r} position {k} {a}: {why}")
+            for op in ops_of(a):
+                have.add(("F" if op.kind == F else op.kind, op.stage, op.mb))
+
+
 def _run(s: Schedule) -> None:
     have = [set() for _ in s.ranks]
     ptr = [0] * len(s.ranks)
@@ -143,6 +160,7 @@ def verify(s: Schedule) -> Schedule:
     misrouted sends/receives; or a deadlock under blocking batched point-to-point."""
     _check_shape(s)
     _check_counts(s)
+    _check_local_order(s)
     full = with_comms(s)
     _check_messages(full)
     _run(full)
