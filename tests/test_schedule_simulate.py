@@ -1,0 +1,142 @@
+"""The simulator against the published closed forms (independent formulas written out here), the
+overlap model, memory counts, stage imbalance, pictures and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import schedule as S
+from fmoe.commands import simulate as cli_simulate
+from schedule import stages
+from schedule.imbalance import imbalance_pct, rank_costs
+
+SET = settings(max_examples=25, deadline=None)
+UNIT = S.Costs(f=1, i=1, w=1)  # F = I = W = 1, B = I + W = 2, F&B = F + B = 3, no communication
+
+
+def _frac(rep: S.Report) -> set[Fraction]:
+    return {Fraction(b).limit_denominator(10**6) for b in rep.bubble_fraction}
+
+
+@SET
+@given(st.integers(1, 8), st.integers(1, 24), st.integers(1, 3), st.integers(1, 3))
+@example(1, 1, 1, 2)
+@example(5, 2, 2, 1)
+def test_1f1b_and_gpipe_closed_form(pp: int, m: int, f: int, b: int) -> None:
+    c = S.Costs(f=f, b=b)
+    want = {Fraction(pp - 1, m + pp - 1)}
+    assert _frac(S.simulate(S.one_f_one_b(pp, m), c)) == want
+    assert _frac(S.simulate(S.gpipe(pp, m), c)) == want
+    assert max(S.simulate(S.one_f_one_b(pp, m), c).peak_activations) == min(pp, m)
+
+
+@SET
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(2, 4), st.integers(1, 3), st.integers(1, 3))
+@example(3, 1, 2, 1, 2)
+def test_interleaved_closed_form(pp: int, groups: int, v: int, f: int, b: int) -> None:
+    m = pp * groups
+    rep = S.simulate(S.interleaved_1f1b(pp, m, v), S.Costs(f=f, b=b))
+    assert _frac(rep) == {Fraction(pp - 1, v * m + pp - 1)}
+
+
+@SET
+@given(st.integers(1, 8), st.integers(1, 24), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3))
+@example(1, 1, 1, 1, 1)
+@example(4, 2, 1, 1, 1)
+def test_zb_h1_closed_form(pp: int, m: int, f: int, i: int, w: int) -> None:
+    # Zero Bubble paper: (p-1)(F + B_input - W), exact when W <= min(F, I) and m >= pp; peak p activations
+    w = min(w, f, i)
+    m = max(m, pp)
+    rep = S.simulate(S.zb_h1(pp, m), S.Costs(f=f, i=i, w=w))
+    assert set(rep.bubble) == {(pp - 1) * (f + i - w)}
+    assert max(rep.peak_activations) == pp
+
+
+@SET
+@given(st.integers(1, 4), st.integers(0, 8))
+@example(1, 0)
+def test_dualpipe_closed_form_unit_costs(half: int, more: int) -> None:
+    # DeepSeek-V3: (PP/2-1)(F&B + B - 3W) with PP+1 activations; exact at F = I = W, F&B = F + B
+    pp = 2 * half
+    rep = S.simulate(S.dualpipe(pp, 2 * pp + 2 * more), UNIT)
+    assert set(rep.bubble) == {(pp // 2 - 1) * (3 + 2 - 3)}
+    assert max(rep.peak_activations) == pp + 1
+
+
+@SET
+@given(st.integers(2, 8), st.integers(0, 10))
+@example(2, 0)
+@example(3, 1)
+def test_dualpipev_closed_form_unit_costs(pp: int, more: int) -> None:
+    # DualPipeV on pp devices = DualPipe with PP = 2pp stages: (pp-1)(F&B + B - 3W), 2pp+1 chunk activations
+    m = 2 * pp + more
+    rep = S.simulate(S.dualpipev(pp, m, dw_detach=True), UNIT)
+    assert set(rep.bubble) == {(pp - 1) * (3 + 2 - 3)}
+    assert max(rep.peak_activations) == 2 * pp + 1
+    # dw detach off (default): measured (pp-1)(F&B + B - W), one F more than MindSpeed's stated form
+    rep = S.simulate(S.dualpipev(pp, m), UNIT)
+    assert set(rep.bubble) == {(pp - 1) * (3 + 2 - 1)}
+
+
+def test_overlap_model_hides_all_to_all() -> None:
+    # 1:1 compute to all-to-all: pairs hide 100%; lone steps hide lone_hide = 50%
+    c = S.Costs(f=1, i=1, w=1, a2a=0.5, lone_hide=0.5)
+    rep = S.simulate(S.dualpipev(4, 16), c)
+    assert rep.overlap_ratio["warmup"] == pytest.approx(0.5)
+    assert rep.overlap_ratio["cooldown"] == pytest.approx(0.5)
+    assert rep.overlap_ratio["steady"] > 0.9
+    f, b = S.Op("F", 0, 1), S.Op("B", 1, 0)
+    assert c.pair(f, b) == 3.0  # max(0.5, 0.5) + max(1, 0.5) + max(0.5, 0.5) + max(1, 0.5)
+    assert c.lone(f) == 1.0 + 0.5
+    assert S.Costs(a2a=2.0).pair(f, b) == 2.0 + 2.0 + 2.0 + 2.0
+    assert S.Costs(a2a=0.5, pair_overlap=False).pair(f, b) == 1 + 1 + 2 + 1
+
+
+def test_p2p_latency_and_memory() -> None:
+    rep = S.simulate(S.one_f_one_b(2, 2), S.Costs(f=1, b=2, p2p=0.5, wgrad_mem=0.25))
+    assert rep.makespan == 2 * 3 + 1 * 3 + 2 * 0.5
+    assert rep.exposed_comm[1] == pytest.approx(0.5)
+    zb = S.simulate(S.zb_h1(2, 4), S.Costs(act_mem=1.0, wgrad_mem=0.25))
+    assert zb.peak_memory[1] == pytest.approx(1.25)  # one activation live + one deferred weight grad
+
+
+def test_stage_imbalance_helper() -> None:
+    p = stages.loop(4)
+    naive = imbalance_pct(rank_costs(p, (4, 4, 4, 4), 1.5, 2.5))
+    placed = S.place_layers(p, 16, first_extra=1.5, last_extra=2.5)
+    assert naive == pytest.approx(30.0) and placed.imbalance_pct < 10.01 and sum(placed.layers) == 16
+    v = S.place_layers(stages.vshape(4), 32, first_extra=1.5, last_extra=2.5)
+    assert v.imbalance_pct < 5.0 and sum(v.layers) == 32
+    rep = S.simulate(S.one_f_one_b(2, 4), S.Costs(f=(2.0, 1.0), i=(2.0, 1.0), w=(2.0, 1.0)))
+    assert rep.imbalance_pct == pytest.approx(100 * (12 * 2 / 18 - 1))
+
+
+def test_png_and_trace(tmp_path) -> None:
+    rep = S.simulate(S.dualpipev(2, 4), S.Costs(a2a=0.25, lone_hide=0.5, p2p=0.1))
+    png = S.write_png(rep, tmp_path / "t.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads(S.write_trace(rep, tmp_path / "t.json").read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len([e for e in xs if e["tid"] == 0]) == sum(len(r) for r in S.dualpipev(2, 4).ranks)
+    assert all(e["dur"] >= 0 and {"name", "pid", "tid", "ts"} <= e.keys() for e in xs)
+
+
+def test_cli(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    cli_simulate.add_arguments(parser)
+    out = tmp_path / "timeline.png"
+    args = parser.parse_args(["--schedule", "dualpipev", "--pp", "4", "--microbatches", "16", "--a2a", "0.5",
+                              "--lone-hide", "0.5", "--out", str(out), "--trace", str(tmp_path / "t.json")])
+    assert cli_simulate.run(args) == 0
+    text = capsys.readouterr().out
+    assert "makespan" in text and "r3" in text and out.exists()
+    assert cli_simulate.run(parser.parse_args(["--schedule", "dualpipev", "--pp", "1"])) == 2
+    from fmoe.cli import main
+
+    assert main(["simulate", "--schedule", "zb_h1", "--pp", "2", "-m", "4"]) == 0
