@@ -1,0 +1,64 @@
+"""Load balancing: the auxiliary losses and the aux-loss-free expert-bias update.
+
+Legend: T tokens, E experts, K experts per token, B sequences (T = B * S), S tokens per sequence.
+
+All losses take fp32 (fp64) router quantities and return a differentiable scalar. `probs_TE` is the
+full per-token score distribution (softmax scores, or sigmoid scores divided by their per-token sum)
+and `counts_E` the number of (token, slot) pairs routed to each expert before any capacity drop.
+With perfectly uniform routing (probs 1/E, counts T*K/E) both balance losses equal their coefficient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, coef: float) -> torch.Tensor:
+    """Return coef * E * sum_e f_e * P_e: f_e = counts_E[e] / (T*K), P_e = mean_t probs_TE[t, e]."""
+    T, E = probs_TE.shape
+    f_E = counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
+    P_E = probs_TE.mean(0) if T else probs_TE.sum(0)
+    return coef * E * (f_E * P_E).sum()
+
+
+def seq_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int, coef: float) -> torch.Tensor:
+    """Return DeepSeek-V3's sequence-wise balance loss, averaged over the B = T / seq_len sequences.
+
+    Per sequence: coef * sum_e f_e P_e with f_e = E / (K * S) * (tokens of the sequence choosing e) and
+    P_e the mean over the sequence of probs_TE[:, e]. Tokens are sequence-major (t = b * S + s).
+    """
+    T, E = probs_TE.shape
+    K = ids_TK.shape[1]
+    if T % seq_len:
+        raise ValueError(f"seq_aux_loss: {T} tokens are not a whole number of sequences of {seq_len}")
+    B = T // seq_len
+    ids_BN = ids_TK.reshape(B, seq_len * K)
+    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
+    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN, dtype=probs_TE.dtype))
+    f_BE = counts_BE * (E / (K * seq_len))
+    P_BE = probs_TE.reshape(B, seq_len, E).mean(1)
+    return coef * (f_BE * P_BE).sum(1).mean()
+
+
+def z_loss(logits_TE: torch.Tensor, coef: float) -> torch.Tensor:
+    """Return coef * mean_t logsumexp(logits_TE[t])^2 (ST-MoE router z-loss)."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0
+    return coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """Return bias_E + rate * sign(mean(counts_E) - counts_E): the aux-loss-free update (no gradient).
+
+    Under-loaded experts are pushed up, over-loaded ones down; the bias changes selection only.
+    """
+    load_E = counts_E.to(bias_E.dtype)
+    return bias_E + rate * torch.sign(load_E.mean() - load_E)
+
+
+def max_over_mean(counts_E: torch.Tensor) -> torch.Tensor:
+    """Return max(counts_E) / mean(counts_E) as a float tensor (1.0 = perfectly balanced; 0 if no load)."""
+    load_E = counts_E.float()
+    mean = load_E.mean()
+    return torch.where(mean > 0, load_E.max() / mean.clamp(min=1e-12), torch.zeros_like(mean))

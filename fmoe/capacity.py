@@ -1,0 +1,148 @@
+"""Expert capacity: dropless, capacity-factor drop (policy probs / position), drop-and-pad, and dynamic
+capacity from a sliding-window forecast (MISSION.md feature 16).
+
+    layout, info = make_layout(ids_TK, probs_TK, cfg, state)
+
+Legend: T tokens, K experts per token, N = T * K (token, slot) pairs, E experts, C capacity (rows per
+expert), M layout rows, W forecast window (steps).
+
+Host syncs, by mode: dropless none here (grouped_linear reads counts once); capacity drop without
+padding reads the number of kept pairs (it sizes the layout); drop-and-pad none (static shapes
+M = E * C, counts known on the host); dynamic capacity reads one "fits" flag per step and the true
+maximum load only on a miss (the single-process image of "agree on a cheap flag, all-reduce the max
+only on a miss"), plus the forecast from the window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmoe.config import MoEConfig
+from fmoe.ops.permute import Layout, sort_layout
+
+
+@dataclass(frozen=True)
+class CapacityInfo:
+    """What the capacity step did.
+
+    capacity: C (None when dropless without padding); dropped: int64 scalar tensor, pairs dropped;
+    missed: for dynamic capacity, whether the forecast was too small this step (else None);
+    new_state: the updated dynamic-capacity entries ({} when not dynamic).
+    """
+
+    capacity: int | None
+    dropped: torch.Tensor
+    missed: bool | None
+    new_state: dict[str, torch.Tensor]
+
+
+def capacity_for(cfg: MoEConfig, num_tokens: int) -> int:
+    """Return C = ceil(capacity_factor * T * K / E) for a capacity-factor config."""
+    if cfg.capacity_factor is None:
+        raise ValueError("capacity_for: the config is dropless (capacity_factor is None)")
+    return math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
+
+
+def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity: int,
+                policy: str = "probs", pad: bool = False) -> tuple[Layout, torch.Tensor]:
+    """Return (layout, dropped): each expert keeps at most `capacity` pairs; dropped is an int64 scalar.
+
+    policy "probs" keeps an expert's pairs with the highest gate weights, "position" its earliest
+    pairs (token order). Kept rows are in token order within each expert. `pad` gives every expert
+    exactly `capacity` rows (M = E * C, padding rows at the end of each expert's block).
+    """
+    T, K = ids_TK.shape
+    N, E, C = T * K, num_experts, capacity
+    dev = ids_TK.device
+    ids_N = ids_TK.reshape(-1)
+    if policy == "probs":
+        by_prob_N = torch.sort(-probs_TK.detach().reshape(-1), stable=True).indices
+        order_N = by_prob_N[torch.sort(ids_N[by_prob_N], stable=True).indices]
+    elif policy == "position":
+        order_N = torch.sort(ids_N, stable=True).indices
+    else:
+        raise ValueError(f"drop_layout: policy must be 'probs' or 'position', got {policy!r}")
+    counts_E = torch.bincount(ids_N, minlength=E)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_N = torch.arange(N, device=dev) - starts_E[ids_N[order_N]]
+    keep_N = torch.empty(N, dtype=torch.bool, device=dev)
+    keep_N[order_N] = rank_N < C
+    dropped = N - keep_N.sum()
+
+    # Kept pairs sorted by expert in token order; dropped pairs get key E and go last.
+    key_N = torch.where(keep_N, ids_N, torch.full_like(ids_N, E))
+    order2_N = torch.sort(key_N, stable=True).indices
+    kept_E1 = torch.bincount(key_N, minlength=E + 1)
+    kept_E = kept_E1[:E]
+    arange_N = torch.arange(N, device=dev)
+    if pad:
+        M = E * C
+        key_sorted_N = key_N[order2_N]
+        starts_E1 = torch.cumsum(kept_E1, 0) - kept_E1
+        pos_N = arange_N - starts_E1[key_sorted_N]
+        dst_sorted_N = torch.where(key_sorted_N < E, key_sorted_N * C + pos_N, torch.full_like(pos_N, M))
+        counts_L = torch.full((E,), C, dtype=torch.int64, device=dev)
+        counts = (C,) * E
+    else:
+        M = int(kept_E.sum())  # host sync: the layout's size depends on the data
+        dst_sorted_N = torch.where(arange_N < M, arange_N, torch.full_like(arange_N, M))
+        counts_L, counts = kept_E, None
+    row_dst_N = torch.empty_like(ids_N)
+    row_dst_N[order2_N] = dst_sorted_N
+    # Padding rows read pair N (the zero row); the extra slot M absorbs the writes of dropped pairs.
+    row_src_M = torch.full((M + 1,), N, dtype=torch.int64, device=dev)
+    row_src_M[dst_sorted_N] = order2_N
+    row_src_M = row_src_M[:M]
+    layout = Layout(row_src_M=row_src_M, row_dst_N=row_dst_N, tok_M=row_src_M // K, counts_E=counts_L,
+                    counts=counts, num_tokens=T, top_k=K)
+    return layout, dropped
+
+
+def init_capacity_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Return the dynamic-capacity state: {"load_history_W": zeros [W], "capacity_misses": 0,
+    "capacity_steps": 0} (int64), or {} when dynamic capacity is off."""
+    W = cfg.dynamic_capacity_window
+    if not W:
+        return {}
+    z = torch.zeros((), dtype=torch.int64, device=device)
+    return {"load_history_W": torch.zeros(W, dtype=torch.int64, device=device), "capacity_misses": z,
+            "capacity_steps": z.clone()}
+
+
+def forecast_capacity(history_W: torch.Tensor, margin: float = 1.0) -> int:
+    """Return ceil(margin * max(history_W)): the capacity predicted for the next step (one host read)."""
+    return math.ceil(margin * int(history_W.max())) if history_W.numel() else 0
+
+
+def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
+                state: dict[str, Any] | None = None) -> tuple[Layout, CapacityInfo]:
+    """Return (layout, info) for the capacity mode of `cfg` (see the module docstring for host syncs)."""
+    T, K = ids_TK.shape
+    E = cfg.num_experts
+    zero = torch.zeros((), dtype=torch.int64, device=ids_TK.device)
+    if cfg.dynamic_capacity_window:
+        cap_state = {k: v for k, v in (state or {}).items() if k in ("load_history_W", "capacity_misses",
+                                                                      "capacity_steps")}
+        if not cap_state:
+            cap_state = init_capacity_state(cfg, ids_TK.device)
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        max_load = counts_E.max() if counts_E.numel() else zero
+        C = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)
+        fits = bool(max_load <= C)  # the cheap flag; the true maximum is read only on a miss
+        if not fits:
+            C = int(max_load)
+        layout, dropped = drop_layout(ids_TK, probs_TK, E, C, "position", pad=True)
+        hist_W = torch.cat([cap_state["load_history_W"][1:], max_load.reshape(1)])
+        new_state = {"load_history_W": hist_W,
+                     "capacity_misses": cap_state["capacity_misses"] + (0 if fits else 1),
+                     "capacity_steps": cap_state["capacity_steps"] + 1}
+        return layout, CapacityInfo(capacity=C, dropped=dropped, missed=not fits, new_state=new_state)
+    if cfg.capacity_factor is None:
+        return sort_layout(ids_TK, E), CapacityInfo(capacity=None, dropped=zero, missed=None, new_state={})
+    C = capacity_for(cfg, T)
+    layout, dropped = drop_layout(ids_TK, probs_TK, E, C, cfg.drop_policy, cfg.pad_to_capacity)
+    return layout, CapacityInfo(capacity=C, dropped=dropped, missed=None, new_state={})

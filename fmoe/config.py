@@ -1,0 +1,194 @@
+"""Configuration of an MoE layer (`MoEConfig`) and of a small GPT built from such layers (`GPTConfig`).
+
+Both are frozen dataclasses validated at construction: a bad combination raises ValueError naming the
+field, so a typo fails at config time rather than as a shape error deep in a forward.
+
+Legend: D model width, F expert ffn width, E routed experts, K experts per token, G expert groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+TOPK_NORMS = ("before", "after")
+DROP_POLICIES = ("probs", "position")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer. Sizes first; every option has the default of a plain dropless top-k softmax MoE.
+
+    Router
+    - score_func: "softmax" or "sigmoid" over the E router logits (fp32, fp64 for fp64 inputs).
+    - topk_norm: "after": the K selected scores are renormalised to sum to 1 (for softmax this equals a
+      softmax over the K selected logits); "before": the selected entries of the full score
+      distribution are used as they are (no renormalisation).
+    - topk_scale: factor multiplied into the K gate weights (DeepSeek's routed_scaling_factor).
+    - num_groups / topk_groups: group-limited routing: experts split into num_groups equal groups, a
+      token may only pick experts from its topk_groups best groups (group score: sum of the top-2
+      selection scores in the group, top-1 when groups have one expert).
+    Balancing
+    - aux_loss_coef: micro-batch load-balancing loss coef * E * sum_e f_e * P_e.
+    - seq_aux_loss_coef: DeepSeek-V3 sequence-wise balance loss (per sequence, averaged).
+    - z_loss_coef: coef * mean_t logsumexp(logits_t)^2.
+    - bias_update_rate: aux-loss-free balancing; > 0 keeps an expert bias in the state pytree that is
+      added to the scores for selection only and updated by rate * sign(mean load - load).
+    Capacity
+    - capacity_factor: None = dropless; else each expert keeps at most
+      C = ceil(capacity_factor * T * K / E) rows, choosing by drop_policy ("probs": highest gate
+      weights; "position": earliest tokens).
+    - pad_to_capacity: with a capacity factor, every expert gets exactly C rows (zero padding): static
+      shapes, no host sync for the layout.
+    - dynamic_capacity_window: W > 0 selects dropless with a forecast capacity: rows are padded to
+      C = ceil(margin * max load over the last W steps); a step whose load exceeds it is a *miss* and
+      uses its true max load instead (still dropless). Misses are counted in the state.
+    Experts
+    - num_shared_experts: S = num_shared_experts * d_ff wide shared SwiGLU expert (0 = none);
+      shared_expert_gate adds a sigmoid gate per token on its output.
+    - probs_in_expert: apply the gate weight inside the expert (before w_down) rather than at combine.
+    - backend: grouped_linear backend ("grouped_mm", "loop", "npu") or None (automatic).
+    Recompute
+    - adaptive_recompute: recompute the layer's expert activations with `transforms.remat` when the
+      largest expert load exceeds recompute_load_scale x the mean load.
+    """
+
+    d_model: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+    score_func: str = "softmax"
+    topk_norm: str = "after"
+    topk_scale: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coef: float = 0.0
+    seq_aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
+    dynamic_capacity_window: int = 0
+    dynamic_capacity_margin: float = 1.0
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False
+    probs_in_expert: bool = False
+    backend: str | None = None
+    adaptive_recompute: bool = False
+    recompute_load_scale: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"MoEConfig.{name} must be an int, got {value!r}")
+            _positive(f"MoEConfig.{name}", value)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        _choice("MoEConfig.score_func", self.score_func, SCORE_FUNCS)
+        _choice("MoEConfig.topk_norm", self.topk_norm, TOPK_NORMS)
+        _choice("MoEConfig.drop_policy", self.drop_policy, DROP_POLICIES)
+        _positive("MoEConfig.topk_scale", self.topk_scale)
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"MoEConfig.num_groups ({self.num_groups}) must divide num_experts "
+                             f"({self.num_experts})")
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"MoEConfig.topk_groups ({self.topk_groups}) must be <= num_groups "
+                             f"({self.num_groups})")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"MoEConfig.top_k ({self.top_k}) exceeds the experts reachable in topk_groups "
+                             f"({self.topk_groups} x {self.num_experts // self.num_groups})")
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.capacity_factor is not None:
+            _positive("MoEConfig.capacity_factor", self.capacity_factor)
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("MoEConfig.pad_to_capacity needs a capacity_factor (drop-and-pad)")
+        if self.dynamic_capacity_window < 0:
+            raise ValueError(f"MoEConfig.dynamic_capacity_window must be >= 0, got "
+                             f"{self.dynamic_capacity_window!r}")
+        if self.dynamic_capacity_window and self.capacity_factor is not None:
+            raise ValueError("MoEConfig.dynamic_capacity_window is dropless: leave capacity_factor None")
+        if self.dynamic_capacity_margin < 1.0:
+            raise ValueError(f"MoEConfig.dynamic_capacity_margin must be >= 1, got "
+                             f"{self.dynamic_capacity_margin!r}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts!r}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts > 0")
+        if self.backend not in (None, "grouped_mm", "loop", "npu"):
+            raise ValueError(f"MoEConfig.backend must be None, 'grouped_mm', 'loop' or 'npu', got "
+                             f"{self.backend!r}")
+        _positive("MoEConfig.recompute_load_scale", self.recompute_load_scale)
+
+    def replace(self, **changes) -> MoEConfig:
+        """Return a copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A small GPT: embedding, num_dense_layers dense blocks, then MoE blocks, final norm, head.
+
+    Attention: n_heads query heads, n_kv_heads key/value heads (GQA), head_dim = d_model // n_heads
+    unless given, RoPE with rope_theta, causal. Dense blocks use a SwiGLU of width d_ff_dense.
+    mtp: add a DeepSeek-V3 multi-token-prediction module (depth 1, predicts token t+2), whose loss is
+    added with weight mtp_loss_weight. The MoE layers use `moe` (its d_model must equal d_model).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    moe: MoEConfig
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff_dense: int | None = None
+    num_dense_layers: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    mtp: bool = False
+    mtp_loss_weight: float = 0.3
+    kv_heads: int = field(init=False)
+    hd: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            _positive(f"GPTConfig.{name}", getattr(self, name))
+        kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+        _positive("GPTConfig.n_kv_heads", kv)
+        if self.n_heads % kv:
+            raise ValueError(f"GPTConfig.n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
+        hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+        if hd <= 0 or hd % 2:
+            raise ValueError(f"GPTConfig.head_dim must be positive and even (RoPE), got {hd}")
+        if not 0 <= self.num_dense_layers <= self.n_layers:
+            raise ValueError(f"GPTConfig.num_dense_layers must lie in [0, n_layers={self.n_layers}], got "
+                             f"{self.num_dense_layers}")
+        if self.moe.d_model != self.d_model:
+            raise ValueError(f"GPTConfig.moe.d_model ({self.moe.d_model}) must equal d_model "
+                             f"({self.d_model})")
+        if self.d_ff_dense is not None:
+            _positive("GPTConfig.d_ff_dense", self.d_ff_dense)
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"GPTConfig.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
+        object.__setattr__(self, "kv_heads", kv)
+        object.__setattr__(self, "hd", hd)
+
+    @property
+    def dense_ff(self) -> int:
+        """Width of the dense SwiGLU (d_ff_dense, default 4 * d_model)."""
+        return self.d_ff_dense if self.d_ff_dense is not None else 4 * self.d_model

@@ -1,0 +1,74 @@
+"""SwiGLU experts: the routed experts on `grouped_linear`, and the shared expert on `linear`.
+
+    y_MD = routed_experts(p["experts"], x_MD, counts_E)      # rows grouped by expert
+    s_TD = shared_experts(p["shared"], x_TD)
+
+Legend: M rows grouped by expert (counts_E[e] consecutive rows for expert e), T tokens, D model
+width, F expert ffn width, S shared ffn width (num_shared_experts * F), E experts.
+
+Parameter layout (weights are [in, out], y = x @ w):
+- routed: {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
+- shared: {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D]} plus "gate": [D, 1] when gated.
+Host sync: `routed_experts` reads counts once (when not already python ints) and hands the python
+list to its three grouped_linear calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fmoe.config import MoEConfig
+from fmoe.ops.grouped_linear import grouped_linear
+from fmoe.ops.linear import linear
+from fmoe.ops.swiglu import swiglu
+
+
+def _normal(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(shape, generator=generator) / fan_in ** 0.5).to(dtype)
+
+
+def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Return the routed experts {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}."""
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
+    return {"w_gate": _normal((E, D, F), D, generator, dtype),
+            "w_up": _normal((E, D, F), D, generator, dtype),
+            "w_down": _normal((E, F, D), F, generator, dtype)}
+
+
+def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Return the shared expert {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D] (, "gate": [D, 1])}."""
+    D, S = cfg.d_model, cfg.num_shared_experts * cfg.d_ff
+    p = {"w_gate": _normal((D, S), D, generator, dtype), "w_up": _normal((D, S), D, generator, dtype),
+         "w_down": _normal((S, D), S, generator, dtype)}
+    if cfg.shared_expert_gate:
+        p["gate"] = _normal((D, 1), D, generator, dtype)
+    return p
+
+
+def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: torch.Tensor | Sequence[int],
+                   probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """Return y_MD = w_down(swiglu(w_gate x, w_up x) [* probs_M]) per expert block of rows.
+
+    `probs_M` (optional) multiplies each row's activation by its gate weight before w_down (gate
+    weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
+    """
+    counts = tuple(int(c) for c in (counts_E.tolist() if isinstance(counts_E, torch.Tensor) else counts_E))
+    g_MF = grouped_linear(x_MD, p["w_gate"], counts, backend)
+    u_MF = grouped_linear(x_MD, p["w_up"], counts, backend)
+    h_MF = swiglu(g_MF, u_MF)
+    if probs_M is not None:
+        h_MF = h_MF * probs_M.to(h_MF.dtype).unsqueeze(-1)
+    return grouped_linear(h_MF, p["w_down"], counts, backend)
+
+
+def shared_experts(p: dict[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
+    """Return s_TD = w_down(swiglu(w_gate x, w_up x)), times sigmoid(x @ gate) when gated."""
+    s_TD = linear(swiglu(linear(x_TD, p["w_gate"]), linear(x_TD, p["w_up"])), p["w_down"])
+    if "gate" in p:
+        s_TD = s_TD * torch.sigmoid(linear(x_TD, p["gate"]))
+    return s_TD

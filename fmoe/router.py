@@ -1,0 +1,108 @@
+"""The router: scores, group-limited top-k selection, gate weights and balancing losses.
+
+    r = route(router_params, x_TD, cfg, state)      # r.ids_TK, r.probs_TK, r.counts_E, r.losses
+
+Legend: T tokens, D model width, E experts, K experts per token, G expert groups.
+
+Everything is computed in fp32 whatever the input dtype (fp64 stays fp64), so selection does not
+depend on bf16 rounding. The expert bias of aux-loss-free balancing (state["expert_bias_E"]) shifts the
+scores used for *selection* only; gate weights come from the unbiased scores.
+No host sync: shapes are static (T, K, E) and nothing is read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmoe.balance import aux_loss, seq_aux_loss, z_loss
+from fmoe.config import MoEConfig
+from fmoe.ops.linear import linear
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The router's math dtype for inputs of `dtype`: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the router decided for T tokens.
+
+    ids_TK: int64 [T, K] chosen experts per token (best first).
+    probs_TK: float [T, K] gate weights (router compute dtype), differentiable w.r.t. the router weight.
+    counts_E: int64 [E] (token, slot) pairs per expert, before any capacity drop (the load).
+    losses: {"aux", "seq_aux", "z"} -> differentiable scalars (0 when the coefficient is 0).
+    loss: scalar, the sum of `losses`.
+    """
+
+    ids_TK: torch.Tensor
+    probs_TK: torch.Tensor
+    counts_E: torch.Tensor
+    losses: dict[str, torch.Tensor]
+    loss: torch.Tensor
+
+
+def init_router(cfg: MoEConfig, generator: torch.Generator | None = None,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Return {"weight": [D, E]} with N(0, 1/D) entries."""
+    w_DE = torch.randn(cfg.d_model, cfg.num_experts, generator=generator) / cfg.d_model ** 0.5
+    return {"weight": w_DE.to(dtype)}
+
+
+def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """Return a bool [T, E] mask of the experts in each token's topk_groups best groups."""
+    T, E = choice_TE.shape
+    G = cfg.num_groups
+    choice_TGe = choice_TE.reshape(T, G, E // G)
+    top_in_group = min(2, E // G)
+    group_score_TG = choice_TGe.topk(top_in_group, dim=-1).values.sum(-1)
+    groups_TJ = group_score_TG.topk(cfg.topk_groups, dim=-1).indices
+    mask_TG = torch.zeros(T, G, dtype=torch.bool, device=choice_TE.device)
+    mask_TG.scatter_(1, groups_TJ, True)
+    return mask_TG.repeat_interleave(E // G, dim=1)
+
+
+def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
+          state: dict[str, Any] | None = None, seq_len: int | None = None) -> Routing:
+    """Route T tokens to K of E experts; returns a `Routing` (see its field shapes).
+
+    `params["weight"]` is the [D, E] router weight. `state` may hold "expert_bias_E" (selection bias).
+    `seq_len` splits the T tokens into sequences for the sequence-wise loss (default: one sequence).
+    """
+    ct = compute_dtype(x_TD.dtype)
+    T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
+    # The cast of w is the identity (same object, so its dw stays deferrable) when w is already ct.
+    logits_TE = linear(x_TD.to(ct), params["weight"].to(ct))
+    if cfg.score_func == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+    else:
+        scores_TE = torch.sigmoid(logits_TE)
+    choice_TE = scores_TE.detach()
+    bias_E = (state or {}).get("expert_bias_E")
+    if bias_E is not None:
+        choice_TE = choice_TE + bias_E.to(ct)
+    if cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups:
+        choice_TE = choice_TE.masked_fill(~_group_mask(choice_TE, cfg), float("-inf"))
+    ids_TK = choice_TE.topk(K, dim=-1).indices
+    probs_TK = scores_TE.gather(1, ids_TK)
+    if cfg.topk_norm == "after":
+        probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny)
+    if cfg.topk_scale != 1.0:
+        probs_TK = probs_TK * cfg.topk_scale
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+
+    # Balance losses see a distribution over experts per token: sigmoid scores are normalised first.
+    dist_TE = scores_TE if cfg.score_func == "softmax" else (
+        scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny))
+    zero = logits_TE.sum() * 0  # a zero that keeps the graph (and dtype) of the router
+    losses = {
+        "aux": aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef) if cfg.aux_loss_coef else zero,
+        "seq_aux": (seq_aux_loss(dist_TE, ids_TK, seq_len or T, cfg.seq_aux_loss_coef)
+                    if cfg.seq_aux_loss_coef and T else zero),
+        "z": z_loss(logits_TE, cfg.z_loss_coef) if cfg.z_loss_coef else zero,
+    }
+    loss = losses["aux"] + losses["seq_aux"] + losses["z"]
+    return Routing(ids_TK=ids_TK, probs_TK=probs_TK, counts_E=counts_E, losses=losses, loss=loss)
