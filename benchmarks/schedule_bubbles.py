@@ -55,9 +55,10 @@ def main() -> None:
                 for m in (2 * pp, 4 * pp):
                     s = S.build(name, pp, m, 2)
                     rep = S.simulate(s, c)
-                    ov = "/".join("-" if rep.overlap_ratio[k] is None
-                                  else f"{100 * rep.overlap_ratio[k]:.0f}%" for k in ("steady", "warmup", "cooldown"))
-                    print(f"| {name} | {pp} | {m} | {rep.makespan:g} | {100 * max(rep.bubble_fraction):.2f} | "
+                    ratios = (rep.overlap_ratio[k] for k in ("steady", "warmup", "cooldown"))
+                    ov = "/".join("-" if x is None else f"{100 * x:.0f}%" for x in ratios)
+                    bub = 100 * max(rep.bubble_fraction)
+                    print(f"| {name} | {pp} | {m} | {rep.makespan:g} | {bub:.2f} | "
                           f"{closed_form(name, pp, m, 2, rep, c)} | {max(rep.peak_activations)} | "
                           f"{sum(rep.exposed_comm):.1f} | {ov} |")
         print()
