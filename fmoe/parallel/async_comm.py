@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.parallel.counters import CommCounters
+from fmoe.parallel.failure import describe_failure
 
 
 class CommStream:
@@ -65,13 +66,15 @@ class CommHandle:
 
     `wait()` waits the c10d works, then (on a device) makes the current stream wait on the comm event,
     then (with a link model) sleeps until `not_before` (a `time.perf_counter()` value), then runs the
-    `on_wait` callbacks. The blocked time is added to `counters.wait_s[op]`.
+    `on_wait` callbacks. A failed collective raises `CollectiveError` (failure.py). The blocked time is
+    added to `counters.wait_s[op]`.
     """
 
     def __init__(self, op: str, works: Sequence[dist.Work | None] = (), *, event: torch.Event | None = None,
                  not_before: float = 0.0, counters: CommCounters | None = None,
-                 on_wait: Sequence[Callable[[], None]] = ()):
+                 on_wait: Sequence[Callable[[], None]] = (), ranks: list[int] | None = None):
         self.op = op
+        self.ranks = ranks
         self._works = [w for w in works if w is not None]
         self._event = event
         self.not_before = not_before
@@ -86,9 +89,12 @@ class CommHandle:
         t0 = time.perf_counter()
         # Outside the Function that issued it, under torch.func the wait would be seen as an in-place
         # write to a captured tensor (gloo copies results at wait): run it below the transforms.
-        with torch._C._DisableFuncTorch():
-            for w in self._works:
-                w.wait()
+        try:
+            with torch._C._DisableFuncTorch():
+                for w in self._works:
+                    w.wait()
+        except Exception as e:  # a peer raised, died or timed out: say so, don't leave a raw gloo error
+            raise describe_failure(self.op, self.ranks, e) from e
         if self._event is not None:
             torch.accelerator.current_stream(self._event.device).wait_event(self._event)
         delay = self.not_before - time.perf_counter()

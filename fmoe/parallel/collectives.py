@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from fmoe.parallel.async_comm import CommHandle, CommStream
 from fmoe.parallel.counters import CommCounters
+from fmoe.parallel.failure import describe_failure
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.mesh import INTRA, Topology
 
@@ -75,12 +76,16 @@ class CommGroup:
 
     def _issue(self, op: str, sent_to_P: Sequence[int], launch, *tensors: torch.Tensor) -> CommHandle:
         not_before = self._account(op, sent_to_P)
-        if self.stream is None:
-            return CommHandle(op, [launch()], not_before=not_before, counters=self.counters)
-        with self.stream.issue(*tensors):
-            work = launch()
+        try:
+            if self.stream is None:
+                return CommHandle(op, [launch()], not_before=not_before, counters=self.counters,
+                                  ranks=self.global_ranks)
+            with self.stream.issue(*tensors):
+                work = launch()
+        except Exception as e:  # a broken group fails at issue time: same clear error as at wait time
+            raise describe_failure(op, self.global_ranks, e) from e
         return CommHandle(op, [work], event=self.stream.done_event(), not_before=not_before,
-                          counters=self.counters)
+                          counters=self.counters, ranks=self.global_ranks)
 
 
 # torch >= 2.10 names them *_single; older ones only have *_tensor.

@@ -1,0 +1,52 @@
+"""Expert parallelism: process layout, differentiable collectives, and the dispatchers that use them.
+
+See docs/parallel.md. Everything is an explicit object (no module state): a `ParallelLayout` gives
+process groups, a `CommGroup` wraps one with its topology / counters / link model / stream, and a
+dispatcher holds CommGroups and implements the dispatch/combine seam (fmoe/dispatch/base.py).
+"""
+
+from fmoe.parallel.allgather import AllGatherDispatcher
+from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.parallel.async_comm import CommHandle, CommStream
+from fmoe.parallel.collectives import (
+    CommGroup,
+    all_gather,
+    all_gather_async,
+    all_reduce,
+    all_reduce_async,
+    all_to_all,
+    all_to_all_async,
+    reduce_scatter,
+    reduce_scatter_async,
+)
+from fmoe.parallel.counters import CommCounters
+from fmoe.parallel.failure import CollectiveError, check_peers, fail_fast
+from fmoe.parallel.hierarchical import HierarchicalDispatcher
+from fmoe.parallel.link_model import LinkModel
+from fmoe.parallel.mesh import ParallelLayout, Topology
+from fmoe.parallel.tp_extends_ep import experts_per_rank
+
+__all__ = [
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "CollectiveError",
+    "CommCounters",
+    "CommGroup",
+    "CommHandle",
+    "CommStream",
+    "HierarchicalDispatcher",
+    "LinkModel",
+    "ParallelLayout",
+    "Topology",
+    "all_gather",
+    "all_gather_async",
+    "all_reduce",
+    "all_reduce_async",
+    "all_to_all",
+    "all_to_all_async",
+    "check_peers",
+    "experts_per_rank",
+    "fail_fast",
+    "reduce_scatter",
+    "reduce_scatter_async",
+]

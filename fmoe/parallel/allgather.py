@@ -1,0 +1,84 @@
+"""All-gather dispatcher (MISSION.md feature 13): gather the group's rows, index_select the local ones.
+
+Legend: P ranks in the expert group (ep x tp), E global experts, L local experts, N rows on this rank
+(expert-sorted), R = max rows over ranks (gathered rows are padded to R per rank), M rows for the local
+experts, D width. counts_PE[p, e]: rows rank p holds for expert e.
+
+Dispatch all-gathers the padded rows asynchronously and builds the row index while they travel; the
+local experts' rows are picked with `index_select` (no expanded gather index). Combine writes the expert
+outputs back with `index_put` into a zero [P*R, D] buffer and reduce-scatters it: every row has exactly
+one owner, so the sum is a placement. Host synchronisation (explicit): one blocking all-gather of
+counts_E per dispatch, read to the host (R and the index sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fmoe.parallel.collectives import CommGroup, all_gather_async, all_gather_counts, reduce_scatter
+from fmoe.parallel.rows import TokenLevelMixin, exclusive_cumsum
+from fmoe.parallel.tp_extends_ep import experts_per_rank
+
+
+@dataclass(frozen=True)
+class AllGatherMeta:
+    """What combine needs: gathered-row index of each local row [M], padded rows R, this rank's N."""
+
+    idx_M: torch.Tensor
+    rows_padded: int
+    rows: int
+
+
+class AllGatherDispatcher(TokenLevelMixin):
+    """Dispatch by all-gather + index_select, combine by index_put + reduce-scatter; no parameters."""
+
+    def __init__(self, comm: CommGroup, num_experts: int):
+        self.comm = comm
+        self.num_experts = num_experts
+        self.num_local_experts = experts_per_rank(num_experts, 1, comm.size)
+
+    def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, probs_N: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllGatherMeta]:
+        """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
+        P, L, me = self.comm.size, self.num_local_experts, self.comm.rank
+        counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
+        r = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
+        n = x_ND.shape[0]
+        x_pad = F.pad(x_ND, (0, 0) * (x_ND.dim() - 1) + (0, r - n))
+        x_all, hx = all_gather_async(x_pad, self.comm, op="allgather.dispatch")
+        hp = None
+        if probs_N is not None:
+            p_all, hp = all_gather_async(F.pad(probs_N, (0, r - n)), self.comm, op="allgather.probs")
+        # While the gathers travel: rows of local expert l from rank p sit at p*R + start_PE[p, me*L + l].
+        start_PE = _row_starts(counts_PE)
+        mine_PL = counts_PE[:, me * L:(me + 1) * L]
+        base_PL = start_PE[:, me * L:(me + 1) * L] + r * torch.arange(P, device=counts_PE.device)[:, None]
+        base_LP, len_LP = base_PL.t().reshape(-1), mine_PL.t().reshape(-1)
+        m = int(len_LP.sum())
+        idx_M = torch.arange(m, device=counts_PE.device) + torch.repeat_interleave(
+            base_LP - exclusive_cumsum(len_LP), len_LP, output_size=m)
+        hx.wait()
+        x_MD = x_all.index_select(0, idx_M.to(x_all.device))
+        probs_M = None
+        if hp is not None:
+            hp.wait()
+            probs_M = p_all.index_select(0, idx_M.to(p_all.device))
+        meta = AllGatherMeta(idx_M.to(x_ND.device), r, n)
+        return x_MD, mine_PL.sum(0).to(x_ND.device), probs_M, meta
+
+    def combine(self, y_MD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
+        """Return y_ND: expert outputs in this rank's original expert-sorted row order."""
+        buf = y_MD.new_zeros((self.comm.size * meta.rows_padded, *y_MD.shape[1:]))
+        y_all = torch.index_put(buf, (meta.idx_M,), y_MD)  # out of place: differentiable in y_MD
+        return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.rows]
+
+
+def _row_starts(counts_PE: torch.Tensor) -> torch.Tensor:
+    """start_PE[p, e]: first row of expert e within rank p's expert-sorted rows."""
+    c = torch.cumsum(counts_PE, 1)
+    return c - counts_PE
+
+

@@ -1,0 +1,59 @@
+"""All-to-all dispatcher: exchange counts, one variable all-to-all each way, permute-2 around it.
+
+Legend: P ranks in the expert group, E global experts, L = E / P local experts (rank p owns experts
+p*L .. p*L+L-1), N rows on this rank sorted by global expert, M rows received for the local experts,
+D width. recv_PL[p, l]: rows source rank p sends to local expert l.
+
+Host synchronisation (explicit): `exchange_counts` blocks, and the split sizes are read to the host
+(`.tolist()`) once per dispatch; combine reuses them and does not synchronise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fmoe.parallel.collectives import CommGroup, all_to_all, exchange_counts
+from fmoe.parallel.rows import TokenLevelMixin, chunk_transpose_index
+from fmoe.parallel.tp_extends_ep import experts_per_rank
+
+
+@dataclass(frozen=True)
+class AllToAllMeta:
+    """What combine needs: permute-2 inverse [M], rows sent to [P] / received from [P] each rank."""
+
+    inverse_M: torch.Tensor
+    send_P: list[int]
+    recv_P: list[int]
+
+
+class AllToAllDispatcher(TokenLevelMixin):
+    """Dispatch by a variable all-to-all over `comm` (the ep x tp expert group); holds no parameters."""
+
+    def __init__(self, comm: CommGroup, num_experts: int):
+        self.comm = comm
+        self.num_experts = num_experts
+        self.num_local_experts = experts_per_rank(num_experts, 1, comm.size)
+
+    def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, probs_N: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllToAllMeta]:
+        """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
+        P, L = self.comm.size, self.num_local_experts
+        counts_PL = counts_E.to(torch.int64).reshape(P, L)
+        recv_PL = exchange_counts(counts_PL, self.comm, op="alltoall.counts")  # blocks
+        send_P, recv_P = counts_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync (split sizes)
+        x_MD = all_to_all(x_ND, self.comm, recv_P, send_P, op="alltoall.dispatch")
+        idx_M = chunk_transpose_index(recv_PL)  # permute-2: (source, local expert) -> (local expert, source)
+        x_MD = x_MD.index_select(0, idx_M)
+        probs_M = None
+        if probs_N is not None:
+            probs_M = all_to_all(probs_N, self.comm, recv_P, send_P, op="alltoall.probs")
+            probs_M = probs_M.index_select(0, idx_M)
+        meta = AllToAllMeta(torch.argsort(idx_M), send_P, recv_P)
+        return x_MD, recv_PL.sum(0).to(x_ND.device), probs_M, meta
+
+    def combine(self, y_MD: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
+        """Return y_ND: expert outputs in this rank's original expert-sorted row order."""
+        y_MD = y_MD.index_select(0, meta.inverse_M)  # undo permute-2
+        return all_to_all(y_MD, self.comm, meta.send_P, meta.recv_P, op="alltoall.combine")

@@ -1,0 +1,182 @@
+"""Expert-parallel dispatchers against a single-process oracle of the same MoE expert computation.
+
+Legend: P ranks, T tokens (per rank; Tg global), K top-k, E global experts, L = E / P local experts,
+D width, F expert output width, N = T*K routed rows, M rows this rank's experts receive.
+
+Oracle (one process, whole global batch): y_t = sum_k probs[t, k] * tanh(x_t @ w[ids[t, k]]), with its
+`torch.func.vjp` for dx, dprobs and dw. Every rank runs the expert-parallel version on its own tokens
+and local experts through `split_vjp` (grouped_linear defers dw on the tape), for each dispatcher
+(hierarchical on 2 simulated nodes), each entry point (token level; row level with probs applied after
+combine; row level with probs_M applied before combine) and each routing case (random; every token to
+the last rank's experts; a rank with no tokens and a rank that receives none; top-k = E).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from fmoe.ops.grouped_linear import grouped_linear
+from fmoe.parallel import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    CommCounters,
+    CommGroup,
+    HierarchicalDispatcher,
+    ParallelLayout,
+    Topology,
+    experts_per_rank,
+)
+from fmoe.parallel.mesh import INTER
+from transforms.split_vjp import split_vjp
+from transforms.testing import assert_close
+
+D, F, L = 4, 3, 2
+DT = torch.float64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_case(case: int, P: int) -> dict:
+    """Global batch for routing case `case` on P ranks: tokens per rank, x, ids, probs, w, cotangent."""
+    E = L * P
+    g = _gen(1000 * case + P)
+    K = E if case == 3 else 2
+    T_P = [int(t) for t in torch.randint(1, 6, (P,), generator=g)]
+    if case == 2:
+        T_P[0] = 0  # a rank with no tokens
+    Tg = sum(T_P)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(Tg)]) if Tg else \
+        torch.zeros(0, K, dtype=torch.int64)
+    if case == 1:  # every token to the last rank's experts
+        ids = torch.stack([torch.randperm(L, generator=g)[:K] + (P - 1) * L for _ in range(Tg)])
+    if case == 2:  # nothing routed to rank 1's experts
+        allowed = torch.tensor([e for e in range(E) if e // L != 1])
+        ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(Tg)])
+    return {
+        "T_P": T_P, "K": K, "E": E,
+        "x": torch.randn(Tg, D, generator=g, dtype=DT),
+        "ids": ids,
+        "probs": torch.rand(Tg, K, generator=g, dtype=DT),
+        "w": torch.randn(E, D, F, generator=g, dtype=DT) * 0.5,
+        "ct": torch.randn(Tg, F, generator=g, dtype=DT),
+    }
+
+
+def oracle(w_EDF: torch.Tensor, x_TD: torch.Tensor, probs_TK: torch.Tensor,
+           ids_TK: torch.Tensor) -> torch.Tensor:
+    """y_TF = sum_k probs[t, k] * tanh(x_t @ w[ids[t, k]]): a plain loop over top-k slots."""
+    y = x_TD.new_zeros(x_TD.shape[0], w_EDF.shape[2])
+    for k in range(ids_TK.shape[1]):
+        y = y + probs_TK[:, k:k + 1] * torch.tanh(torch.einsum("td,tdf->tf", x_TD, w_EDF[ids_TK[:, k]]))
+    return y
+
+
+def ep_forward(d, entry: str, w_LDF: torch.Tensor, x_TD: torch.Tensor, probs_TK: torch.Tensor,
+               ids_TK: torch.Tensor, E: int) -> torch.Tensor:
+    """The expert-parallel computation of `oracle` for this rank's tokens, through dispatcher `d`."""
+    def experts(x_MD, counts_L):
+        return torch.tanh(grouped_linear(x_MD, w_LDF, counts_L))
+
+    if entry == "tokens":
+        x_MD, counts_L, meta = d.dispatch_tokens(x_TD, ids_TK, probs_TK)
+        return d.combine_tokens(experts(x_MD, counts_L), meta)
+    K = ids_TK.shape[1]
+    order_N = torch.argsort(ids_TK.reshape(-1), stable=True)  # permute-1
+    token_N = order_N // K
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+    probs_N = probs_TK.reshape(-1).index_select(0, order_N)
+    x_ND = x_TD.index_select(0, token_N)
+    if entry == "rows":
+        x_MD, counts_L, probs_M, meta = d.dispatch(x_ND, counts_E)
+        assert probs_M is None
+        y_ND = d.combine(experts(x_MD, counts_L), meta) * probs_N[:, None]
+    else:  # "rows_probs": weight before combine with the probabilities moved by dispatch
+        x_MD, counts_L, probs_M, meta = d.dispatch(x_ND, counts_E, probs_N)
+        y_ND = d.combine(experts(x_MD, counts_L) * probs_M[:, None], meta)
+    return y_ND.new_zeros(x_TD.shape[0], y_ND.shape[1]).index_add(0, token_N, y_ND)
+
+
+def _stage(params: dict, x_TD: torch.Tensor, probs_TK: torch.Tensor, *, d, entry: str,
+           ids_TK: torch.Tensor, E: int) -> torch.Tensor:
+    return ep_forward(d, entry, params["w"], x_TD, probs_TK, ids_TK, E)
+
+
+def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
+    topo = Topology(world, ranks_per_node)
+    layout = ParallelLayout(ep=world, topology=topo)
+    counters = CommCounters()
+
+    def cg(name: str) -> CommGroup:
+        return CommGroup(layout.group(name), topology=topo, counters=counters)
+
+    E = L * world
+    dispatchers = {
+        "alltoall": AllToAllDispatcher(cg("expert"), E),
+        "allgather": AllGatherDispatcher(cg("expert"), E),
+        "hierarchical": HierarchicalDispatcher(cg("expert_inter"), cg("expert_intra"), E),
+    }
+    report: dict = {"checked": 0}
+    for case in range(4):
+        c = make_case(case, world)
+        lo = sum(c["T_P"][:rank])
+        mine = slice(lo, lo + c["T_P"][rank])
+        y_ref, vjp_ref = torch.func.vjp(partial(oracle, ids_TK=c["ids"]), c["w"], c["x"], c["probs"])
+        dw_ref, dx_ref, dp_ref = vjp_ref(c["ct"])
+        for name, d in dispatchers.items():
+            for entry in ("tokens", "rows", "rows_probs"):
+                params = {"w": c["w"][rank * L:(rank + 1) * L].clone()}
+                counters.reset()
+                f = partial(_stage, d=d, entry=entry, ids_TK=c["ids"][mine], E=E)
+                y, vjp_dx = split_vjp(f, params, c["x"][mine], c["probs"][mine])
+                (dx, dp), vjp_dw = vjp_dx(c["ct"][mine])
+                dparams = vjp_dw()
+                tag = f"case {case} {name} {entry}"
+                assert_close(y, y_ref[mine], msg=tag)
+                assert_close(dx, dx_ref[mine], msg=tag)
+                assert_close(dp, dp_ref[mine], msg=tag)
+                assert_close(dparams["w"], dw_ref[rank * L:(rank + 1) * L], msg=tag)
+                if dx.numel() and dx_ref[mine].abs().sum() > 0:
+                    assert dx.abs().sum() > 0, f"{tag}: zero input gradient"
+                if name == "hierarchical" and entry == "tokens":
+                    # dedup: one crossing per (token, remote node that owns one of its experts).
+                    node_TK = c["ids"][mine] // (L * ranks_per_node)
+                    me_node = topo.node_of(rank)
+                    pairs = sum(len(set(row.tolist()) - {me_node}) for row in node_TK)
+                    assert counters.sent.get(("hier.inter.dispatch", INTER), 0) == pairs * D * 8, tag
+                report["checked"] += 1
+    if world == 4:  # TP extends EP: ep 2 x tp 2, the expert group is all 4 ranks, each owns E/4 experts
+        tl = ParallelLayout(ep=2, tp=2, topology=topo)
+        assert tl.size("expert") == 4 and tl.size("tp") == 2 and tl.size("ep") == 2
+        assert experts_per_rank(E, 2, 2) == L
+        report["tp_groups"] = (torch.distributed.get_process_group_ranks(tl.group("tp")),
+                               torch.distributed.get_process_group_ranks(tl.group("ep")))
+    return report
+
+
+@pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
+def test_dispatchers_match_single_process_oracle(world, ranks_per_node):
+    results = spawn(_check_rank, world, ranks_per_node, timeout_s=180)
+    assert all(r.value["checked"] == 4 * 3 * 3 for r in results)
+    if world == 4:
+        assert results[0].value["tp_groups"] == ([0, 1], [0, 2])
+        assert results[3].value["tp_groups"] == ([2, 3], [1, 3])
+
+
+def test_tp_extends_ep_needs_divisible_experts():
+    assert experts_per_rank(16, 2, 4) == 2
+    with pytest.raises(ValueError, match="divisible by tp x ep"):
+        experts_per_rank(12, 2, 4)
+
+
+def test_oracle_case_shapes():
+    """The routing cases are what they claim: imbalanced, an empty rank, a rank receiving nothing."""
+    c1, c2, c3 = make_case(1, 4), make_case(2, 4), make_case(3, 4)
+    assert (c1["ids"] // L == 3).all()
+    assert c2["T_P"][0] == 0 and not (c2["ids"] // L == 1).any()
+    assert c3["K"] == c3["E"]
