@@ -1,0 +1,192 @@
+"""The MoE layer against the loop oracle (tests/moe_oracle.py): outputs and every gradient via split_vjp.
+
+Legend: T tokens, D model width, F expert width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from moe_oracle import oracle_moe
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fmoe.config import MoEConfig
+from fmoe.moe import init_moe, moe
+from transforms import split_vjp
+from transforms.testing import assert_close
+
+MODES = {
+    "dropless": {},
+    "sigmoid_before_scaled": dict(score_func="sigmoid", topk_norm="before", topk_scale=2.5),
+    "softmax_before": dict(topk_norm="before"),
+    "groups": dict(num_groups=2, topk_groups=1),
+    "drop_probs": dict(capacity_factor=0.75, drop_policy="probs"),
+    "drop_position": dict(capacity_factor=0.75, drop_policy="position"),
+    "pad_probs": dict(capacity_factor=0.75, pad_to_capacity=True),
+    "pad_position": dict(capacity_factor=1.25, pad_to_capacity=True, drop_policy="position"),
+    "dynamic": dict(dynamic_capacity_window=2),
+    "shared_gated_in_expert": dict(num_shared_experts=1, shared_expert_gate=True, probs_in_expert=True),
+    "shared_drop_in_expert": dict(num_shared_experts=2, probs_in_expert=True, capacity_factor=0.5),
+    "losses": dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.2, z_loss_coef=0.01),
+    "bias_sigmoid": dict(bias_update_rate=0.1, score_func="sigmoid", aux_loss_coef=0.05),
+    "recompute": dict(adaptive_recompute=True, recompute_load_scale=0.5),
+}
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+def make_cfg(mode: str, D: int, F: int, E: int, K: int) -> MoEConfig:
+    kw = dict(MODES[mode])
+    if mode == "groups":
+        if E % 2 or K > E // 2:
+            kw = {}
+    return MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, **kw)
+
+
+def make_inputs(cfg: MoEConfig, T: int, dtype: torch.dtype, seed: int, scenario: str = "random"):
+    g = torch.Generator().manual_seed(seed)
+    params = init_moe(cfg, g, dtype=torch.float64)
+    x_TD = torch.randn(T, cfg.d_model, generator=g, dtype=torch.float64)
+    if scenario in ("empty_expert", "one_expert"):
+        # A constant positive feature 0 and a router row that only sees it: expert 0 never (always) chosen.
+        x_TD[:, 0] = 3.0
+        params["router"]["weight"][0] = 0.0
+        params["router"]["weight"][0, 0] = -10.0 if scenario == "empty_expert" else 10.0
+    state = {}
+    if cfg.bias_update_rate:
+        state["expert_bias_E"] = torch.randn(cfg.num_experts, generator=g) * 0.3
+    cast = tree_map(lambda t: t.to(dtype), params)
+    return cast, x_TD.to(dtype), state
+
+
+def run_split(params, x_TD, cfg, state, seq_len, backend, ct_TD, ct_loss):
+    cfg = cfg.replace(backend=backend)
+
+    def f(p, x):
+        y, aux = moe(p, x, cfg, state, seq_len=seq_len)
+        return (y, aux.loss), aux
+
+    (y, loss), vjp_dx, aux = split_vjp(f, params, x_TD, has_aux=True)
+    (dx,), vjp_dw = vjp_dx((ct_TD, ct_loss.to(loss.dtype)))
+    return y, loss, dx, vjp_dw(), aux
+
+
+def run_oracle(params, x_TD, cfg, state, seq_len, ct_TD, ct_loss):
+    p64 = tree_map(lambda t: t.detach().double().requires_grad_(), params)
+    x64 = x_TD.detach().double().requires_grad_()
+    y, loss, info = oracle_moe(p64, x64, cfg, state, seq_len)
+    leaves, spec = tree_flatten(p64)
+    obj = (y * ct_TD.double()).sum() + loss * ct_loss.double()
+    grads = torch.autograd.grad(obj, [x64, *leaves], allow_unused=True)
+    dleaves = [torch.zeros_like(lf) if gr is None else gr for gr, lf in zip(grads[1:], leaves)]
+    dparams = tree_unflatten(dleaves, spec)
+    return y.detach(), loss.detach(), grads[0], dparams, info
+
+
+def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenario="random"):
+    cfg = make_cfg(mode, D, F, E, K)
+    params, x_TD, state = make_inputs(cfg, T, dtype, seed, scenario)
+    seq_len = T // 2 if T % 2 == 0 else T
+    g = torch.Generator().manual_seed(seed + 1)
+    ct_TD = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
+    ct_loss = torch.randn((), generator=g, dtype=torch.float64)
+    y, loss, dx, dparams, aux = run_split(params, x_TD, cfg, state, seq_len, backend, ct_TD, ct_loss)
+    y_o, loss_o, dx_o, dparams_o, info = run_oracle(params, x_TD, cfg, state, seq_len, ct_TD, ct_loss)
+    scale = 4.0 if dtype == torch.bfloat16 else 2.0
+    # Dropped pairs and counts are integers: exact.
+    assert aux.tokens_per_expert_E.tolist() == info["counts"]
+    assert int(aux.dropped) == info["dropped"]
+    assert y.dtype == dtype and y.shape == (T, D)
+    assert_close(y, y_o.to(dtype), dtype=dtype, scale=scale, msg=f"{mode} y")
+    assert_close(loss.double(), loss_o, dtype=torch.float32, scale=scale, msg=f"{mode} loss")
+    assert_close(dx, dx_o.to(dtype), dtype=dtype, scale=scale, msg=f"{mode} dx")
+    assert_close(dparams, tree_map(lambda t: t.to(dtype), dparams_o), dtype=dtype, scale=scale,
+                 msg=f"{mode} dparams")
+    if "new_bias" in info:
+        new_bias = torch.tensor(info["new_bias"], dtype=torch.float64)
+        assert_close(aux.new_state["expert_bias_E"].double(), new_bias, dtype=torch.float32)
+    if mode == "recompute":
+        assert aux.recomputed
+    if scenario == "empty_expert":
+        assert info["counts"][0] == 0
+    return aux
+
+
+sizes = st.tuples(st.integers(1, 10), st.sampled_from([4, 6, 8]), st.sampled_from([4, 8]), st.integers(1, 6))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@settings(max_examples=8, deadline=None)
+@given(sizes=sizes, k_frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1),
+       backend=st.sampled_from([None, "loop"]))
+def test_matches_oracle(mode, sizes, k_frac, dtype, seed, backend) -> None:
+    T, D, F, E = sizes
+    K = 1 + int(k_frac * (E - 1))
+    check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend)
+
+
+@settings(max_examples=1, deadline=None)
+@example(mode="dropless", T=7, E=4, K=2, scenario="empty_expert", dtype=torch.float32)
+@example(mode="drop_probs", T=7, E=4, K=2, scenario="empty_expert", dtype=torch.float64)
+@example(mode="pad_position", T=6, E=3, K=1, scenario="empty_expert", dtype=torch.float32)
+@example(mode="dropless", T=5, E=1, K=1, scenario="random", dtype=torch.float64)
+@example(mode="dropless", T=6, E=4, K=4, scenario="random", dtype=torch.float32)
+@example(mode="shared_gated_in_expert", T=6, E=3, K=3, scenario="random", dtype=torch.float64)
+@example(mode="dropless", T=8, E=4, K=1, scenario="one_expert", dtype=torch.float64)
+@example(mode="drop_probs", T=8, E=4, K=1, scenario="one_expert", dtype=torch.float64)
+@example(mode="pad_probs", T=8, E=4, K=1, scenario="one_expert", dtype=torch.float32)
+@example(mode="dynamic", T=8, E=4, K=1, scenario="one_expert", dtype=torch.float32)
+@given(mode=st.just("dropless"), T=st.just(4), E=st.just(2), K=st.just(1), scenario=st.just("random"),
+       dtype=st.just(torch.float64))
+def test_edge_cases(mode, T, E, K, scenario, dtype) -> None:
+    aux = check_against_oracle(mode, T, 8, 8, E, K, dtype, seed=3, scenario=scenario)
+    if scenario == "one_expert":
+        assert aux.tokens_per_expert_E.tolist() == [T, 0, 0, 0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(T=st.integers(1, 10), E=st.integers(1, 5), k_frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1),
+       policy=st.sampled_from(["probs", "position"]), in_expert=st.booleans())
+def test_large_capacity_pad_equals_dropless(T, E, k_frac, seed, policy, in_expert) -> None:
+    K = 1 + int(k_frac * (E - 1))
+    base = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=K, probs_in_expert=in_expert)
+    padded = base.replace(capacity_factor=float(E), pad_to_capacity=True, drop_policy=policy)
+    params, x_TD, _ = make_inputs(base, T, torch.float64, seed)
+    ct = torch.randn(T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    one = torch.ones((), dtype=torch.float64)
+    y0, _, dx0, dp0, _ = run_split(params, x_TD, base, {}, None, None, ct, one)
+    y1, _, dx1, dp1, aux = run_split(params, x_TD, padded, {}, None, None, ct, one)
+    assert int(aux.dropped) == 0 and aux.capacity == T * K
+    assert_close((y1, dx1, dp1), (y0, dx0, dp0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_single_expert_is_dense_swiglu(dtype) -> None:
+    cfg = MoEConfig(d_model=8, d_ff=12, num_experts=1, top_k=1)
+    params, x_TD, _ = make_inputs(cfg, 9, dtype, seed=5)
+    ex = params["experts"]
+
+    def dense(w_gate_DF, w_up_DF, w_down_FD, x):
+        return torch.nn.functional.silu(x @ w_gate_DF) * (x @ w_up_DF) @ w_down_FD
+
+    y, aux = moe(params, x_TD, cfg)
+    assert_close(y, dense(ex["w_gate"][0], ex["w_up"][0], ex["w_down"][0], x_TD))
+    ct = torch.randn_like(y)
+    _, vjp_fn = torch.func.vjp(lambda p, x: moe(p, x, cfg)[0], params, x_TD)
+    dp, dx = vjp_fn(ct)
+    _, vjp_dense = torch.func.vjp(dense, ex["w_gate"][0], ex["w_up"][0], ex["w_down"][0], x_TD)
+    dg, du, dd, dx_d = vjp_dense(ct)
+    assert_close((dp["experts"]["w_gate"][0], dp["experts"]["w_up"][0], dp["experts"]["w_down"][0], dx),
+                 (dg, du, dd, dx_d))
+    assert_close(dp["router"]["weight"], torch.zeros_like(dp["router"]["weight"]))
+
+
+def test_oracle_can_fail() -> None:
+    """A deliberately wrong layer (gate weights not renormalised) must be caught by the oracle comparison."""
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2)
+    params, x_TD, _ = make_inputs(cfg, 6, torch.float64, seed=1)
+    y, _ = moe(params, x_TD, cfg.replace(topk_norm="before"))
+    y_o, _, _ = oracle_moe(params, x_TD, cfg)
+    with pytest.raises(AssertionError):
+        assert_close(y, y_o)
