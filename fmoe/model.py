@@ -1,0 +1,128 @@
+"""A small GPT with MoE layers and an optional DeepSeek-V3 multi-token-prediction (MTP) module.
+
+    params = init_gpt(cfg, generator)
+    state = init_gpt_state(cfg)
+    loss, aux = gpt_loss(params, ids_BS, targets_BS, cfg, state)   # aux.new_state for the next step
+
+Legend: B sequences, S positions, T = B * S tokens, D model width, V vocabulary, L layers.
+
+Layers: cfg.num_dense_layers dense blocks, then MoE blocks (fmoe/block.py). Loss = mean next-token
+cross-entropy + sum of the MoE balancing losses + mtp_loss_weight * MTP loss.
+MTP (depth 1, DeepSeek-V3 section 2.2): at position i the main model's last hidden state h_i and the
+embedding of token i+1 are normalised, concatenated and projected, h'_i = proj([norm(h_i); norm(e_{i+1})]),
+passed through one more MoE block, and the shared head predicts token i+2 (S - 1 positions).
+The embedding and output head are shared with the main model.
+
+Parameter layout:
+{"embed": [V, D], "layers": [block params], "norm": [D], "head": [D, V],
+ "mtp": {"norm_h": [D], "norm_e": [D], "proj": [2D, D], "block": block params, "norm": [D]}}  (if mtp)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fmoe.block import block, dense_block, init_block
+from fmoe.config import GPTConfig
+from fmoe.dispatch.base import Dispatcher
+from fmoe.moe import MoEAux, init_moe_state
+from fmoe.ops.cross_entropy import cross_entropy
+from fmoe.ops.embedding import embedding
+from fmoe.ops.linear import linear
+from fmoe.ops.rms_norm import rms_norm
+
+
+@dataclass(frozen=True)
+class GPTAux:
+    """What `gpt_loss` reports besides the loss.
+
+    main_loss / mtp_loss / balance_loss: detached scalars (mtp_loss 0 without MTP);
+    layers: one MoEAux per MoE layer (main layers, then the MTP block); recomputed: indices into
+    `layers` of the layers whose expert activations were rematerialised; new_state: the next state.
+    """
+
+    main_loss: torch.Tensor
+    mtp_loss: torch.Tensor
+    balance_loss: torch.Tensor
+    layers: list[MoEAux]
+    recomputed: list[int]
+    new_state: dict[str, Any]
+
+
+def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
+             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Return the GPT parameter pytree (layout in the module docstring)."""
+    D, V = cfg.d_model, cfg.vocab_size
+    params: dict[str, Any] = {
+        "embed": (torch.randn(V, D, generator=generator) * 0.02).to(dtype),
+        "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
+                   for i in range(cfg.n_layers)],
+        "norm": torch.ones(D, dtype=dtype),
+        "head": (torch.randn(D, V, generator=generator) / D ** 0.5).to(dtype),
+    }
+    if cfg.mtp:
+        params["mtp"] = {"norm_h": torch.ones(D, dtype=dtype), "norm_e": torch.ones(D, dtype=dtype),
+                         "proj": (torch.randn(2 * D, D, generator=generator) / (2 * D) ** 0.5).to(dtype),
+                         "block": init_block(cfg, generator, dtype), "norm": torch.ones(D, dtype=dtype)}
+    return params
+
+
+def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Return {"layers": [MoE state or {} per layer], "mtp": MoE state (if mtp)}."""
+    state: dict[str, Any] = {"layers": [{} if i < cfg.num_dense_layers else init_moe_state(cfg.moe, device)
+                                        for i in range(cfg.n_layers)]}
+    if cfg.mtp:
+        state["mtp"] = init_moe_state(cfg.moe, device)
+    return state
+
+
+def _logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
+                 cfg: GPTConfig) -> torch.Tensor:
+    B, S, D = h_BSD.shape
+    logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
+    return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+
+
+def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
+             state: dict[str, Any] | None = None,
+             dispatcher: Dispatcher | None = None) -> tuple[torch.Tensor, GPTAux]:
+    """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`.
+
+    ids_BS: input token ids; targets_BS: the next tokens (targets[:, i] = token i + 1; -100 ignored).
+    """
+    state = state or init_gpt_state(cfg, ids_BS.device)
+    x_BSD = embedding(ids_BS, params["embed"])
+    moe_aux: list[MoEAux] = []
+    new_layers: list[dict[str, Any]] = []
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
+        if i < cfg.num_dense_layers:
+            x_BSD = dense_block(p, x_BSD, cfg)
+            new_layers.append({})
+        else:
+            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher)
+            moe_aux.append(a)
+            new_layers.append(a.new_state)
+    main = _logits_loss(x_BSD, params["norm"], params["head"], targets_BS, cfg)
+    new_state: dict[str, Any] = {"layers": new_layers}
+    mtp = main.new_zeros(())
+    if cfg.mtp and ids_BS.shape[1] > 1:
+        m = params["mtp"]
+        h_BSD = rms_norm(x_BSD[:, :-1], m["norm_h"], cfg.norm_eps)
+        next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), params["embed"])
+        e_BSD = rms_norm(next_BSD, m["norm_e"], cfg.norm_eps)
+        z_BSD = linear(torch.cat([h_BSD, e_BSD], dim=-1), m["proj"])
+        z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher)
+        moe_aux.append(a)
+        new_state["mtp"] = a.new_state
+        mtp = _logits_loss(z_BSD, m["norm"], params["head"], targets_BS[:, 1:], cfg)
+    elif cfg.mtp:
+        new_state["mtp"] = state.get("mtp", {})
+    balance = sum((a.loss for a in moe_aux), main.new_zeros(()))
+    loss = main + balance.to(main.dtype) + cfg.mtp_loss_weight * mtp
+    aux = GPTAux(main_loss=main.detach(), mtp_loss=mtp.detach(), balance_loss=balance.detach(),
+                 layers=moe_aux, recomputed=[i for i, a in enumerate(moe_aux) if a.recomputed],
+                 new_state=new_state)
+    return loss, aux
