@@ -24,10 +24,10 @@ class CollectiveError(RuntimeError):
 
 def describe_failure(op: str, ranks: list[int] | None, cause: BaseException) -> CollectiveError:
     """Return a CollectiveError for collective `op` over global `ranks` caused by `cause`."""
-    where = f"over ranks {ranks}" if ranks is not None else ""
+    where = f" over ranks {ranks}" if ranks is not None else ""
     me = dist.get_rank() if dist.is_initialized() else "?"
     first = str(cause).splitlines()[0] if str(cause) else ""
-    return CollectiveError(f"rank {me}: collective {op!r} {where} failed: a peer rank raised, died or "
+    return CollectiveError(f"rank {me}: collective {op!r}{where} failed: a peer rank raised, died or "
                            f"timed out ({type(cause).__name__}: {first})")
 
 

@@ -1,0 +1,67 @@
+"""When one rank raises, dies or hangs, the other ranks stop with a clear CollectiveError: no hang.
+
+Legend: P ranks, D features. Each scenario is one spawn whose parent kills stragglers at a deadline, so
+a hang fails the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from dist_utils import spawn
+
+from fmoe.parallel import CollectiveError, CommGroup, all_to_all, check_peers, fail_fast
+
+
+def _scenario(rank: int, world: int, how: str) -> dict:
+    comm = CommGroup(torch.distributed.group.WORLD)
+    all_to_all(torch.ones(world, 2), comm)  # the group works
+    t0 = time.perf_counter()
+    if rank == 1:
+        if how == "raise":
+            with fail_fast():
+                raise ValueError("deliberate failure on rank 1")
+        if how == "die":
+            os._exit(3)
+        if how == "hang":
+            time.sleep(12)  # alive but never reaching the collective (longer than the 5 s barrier)
+            return {}
+    try:
+        if how == "hang" and rank == 0:
+            check_peers(timeout_s=5)  # names the rank that did not arrive
+        else:
+            all_to_all(torch.ones(world, 2), comm)
+    except CollectiveError as e:
+        return {"error": str(e), "seconds": time.perf_counter() - t0}
+    return {"error": None}
+
+
+def _run(world: int, how: str, pg_timeout_s: float) -> list:
+    results = spawn(_scenario, world, how, timeout_s=60, pg_timeout_s=pg_timeout_s, check=False)
+    for r in results:
+        if r.rank == 1:
+            continue
+        assert r.error is None, f"rank {r.rank} did not stop cleanly:\n{r.error}"
+        assert r.value["error"] is not None, f"rank {r.rank}: the collective succeeded without rank 1"
+    return results
+
+
+def test_rank_raises_others_stop():
+    results = _run(3, "raise", pg_timeout_s=45)
+    assert "deliberate failure on rank 1" in results[1].error
+    for r in (results[0], results[2]):
+        assert "all_to_all" in r.value["error"] and "peer rank" in r.value["error"]
+
+
+def test_rank_dies_others_stop():
+    results = _run(3, "die", pg_timeout_s=45)
+    assert results[1].exitcode == 3
+    for r in (results[0], results[2]):
+        assert "all_to_all" in r.value["error"]
+
+
+def test_rank_hangs_others_time_out():
+    results = _run(2, "hang", pg_timeout_s=8)
+    assert "monitored_barrier" in results[0].value["error"] and "1" in results[0].value["error"]
