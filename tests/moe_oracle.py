@@ -101,7 +101,7 @@ def oracle_keep(ids: list[list[int]], probs: list[list[torch.Tensor]], cfg: Any,
     for e in range(cfg.num_experts):
         mine = [(t, k) for (t, k) in pairs if ids[t][k] == e]  # token order
         if cfg.drop_policy == "probs":
-            mine = sorted(mine, key=lambda tk: -float(probs[tk[0]][tk[1]]))
+            mine = sorted(mine, key=lambda tk: -float(probs[tk[0]][tk[1]].detach()))
         keep.update(mine[:C])
     return keep
 

@@ -1,0 +1,146 @@
+"""The block's four stage functions: each under split_vjp, chained in the backward order of seed 000,
+equal the unsplit vjp of the whole block; the block's output equals attention + the loop oracle.
+
+Legend: B sequences, S positions, T = B * S tokens, D model width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moe_oracle import oracle_moe
+from torch.utils._pytree import tree_map
+
+import fmoe.moe as moe_module
+from fmoe.block import attention, block, combine, dispatch, init_block, mlp, self_attention
+from fmoe.config import GPTConfig, MoEConfig
+from fmoe.dispatch.local import LocalDispatcher
+from fmoe.ops.rms_norm import rms_norm
+from transforms import split_vjp
+from transforms.testing import assert_close
+
+MODES = {
+    "dropless": {},
+    "pad": dict(capacity_factor=1.0, pad_to_capacity=True),
+    "in_expert_shared": dict(probs_in_expert=True, num_shared_experts=1, shared_expert_gate=True),
+    "losses_drop": dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=0.8),
+    "recompute": dict(adaptive_recompute=True, recompute_load_scale=0.5),
+}
+
+
+def make(mode: str, B: int, S: int, E: int, K: int, dtype: torch.dtype, seed: int):
+    moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=K, **MODES[mode])
+    cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, moe=moe_cfg)
+    g = torch.Generator().manual_seed(seed)
+    params = tree_map(lambda t: t.to(dtype), init_block(cfg, g, torch.float64))
+    x = torch.randn(B, S, 8, generator=g, dtype=torch.float64).to(dtype)
+    return cfg, params, x
+
+
+def staged_grads(params, x, cfg, ct_y, ct_loss):
+    """Forward the four stages under split_vjp, then backward combine, mlp, dispatch, attention (dx),
+    and finally every deferred dw; returns (y, loss, dx, dparams)."""
+    disp = LocalDispatcher(cfg.moe.num_experts)
+    in_expert = cfg.moe.probs_in_expert
+    acts, vjp_a, route = split_vjp(lambda p, x: attention(p, x, cfg), params, x, has_aux=True)
+    probs_N = acts["probs"] if in_expert else None
+    probs_TK = None if in_expert else acts["probs"]
+    d, vjp_d, dmeta = split_vjp(lambda p, r, pr: dispatch(p, r, pr, route, disp), params, acts["rows"],
+                                probs_N, has_aux=True)
+    m, vjp_m = split_vjp(lambda p, r, pr, h: mlp(p, r, pr, h, route, dmeta, cfg), params, d["rows"],
+                         d.get("probs"), acts["normed"])
+    y, vjp_c = split_vjp(lambda p, r, s, res, pr: combine(p, r, s, res, pr, route, dmeta, disp), params,
+                         m["rows"], m.get("shared"), acts["residual"], probs_TK)
+    # Backward in the order of seed 000: Combine(B), MLP(B), Dispatch(B), Attention(B); dw all deferred.
+    (d_rows, d_shared, d_res, d_probs_tk), dw_c = vjp_c(ct_y)
+    ct_m = {"rows": d_rows}
+    if d_shared is not None:
+        ct_m["shared"] = d_shared
+    (d_xe, d_pm, d_normed), dw_m = vjp_m(ct_m)
+    ct_d = {"rows": d_xe}
+    if d_pm is not None:
+        ct_d["probs"] = d_pm
+    (d_xs, d_probs_n), dw_d = vjp_d(ct_d)
+    d_probs = d_probs_n if in_expert else d_probs_tk
+    if d_normed is None:
+        d_normed = torch.zeros_like(acts["normed"])
+    ct_a = {"residual": d_res, "normed": d_normed,
+            "rows": d_xs, "probs": d_probs, "loss": ct_loss}
+    (dx,), dw_a = vjp_a(ct_a)
+    grads = [dw() for dw in (dw_c, dw_m, dw_d, dw_a)]
+    dparams = tree_map(lambda *gs: sum(gs), *grads)
+    return y, acts["loss"], dx, dparams
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@settings(max_examples=5, deadline=None)
+@given(B=st.integers(1, 2), S=st.integers(1, 5), E=st.integers(1, 5), k_frac=st.floats(0, 1),
+       dtype=st.sampled_from([torch.float64, torch.float32]), seed=st.integers(0, 2**31 - 1))
+def test_stages_equal_unsplit_vjp(mode, B, S, E, k_frac, dtype, seed) -> None:
+    K = 1 + int(k_frac * (E - 1))
+    cfg, params, x = make(mode, B, S, E, K, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    ct_y = torch.randn(B, S, 8, generator=g, dtype=torch.float64).to(dtype)
+    ct_loss = torch.tensor(1.5, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+    def whole(p, x):
+        y, aux = block(p, x, cfg)
+        return y, aux.loss
+
+    (y0, l0), vjp_fn = torch.func.vjp(whole, params, x)
+    dp0, dx0 = vjp_fn((ct_y, ct_loss))
+    y, loss, dx, dp = staged_grads(params, x, cfg, ct_y, ct_loss)
+    assert_close((y, loss, dx), (y0, l0, dx0), scale=2.0)
+    assert_close(dp, dp0, scale=2.0)
+
+
+@pytest.mark.parametrize("mode", ["dropless", "in_expert_shared", "losses_drop"])
+def test_block_is_attention_plus_oracle(mode) -> None:
+    cfg, params, x = make(mode, 2, 4, 4, 2, torch.float64, seed=11)
+    y, aux = block(params, x, cfg)
+    r = self_attention(params, x, cfg)
+    h = rms_norm(r, params["mlp_norm"], cfg.norm_eps).reshape(8, 8)
+    y_o, loss_o, info = oracle_moe(params["moe"], h, cfg.moe, seq_len=4)
+    assert_close(y, r + y_o.reshape(2, 4, 8))
+    assert_close(aux.loss, loss_o)
+    assert int(aux.dropped) == info["dropped"]
+
+
+def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
+    cfg, params, x = make("recompute", 2, 4, 4, 1, torch.float64, seed=2)
+    cfg_never = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
+                          moe=cfg.moe.replace(adaptive_recompute=False))
+    calls = []
+    real = moe_module.routed_experts
+    monkeypatch.setattr(moe_module, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ct = torch.randn(2, 4, 8, dtype=torch.float64)
+
+    def grads(c):
+        calls.clear()
+        flags = []
+
+        def f(p, x):
+            y, aux = block(p, x, c)
+            flags.append(aux.recomputed)
+            return y, aux.loss
+
+        (y, loss), vjp_fn = torch.func.vjp(f, params, x)
+        out = vjp_fn((ct, torch.ones_like(loss)))
+        return flags[0], len(calls), out
+
+    rec, n_rec, g_rec = grads(cfg)
+    plain, n_plain, g_plain = grads(cfg_never)
+    assert rec and not plain
+    assert (n_rec, n_plain) == (2, 1)  # the forward is re-run once in the backward
+    assert_close(g_rec, g_plain)
+
+
+def test_recompute_decision_follows_load() -> None:
+    from fmoe.recompute import overloaded
+
+    assert overloaded(torch.tensor([9, 1, 1, 1]), 2.0)
+    assert not overloaded(torch.tensor([3, 3, 3, 3]), 2.0)
+    assert not overloaded(torch.tensor([5, 3, 3, 3]), 2.0)
+    assert not overloaded(torch.tensor([0, 0]), 2.0)
