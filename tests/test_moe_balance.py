@@ -1,0 +1,89 @@
+"""Balancing: aux losses on hand-computable cases; aux-loss-free bias evens a skewed router over steps.
+
+Legend: T tokens, D model width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fmoe.balance import aux_loss, seq_aux_loss, update_expert_bias, z_loss
+from fmoe.config import MoEConfig
+from fmoe.moe import init_moe, init_moe_state, moe
+from fmoe.router import route
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("E", [1, 3, 4])
+def test_uniform_routing_gives_exactly_the_coefficient(score_func, E) -> None:
+    # A zero router with K = E: every token picks every expert, scores are uniform.
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=E, score_func=score_func,
+                    aux_loss_coef=0.3, seq_aux_loss_coef=0.7, z_loss_coef=0.2)
+    x = torch.randn(6, 4)
+    r = route({"weight": torch.zeros(4, E)}, x, cfg, seq_len=3)
+    assert r.counts_E.tolist() == [6] * E
+    assert float(r.losses["aux"]) == pytest.approx(0.3, rel=1e-6)
+    assert float(r.losses["seq_aux"]) == pytest.approx(0.7, rel=1e-6)
+    lse = math.log(E) if score_func == "softmax" else math.log(E)  # logits are 0 either way
+    assert float(r.losses["z"]) == pytest.approx(0.2 * lse ** 2, abs=1e-7)
+
+
+def test_uniform_counts_direct() -> None:
+    probs = torch.full((8, 4), 0.25)
+    assert float(aux_loss(probs, torch.tensor([4, 4, 4, 4]), 2, 0.01)) == pytest.approx(0.01)
+
+
+def test_hand_computed_skewed_case() -> None:
+    # Both tokens to expert 0 (K = 1), probs rows (0.8, 0.2) and (0.6, 0.4):
+    # f = (1, 0), P = (0.7, 0.3) -> aux = coef * 2 * 0.7.
+    probs = torch.tensor([[0.8, 0.2], [0.6, 0.4]])
+    assert float(aux_loss(probs, torch.tensor([2, 0]), 1, 0.5)) == pytest.approx(0.5 * 2 * 0.7)
+    # Sequence-wise with two sequences of one token: seq 0 f = (2, 0), P = (0.8, 0.2) -> 1.6; seq 1 -> 1.2.
+    ids = torch.tensor([[0], [0]])
+    assert float(seq_aux_loss(probs, ids, 1, 1.0)) == pytest.approx((1.6 + 1.2) / 2)
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    assert float(z_loss(logits, 1.0)) == pytest.approx((math.log(2) ** 2 + math.log(4) ** 2) / 2, rel=1e-6)
+
+
+def test_bias_update_rule() -> None:
+    new = update_expert_bias(torch.zeros(4), torch.tensor([10, 2, 2, 2]), 0.1)
+    assert new.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    same = update_expert_bias(torch.ones(2), torch.tensor([3, 3]), 0.1)
+    assert same.tolist() == [1.0, 1.0]
+
+
+def test_bias_changes_selection_not_gate_weights() -> None:
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, score_func="sigmoid", bias_update_rate=0.1)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 4, generator=g)
+    x = torch.randn(10, 8, generator=g)
+    biased = route({"weight": w}, x, cfg, {"expert_bias_E": torch.tensor([5.0, 0.0, 0.0, 0.0])})
+    assert (biased.ids_TK[:, 0] == 0).all()  # the bias forces expert 0 in
+    scores = torch.sigmoid(x @ w).gather(1, biased.ids_TK)
+    torch.testing.assert_close(biased.probs_TK, scores / scores.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+def test_aux_loss_free_balancing_evens_a_skewed_router(score_func) -> None:
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=2, score_func=score_func, bias_update_rate=0.01)
+    g = torch.Generator().manual_seed(0)
+    params = init_moe(cfg, g)
+    params["router"]["weight"][0, :2] += 1.5  # feature 0 is constant: experts 0 and 1 favoured by all tokens
+    state = init_moe_state(cfg)
+    ratios = []
+    with torch.no_grad():
+        for _ in range(60):
+            x = torch.randn(256, 8, generator=g)
+            x[:, 0] = 1.0
+            _, aux = moe(params, x, cfg, state)
+            ratios.append(float(aux.max_over_mean))
+            state = aux.new_state
+    first, last = sum(ratios[:3]) / 3, sum(ratios[-10:]) / 10
+    assert first > 2.4
+    assert last < 1.5 and last < 0.6 * first
+    # The router weight was never touched: only the bias moved, and it favours the starved experts.
+    bias = state["expert_bias_E"]
+    assert bias[:2].max() < bias[2:].min()
