@@ -1,0 +1,156 @@
+"""permute / unpermute and capacity layouts against python loops; their backwards by finite differences.
+
+Legend: T tokens, D features, E experts, K experts per token, N = T * K pairs, M layout rows, C capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from fmoe.capacity import drop_layout, forecast_capacity, make_layout
+from fmoe.config import MoEConfig
+from fmoe.moe import init_moe, init_moe_state, moe
+from fmoe.ops.permute import permute, permute_probs, sort_layout, unpermute
+from transforms.testing import assert_close, check_vjp
+
+
+def draw_routing(T, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    probs_TK = torch.rand(T, K, generator=g, dtype=torch.float64)
+    return ids_TK, probs_TK, g
+
+
+def loop_layout(ids_TK, probs_TK, E, C, policy, pad):
+    """Rows per expert in token order, after dropping by the policy: list of lists of (t, k)."""
+    T, K = ids_TK.shape
+    per = []
+    for e in range(E):
+        mine = [(t, k) for t in range(T) for k in range(K) if int(ids_TK[t, k]) == e]
+        if C is not None:
+            ranked = sorted(mine, key=lambda tk: -float(probs_TK[tk])) if policy == "probs" else mine
+            kept = set(ranked[:C])
+            mine = [tk for tk in mine if tk in kept]
+        per.append(mine)
+    return per
+
+
+def loop_permute(x_TD, per, C, pad):
+    rows = []
+    for mine in per:
+        rows += [x_TD[t] for t, _ in mine]
+        if pad:
+            rows += [x_TD.new_zeros(x_TD.shape[1])] * (C - len(mine))
+    return torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])
+
+
+case = st.tuples(st.integers(0, 9), st.integers(1, 5), st.floats(0, 1), st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@example(case=(0, 3, 0.5, 0), mode="dropless")
+@example(case=(5, 1, 0.0, 1), mode="pad")
+@example(case=(6, 4, 1.0, 2), mode="drop_probs")
+@given(case=case, mode=st.sampled_from(["dropless", "drop_probs", "drop_position", "pad", "pad_position"]))
+def test_layout_permute_unpermute_match_loops(case, mode) -> None:
+    T, E, kf, seed = case
+    K = 1 + int(kf * (E - 1))
+    ids_TK, probs_TK, g = draw_routing(T, E, K, seed)
+    x_TD = torch.randn(T, 3, generator=g, dtype=torch.float64)
+    if mode == "dropless":
+        layout, C, pad, policy = sort_layout(ids_TK, E), None, False, "position"
+    else:
+        C = max(1, math.ceil(0.6 * T * K / E))
+        pad = mode.startswith("pad")
+        policy = "position" if mode.endswith("position") else "probs"
+        layout, dropped = drop_layout(ids_TK, probs_TK, E, C, policy, pad)
+    per = loop_layout(ids_TK, probs_TK, E, C, policy, pad)
+    assert layout.counts_E.tolist() == ([C] * E if pad else [len(m) for m in per])
+    x_MD = permute(x_TD, layout)
+    assert_close(x_MD, loop_permute(x_TD, per, C, pad))
+    # unpermute: probability-weighted sum over the kept slots of each token.
+    y_MD = torch.randn(x_MD.shape[0], 3, generator=g, dtype=torch.float64)
+    expect = torch.zeros(T, 3, dtype=torch.float64)
+    row = 0
+    for mine in per:
+        for t, k in mine:
+            expect[t] += probs_TK[t, k] * y_MD[row]
+            row += 1
+        if pad:
+            row += C - len(mine)
+    assert_close(unpermute(y_MD, probs_TK, layout), expect)
+    p_M = permute_probs(probs_TK, layout)
+    assert_close(p_M, loop_permute(probs_TK.reshape(-1, 1), [[(t * K + k, 0) for t, k in m] for m in per], C,
+                                   pad).reshape(-1))
+    if T:
+        check_vjp(lambda x: permute(x, layout), x_TD)
+        check_vjp(lambda y, p: unpermute(y, p, layout), y_MD, probs_TK)
+        check_vjp(lambda y: unpermute(y, None, layout), y_MD)
+        check_vjp(lambda p: permute_probs(p, layout), probs_TK)
+
+
+def test_permute_is_a_stable_sort() -> None:
+    ids_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
+    layout = sort_layout(ids_TK, 3)
+    assert layout.row_src_M.tolist() == [1, 2, 3, 5, 0, 4]
+    assert layout.counts_E.tolist() == [2, 2, 2]
+
+
+def test_permute_backward_is_inverse_permutation_not_scatter() -> None:
+    # The backward of permute builds the input gradient with index_select (a gather), no index_add/scatter.
+    ids_TK = torch.tensor([[1, 0], [0, 1]])
+    layout = sort_layout(ids_TK, 2)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    y = permute(x, layout)
+    assert type(y.grad_fn).__name__ == "_PermuteBackward"
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert_close(g, torch.full_like(x, 2.0))
+
+
+def test_dynamic_capacity_forecast_and_misses() -> None:
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=1, dynamic_capacity_window=3)
+    state = init_moe_state(cfg)
+    loads = [[4, 0, 0, 0], [2, 2, 0, 0], [1, 1, 1, 1], [3, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1],
+             [2, 1, 1, 0]]
+    expect_miss = [True, False, False, False, False, False, False, True]
+    for load, miss in zip(loads, expect_miss):
+        ids_TK = torch.tensor([e for e, c in enumerate(load) for _ in range(c)]).reshape(-1, 1)
+        layout, info = make_layout(ids_TK, torch.ones(4, 1), cfg, state)
+        assert info.missed == miss
+        assert int(info.dropped) == 0  # dropless whatever the forecast
+        assert info.capacity >= max(load) and layout.num_rows == 4 * info.capacity
+        state = info.new_state
+    assert int(state["capacity_misses"]) == 2 and int(state["capacity_steps"]) == 8
+    assert forecast_capacity(torch.tensor([3, 1, 2]), 1.5) == 5
+
+
+def test_dynamic_capacity_layer_equals_dropless() -> None:
+    base = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2)
+    dyn = base.replace(dynamic_capacity_window=2, dynamic_capacity_margin=1.2)
+    params = init_moe(base, torch.Generator().manual_seed(0))
+    state = init_moe_state(dyn)
+    misses = []
+    for step in range(4):
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(step))
+        y0, _ = moe(params, x, base)
+        y1, aux = moe(params, x, dyn, state)
+        assert_close(y1, y0)
+        misses.append(aux.capacity_missed)
+        state = aux.new_state
+    assert misses[0] and int(state["capacity_misses"]) == sum(misses)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_drop_policy_keeps_the_right_pairs(policy) -> None:
+    ids_TK = torch.tensor([[0], [0], [0], [1]])
+    probs_TK = torch.tensor([[0.1], [0.9], [0.5], [0.3]])
+    layout, dropped = drop_layout(ids_TK, probs_TK, 2, 2, policy)
+    assert int(dropped) == 1
+    kept = layout.row_src_M.tolist()
+    assert kept == ([1, 2, 3] if policy == "probs" else [0, 1, 3])
