@@ -5,7 +5,7 @@ Legend: P ranks, T tokens per rank, D model width, E experts, L = E / P local ex
 One spawn per world size (2 ranks on 2 nodes of 1, 4 ranks on 2 nodes of 2). The single-process layer
 `fmoe.moe.moe` runs on the whole global batch with all E experts (split_vjp); each rank runs the same
 layer on its T tokens with its L experts and an expert-parallel dispatcher (split_vjp), for alltoall,
-allgather, hierarchical (row protocol) and hierarchical through `moe_tokens` (token level, dedup).
+allgather, hierarchical (row protocol), and allgather / hierarchical through `moe_tokens` (token level).
 Checked: y, dx, the local experts' grads, and router / shared-expert grads summed over ranks.
 Configs: gate weights at combine; gate weights inside the expert with a shared expert; a router biased
 so every token picks the last rank's experts (imbalanced, other ranks receive nothing).
@@ -91,6 +91,8 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> int:
                 cg("expert_inter"), cg("expert_intra"), E)),
         }
         if not cfg.probs_in_expert:
+            runs["allgather/tokens"] = partial(_layer_tokens, cfg=cfg, dispatcher=AllGatherDispatcher(
+                cg("expert"), E))
             runs["hierarchical/tokens"] = partial(_layer_tokens, cfg=cfg, dispatcher=HierarchicalDispatcher(
                 cg("expert_inter"), cg("expert_intra"), E))
         for run_name, f in runs.items():
@@ -115,4 +117,4 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> int:
 @pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
 def test_expert_parallel_layer_equals_single_process(world, ranks_per_node):
     results = spawn(_check_rank, world, ranks_per_node, timeout_s=240)
-    assert all(r.value == 4 + 3 + 4 for r in results)
+    assert all(r.value == 5 + 3 + 5 for r in results)

@@ -4,11 +4,18 @@ Legend: P ranks in the expert group (ep x tp), E global experts, L local experts
 (expert-sorted), R = max rows over ranks (gathered rows are padded to R per rank), M rows for the local
 experts, D width. counts_PE[p, e]: rows rank p holds for expert e.
 
-Dispatch all-gathers the padded rows asynchronously and builds the row index while they travel; the
-local experts' rows are picked with `index_select` (no expanded gather index). Combine writes the expert
-outputs back with `index_put` into a zero [P*R, D] buffer and reduce-scatters it: every row has exactly
-one owner, so the sum is a placement. Host synchronisation (explicit): one blocking all-gather of
-counts_E per dispatch, read to the host (R and the index sizes).
+Token level (`dispatch_tokens` / `combine_tokens`, the natural form): all-gather the group's *tokens*
+(T per rank, padded to R = max T) with their ids and probs, asynchronously; select the (token, slot)
+rows of the local experts with `index_select`; combine weights them, `index_put`s (accumulating over the
+local slots of a token) into a zero [P*R, D] buffer and reduce-scatters: K times fewer bytes than rows.
+
+Row level (the Dispatcher protocol): dispatch all-gathers the padded expert-sorted rows asynchronously
+and builds the row index while they travel; the local experts' rows are picked with `index_select` (no
+expanded gather index). Combine writes the expert outputs back with `index_put` into a zero [P*R, D]
+buffer and reduce-scatters it: every row has exactly one owner, so the sum is a placement.
+
+Host synchronisation (explicit), per dispatch: one blocking all-gather of counts (counts_E, or T at
+token level) read to the host for R, and one read of the local row count M (index sizes). Combine: none.
 """
 
 from __future__ import annotations
@@ -18,8 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fmoe.parallel.collectives import CommGroup, all_gather_async, all_gather_counts, reduce_scatter
-from fmoe.parallel.rows import TokenLevelMixin, exclusive_cumsum
+from fmoe.parallel.collectives import (
+    CommGroup,
+    all_gather,
+    all_gather_async,
+    all_gather_counts,
+    reduce_scatter,
+)
+from fmoe.parallel.rows import exclusive_cumsum
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
 
@@ -32,7 +45,17 @@ class AllGatherMeta:
     rows: int
 
 
-class AllGatherDispatcher(TokenLevelMixin):
+@dataclass(frozen=True)
+class AllGatherTokenMeta:
+    """What combine_tokens needs: gathered token of each local row [M], row weights [M] or None, R, T."""
+
+    row_tok: torch.Tensor
+    row_w: torch.Tensor | None
+    tokens_padded: int
+    tokens: int
+
+
+class AllGatherDispatcher:
     """Dispatch by all-gather + index_select, combine by index_put + reduce-scatter; no parameters."""
 
     def __init__(self, comm: CommGroup, num_experts: int):
@@ -74,6 +97,45 @@ class AllGatherDispatcher(TokenLevelMixin):
         buf = y_MD.new_zeros((self.comm.size * meta.rows_padded, *y_MD.shape[1:]))
         y_all = torch.index_put(buf, (meta.idx_M,), y_MD)  # out of place: differentiable in y_MD
         return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.rows]
+
+    def dispatch_tokens(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
+                        probs_TK: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, AllGatherTokenMeta]:
+        """Return (x_MD grouped by local expert, counts_L, meta): gather tokens, select the local rows."""
+        L, me, t, k = self.num_local_experts, self.comm.rank, x_TD.shape[0], ids_TK.shape[1]
+        t_1 = torch.tensor([t], device=x_TD.device)
+        counts_P = all_gather_counts(t_1, self.comm, op="allgather.counts")  # blocks
+        r = int(counts_P.max())  # host sync: padded tokens per rank
+        pad = (0, 0) * (x_TD.dim() - 1) + (0, r - t)
+        x_all, hx = all_gather_async(F.pad(x_TD, pad), self.comm, op="allgather.dispatch")
+        hp = None
+        if probs_TK is not None:
+            p_all, hp = all_gather_async(F.pad(probs_TK, (0, 0, 0, r - t)), self.comm, op="allgather.probs")
+        with torch.no_grad():  # integer routing: moved, never differentiated; padding rows route nowhere (-1)
+            ids_all = all_gather(F.pad(ids_TK.to(torch.int64), (0, 0, 0, r - t), value=-1), self.comm,
+                                 op="allgather.ids")
+        # While x and probs travel: the (token, slot) rows of the local experts, by local expert then token.
+        local = (ids_all >= me * L) & (ids_all < (me + 1) * L)
+        key = torch.where(local, ids_all - me * L, L).reshape(-1)
+        m = int(local.sum())  # host sync: rows for the local experts
+        order_M = torch.argsort(key, stable=True)[:m]
+        counts_L = torch.bincount(key.index_select(0, order_M), minlength=L)
+        row_tok = order_M // k
+        hx.wait()
+        x_MD = x_all.index_select(0, row_tok.to(x_all.device))
+        row_w = None
+        if hp is not None:
+            hp.wait()
+            row_w = p_all.reshape(-1).index_select(0, order_M.to(p_all.device))
+        return x_MD, counts_L.to(x_TD.device), AllGatherTokenMeta(row_tok.to(x_TD.device), row_w, r, t)
+
+    def combine_tokens(self, y_MD: torch.Tensor, meta: AllGatherTokenMeta) -> torch.Tensor:
+        """Return y_TD = sum_k probs[t, k] * y(t, k): weight, accumulate per token, reduce-scatter."""
+        if meta.row_w is not None:
+            y_MD = y_MD * meta.row_w.unsqueeze(-1).to(y_MD.dtype)
+        buf = y_MD.new_zeros((self.comm.size * meta.tokens_padded, *y_MD.shape[1:]))
+        y_all = torch.index_put(buf, (meta.row_tok,), y_MD, accumulate=True)  # a token's local slots add up
+        return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.tokens]
 
 
 def _row_starts(counts_PE: torch.Tensor) -> torch.Tensor:
