@@ -1,0 +1,125 @@
+"""One MoE layer, forward + backward, per grouped_linear backend and for the loop oracle, side by side.
+
+    .venv/bin/python benchmarks/moe_layer.py                  # D 1024, F 1024, E 16, K 4, 4096 tokens, fp32
+    .venv/bin/python benchmarks/moe_layer.py --tokens 512 --repeats 1     # a quick look
+
+Legend: T tokens, D model width, F expert width, E experts, K experts per token, N = T * K routed rows.
+
+Prints tokens/s for each backend and for the loop oracle of tests/moe_oracle.py (run on a few tokens:
+it is a python loop), then the layer's achieved FLOP rate over a plain-matmul ceiling measured in the
+same run: the same matmul FLOPs (router, and gate/up/down forward, dx and dw) done as single dense
+`torch.mm` calls of the same shapes. FLOPs are counted analytically (matmuls only): 3 passes x
+(2 T D E + 3 x 2 N D F).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from fmoe.config import MoEConfig
+from fmoe.moe import init_moe, moe
+from fmoe.ops.grouped_linear import available_backends
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def layer_flops(T: int, D: int, F: int, E: int, K: int) -> float:
+    """Matmul FLOPs of one forward + backward (dx and dw) of the layer."""
+    return 3 * (2 * T * D * E + 3 * 2 * T * K * D * F)
+
+
+def time_it(fn, repeats: int) -> float:
+    """Best wall time of `repeats` calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def layer_step(params, x_TD, cfg, ct_TD):
+    def f(p, x):
+        return moe(p, x, cfg)[0]
+
+    def step():
+        _, vjp_fn = torch.func.vjp(f, params, x_TD)
+        vjp_fn(ct_TD)
+
+    return step
+
+
+def ceiling_step(T: int, D: int, F: int, E: int, K: int, gen: torch.Generator):
+    """The layer's matmuls as dense torch.mm calls of the same shapes (fwd, dx, dw for each weight)."""
+    N = T * K
+    x_TD, w_DE, g_TE = (torch.randn(T, D, generator=gen), torch.randn(D, E, generator=gen),
+                        torch.randn(T, E, generator=gen))
+    x_ND, h_NF = torch.randn(N, D, generator=gen), torch.randn(N, F, generator=gen)
+    w_DF, w_FD = torch.randn(D, F, generator=gen), torch.randn(F, D, generator=gen)
+    g_NF, g_ND = torch.randn(N, F, generator=gen), torch.randn(N, D, generator=gen)
+
+    def step():
+        x_TD @ w_DE, g_TE @ w_DE.t(), x_TD.t() @ g_TE                    # router fwd, dx, dw
+        for _ in range(2):                                               # gate and up
+            x_ND @ w_DF, g_NF @ w_DF.t(), x_ND.t() @ g_NF
+        h_NF @ w_FD, g_ND @ w_FD.t(), h_NF.t() @ g_ND                    # down
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--d-ff", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--oracle-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    T, D, F, E, K = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
+    gen = torch.Generator().manual_seed(0)
+    cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K)
+    params = init_moe(cfg, gen)
+    x_TD = torch.randn(T, D, generator=gen)
+    ct_TD = torch.randn(T, D, generator=gen)
+    flops = layer_flops(T, D, F, E, K)
+    print(f"MoE layer fwd+bwd: T={T} D={D} F={F} E={E} K={K} fp32, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {flops / 1e9:.1f} GFLOP per step (matmuls)")
+
+    t_ceiling = time_it(ceiling_step(T, D, F, E, K, gen), args.repeats)
+    print(f"{'plain-matmul ceiling':>22}: {t_ceiling * 1e3:9.1f} ms  {flops / t_ceiling / 1e9:7.1f} GFLOP/s")
+    results = {}
+    for backend in [b for b in available_backends(torch.float32) if b != "npu"]:
+        t = time_it(layer_step(params, x_TD, cfg.replace(backend=backend), ct_TD), args.repeats)
+        results[backend] = t
+        print(f"{'moe/' + backend:>22}: {t * 1e3:9.1f} ms  {flops / t / 1e9:7.1f} GFLOP/s  "
+              f"{T / t:10.0f} tokens/s  vs ceiling {t_ceiling / t:.2f}")
+
+    from moe_oracle import oracle_moe  # test-only loop oracle
+
+    To = args.oracle_tokens
+    p_req = {k: {n: w.detach().clone().requires_grad_() for n, w in v.items()} for k, v in params.items()}
+    x_o = x_TD[:To].clone().requires_grad_()
+
+    def oracle_step():
+        y, _, _ = oracle_moe(p_req, x_o, cfg)
+        leaves = [w for v in p_req.values() for w in v.values()]
+        torch.autograd.grad((y * ct_TD[:To]).sum(), [x_o, *leaves], allow_unused=True)
+
+    t_o = time_it(oracle_step, 1)
+    print(f"{'loop oracle':>22}: {t_o * 1e3:9.1f} ms for {To} tokens  {To / t_o:10.1f} tokens/s")
+    best = min(results, key=results.get)
+    print(f"best backend {best}: {T / results[best]:.0f} tokens/s, achieved/ceiling = "
+          f"{t_ceiling / results[best]:.2f}, {T / results[best] / (To / t_o):.0f}x the oracle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
