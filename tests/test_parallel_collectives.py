@@ -68,7 +68,7 @@ def _check_all(rank: int, world: int) -> dict:
         out_s, in_s = S_PP[:, rank].tolist(), S_PP[rank].tolist()
         recv = exchange_counts(S_PP[rank].reshape(world, 1), comm).reshape(-1)
         assert recv.tolist() == out_s, (recv, out_s)
-        out, vjp_fn = torch.func.vjp(lambda x: all_to_all(x, comm, out_s, in_s), xs[rank])
+        out, vjp_fn = torch.func.vjp(lambda x, o=out_s, i=in_s: all_to_all(x, comm, o, i), xs[rank])
         assert_close(out, _a2a_oracle(S_PP, xs, rank))
         (dx,) = vjp_fn(cts[rank])
         # d x_r = rows of the cotangents that came from r: the all-to-all with S transposed.
@@ -77,8 +77,8 @@ def _check_all(rank: int, world: int) -> dict:
         if expect.numel():
             assert dx.abs().sum() > 0, "all_to_all vjp gave zero gradients"
 
-        def f(params, x):
-            out, h = all_to_all_async(x * params["s"], comm, out_s, in_s)
+        def f(params, x, o=out_s, i=in_s):
+            out, h = all_to_all_async(x * params["s"], comm, o, i)
             h.wait()
             return out * params["t"]
 
@@ -122,7 +122,8 @@ def _check_all(rank: int, world: int) -> dict:
     (g_out, r_out), vjp_fn = torch.func.vjp(both, xs[rank], ys[rank])
     assert_close(g_out, torch.cat(xs))
     assert_close(r_out, sum(y[2 * rank:2 * rank + 2] for y in ys))
-    cg, cr = [_rand(300 + j, 2 * world, D) for j in range(world)], [_rand(400 + j, 2, D) for j in range(world)]
+    cg = [_rand(300 + j, 2 * world, D) for j in range(world)]
+    cr = [_rand(400 + j, 2, D) for j in range(world)]
     dx, dy = vjp_fn((cg[rank], cr[rank]))
     assert_close(dx, sum(c[2 * rank:2 * rank + 2] for c in cg))
     assert_close(dy, torch.cat(cr))
