@@ -5,17 +5,18 @@
 
 Legend: T tokens, D model width, F expert width, E experts, K experts per token, N = T * K routed rows.
 
-Prints tokens/s for each backend and for the loop oracle of tests/moe_oracle.py (run on a few tokens:
-it is a python loop), then the layer's achieved FLOP rate over a plain-matmul ceiling measured in the
-same run: the same matmul FLOPs (router, and gate/up/down forward, dx and dw) done as single dense
-`torch.mm` calls of the same shapes. FLOPs are counted analytically (matmuls only): 3 passes x
-(2 T D E + 3 x 2 N D F).
+Prints tokens/s (median of interleaved repetitions) for each backend and for the loop oracle of
+tests/moe_oracle.py (run on a few tokens: it is a python loop), then the layer's achieved FLOP rate
+over a plain-matmul ceiling measured in the same run: the same matmul FLOPs (router, and gate/up/down
+forward, dx and dw) done as single dense `torch.mm` calls of the same shapes. FLOPs are counted
+analytically (matmuls only): 3 passes x (2 T D E + 3 x 2 N D F).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -33,15 +34,17 @@ def layer_flops(T: int, D: int, F: int, E: int, K: int) -> float:
     return 3 * (2 * T * D * E + 3 * 2 * T * K * D * F)
 
 
-def time_it(fn, repeats: int) -> float:
-    """Best wall time of `repeats` calls after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
+    """Median wall time per step: one warm-up each, then `repeats` rounds running every step in turn."""
+    for fn in steps.values():
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
 def layer_step(params, x_TD, cfg, ct_TD):
@@ -80,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--oracle-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--oracle-tokens", type=int, default=8)
     args = ap.parse_args(argv)
     T, D, F, E, K = args.tokens, args.d_model, args.d_ff, args.experts, args.top_k
     gen = torch.Generator().manual_seed(0)
@@ -93,13 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MoE layer fwd+bwd: T={T} D={D} F={F} E={E} K={K} fp32, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {flops / 1e9:.1f} GFLOP per step (matmuls)")
 
-    t_ceiling = time_it(ceiling_step(T, D, F, E, K, gen), args.repeats)
+    steps = {"plain-matmul ceiling": ceiling_step(T, D, F, E, K, gen)}
+    for backend in [b for b in available_backends(torch.float32) if b != "npu"]:
+        steps["moe/" + backend] = layer_step(params, x_TD, cfg.replace(backend=backend), ct_TD)
+    times = interleaved_medians(steps, args.repeats)
+    t_ceiling = times.pop("plain-matmul ceiling")
     print(f"{'plain-matmul ceiling':>22}: {t_ceiling * 1e3:9.1f} ms  {flops / t_ceiling / 1e9:7.1f} GFLOP/s")
     results = {}
-    for backend in [b for b in available_backends(torch.float32) if b != "npu"]:
-        t = time_it(layer_step(params, x_TD, cfg.replace(backend=backend), ct_TD), args.repeats)
-        results[backend] = t
-        print(f"{'moe/' + backend:>22}: {t * 1e3:9.1f} ms  {flops / t / 1e9:7.1f} GFLOP/s  "
+    for name, t in times.items():
+        results[name.split("/")[1]] = t
+        print(f"{name:>22}: {t * 1e3:9.1f} ms  {flops / t / 1e9:7.1f} GFLOP/s  "
               f"{T / t:10.0f} tokens/s  vs ceiling {t_ceiling / t:.2f}")
 
     from moe_oracle import oracle_moe  # test-only loop oracle
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         leaves = [w for v in p_req.values() for w in v.values()]
         torch.autograd.grad((y * ct_TD[:To]).sum(), [x_o, *leaves], allow_unused=True)
 
-    t_o = time_it(oracle_step, 1)
+    t_o = interleaved_medians({"oracle": oracle_step}, 1)["oracle"]
     print(f"{'loop oracle':>22}: {t_o * 1e3:9.1f} ms for {To} tokens  {To / t_o:10.1f} tokens/s")
     best = min(results, key=results.get)
     print(f"best backend {best}: {T / results[best]:.0f} tokens/s, achieved/ceiling = "
