@@ -36,8 +36,10 @@ MODES = {
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
 
-def make_cfg(mode: str, D: int, F: int, E: int, K: int) -> MoEConfig:
+def make_cfg(mode: str, D: int, F: int, E: int, K: int, capacity_factor: float | None = None) -> MoEConfig:
     kw = dict(MODES[mode])
+    if capacity_factor is not None and "capacity_factor" in kw:
+        kw["capacity_factor"] = capacity_factor
     if mode == "groups":
         if E % 2 or K > E // 2:
             kw = {}
@@ -84,8 +86,9 @@ def run_oracle(params, x_TD, cfg, state, seq_len, ct_TD, ct_loss):
     return y.detach(), loss.detach(), grads[0], dparams, info
 
 
-def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenario="random"):
-    cfg = make_cfg(mode, D, F, E, K)
+def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenario="random",
+                         capacity_factor=None):
+    cfg = make_cfg(mode, D, F, E, K, capacity_factor)
     params, x_TD, state = make_inputs(cfg, T, dtype, seed, scenario)
     seq_len = T // 2 if T % 2 == 0 else T
     g = torch.Generator().manual_seed(seed + 1)
@@ -119,11 +122,11 @@ sizes = st.tuples(st.integers(1, 10), st.sampled_from([4, 6, 8]), st.sampled_fro
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=8, deadline=None)
 @given(sizes=sizes, k_frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1),
-       backend=st.sampled_from([None, "loop"]))
-def test_matches_oracle(mode, sizes, k_frac, dtype, seed, backend) -> None:
+       backend=st.sampled_from([None, "loop"]), capacity_factor=st.sampled_from([0.25, 0.5, 0.75, 1.0, 2.0]))
+def test_matches_oracle(mode, sizes, k_frac, dtype, seed, backend, capacity_factor) -> None:
     T, D, F, E = sizes
     K = 1 + int(k_frac * (E - 1))
-    check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend)
+    check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend, capacity_factor=capacity_factor)
 
 
 @settings(max_examples=1, deadline=None)
