@@ -23,7 +23,7 @@ import time
 import torch
 
 from fmoe.config import MoEConfig
-from fmoe.moe import init_moe, moe
+from fmoe.layer import init_moe, moe
 from fmoe.ops.grouped_linear import available_backends
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

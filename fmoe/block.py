@@ -35,7 +35,7 @@ from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import shared_experts
-from fmoe.moe import (
+from fmoe.layer import (
     MoEAux,
     MoERoute,
     combine_rows,

@@ -28,7 +28,7 @@ import torch
 from fmoe.block import block, dense_block, init_block
 from fmoe.config import GPTConfig
 from fmoe.dispatch.base import Dispatcher
-from fmoe.moe import MoEAux, init_moe_state
+from fmoe.layer import MoEAux, init_moe_state
 from fmoe.ops.cross_entropy import cross_entropy
 from fmoe.ops.embedding import embedding
 from fmoe.ops.linear import linear

@@ -12,7 +12,7 @@ import torch
 
 from fmoe.balance import aux_loss, seq_aux_loss, update_expert_bias, z_loss
 from fmoe.config import MoEConfig
-from fmoe.moe import init_moe, init_moe_state, moe
+from fmoe.layer import init_moe, init_moe_state, moe
 from fmoe.router import route
 
 

@@ -113,7 +113,7 @@ def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
     cfg, params, x = make("recompute", 2, 4, 4, 1, torch.float64, seed=2)
     cfg_never = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
                           moe=cfg.moe.replace(adaptive_recompute=False))
-    moe_module = importlib.import_module("fmoe.moe")  # `fmoe.moe` is the layer function
+    moe_module = importlib.import_module("fmoe.layer")
     calls = []
     real = moe_module.routed_experts
     monkeypatch.setattr(moe_module, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))

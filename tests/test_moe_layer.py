@@ -13,7 +13,7 @@ from moe_oracle import oracle_moe
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe.config import MoEConfig
-from fmoe.moe import init_moe, moe
+from fmoe.layer import init_moe, moe
 from transforms import split_vjp
 from transforms.testing import assert_close
 

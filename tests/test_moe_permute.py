@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fmoe.capacity import drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
-from fmoe.moe import init_moe, init_moe_state, moe
+from fmoe.layer import init_moe, init_moe_state, moe
 from fmoe.ops.permute import permute, permute_probs, sort_layout, unpermute
 from transforms.testing import assert_close, check_vjp
 

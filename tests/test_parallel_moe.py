@@ -3,7 +3,7 @@
 Legend: P ranks, T tokens per rank, D model width, E experts, L = E / P local experts, K top-k.
 
 One spawn per world size (2 ranks on 2 nodes of 1, 4 ranks on 2 nodes of 2). The single-process layer
-`fmoe.moe.moe` runs on the whole global batch with all E experts (split_vjp); each rank runs the same
+`fmoe.layer.moe` runs on the whole global batch with all E experts (split_vjp); each rank runs the same
 layer on its T tokens with its L experts and an expert-parallel dispatcher (split_vjp), for alltoall,
 allgather, hierarchical (row protocol), and allgather / hierarchical through `moe_tokens` (token level).
 Checked: y, dx, the local experts' grads, and router / shared-expert grads summed over ranks.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_utils import spawn
 
 from fmoe.config import MoEConfig
-from fmoe.moe import init_moe, moe
+from fmoe.layer import init_moe, moe
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,

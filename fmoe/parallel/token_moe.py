@@ -2,7 +2,7 @@
 
 Legend: T tokens, D model width, K experts per token, M rows this rank's experts receive, L local experts.
 
-`fmoe.moe.moe(..., dispatcher=d)` hands the dispatcher expert-sorted rows (one per (token, slot)), which
+`fmoe.layer.moe(..., dispatcher=d)` hands the dispatcher expert-sorted rows (one per (token, slot)), which
 is all the row-level protocol sees, so a token bound for two experts on one remote node crosses twice.
 `moe_tokens` composes the same router and experts around `d.dispatch_tokens(x_TD, ids_TK, probs_TK)` /
 `d.combine_tokens`, which take over permute-1 and unpermute (and, for the hierarchical dispatcher, fold
