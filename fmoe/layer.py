@@ -101,21 +101,18 @@ def init_moe_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> dict[s
     return state
 
 
-def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
-                 state: dict[str, Any] | None = None, seq_len: int | None = None,
-                 recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoERoute]:
-    """Route and permute: return (xs_ND, probs, loss, route).
+def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
+               state: dict[str, Any] | None = None, seq_len: int | None = None,
+               recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
+    """Route without moving rows: return (probs_TK, loss, route).
 
-    xs_ND: token rows in the expert-sorted layout [M, D]; probs: gate weights, [T, K] when applied at
-    combine, or [M] per layout row when cfg.probs_in_expert; loss: differentiable balancing loss;
-    route: the `MoERoute` metadata. `recompute` overrides the adaptive-recompute decision.
+    probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
+    metadata (layout, next state, recompute decision). `recompute` overrides the adaptive rule.
     """
     if state is None:
         state = init_moe_state(cfg, x_TD.device)
     r = route(params["router"], x_TD, cfg, state, seq_len)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state)
-    xs_ND = permute(x_TD, layout)
-    probs = permute_probs(r.probs_TK, layout) if cfg.probs_in_expert else r.probs_TK
     new_state = dict(cap.new_state)
     if "expert_bias_E" in state:
         new_state["expert_bias_E"] = update_expert_bias(state["expert_bias_E"], r.counts_E,
@@ -125,7 +122,33 @@ def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
     meta = MoERoute(layout=layout, ids_TK=r.ids_TK, tokens_per_expert_E=r.counts_E, dropped=cap.dropped,
                     capacity=cap.capacity, capacity_missed=cap.missed, recompute=bool(recompute),
                     new_state=new_state, losses={k: v.detach() for k, v in r.losses.items()})
-    return xs_ND, probs, r.loss, meta
+    return r.probs_TK, r.loss, meta
+
+
+def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
+                 state: dict[str, Any] | None = None, seq_len: int | None = None,
+                 recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoERoute]:
+    """Route and permute: return (xs_ND, probs, loss, route).
+
+    xs_ND: token rows in the expert-sorted layout [M, D]; probs: gate weights, [T, K] when applied at
+    combine, or [M] per layout row when cfg.probs_in_expert; loss: differentiable balancing loss;
+    route: the `MoERoute` metadata. `recompute` overrides the adaptive-recompute decision.
+    """
+    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, recompute)
+    xs_ND = permute(x_TD, meta.layout)
+    probs = permute_probs(probs_TK, meta.layout) if cfg.probs_in_expert else probs_TK
+    return xs_ND, probs, loss, meta
+
+
+def uses_token_dispatch(dispatcher: Any, cfg: MoEConfig) -> bool:
+    """True when `moe` hands whole tokens to the dispatcher (`dispatch_tokens` / `combine_tokens`).
+
+    A token-level dispatcher does permute-1, unpermute and the gate weighting itself, which lets the
+    hierarchical one send a token to a node once however many of its experts live there. It applies to
+    dropless routing with gate weights at combine; other modes use the row-level seam.
+    """
+    return (hasattr(dispatcher, "dispatch_tokens") and cfg.capacity_factor is None
+            and not cfg.dynamic_capacity_window and not cfg.probs_in_expert)
 
 
 def dispatch_rows(xs_ND: torch.Tensor, probs: torch.Tensor | None, route: MoERoute,
@@ -169,17 +192,24 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
 
     `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
     `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major).
-    `dispatcher`: how rows reach the experts (default LocalDispatcher). `recompute`: force (True) or
+    `dispatcher`: how rows reach the experts (default LocalDispatcher); one with `dispatch_tokens` gets
+    whole tokens when `uses_token_dispatch` says so. `recompute`: force (True) or
     forbid (False) rematerialising the expert activations; None = cfg.adaptive_recompute rule.
     aux.loss is differentiable: add it to the loss you differentiate.
     """
     if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
         raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
     dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
-    xs_ND, probs, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, recompute)
-    xe_MD, probs_M, (counts_L, dmeta) = dispatch_rows(xs_ND, probs, meta, dispatcher)
-    ye_MD = expert_rows(params["experts"], xe_MD, probs_M, counts_L, cfg, meta.recompute)
-    y_TD = combine_rows(dispatcher.combine(ye_MD, dmeta), probs, meta)
+    if uses_token_dispatch(dispatcher, cfg):
+        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, recompute)
+        xe_MD, counts_L, dmeta = dispatcher.dispatch_tokens(x_TD, meta.ids_TK, probs_TK)
+        ye_MD = expert_rows(params["experts"], xe_MD, None, counts_L, cfg, meta.recompute)
+        y_TD = dispatcher.combine_tokens(ye_MD, dmeta).to(x_TD.dtype)
+    else:
+        xs_ND, probs, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, recompute)
+        xe_MD, probs_M, (counts_L, dmeta) = dispatch_rows(xs_ND, probs, meta, dispatcher)
+        ye_MD = expert_rows(params["experts"], xe_MD, probs_M, counts_L, cfg, meta.recompute)
+        y_TD = combine_rows(dispatcher.combine(ye_MD, dmeta), probs, meta)
     if "shared" in params:
         y_TD = y_TD + shared_experts(params["shared"], x_TD)
     return y_TD, make_aux(loss, meta)

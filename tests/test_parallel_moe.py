@@ -5,7 +5,8 @@ Legend: P ranks, T tokens per rank, D model width, E experts, L = E / P local ex
 One spawn per world size (2 ranks on 2 nodes of 1, 4 ranks on 2 nodes of 2). The single-process layer
 `fmoe.layer.moe` runs on the whole global batch with all E experts (split_vjp); each rank runs the same
 layer on its T tokens with its L experts and an expert-parallel dispatcher (split_vjp), for alltoall,
-allgather, hierarchical (row protocol), and allgather / hierarchical through `moe_tokens` (token level).
+allgather, hierarchical (token level where `uses_token_dispatch`), and allgather / hierarchical through
+the row-level seam only.
 Checked: y, dx, the local experts' grads, and router / shared-expert grads summed over ranks.
 Configs: gate weights at combine; gate weights inside the expert with a shared expert; a router biased
 so every token picks the last rank's experts (imbalanced, other ranks receive nothing).
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from dist_utils import spawn
 
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe, moe, uses_token_dispatch
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,
@@ -30,7 +31,6 @@ from fmoe.parallel import (
     ParallelLayout,
     Topology,
 )
-from fmoe.parallel.token_moe import moe_tokens
 from fmoe.router import route
 from transforms.split_vjp import split_vjp
 from transforms.testing import assert_close
@@ -43,8 +43,17 @@ def _layer(params, x_TD, cfg, dispatcher=None):
     return moe(params, x_TD, cfg, dispatcher=dispatcher)[0]
 
 
-def _layer_tokens(params, x_TD, cfg, dispatcher):
-    return moe_tokens(params, x_TD, cfg, dispatcher)[0]
+class RowsOnly:
+    """A dispatcher seen through the row-level seam only (hides `dispatch_tokens`)."""
+
+    def __init__(self, inner):
+        self.inner, self.num_local_experts = inner, inner.num_local_experts
+
+    def dispatch(self, x_ND, counts_E, probs_N=None):
+        return self.inner.dispatch(x_ND, counts_E, probs_N)
+
+    def combine(self, y_MD, meta):
+        return self.inner.combine(y_MD, meta)
 
 
 def _cases(world: int) -> list[tuple[str, MoEConfig, bool]]:
@@ -90,11 +99,11 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> int:
             "hierarchical": partial(_layer, cfg=cfg, dispatcher=HierarchicalDispatcher(
                 cg("expert_inter"), cg("expert_intra"), E)),
         }
-        if not cfg.probs_in_expert:
-            runs["allgather/tokens"] = partial(_layer_tokens, cfg=cfg, dispatcher=AllGatherDispatcher(
-                cg("expert"), E))
-            runs["hierarchical/tokens"] = partial(_layer_tokens, cfg=cfg, dispatcher=HierarchicalDispatcher(
-                cg("expert_inter"), cg("expert_intra"), E))
+        if uses_token_dispatch(runs["hierarchical"].keywords["dispatcher"], cfg):
+            # moe() took the token-level entry above; check the row-level seam of the same dispatchers too
+            for rows_name in ("allgather", "hierarchical"):
+                inner = runs[rows_name].keywords["dispatcher"]
+                runs[f"{rows_name}/rows"] = partial(_layer, cfg=cfg, dispatcher=RowsOnly(inner))
         for run_name, f in runs.items():
             tag = f"{name} {run_name}"
             y, vjp_dx = split_vjp(f, local, x[mine])
@@ -117,4 +126,4 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> int:
 @pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
 def test_expert_parallel_layer_equals_single_process(world, ranks_per_node):
     results = spawn(_check_rank, world, ranks_per_node, timeout_s=240)
-    assert all(r.value == 5 + 3 + 5 for r in results)
+    assert all(r.value == 5 + 3 + 5 for r in results)  # runs per case: 3 dispatchers (+2 row-level)
