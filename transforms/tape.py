@@ -108,15 +108,21 @@ def current_tape() -> WeightGradTape | None:
     return _ACTIVE[-1]
 
 
-def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> bool:
-    """Record `thunk` on the active tape if it defers `w`; returns True when deferred.
+def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """Record `thunk` on the active tape if it defers `w`; returns the placeholder gradient, else None.
 
-    The helper a primitive's backward calls: when it returns False the primitive must compute the
-    weight gradient itself, now.
+    The helper a primitive's backward calls:
+
+        dw = defer_weight_grad(w, lambda: x_keep.t() @ g_keep)
+        if dw is None:
+            dw = x.t() @ g          # no tape, or not one of its weights: compute now
+
+    The placeholder is a stride-0 zero of w's shape (no memory, no memset), so the dx pass does not
+    materialise a zero gradient for every deferred weight as `torch.func.vjp` would for a None.
     """
     tape = _ACTIVE[-1]
     w = unwrapped(w)
     if tape is None or not tape.defers(w):
-        return False
+        return None
     tape.record(w, thunk)
-    return True
+    return w.new_zeros(()).expand(w.shape)

@@ -42,7 +42,8 @@ class _Embedding(torch.autograd.Function):
         dtable = None
         if ctx.needs_input_grad[1]:
             ids_keep, g_keep, V, dtype = plain(ids_N), plain(g_ND), ctx.V, ctx.dtype
-            if not defer_weight_grad(ctx.w_plain, lambda: _table_grad(ids_keep, g_keep, V, dtype)):
+            dtable = defer_weight_grad(ctx.w_plain, lambda: _table_grad(ids_keep, g_keep, V, dtype))
+            if dtable is None:
                 dtable = _table_grad(ids_N, g_ND, V, dtype)
         return None, dtable
 

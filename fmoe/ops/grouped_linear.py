@@ -145,7 +145,8 @@ class _GroupedLinear(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             x_keep, g_keep = plain(x_ND), plain(g_NF)
-            if not defer_weight_grad(ctx.w_plain, lambda: _weight_grad(x_keep, g_keep, counts, backend)):
+            dw = defer_weight_grad(ctx.w_plain, lambda: _weight_grad(x_keep, g_keep, counts, backend))
+            if dw is None:
                 dw = _weight_grad(x_ND, g_NF, counts, backend)
         return dx, dw, None, None
 

@@ -34,7 +34,8 @@ class _Linear(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             x_keep, g_keep = plain(x_ND), plain(g_NF)
-            if not defer_weight_grad(ctx.w_plain, lambda: _weight_grad(x_keep, g_keep)):
+            dw = defer_weight_grad(ctx.w_plain, lambda: _weight_grad(x_keep, g_keep))
+            if dw is None:
                 dw = _weight_grad(x_ND, g_NF)
         return dx, dw
 
