@@ -17,17 +17,21 @@ class _SwiGLU(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> torch.Tensor:
+    def forward(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ct = _compute_dtype(gate_NF.dtype)
-        return (torch.nn.functional.silu(gate_NF.to(ct)) * up_NF.to(ct)).to(gate_NF.dtype)
+        silu_NF = torch.nn.functional.silu(gate_NF.to(ct))
+        # silu(gate) is a second, non-differentiable output so that the backward can reuse it (as
+        # tape autograd does) instead of recomputing it.
+        return (silu_NF * up_NF.to(ct)).to(gate_NF.dtype), silu_NF
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(*inputs, output[1])
 
     @staticmethod
-    def backward(ctx, g_NF):
-        gate_NF, up_NF = ctx.saved_tensors
+    def backward(ctx, g_NF, _g_silu):
+        gate_NF, up_NF, silu_NF = ctx.saved_tensors
         ct = _compute_dtype(gate_NF.dtype)
         a_NF, u_NF, gf_NF = gate_NF.to(ct), up_NF.to(ct), g_NF.to(ct)
         dgate = dup = None
@@ -35,7 +39,7 @@ class _SwiGLU(torch.autograd.Function):
             # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), as aten's fused silu_backward kernel
             dgate = torch.ops.aten.silu_backward(gf_NF * u_NF, a_NF).to(gate_NF.dtype)
         if ctx.needs_input_grad[1]:
-            dup = (gf_NF * torch.nn.functional.silu(a_NF)).to(up_NF.dtype)
+            dup = (gf_NF * silu_NF).to(up_NF.dtype)
         return dgate, dup
 
 
@@ -47,4 +51,4 @@ def swiglu(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> torch.Tensor:
     if gate_NF.dtype != up_NF.dtype or not gate_NF.is_floating_point():
         raise ValueError("swiglu: gate and up must share one floating dtype, "
                          f"got {gate_NF.dtype}, {up_NF.dtype}")
-    return _SwiGLU.apply(gate_NF, up_NF)
+    return _SwiGLU.apply(gate_NF, up_NF)[0]
