@@ -13,7 +13,10 @@ from schedule.gen_dualpipe import dualpipe as dualpipe
 from schedule.gen_dualpipe import dualpipev as dualpipev
 from schedule.gen_zb import zb_h1 as zb_h1
 from schedule.gen_zb import zbv as zbv
+from schedule.imbalance import LayerPlacement as LayerPlacement
+from schedule.imbalance import imbalance_pct as imbalance_pct
 from schedule.imbalance import place_layers as place_layers
+from schedule.imbalance import rank_costs as rank_costs
 from schedule.ir import Action as Action
 from schedule.ir import Op as Op
 from schedule.ir import Overlap as Overlap

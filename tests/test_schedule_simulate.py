@@ -140,3 +140,24 @@ def test_cli(tmp_path, capsys) -> None:
     from fmoe.cli import main
 
     assert main(["simulate", "--schedule", "zb_h1", "--pp", "2", "-m", "4"]) == 0
+
+
+def test_cli_layer_placement_evens_rank_cost(capsys) -> None:
+    from fmoe.cli import main
+
+    # 16 layers on 4 stages, embedding worth 1 layer on stage 0, loss + MTP worth 2 on stage 3:
+    # even split costs 5, 4, 4, 6 (imbalance 6 / 4.75 - 1 = 26.3%); the balanced one 5, 5, 4, 5 (5.3%).
+    argv = ["simulate", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--layers", "16",
+            "--first-extra", "1", "--last-extra", "2"]
+    assert main([*argv, "--placement", "even"]) == 0
+    even = capsys.readouterr().out
+    assert "4 4 4 4; rank cost imbalance 26.32%" in even
+    assert main(argv) == 0
+    balanced = capsys.readouterr().out
+    assert "rank cost imbalance 5.26%" in balanced
+
+    def makespan(text: str) -> float:
+        return float(text.split("makespan ")[1].split(",")[0])
+
+    assert makespan(balanced) < makespan(even)
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--layers", "3"]) == 2

@@ -26,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lone-hide", type=float, default=0.0,
                         help="share of a lone step's all-to-all hidden (seed fb overlap: 0.5)")
     parser.add_argument("--no-pair-overlap", action="store_true", help="F&B pairs do not hide all-to-all")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer layers in the model: stage costs become layers x (f, i, w)")
+    parser.add_argument("--first-extra", type=float, default=0.0,
+                        help="extra cost on the first stage (embedding), in layers")
+    parser.add_argument("--last-extra", type=float, default=0.0,
+                        help="extra cost on the last stage (loss head, MTP), in layers")
+    parser.add_argument("--placement", choices=("even", "balanced"), default="balanced",
+                        help="with --layers: split layers evenly, or even out rank cost (place_layers)")
     parser.add_argument("--print-schedule", action="store_true", help="print the per-rank action lists")
     parser.add_argument("--out", default=None, help="timeline PNG path")
     parser.add_argument("--trace", default=None, help="Chrome/Perfetto trace JSON path")
@@ -39,7 +47,15 @@ def run(args: argparse.Namespace) -> int:
     except schedule.ScheduleError as exc:
         print(f"error: {exc}")
         return 2
-    costs = schedule.Costs(f=args.f, i=args.i, w=args.w, p2p=args.p2p, a2a=args.a2a,
+    f, i, w = args.f, args.i, args.w
+    if args.layers is not None:
+        try:
+            per_stage = _stage_layers(s, args)
+        except schedule.ScheduleError as exc:
+            print(f"error: {exc}")
+            return 2
+        f, i, w = (tuple(x * n for n in per_stage) for x in (args.f, args.i, args.w))
+    costs = schedule.Costs(f=f, i=i, w=w, p2p=args.p2p, a2a=args.a2a,
                            moe_layers=args.moe_layers, lone_hide=args.lone_hide,
                            pair_overlap=not args.no_pair_overlap)
     if args.print_schedule:
@@ -51,3 +67,22 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"wrote {schedule.write_trace(rep, args.trace)}")
     return 0
+
+
+def _stage_layers(s: schedule.Schedule, args: argparse.Namespace) -> tuple[float, ...]:
+    """Per-stage cost in layers (layers + first/last extra); prints the placement and its imbalance."""
+    n = s.placement.num_stages
+    if args.placement == "balanced":
+        placed = schedule.place_layers(s.placement, args.layers, args.first_extra, args.last_extra, 1)
+        layers = placed.layers
+    else:
+        if args.layers < n:
+            raise schedule.ScheduleError(f"--layers {args.layers} < {n} stages")
+        layers = tuple(args.layers // n + (1 if k < args.layers % n else 0) for k in range(n))
+    rank_cost = schedule.rank_costs(s.placement, layers, args.first_extra, args.last_extra)
+    print(f"layers per stage ({args.placement}): {' '.join(map(str, layers))}; "
+          f"rank cost imbalance {schedule.imbalance_pct(rank_cost):.2f}%")
+    extra = [0.0] * n
+    extra[0] += args.first_extra
+    extra[-1] += args.last_extra
+    return tuple(layers[k] + extra[k] for k in range(n))
