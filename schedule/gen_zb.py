@@ -38,7 +38,9 @@ def zb_h1(pp: int, m: int) -> Schedule:
 def zbv(pp: int, m: int) -> Schedule:
     """Returns ZB-V: 2pp stages in a V; warmup 2pp-1 forwards on every rank (2pp-1-r on chunk 0, r on
     chunk 1 before the first backward), then F I W per chunk, then a cooldown that fills with W.
-    Zero bubble when F = I = W, at pp activations of full-stage size. Needs pp >= 1, m >= 2pp - 1."""
+    This is torch's ScheduleZBVZeroBubble order: at F = I = W its simulated bubble is pp - 1 chunk
+    forwards (not the paper's zero), at pp activations of full-stage size (docs/schedules.md).
+    Needs pp >= 1, m >= 2pp - 1."""
     positive("zbv", pp=pp, m=m)
     require(m >= 2 * pp - 1, "zbv", f"needs at least 2*pp-1 = {2 * pp - 1} microbatches, got m={m}")
     ranks = []
