@@ -39,6 +39,7 @@ class Policy:
     names: frozenset[str] = frozenset()
 
     def saves(self, tag: str) -> bool:
+        """True when values tagged `tag` are kept from the forward."""
         return self.save_all or tag in self.names
 
 
