@@ -1,6 +1,6 @@
 """Hypothesis profiles: `ci` (derandomized, so a CI run is reproducible) when CI is set, else `dev`.
 
-Select one by hand with HYPOTHESIS_PROFILE=dev|ci|thorough (thorough: 10x the examples, random).
+Select one by hand with HYPOTHESIS_PROFILE=dev|ci. Example counts are set per test (`@settings`).
 """
 
 from __future__ import annotations
@@ -11,5 +11,4 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, print_blob=True)
-settings.register_profile("thorough", parent=settings.get_profile("dev"), max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
