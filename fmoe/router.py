@@ -4,6 +4,7 @@
 
 Legend: T tokens, D model width, E experts, K experts per token, G expert groups.
 
+Ties (equal selection scores, equal group scores) go to the lowest expert / group index.
 Everything is computed in fp32 whatever the input dtype (fp64 stays fp64), so selection does not
 depend on bf16 rounding. The expert bias of aux-loss-free balancing (state["expert_bias_E"]) shifts the
 scores used for *selection* only; gate weights come from the unbiased scores.
@@ -52,6 +53,16 @@ def init_router(cfg: MoEConfig, generator: torch.Generator | None = None,
     return {"weight": w_DE.to(dtype)}
 
 
+def _top_indices(score_TX: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row, best first; ties go to the lowest index.
+
+    torch.topk leaves the order of equal values unspecified (on CPU it picks the *highest* indices of a
+    tie), so a zero router or a saturated score would route differently from run to run / device to
+    device. A stable descending sort makes selection a pure function of the scores.
+    """
+    return torch.sort(score_TX, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """Return a bool [T, E] mask of the experts in each token's topk_groups best groups."""
     T, E = choice_TE.shape
@@ -59,7 +70,7 @@ def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     choice_TGe = choice_TE.reshape(T, G, E // G)
     top_in_group = min(2, E // G)
     group_score_TG = choice_TGe.topk(top_in_group, dim=-1).values.sum(-1)
-    groups_TJ = group_score_TG.topk(cfg.topk_groups, dim=-1).indices
+    groups_TJ = _top_indices(group_score_TG, cfg.topk_groups)
     mask_TG = torch.zeros(T, G, dtype=torch.bool, device=choice_TE.device)
     mask_TG.scatter_(1, groups_TJ, True)
     return mask_TG.repeat_interleave(E // G, dim=1)
@@ -86,7 +97,7 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
         choice_TE = choice_TE + bias_E.to(ct)
     if cfg.num_groups > 1 and cfg.topk_groups < cfg.num_groups:
         choice_TE = choice_TE.masked_fill(~_group_mask(choice_TE, cfg), float("-inf"))
-    ids_TK = choice_TE.topk(K, dim=-1).indices
+    ids_TK = _top_indices(choice_TE, K)
     probs_TK = scores_TE.gather(1, ids_TK)
     if cfg.topk_norm == "after":
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny)

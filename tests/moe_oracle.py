@@ -4,7 +4,9 @@ Legend: T tokens, D model width, F expert width, E experts, K experts per token.
 
 It follows the semantics documented in fmoe/config.py and fmoe/balance.py written out as plain python
 loops over scalar-sized tensor ops in float64 (tape autograd gives its gradients). It imports nothing
-from fmoe: selection is python `sorted`, capacity is a per-expert list, combine is an accumulation.
+from fmoe: selection is python `sorted` (stable: ties go to the lowest expert / group index), capacity
+is a per-expert list, the layout (drop-and-pad included) is a list of pair indices built expert by
+expert, dynamic capacity replays the documented forecast on a python list, combine is an accumulation.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def oracle_route(w_DE: torch.Tensor, x_TD: torch.Tensor, cfg: Any, bias_E: list[
                 gscore.append((sum(members[:min(2, size)]), g))
             best = sorted(gscore, key=lambda p: -p[0])[:cfg.topk_groups]
             allowed = {e for _, g in best for e in range(g * size, (g + 1) * size)}
-        chosen = sorted(allowed, key=lambda e: -choice[e])[:K]
+        chosen = sorted(sorted(allowed), key=lambda e: -choice[e])[:K]
         p = [scores[e] for e in chosen]
         if cfg.topk_norm == "after":
             s = sum(p)
@@ -90,9 +92,30 @@ def oracle_route(w_DE: torch.Tensor, x_TD: torch.Tensor, cfg: Any, bias_E: list[
     return {"ids": ids, "probs": probs, "counts": counts, "losses": {"aux": aux, "seq_aux": seq_aux, "z": z}}
 
 
+def oracle_capacity(cfg: Any, T: int, counts: list[int],
+                    state: dict[str, Any] | None) -> tuple[int | None, bool | None, dict[str, list[int]]]:
+    """Return (C, missed, new dynamic state as python lists): C None when dropless without padding."""
+    if cfg.capacity_factor is not None:
+        return math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.num_experts), None, {}
+    if not cfg.dynamic_capacity_window:
+        return None, None, {}
+    W = cfg.dynamic_capacity_window
+    state = state or {}
+    history = [int(v) for v in state["load_history_W"]] if "load_history_W" in state else [0] * W
+    misses = int(state.get("capacity_misses", 0))
+    steps = int(state.get("capacity_steps", 0))
+    peak = max(counts) if counts else 0
+    C = math.ceil(cfg.dynamic_capacity_margin * max(history))
+    missed = peak > C
+    if missed:
+        C = peak
+    return C, missed, {"load_history_W": history[1:] + [peak], "capacity_misses": misses + missed,
+                       "capacity_steps": steps + 1}
+
+
 def oracle_keep(ids: list[list[int]], probs: list[list[torch.Tensor]], cfg: Any,
                 T: int) -> set[tuple[int, int]]:
-    """The (t, k) pairs that survive the capacity rule."""
+    """The (t, k) pairs that survive the capacity rule (ties in gate weight: earlier token first)."""
     pairs = [(t, k) for t in range(T) for k in range(len(ids[t]))]
     if cfg.capacity_factor is None:
         return set(pairs)
@@ -106,11 +129,30 @@ def oracle_keep(ids: list[list[int]], probs: list[list[torch.Tensor]], cfg: Any,
     return keep
 
 
+def oracle_rows(ids: list[list[int]], keep: set[tuple[int, int]], cfg: Any, T: int,
+                capacity: int | None) -> list[int]:
+    """The layout: pair index t * K + k of each row, expert by expert, kept pairs in token order; in the
+    padded modes (pad_to_capacity, dynamic capacity) each expert has exactly `capacity` rows, the padding
+    rows marked T * K."""
+    K = cfg.top_k
+    padded = cfg.pad_to_capacity or bool(cfg.dynamic_capacity_window)
+    rows = []
+    for e in range(cfg.num_experts):
+        mine = [t * K + k for t in range(T) for k in range(K) if ids[t][k] == e and (t, k) in keep]
+        rows += mine
+        if padded:
+            rows += [T * K] * (capacity - len(mine))
+    return rows
+
+
 def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict[str, Any] | None = None,
                seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Return (y_TD, loss, info) in float64 from float64 leaves of `params` and `x_TD`.
 
-    info: ids, counts (load before drops), dropped (pairs), new_bias (list, when a bias is in state).
+    info: ids, counts (load before drops), dropped (pairs), losses, capacity (C or None), missed
+    (dynamic capacity, else None), rows (the layout, see oracle_rows), capacity_state (dynamic entries
+    of the next state), overloaded (max load > recompute_load_scale * mean load), new_bias (list, when
+    a bias is in state).
     """
     T = x_TD.shape[0]
     bias = None
@@ -118,6 +160,7 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
         bias = [float(v) for v in state["expert_bias_E"]]
     r = oracle_route(params["router"]["weight"], x_TD, cfg, bias, seq_len)
     keep = oracle_keep(r["ids"], r["probs"], cfg, T)
+    capacity, missed, capacity_state = oracle_capacity(cfg, T, r["counts"], state)
     ex = params["experts"]
     rows = []
     for t in range(T):
@@ -139,8 +182,11 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
         rows.append(acc)
     y_TD = torch.stack(rows) if rows else x_TD * 0
     loss = r["losses"]["aux"] + r["losses"]["seq_aux"] + r["losses"]["z"]
+    total = sum(r["counts"])
     info = {"ids": r["ids"], "counts": r["counts"], "dropped": T * cfg.top_k - len(keep),
-            "losses": r["losses"]}
+            "losses": r["losses"], "capacity": capacity, "missed": missed, "capacity_state": capacity_state,
+            "rows": oracle_rows(r["ids"], keep, cfg, T, capacity),
+            "overloaded": total > 0 and max(r["counts"]) > cfg.recompute_load_scale * total / cfg.num_experts}
     if bias is not None:
         mean = sum(r["counts"]) / cfg.num_experts
         rate = cfg.bias_update_rate

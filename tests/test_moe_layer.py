@@ -13,7 +13,7 @@ from moe_oracle import oracle_moe
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe, moe, plan_route
 from transforms import split_vjp
 from transforms.testing import assert_close
 
@@ -50,6 +50,9 @@ def make_inputs(cfg: MoEConfig, T: int, dtype: torch.dtype, seed: int, scenario:
     g = torch.Generator().manual_seed(seed)
     params = init_moe(cfg, g, dtype=torch.float64)
     x_TD = torch.randn(T, cfg.d_model, generator=g, dtype=torch.float64)
+    if scenario == "duplicates":
+        # Pairs of identical tokens: equal gate weights, so drop-by-probs must break ties by position.
+        x_TD[1::2] = x_TD[0::2][: T // 2]
     if scenario in ("empty_expert", "one_expert"):
         # A constant positive feature 0 and a router row that only sees it: expert 0 never (always) chosen.
         x_TD[:, 0] = 3.0
@@ -58,6 +61,12 @@ def make_inputs(cfg: MoEConfig, T: int, dtype: torch.dtype, seed: int, scenario:
     state = {}
     if cfg.bias_update_rate:
         state["expert_bias_E"] = torch.randn(cfg.num_experts, generator=g) * 0.3
+    if cfg.dynamic_capacity_window:
+        # A random load history, so that both a fitting forecast and a miss occur.
+        W, cap = cfg.dynamic_capacity_window, T * cfg.top_k
+        state["load_history_W"] = torch.randint(0, cap + 1, (W,), generator=g)
+        state["capacity_misses"] = torch.randint(0, 3, (), generator=g)
+        state["capacity_steps"] = state["capacity_misses"] + 3
     cast = tree_map(lambda t: t.to(dtype), params)
     return cast, x_TD.to(dtype), state
 
@@ -89,6 +98,16 @@ def run_oracle(params, x_TD, cfg, state, seq_len, ct_TD, ct_loss):
 def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenario="random",
                          capacity_factor=None):
     cfg = make_cfg(mode, D, F, E, K, capacity_factor)
+    aux = check_cfg(cfg, T, dtype, seed, backend, scenario)
+    if mode == "recompute":
+        assert aux.recomputed
+    return aux
+
+
+def check_cfg(cfg, T, dtype, seed, backend=None, scenario="random"):
+    """Compare `moe` under split_vjp with the oracle: y, loss, every gradient, counts, drops, capacity,
+    the layout rows (padding included), the next state and the recompute decision."""
+    D = cfg.d_model
     params, x_TD, state = make_inputs(cfg, T, dtype, seed, scenario)
     seq_len = T // 2 if T % 2 == 0 else T
     g = torch.Generator().manual_seed(seed + 1)
@@ -101,16 +120,21 @@ def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenari
     assert aux.tokens_per_expert_E.tolist() == info["counts"]
     assert int(aux.dropped) == info["dropped"]
     assert y.dtype == dtype and y.shape == (T, D)
-    assert_close(y, y_o.to(dtype), dtype=dtype, scale=scale, msg=f"{mode} y")
-    assert_close(loss.double(), loss_o, dtype=torch.float32, scale=scale, msg=f"{mode} loss")
-    assert_close(dx, dx_o.to(dtype), dtype=dtype, scale=scale, msg=f"{mode} dx")
+    assert_close(y, y_o.to(dtype), dtype=dtype, scale=scale, msg=f"{cfg} y")
+    assert_close(loss.double(), loss_o, dtype=torch.float32, scale=scale, msg=f"{cfg} loss")
+    assert_close(dx, dx_o.to(dtype), dtype=dtype, scale=scale, msg=f"{cfg} dx")
     assert_close(dparams, tree_map(lambda t: t.to(dtype), dparams_o), dtype=dtype, scale=scale,
-                 msg=f"{mode} dparams")
+                 msg=f"{cfg} dparams")
     if "new_bias" in info:
         new_bias = torch.tensor(info["new_bias"], dtype=torch.float64)
         assert_close(aux.new_state["expert_bias_E"].double(), new_bias, dtype=torch.float32)
-    if mode == "recompute":
-        assert aux.recomputed
+    assert aux.capacity == info["capacity"]
+    assert aux.capacity_missed == info["missed"]
+    for key, value in info["capacity_state"].items():
+        assert aux.new_state[key].tolist() == value, key
+    assert aux.recomputed == (cfg.adaptive_recompute and info["overloaded"])
+    _, _, meta = plan_route(params, x_TD, cfg, state, seq_len)
+    assert meta.layout.row_src_M.tolist() == info["rows"]
     if scenario == "empty_expert":
         assert info["counts"][0] == 0
     return aux
@@ -127,6 +151,58 @@ def test_matches_oracle(mode, sizes, k_frac, dtype, seed, backend, capacity_fact
     T, D, F, E = sizes
     K = 1 + int(k_frac * (E - 1))
     check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend, capacity_factor=capacity_factor)
+
+
+@st.composite
+def any_config(draw):
+    """Every option drawn independently: routing (score function, norm, scale, groups, bias), balancing
+    losses, capacity mode (dropless, drop, drop-and-pad, dynamic) with both policies, shared experts
+    (gated or not), probs in the expert, adaptive recompute, and the backend (grouped_mm forced with
+    sizes aligned for it). Returns (cfg, T, dtype)."""
+    G = draw(st.sampled_from([1, 2, 3]))
+    per = draw(st.integers(1, 3))
+    topk_groups = draw(st.integers(1, G))
+    K = draw(st.integers(1, topk_groups * per))
+    backend = draw(st.sampled_from([None, "loop", "grouped_mm"]))
+    if backend == "grouped_mm":
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+        D, F = 8, 8  # rows of 16 bytes in bf16, 32 in fp32: what the CPU kernel needs
+    else:
+        dtype = draw(st.sampled_from(DTYPES))
+        D, F = draw(st.sampled_from([4, 6, 8])), draw(st.sampled_from([4, 8]))
+    one_of = lambda *values: draw(st.sampled_from(values))  # noqa: E731
+    kw = dict(score_func=one_of("softmax", "sigmoid"), topk_norm=one_of("before", "after"),
+              topk_scale=one_of(1.0, 2.5), num_groups=G, topk_groups=topk_groups,
+              aux_loss_coef=one_of(0.0, 0.1), seq_aux_loss_coef=one_of(0.0, 0.2),
+              z_loss_coef=one_of(0.0, 0.01), bias_update_rate=one_of(0.0, 0.1),
+              probs_in_expert=draw(st.booleans()), backend=backend)
+    capacity = draw(st.sampled_from(["dropless", "drop", "pad", "dynamic"]))
+    if capacity in ("drop", "pad"):
+        kw.update(capacity_factor=draw(st.sampled_from([0.25, 0.5, 1.0, 2.0])),
+                  drop_policy=draw(st.sampled_from(["probs", "position"])), pad_to_capacity=capacity == "pad")
+    elif capacity == "dynamic":
+        kw.update(dynamic_capacity_window=draw(st.integers(1, 3)),
+                  dynamic_capacity_margin=draw(st.sampled_from([1.0, 1.5])))
+    shared = draw(st.integers(0, 2))
+    kw.update(num_shared_experts=shared, shared_expert_gate=shared > 0 and draw(st.booleans()))
+    if draw(st.booleans()):
+        kw.update(adaptive_recompute=True, recompute_load_scale=draw(st.sampled_from([0.5, 1.5])))
+    cfg = MoEConfig(d_model=D, d_ff=F, num_experts=G * per, top_k=K, **kw)
+    return cfg, draw(st.integers(1, 10)), dtype
+
+
+@settings(max_examples=60, deadline=None)
+@example(case=(MoEConfig(d_model=8, d_ff=8, num_experts=6, top_k=2, score_func="sigmoid", topk_norm="after",
+                         topk_scale=2.5, num_groups=3, topk_groups=2, bias_update_rate=0.1,
+                         capacity_factor=0.5, drop_policy="probs", pad_to_capacity=True, num_shared_experts=1,
+                         shared_expert_gate=True, probs_in_expert=True, backend="grouped_mm"),
+               8, torch.float32), seed=0, scenario="duplicates")
+@example(case=(MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=1, capacity_factor=0.5, drop_policy="probs"),
+               8, torch.float64), seed=1, scenario="duplicates")
+@given(case=any_config(), seed=st.integers(0, 2**31 - 1), scenario=st.sampled_from(["random", "duplicates"]))
+def test_any_config_matches_oracle(case, seed, scenario) -> None:
+    cfg, T, dtype = case
+    check_cfg(cfg, T, dtype, seed, cfg.backend, scenario)
 
 
 @settings(max_examples=1, deadline=None)
