@@ -9,7 +9,9 @@ Legend: D model width, F expert ffn width, E routed experts, K experts per token
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")
@@ -19,6 +21,18 @@ DROP_POLICIES = ("probs", "position")
 def _positive(name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: object, lower: float, strict: bool) -> None:
+    """Require a finite real number (not a bool or a string) > lower (strict) or >= lower."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if (value <= lower) if strict else (value < lower):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {lower}, got {value!r}")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -92,7 +106,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not _is_int(value):
                 raise ValueError(f"MoEConfig.{name} must be an int, got {value!r}")
             _positive(f"MoEConfig.{name}", value)
         if self.top_k > self.num_experts:
@@ -100,7 +114,7 @@ class MoEConfig:
         _choice("MoEConfig.score_func", self.score_func, SCORE_FUNCS)
         _choice("MoEConfig.topk_norm", self.topk_norm, TOPK_NORMS)
         _choice("MoEConfig.drop_policy", self.drop_policy, DROP_POLICIES)
-        _positive("MoEConfig.topk_scale", self.topk_scale)
+        _finite("MoEConfig.topk_scale", self.topk_scale, 0, strict=True)
         if self.num_experts % self.num_groups:
             raise ValueError(f"MoEConfig.num_groups ({self.num_groups}) must divide num_experts "
                              f"({self.num_experts})")
@@ -111,30 +125,28 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.top_k ({self.top_k}) exceeds the experts reachable in topk_groups "
                              f"({self.topk_groups} x {self.num_experts // self.num_groups})")
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+            _finite(f"MoEConfig.{name}", getattr(self, name), 0, strict=False)
         if self.capacity_factor is not None:
-            _positive("MoEConfig.capacity_factor", self.capacity_factor)
+            _finite("MoEConfig.capacity_factor", self.capacity_factor, 0, strict=True)
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("MoEConfig.pad_to_capacity needs a capacity_factor (drop-and-pad)")
-        if self.dynamic_capacity_window < 0:
-            raise ValueError(f"MoEConfig.dynamic_capacity_window must be >= 0, got "
+        if not _is_int(self.dynamic_capacity_window) or self.dynamic_capacity_window < 0:
+            raise ValueError(f"MoEConfig.dynamic_capacity_window must be an int >= 0, got "
                              f"{self.dynamic_capacity_window!r}")
         if self.dynamic_capacity_window and self.capacity_factor is not None:
             raise ValueError("MoEConfig.dynamic_capacity_window is dropless: leave capacity_factor None")
-        if self.dynamic_capacity_margin < 1.0:
-            raise ValueError(f"MoEConfig.dynamic_capacity_margin must be >= 1, got "
-                             f"{self.dynamic_capacity_margin!r}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts!r}")
+        _finite("MoEConfig.dynamic_capacity_margin", self.dynamic_capacity_margin, 1.0, strict=False)
+        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
+            raise ValueError(f"MoEConfig.num_shared_experts must be an int >= 0, got "
+                             f"{self.num_shared_experts!r}")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts > 0")
         if self.backend not in (None, "grouped_mm", "loop", "npu"):
             raise ValueError(f"MoEConfig.backend must be None, 'grouped_mm', 'loop' or 'npu', got "
                              f"{self.backend!r}")
-        _positive("MoEConfig.recompute_load_scale", self.recompute_load_scale)
+        _finite("MoEConfig.recompute_load_scale", self.recompute_load_scale, 0, strict=True)
 
-    def replace(self, **changes) -> MoEConfig:
+    def replace(self, **changes: Any) -> MoEConfig:
         """Return a copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
