@@ -28,11 +28,19 @@ MODES = {
     "in_expert_shared": dict(probs_in_expert=True, num_shared_experts=1, shared_expert_gate=True),
     "losses_drop": dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=0.8),
     "recompute": dict(adaptive_recompute=True, recompute_load_scale=0.5),
+    "sigmoid_groups_bias": dict(score_func="sigmoid", topk_norm="before", topk_scale=2.0,
+                                bias_update_rate=0.1, seq_aux_loss_coef=0.1),
+    "dynamic_in_expert": dict(dynamic_capacity_window=2, probs_in_expert=True, num_shared_experts=1),
+    "pad_position_in_expert": dict(capacity_factor=0.5, pad_to_capacity=True, drop_policy="position",
+                                   probs_in_expert=True),
 }
 
 
 def make(mode: str, B: int, S: int, E: int, K: int, dtype: torch.dtype, seed: int):
-    moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=K, **MODES[mode])
+    kw = dict(MODES[mode])
+    if mode == "sigmoid_groups_bias" and E % 2 == 0 and K <= E // 2:
+        kw.update(num_groups=2, topk_groups=1)
+    moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=K, **kw)
     cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, moe=moe_cfg)
     g = torch.Generator().manual_seed(seed)
     params = tree_map(lambda t: t.to(dtype), init_block(cfg, g, torch.float64))

@@ -269,3 +269,19 @@ def test_oracle_can_fail() -> None:
     y_o, _, _ = oracle_moe(params, x_TD, cfg)
     with pytest.raises(AssertionError):
         assert_close(y, y_o)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=any_config())
+def test_zero_tokens(case) -> None:
+    """T = 0 works in every mode: an empty [0, D] output, zero balancing loss, zero gradients."""
+    cfg, _, dtype = case
+    params, _, state = make_inputs(cfg, 1, dtype, seed=0)
+    x_TD = torch.zeros(0, cfg.d_model, dtype=dtype)
+    ct = torch.zeros(0, cfg.d_model, dtype=dtype)
+    y, loss, dx, dparams, aux = run_split(params, x_TD, cfg, state, None, cfg.backend, ct,
+                                          torch.ones((), dtype=torch.float64))
+    assert y.shape == (0, cfg.d_model) and y.dtype == dtype and dx.shape == (0, cfg.d_model)
+    assert float(loss) == 0.0 and int(aux.dropped) == 0
+    assert aux.tokens_per_expert_E.tolist() == [0] * cfg.num_experts
+    assert_close(dparams, tree_map(torch.zeros_like, params))
