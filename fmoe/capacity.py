@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -40,11 +41,17 @@ class CapacityInfo:
     new_state: dict[str, torch.Tensor]
 
 
+def _decimal(factor: float) -> Fraction:
+    # The factor as written (1.1 is 11/10), not its binary double (1.1000000000000000888...): in float,
+    # ceil(1.1 * 100) is 111, one row more than the documented capacity.
+    return Fraction(repr(factor))
+
+
 def capacity_for(cfg: MoEConfig, num_tokens: int) -> int:
-    """Return C = ceil(capacity_factor * T * K / E) for a capacity-factor config."""
+    """Return C = ceil(capacity_factor * T * K / E) for a capacity-factor config (exact rational math)."""
     if cfg.capacity_factor is None:
         raise ValueError("capacity_for: the config is dropless (capacity_factor is None)")
-    return math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
+    return math.ceil(_decimal(cfg.capacity_factor) * num_tokens * cfg.top_k / cfg.num_experts)
 
 
 def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity: int,
@@ -115,7 +122,7 @@ def init_capacity_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> d
 
 def forecast_capacity(history_W: torch.Tensor, margin: float = 1.0) -> int:
     """Return ceil(margin * max(history_W)): the capacity predicted for the next step (one host read)."""
-    return math.ceil(margin * int(history_W.max())) if history_W.numel() else 0
+    return math.ceil(_decimal(margin) * int(history_W.max())) if history_W.numel() else 0
 
 
 def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,

@@ -11,7 +11,7 @@ expert, dynamic capacity replays the documented forecast on a python list, combi
 
 from __future__ import annotations
 
-import math
+from decimal import Decimal
 from typing import Any
 
 import torch
@@ -92,11 +92,20 @@ def oracle_route(w_DE: torch.Tensor, x_TD: torch.Tensor, cfg: Any, bias_E: list[
     return {"ids": ids, "probs": probs, "counts": counts, "losses": {"aux": aux, "seq_aux": seq_aux, "z": z}}
 
 
+def _ceil_times(factor: float, *ints: int, divisor: int = 1) -> int:
+    """ceil(factor * prod(ints) / divisor) with the factor taken as the decimal it was written as."""
+    prod = Decimal(repr(factor))
+    for v in ints:
+        prod *= v
+    q, r = divmod(prod, divisor)
+    return int(q) + (r > 0)
+
+
 def oracle_capacity(cfg: Any, T: int, counts: list[int],
                     state: dict[str, Any] | None) -> tuple[int | None, bool | None, dict[str, list[int]]]:
     """Return (C, missed, new dynamic state as python lists): C None when dropless without padding."""
     if cfg.capacity_factor is not None:
-        return math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.num_experts), None, {}
+        return _ceil_times(cfg.capacity_factor, T, cfg.top_k, divisor=cfg.num_experts), None, {}
     if not cfg.dynamic_capacity_window:
         return None, None, {}
     W = cfg.dynamic_capacity_window
@@ -105,7 +114,7 @@ def oracle_capacity(cfg: Any, T: int, counts: list[int],
     misses = int(state.get("capacity_misses", 0))
     steps = int(state.get("capacity_steps", 0))
     peak = max(counts) if counts else 0
-    C = math.ceil(cfg.dynamic_capacity_margin * max(history))
+    C = _ceil_times(cfg.dynamic_capacity_margin, max(history))
     missed = peak > C
     if missed:
         C = peak
@@ -119,7 +128,7 @@ def oracle_keep(ids: list[list[int]], probs: list[list[torch.Tensor]], cfg: Any,
     pairs = [(t, k) for t in range(T) for k in range(len(ids[t]))]
     if cfg.capacity_factor is None:
         return set(pairs)
-    C = math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.num_experts)
+    C = _ceil_times(cfg.capacity_factor, T, cfg.top_k, divisor=cfg.num_experts)
     keep = set()
     for e in range(cfg.num_experts):
         mine = [(t, k) for (t, k) in pairs if ids[t][k] == e]  # token order

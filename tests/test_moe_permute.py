@@ -12,7 +12,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fmoe.capacity import drop_layout, forecast_capacity, make_layout
+from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, init_moe_state, moe
 from fmoe.ops.permute import permute, permute_probs, sort_layout, unpermute
@@ -154,3 +154,17 @@ def test_drop_policy_keeps_the_right_pairs(policy) -> None:
     assert int(dropped) == 1
     kept = layout.row_src_M.tolist()
     assert kept == ([1, 2, 3] if policy == "probs" else [0, 1, 3])
+
+
+@pytest.mark.parametrize("cf, T, K, E, expect", [
+    (1.1, 100, 1, 1, 110), (1.1, 50, 2, 2, 55), (1.2, 100, 1, 1, 120), (0.7, 30, 1, 1, 21),
+    (1.25, 7, 2, 4, 5), (0.1, 3, 1, 1, 1)])
+def test_capacity_is_the_ceiling_of_the_decimal_product(cf, T, K, E, expect) -> None:
+    # C = ceil(cf * T * K / E) for the factor as written: 1.1 * 100 is 110, not ceil(110.00000000000001).
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=K, capacity_factor=cf)
+    assert capacity_for(cfg, T) == expect
+
+
+def test_dynamic_forecast_is_the_ceiling_of_the_decimal_product() -> None:
+    assert forecast_capacity(torch.tensor([100, 3]), 1.1) == 110
+    assert forecast_capacity(torch.tensor([0, 0]), 1.5) == 0
