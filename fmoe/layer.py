@@ -111,6 +111,10 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
     """
     if state is None:
         state = init_moe_state(cfg, x_TD.device)
+    elif cfg.bias_update_rate > 0 and "expert_bias_E" not in state:
+        # A state without the bias (e.g. {}) starts it at zero rather than silently switching balancing off.
+        zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=x_TD.device)
+        state = {**state, "expert_bias_E": zeros_E}
     r = route(params["router"], x_TD, cfg, state, seq_len)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state)
     new_state = dict(cap.new_state)

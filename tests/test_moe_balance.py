@@ -87,3 +87,17 @@ def test_aux_loss_free_balancing_evens_a_skewed_router(score_func) -> None:
     # The router weight was never touched: only the bias moved, and it favours the starved experts.
     bias = state["expert_bias_E"]
     assert bias[:2].max() < bias[2:].min()
+
+
+@pytest.mark.parametrize("state", [None, {}])
+def test_bias_state_starts_at_zero_when_missing(state) -> None:
+    # A caller that passes an empty state must still get the expert bias back (else balancing silently stops).
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=1, bias_update_rate=0.5)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    params["router"]["weight"].zero_()
+    params["router"]["weight"][0, 0] = 5.0  # feature 0 = 1: every token on expert 0
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    x[:, 0] = 1.0
+    _, aux = moe(params, x, cfg, state)
+    assert aux.tokens_per_expert_E.tolist() == [8, 0, 0, 0]
+    assert aux.new_state["expert_bias_E"].tolist() == [-0.5, 0.5, 0.5, 0.5]

@@ -15,7 +15,7 @@ import torch
 class LocalDispatcher:
     """Identity dispatcher for a single process (no parameters, no communication)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int) -> None:
         if num_experts <= 0:
             raise ValueError(f"LocalDispatcher: num_experts must be positive, got {num_experts}")
         self.num_local_experts = num_experts
