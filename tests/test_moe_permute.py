@@ -168,3 +168,14 @@ def test_capacity_is_the_ceiling_of_the_decimal_product(cf, T, K, E, expect) -> 
 def test_dynamic_forecast_is_the_ceiling_of_the_decimal_product() -> None:
     assert forecast_capacity(torch.tensor([100, 3]), 1.1) == 110
     assert forecast_capacity(torch.tensor([0, 0]), 1.5) == 0
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_drop_by_probs_ties_keep_the_earliest_pairs(pad) -> None:
+    # Pairs n = t * K + k. Expert 0: n = 0 (0.5), 2, 5, 6 (0.7 each): keep the earliest two of the tie.
+    # Expert 1: n = 1 (0.5), 3, 4, 7 (0.3 each): keep 1, then the earliest of the tie, 3.
+    ids_TK = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])
+    probs_TK = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.3, 0.7], [0.7, 0.3]])
+    layout, dropped = drop_layout(ids_TK, probs_TK, 2, 2, "probs", pad)
+    assert int(dropped) == 2 + 2
+    assert layout.row_src_M.tolist() == [2, 5, 1, 3]
