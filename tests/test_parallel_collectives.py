@@ -8,14 +8,19 @@ moves rows with plain indexing in one process.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from dist_utils import spawn
 
+from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.collectives import (
     CommGroup,
     all_gather,
     all_gather_async,
     all_reduce,
+    all_reduce_async,
     all_to_all,
     all_to_all_async,
     exchange_counts,
@@ -68,9 +73,20 @@ def _check_all(rank: int, world: int) -> dict:
         out_s, in_s = S_PP[:, rank].tolist(), S_PP[rank].tolist()
         recv = exchange_counts(S_PP[rank].reshape(world, 1), comm).reshape(-1)
         assert recv.tolist() == out_s, (recv, out_s)
+        counters.reset()
         out, vjp_fn = torch.func.vjp(lambda x, o=out_s, i=in_s: all_to_all(x, comm, o, i), xs[rank])
         assert_close(out, _a2a_oracle(S_PP, xs, rank))
         (dx,) = vjp_fn(cts[rank])
+        # bytes by hand: forward sends S[rank, j] rows to each peer j, backward S[j, rank]; D float64 each
+        hand = {}
+        for j in range(world):
+            if j != rank:
+                link = INTRA if j // topo.ranks_per_node == rank // topo.ranks_per_node else INTER
+                for op, rows in (("all_to_all", int(S_PP[rank, j])), ("all_to_all.bwd", int(S_PP[j, rank]))):
+                    if rows:
+                        hand[(op, link)] = hand.get((op, link), 0) + rows * D * 8
+        assert dict(counters.sent) == hand, (case, dict(counters.sent), hand)
+        assert dict(counters.calls) == {"all_to_all": 1, "all_to_all.bwd": 1}
         # d x_r = rows of the cotangents that came from r: the all-to-all with S transposed.
         expect = _a2a_oracle(S_PP.t(), cts, rank)
         assert_close(dx, expect)
@@ -128,6 +144,28 @@ def _check_all(rank: int, world: int) -> dict:
     assert_close(dx, sum(c[2 * rank:2 * rank + 2] for c in cg))
     assert_close(dy, torch.cat(cr))
     report["slow_wait_s"] = slow.counters.total_wait_s()
+    # ---- handles: waiting twice is a no-op; a dropped, never-waited handle neither hangs nor leaks --
+    hc = CommCounters()
+    hcomm = CommGroup(torch.distributed.group.WORLD, topology=topo, counters=hc)
+    out, h = all_to_all_async(torch.full((world, D), float(rank), dtype=torch.float64), hcomm)
+    h.wait()
+    waited = hc.wait_s["all_to_all"]
+    h.wait()
+    assert h.done and h.is_completed() and hc.wait_s["all_to_all"] == waited
+    assert out[:, 0].tolist() == [float(j) for j in range(world)]
+    refs = []
+    for i in range(8):  # issued and dropped without wait (gloo keeps its buffers until the work ends)
+        o, dropped = all_gather_async(torch.full((64, D), float(i)), hcomm)
+        refs.append(weakref.ref(dropped))
+        del o, dropped
+    gc.collect()
+    assert all(r() is None for r in refs), "a dropped CommHandle is kept alive"
+    both = CommHandle.all([all_reduce_async(torch.ones(2), hcomm)[1],
+                           all_reduce_async(torch.ones(3), hcomm)[1]])
+    both.wait()  # the group still works after the dropped handles: no hang, results in order
+    assert both.done
+    out = all_reduce(torch.full((2,), float(rank)), hcomm)
+    assert out.tolist() == [float(sum(range(world)))] * 2
     # ---- counters: an equal all-to-all of 1 row (D float64) to every rank --------------------------
     counters.reset()
     all_to_all(torch.zeros(world, D, dtype=torch.float64), comm)

@@ -8,7 +8,8 @@ Oracle (one process, whole global batch): y_t = sum_k probs[t, k] * tanh(x_t @ w
 and local experts through `split_vjp` (grouped_linear defers dw on the tape), for each dispatcher
 (hierarchical on 2 simulated nodes), each entry point (token level; row level with probs applied after
 combine; row level with probs_M applied before combine) and each routing case (random; every token to
-the last rank's experts; a rank with no tokens and a rank that receives none; top-k = E).
+the last rank's experts; a rank with no tokens and a rank that receives none; top-k = E; one rank that
+neither sends nor receives a row).
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def make_case(case: int, P: int) -> dict:
     T_P = [int(t) for t in torch.randint(1, 6, (P,), generator=g)]
     if case == 2:
         T_P[0] = 0  # a rank with no tokens
+    if case == 4:
+        T_P[1] = 0  # rank 1 sends nothing (and, below, receives nothing)
     Tg = sum(T_P)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(Tg)]) if Tg else \
         torch.zeros(0, K, dtype=torch.int64)
     if case == 1:  # every token to the last rank's experts
         ids = torch.stack([torch.randperm(L, generator=g)[:K] + (P - 1) * L for _ in range(Tg)])
-    if case == 2:  # nothing routed to rank 1's experts
+    if case in (2, 4):  # nothing routed to rank 1's experts
         allowed = torch.tensor([e for e in range(E) if e // L != 1])
         ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(Tg)])
     return {
@@ -122,7 +125,7 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
         "hierarchical": HierarchicalDispatcher(cg("expert_inter"), cg("expert_intra"), E),
     }
     report: dict = {"checked": 0}
-    for case in range(4):
+    for case in range(5):
         c = make_case(case, world)
         lo = sum(c["T_P"][:rank])
         mine = slice(lo, lo + c["T_P"][rank])
@@ -162,7 +165,7 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
 @pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
 def test_dispatchers_match_single_process_oracle(world, ranks_per_node):
     results = spawn(_check_rank, world, ranks_per_node, timeout_s=180)
-    assert all(r.value["checked"] == 4 * 3 * 3 for r in results)
+    assert all(r.value["checked"] == 5 * 3 * 3 for r in results)
     if world == 4:
         assert results[0].value["tp_groups"] == ([0, 1], [0, 2])
         assert results[3].value["tp_groups"] == ([2, 3], [1, 3])
@@ -175,8 +178,11 @@ def test_tp_extends_ep_needs_divisible_experts():
 
 
 def test_oracle_case_shapes():
-    """The routing cases are what they claim: imbalanced, an empty rank, a rank receiving nothing."""
-    c1, c2, c3 = make_case(1, 4), make_case(2, 4), make_case(3, 4)
-    assert (c1["ids"] // L == 3).all()
-    assert c2["T_P"][0] == 0 and not (c2["ids"] // L == 1).any()
-    assert c3["K"] == c3["E"]
+    """The routing cases are what they claim: imbalanced, an empty rank, a rank receiving nothing, a rank
+    that neither sends nor receives."""
+    for P in (2, 4):
+        c1, c2, c3, c4 = (make_case(i, P) for i in (1, 2, 3, 4))
+        assert (c1["ids"] // L == P - 1).all()
+        assert c2["T_P"][0] == 0 and not (c2["ids"] // L == 1).any()
+        assert c3["K"] == c3["E"]
+        assert c4["T_P"][1] == 0 and not (c4["ids"] // L == 1).any() and sum(c4["T_P"]) > 0

@@ -12,7 +12,7 @@ import time
 import torch
 from dist_utils import spawn
 
-from fmoe.parallel import CollectiveError, CommGroup, all_to_all, check_peers, fail_fast
+from fmoe.parallel import CollectiveError, CommGroup, all_to_all, all_to_all_async, check_peers, fail_fast
 
 
 def _scenario(rank: int, world: int, how: str) -> dict:
@@ -31,6 +31,17 @@ def _scenario(rank: int, world: int, how: str) -> dict:
     try:
         if how == "hang" and rank == 0:
             check_peers(timeout_s=5)  # names the rank that did not arrive
+        elif how == "die":  # through an async handle: wait() raises, and raises again if called again
+            _, h = all_to_all_async(torch.ones(world, 2), comm)
+            try:
+                h.wait()
+            except CollectiveError as first:
+                try:
+                    h.wait()
+                except CollectiveError as again:
+                    return {"error": str(first), "again": str(again), "done": h.done,
+                            "seconds": time.perf_counter() - t0}
+                raise AssertionError("a failed handle's second wait() returned") from first
         else:
             all_to_all(torch.ones(world, 2), comm)
     except CollectiveError as e:
@@ -48,20 +59,33 @@ def _run(world: int, how: str, pg_timeout_s: float) -> list:
     return results
 
 
+# A bound, not a benchmark: with a 45 s process-group timeout, peers of a rank that raised (fail_fast) or
+# died must stop long before it, i.e. because the connections closed, not because the timeout expired.
+PROMPT_S = 20.0
+
+
 def test_rank_raises_others_stop():
     results = _run(3, "raise", pg_timeout_s=45)
     assert "deliberate failure on rank 1" in results[1].error
     for r in (results[0], results[2]):
-        assert "all_to_all" in r.value["error"] and "peer rank" in r.value["error"]
+        assert f"rank {r.rank}: collective 'all_to_all' over ranks [0, 1, 2] failed" in r.value["error"]
+        assert "peer rank raised, died or timed out" in r.value["error"]
+        assert r.value["seconds"] < PROMPT_S, r.value
 
 
 def test_rank_dies_others_stop():
     results = _run(3, "die", pg_timeout_s=45)
     assert results[1].exitcode == 3
     for r in (results[0], results[2]):
-        assert "all_to_all" in r.value["error"]
+        assert f"rank {r.rank}: collective 'all_to_all' over ranks [0, 1, 2] failed" in r.value["error"]
+        assert "all_to_all" in r.value["again"] and not r.value["done"]
+        assert r.value["seconds"] < PROMPT_S, r.value
 
 
 def test_rank_hangs_others_time_out():
     results = _run(2, "hang", pg_timeout_s=8)
-    assert "monitored_barrier" in results[0].value["error"] and "1" in results[0].value["error"]
+    err = results[0].value["error"]
+    assert "rank 0: collective 'monitored_barrier' over ranks [0, 1] failed" in err, err
+    assert "Ranks 1 failed to pass monitoredBarrier" in err, err  # gloo names the missing rank
+    # rank 1 sleeps 12 s: rank 0 stopped at its 5 s barrier timeout, not when rank 1 woke up
+    assert results[0].value["seconds"] < 11.0, results[0].value

@@ -5,6 +5,9 @@ Legend: A, B chunk axes, M rows, E experts, N rows.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -31,6 +34,7 @@ def test_chunk_transpose_index_matches_loop(c_AB):
     expect = [i for b in range(B) for a in range(A)
               for i, lab in enumerate(labels) if lab == (a, b)]
     idx = chunk_transpose_index(c_AB)
+    assert chunk_transpose_index(c_AB, len(labels)).tolist() == expect  # host total: same index
     assert idx.tolist() == expect
     assert sorted(idx.tolist()) == list(range(len(labels)))  # a permutation: argsort inverts it
 
@@ -40,7 +44,9 @@ def test_chunk_transpose_index_matches_loop(c_AB):
 def test_row_helpers(counts):
     c = torch.tensor(counts)
     assert exclusive_cumsum(c).tolist() == [sum(counts[:i]) for i in range(len(counts))]
-    assert expert_ids_of_rows(c).tolist() == [e for e, n in enumerate(counts) for _ in range(n)]
+    expect = [e for e, n in enumerate(counts) for _ in range(n)]
+    assert expert_ids_of_rows(c).tolist() == expect
+    assert expert_ids_of_rows(c, sum(counts)).tolist() == expect
 
 
 @settings(max_examples=30, deadline=None)
@@ -91,3 +97,119 @@ def test_tp_extends_ep_partition(E, tp, ep):
         return
     owned = [e for q in range(tp * ep) for e in local_expert_range(E, tp, ep, q)]
     assert owned == list(range(E))  # every expert owned once, whole
+
+
+# ---- the CUDA / NPU stream path, against fake streams (no accelerator here) ------------------------
+
+class _FakeEvent:
+    def __init__(self, name: str):
+        self.name, self.device = name, torch.device("cuda", 0)
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def record_event(self):
+        ev = _FakeEvent(f"ev{len(self.log)}@{self.name}")
+        self.log.append(("record_event", self.name, ev.name))
+        return ev
+
+    def wait_event(self, ev):
+        self.log.append(("wait_event", self.name, ev.name))
+
+
+def _fake_comm(monkeypatch, log: list):
+    """A CommGroup of 2 ranks on a fake device with a fake comm stream; the accelerator API is faked."""
+    from fmoe.parallel.async_comm import CommStream
+    from fmoe.parallel.collectives import CommGroup
+
+    compute = _FakeStream("compute", log)
+    current = [compute]
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: current[0])
+
+    def set_stream(s):
+        log.append(("set_stream", s.name))
+        current[0] = s
+
+    monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
+    cs = object.__new__(CommStream)
+    cs.device, cs.stream = torch.device("cuda", 0), _FakeStream("comm", log)
+    comm = object.__new__(CommGroup)
+    comm.group, comm.topology, comm.counters, comm.link_model, comm.stream = None, None, None, None, cs
+    comm.size, comm.rank, comm.global_ranks = 2, 0, [0, 1]
+    return comm, current
+
+
+class _FakeWork:
+    def __init__(self, log: list, fail: bool = False):
+        self.log, self.fail = log, fail
+
+    def wait(self):
+        self.log.append(("work.wait",))
+        if self.fail:
+            raise RuntimeError("Connection closed by peer")
+
+
+def test_stream_path_orders_streams_and_keeps_buffers(monkeypatch):
+    """Issue: comm waits compute, launch with comm current, event on comm after it, compute restored.
+    wait(): works, then current and issuing stream wait on that event, then the buffers are released."""
+    log: list = []
+    comm, current = _fake_comm(monkeypatch, log)
+    x, out = torch.ones(3), torch.empty(3)
+    x_ref = weakref.ref(x)
+
+    def launch():
+        log.append(("launch", current[0].name))
+        return _FakeWork(log)
+
+    h = comm._issue("op", [0, 12], launch, x, out)
+    ev = log[3][2]
+    assert log == [("wait_stream", "comm", "compute"), ("set_stream", "comm"), ("launch", "comm"),
+                   ("record_event", "comm", ev), ("set_stream", "compute")]
+    assert current[0].name == "compute"
+    del x
+    gc.collect()
+    assert x_ref() is not None, "the collective's input was freed before wait()"
+    log.clear()
+    h.wait()
+    assert log == [("work.wait",), ("wait_event", "compute", ev), ("wait_event", "compute", ev)]
+    gc.collect()
+    assert x_ref() is None, "wait() did not release the kept buffers"
+    h.wait()  # idempotent
+    assert len(log) == 3
+
+
+def test_stream_path_dropped_handle_orders_before_release(monkeypatch):
+    log: list = []
+    comm, _ = _fake_comm(monkeypatch, log)
+    x = torch.ones(3)
+    x_ref = weakref.ref(x)
+    h = comm._issue("op", [0, 12], lambda: _FakeWork(log), x)
+    (ev,) = [e[2] for e in log if e[0] == "record_event"]
+    log.clear()
+    del x, h
+    gc.collect()
+    assert log == [("wait_event", "compute", ev)] and x_ref() is None
+
+
+def test_stream_path_failure_restores_stream_and_names_collective(monkeypatch):
+    from fmoe.parallel import CollectiveError
+
+    log: list = []
+    comm, current = _fake_comm(monkeypatch, log)
+
+    def launch():
+        raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(CollectiveError, match=r"collective .op. over ranks \[0, 1\] failed.*Connection"):
+        comm._issue("op", [0, 12], launch, torch.ones(3))
+    assert current[0].name == "compute"
+    h = comm._issue("op2", [0, 12], lambda: _FakeWork(log, fail=True), torch.ones(3))
+    for _ in range(2):  # a failed handle fails again at every wait
+        with pytest.raises(CollectiveError, match=r"collective 'op2'.*Connection closed by peer"):
+            h.wait()
+    assert not h.done

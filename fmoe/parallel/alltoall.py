@@ -44,7 +44,8 @@ class AllToAllDispatcher(TokenLevelMixin):
         recv_PL = exchange_counts(counts_PL, self.comm, op="alltoall.counts")  # blocks
         send_P, recv_P = counts_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync (split sizes)
         x_MD = all_to_all(x_ND, self.comm, recv_P, send_P, op="alltoall.dispatch")
-        idx_M = chunk_transpose_index(recv_PL)  # permute-2: (source, local expert) -> (local expert, source)
+        # permute-2: (source, local expert) -> (local expert, source)
+        idx_M = chunk_transpose_index(recv_PL, sum(recv_P))
         x_MD = x_MD.index_select(0, idx_M)
         probs_M = None
         if probs_N is not None:

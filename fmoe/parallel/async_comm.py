@@ -4,11 +4,25 @@
     ...compute that does not need `out`...
     handle.wait()                            # now `out` may be read
 
-On CUDA / NPU a collective is issued on a side `CommStream` (after an event that orders it behind the
-compute already queued), and `wait()` makes the current stream wait on the comm stream's done-event:
-the host does not block. The stream calls go through torch's generic `torch.Stream` / `torch.Event` /
-`torch.accelerator` API, so one code path serves CUDA and Ascend (torch_npu registers its device there).
-On CPU there is no stream: gloo runs the work asynchronously on its own threads and `wait()` blocks.
+On CUDA / NPU a collective is issued on a side `CommStream`, and the ordering is, step by step:
+  1. issue: the comm stream waits on the current (compute) stream, so the collective sees every write
+     to its input queued so far; the collective is launched with the comm stream current; an event is
+     recorded on the comm stream after it; the compute stream is made current again.
+  2. the handle keeps the collective's input and output tensors alive (they were allocated on the
+     compute stream). No `record_stream`: like c10d's TORCH_NCCL_AVOID_RECORD_STREAMS, the references
+     are stashed instead, so the caching allocator cannot hand their memory to compute-stream work that
+     would run while the collective still reads or writes it.
+  3. wait(): waits the c10d works (for NCCL / HCCL this orders the current stream after c10d's internal
+     stream, without blocking the host), then makes the current stream and the issuing compute stream
+     wait on the comm event, and only then drops the stashed tensors: from here on any reuse of their
+     memory is queued after the collective.
+  4. a handle dropped without wait(): its finaliser orders the issuing stream after the event before the
+     tensors are released (the same guarantee for memory reuse; reading `out` is then a caller bug).
+The stream calls go through torch's generic `torch.Stream` / `torch.Event` / `torch.accelerator` API, so
+one code path serves CUDA and Ascend (torch_npu registers its device there). This path has been checked
+only against fake streams on CPU (tests/test_parallel_units.py), never on a GPU or NPU.
+On CPU there is no stream: gloo runs the work asynchronously on its own threads (it keeps its buffers
+alive itself) and `wait()` blocks. A handle dropped without wait() neither hangs nor leaks.
 
 A `LinkModel` (link_model.py) gives a handle a `not_before` time: `wait()` does not return before it.
 """
@@ -36,23 +50,17 @@ class CommStream:
             self.stream = torch.Stream(device=self.device)
 
     @contextlib.contextmanager
-    def issue(self, *tensors: torch.Tensor) -> Iterator[None]:
-        """Run the block on the comm stream, ordered after the work queued so far on the current stream.
-
-        `tensors` (inputs and outputs of the collective) are marked as used on the comm stream, so the
-        caching allocator does not reuse their memory before the collective finishes.
-        """
+    def issue(self) -> Iterator[torch.Stream | None]:
+        """Run the block with the comm stream current, ordered after the work queued so far on the current
+        (compute) stream; yield that compute stream (None on CPU) and make it current again on exit."""
         if self.stream is None:
-            yield
+            yield None
             return
         compute = torch.accelerator.current_stream(self.device)
-        self.stream.wait_event(compute.record_event())
-        for t in tensors:
-            with contextlib.suppress(TypeError, RuntimeError):  # record_stream wants the backend's stream
-                t.record_stream(self.stream)
+        self.stream.wait_stream(compute)  # the collective sees every write queued before it
         torch.accelerator.set_stream(self.stream)
         try:
-            yield
+            yield compute
         finally:
             torch.accelerator.set_stream(compute)
 
@@ -64,19 +72,23 @@ class CommStream:
 class CommHandle:
     """Completion of one or more collectives; `wait()` once before reading their outputs.
 
-    `wait()` waits the c10d works, then (on a device) makes the current stream wait on the comm event,
-    then (with a link model) sleeps until `not_before` (a `time.perf_counter()` value), then runs the
-    `on_wait` callbacks. A failed collective raises `CollectiveError` (failure.py). The blocked time is
-    added to `counters.wait_s[op]`.
+    `wait()` waits the c10d works, then (on a device) makes the current stream and the issuing stream
+    wait on the comm event and releases the tensors kept alive for the collective (`keep`), then (with a
+    link model) sleeps until `not_before` (a `time.perf_counter()` value), then runs the `on_wait`
+    callbacks. A failed collective raises `CollectiveError` (failure.py), again at every further wait().
+    The blocked time is added to `counters.wait_s[op]`. A second wait() after success is a no-op.
     """
 
     def __init__(self, op: str, works: Sequence[dist.Work | None] = (), *, event: torch.Event | None = None,
+                 issue_stream: torch.Stream | None = None, keep: Sequence[torch.Tensor] = (),
                  not_before: float = 0.0, counters: CommCounters | None = None,
                  on_wait: Sequence[Callable[[], None]] = (), ranks: list[int] | None = None):
         self.op = op
         self.ranks = ranks
         self._works = [w for w in works if w is not None]
         self._event = event
+        self._issue_stream = issue_stream
+        self._keep = tuple(keep)  # input / output buffers of the collective, alive until the streams wait
         self.not_before = not_before
         self._counters = counters
         self._on_wait = list(on_wait)
@@ -97,6 +109,8 @@ class CommHandle:
             raise describe_failure(self.op, self.ranks, e) from e
         if self._event is not None:
             torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+            self._order_issue_stream()
+        self._keep = ()  # every stream that may reuse these buffers is now queued after the collective
         delay = self.not_before - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
@@ -105,6 +119,17 @@ class CommHandle:
         self.done = True
         if self._counters is not None:
             self._counters.add_wait(self.op, time.perf_counter() - t0)
+
+    def _order_issue_stream(self) -> None:
+        if self._issue_stream is not None and self._event is not None:
+            self._issue_stream.wait_event(self._event)
+
+    def __del__(self) -> None:
+        # Dropped without wait(): before the kept buffers go back to the allocator, queue the issuing
+        # stream (where they were allocated, hence where they are reused) after the collective.
+        if not self.done and self._keep:
+            with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to protect
+                self._order_issue_stream()
 
     def is_completed(self) -> bool:
         """True when `wait()` would not block (the works are done and `not_before` has passed)."""

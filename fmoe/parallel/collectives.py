@@ -75,16 +75,20 @@ class CommGroup:
         return time.perf_counter() + self.link_model.duration(by_link)
 
     def _issue(self, op: str, sent_to_P: Sequence[int], launch, *tensors: torch.Tensor) -> CommHandle:
+        """Launch a collective (on the comm stream if any); return its handle, which keeps `tensors` (its
+        input and output buffers) alive until wait() has ordered the streams after it."""
         not_before = self._account(op, sent_to_P)
+        event, compute = None, None
         try:
             if self.stream is None:
-                return CommHandle(op, [launch()], not_before=not_before, counters=self.counters,
-                                  ranks=self.global_ranks)
-            with self.stream.issue(*tensors):
                 work = launch()
+            else:
+                with self.stream.issue() as compute:
+                    work = launch()
+                    event = self.stream.done_event()  # on the comm stream, right after the collective
         except Exception as e:  # a broken group fails at issue time: same clear error as at wait time
             raise describe_failure(op, self.global_ranks, e) from e
-        return CommHandle(op, [work], event=self.stream.done_event(), not_before=not_before,
+        return CommHandle(op, [work], event=event, issue_stream=compute, keep=tensors, not_before=not_before,
                           counters=self.counters, ranks=self.global_ranks)
 
 

@@ -61,4 +61,5 @@ def check_peers(group: dist.ProcessGroup | None = None, timeout_s: float = 30.0)
     try:
         dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     except Exception as e:
-        raise describe_failure("monitored_barrier", None, e) from e
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        raise describe_failure("monitored_barrier", ranks, e) from e

@@ -18,8 +18,10 @@ them per token before the one transfer back across nodes.
 The dedup needs token-level routing, so the native entry point is `dispatch_tokens(x_TD, ids_TK,
 probs_TK)` / `combine_tokens(y_MD, meta) -> y_TD` (which replaces permute-1 and unpermute). The row-level
 `Dispatcher` protocol (`dispatch(x_ND, counts_E)` / `combine`) also works, treating each row as a token
-with K = 1 (same route, no dedup). Host synchronisation (explicit): two blocking count exchanges per
-dispatch (inter-node, then intra-node), read to the host as split sizes; combine does not synchronise.
+with K = 1 (same route, no dedup). Host synchronisation (explicit), per dispatch: the inter-node count
+exchange read to the host as split sizes, the number of rows bound for this node (R), and the intra-node
+count exchange read as split sizes; every other size is derived from those host ints. Combine does not
+synchronise.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class HierarchicalDispatcher:
     def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, probs_N: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, HierarchicalMeta]:
         """Return (x_MD, counts_L, probs_M or None, meta): each expert-sorted row as a token with K = 1."""
-        ids_N1 = expert_ids_of_rows(counts_E.to(x_ND.device)).unsqueeze(1)
+        ids_N1 = expert_ids_of_rows(counts_E.to(x_ND.device), x_ND.shape[0]).unsqueeze(1)
         probs_N1 = None if probs_N is None else probs_N.unsqueeze(1)
         return self._dispatch(x_ND, ids_N1, probs_N1, weight_in_combine=False)
 
@@ -105,10 +107,11 @@ class HierarchicalDispatcher:
         node_TK = ids_TK // self.node_experts
         need_TS = torch.zeros((x_TD.shape[0], S), dtype=torch.bool, device=dev)
         need_TS.scatter_(1, node_TK, True)
-        send_tok = need_TS.t().nonzero()[:, 1]  # node-major, tokens ascending within a node
         send_S_t = need_TS.sum(0)
         recv_S_t = exchange_counts(send_S_t.reshape(S, 1), self.inter, op="hier.inter.counts").reshape(S)
         send_S, recv_S = send_S_t.tolist(), recv_S_t.tolist()  # host sync (split sizes)
+        # node-major, tokens ascending within a node; sized by the host split sizes (nonzero would sync)
+        send_tok = torch.nonzero_static(need_TS.t(), size=sum(send_S))[:, 1]
         x_UD = all_to_all(x_TD.index_select(0, send_tok), self.inter, recv_S, send_S,
                           op="hier.inter.dispatch")
         with torch.no_grad():  # routing ids are integers: moved, never differentiated
@@ -130,7 +133,7 @@ class HierarchicalDispatcher:
         recv_GL = exchange_counts(counts_GL, self.intra, op="hier.intra.counts")
         send_G, recv_G = counts_GL.sum(1).tolist(), recv_GL.sum(1).tolist()  # host sync (split sizes)
         x_MD = all_to_all(x_UD.index_select(0, row_u), self.intra, recv_G, send_G, op="hier.intra.dispatch")
-        idx_M = chunk_transpose_index(recv_GL)
+        idx_M = chunk_transpose_index(recv_GL, sum(recv_G))
         x_MD = x_MD.index_select(0, idx_M)
         row_p = None if probs_UK is None else probs_UK.reshape(-1).index_select(0, order_R)
         probs_M = None

@@ -17,24 +17,25 @@ def exclusive_cumsum(n_X: torch.Tensor) -> torch.Tensor:
     return c - n_X.to(torch.int64)
 
 
-def chunk_transpose_index(counts_AB: torch.Tensor) -> torch.Tensor:
+def chunk_transpose_index(counts_AB: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Return idx_M such that x_MD.index_select(0, idx_M) turns chunks stored in (a, b) order into (b, a).
 
     Rows arrive as consecutive chunks, chunk (a, b) of counts_AB[a, b] rows, a-major (e.g. by source rank,
     then by local expert); the result lists them b-major (by local expert, then source rank) — permute-2.
-    Its inverse is `torch.argsort(idx_M)`.
+    Its inverse is `torch.argsort(idx_M)`. `total` (= counts_AB.sum(), a host int the caller already
+    has from its split sizes) avoids reading the device counts here; None reads them (a host sync).
     """
     counts_AB = counts_AB.to(torch.int64)
     start_AB = exclusive_cumsum(counts_AB.reshape(-1)).reshape(counts_AB.shape)
     start_X, len_X = start_AB.t().reshape(-1), counts_AB.t().reshape(-1)
-    m = int(len_X.sum())  # host sync: the caller already holds these counts on the host
+    m = int(len_X.sum()) if total is None else total
     pos_M = torch.arange(m, device=counts_AB.device)
     return pos_M + torch.repeat_interleave(start_X - exclusive_cumsum(len_X), len_X, output_size=m)
 
 
-def expert_ids_of_rows(counts_E: torch.Tensor) -> torch.Tensor:
-    """Return e_N: the expert id of each expert-sorted row, from counts_E."""
-    n = int(counts_E.sum())
+def expert_ids_of_rows(counts_E: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Return e_N: the expert id of each expert-sorted row, from counts_E (`total` = N if known: no sync)."""
+    n = int(counts_E.sum()) if total is None else total
     return torch.repeat_interleave(torch.arange(counts_E.numel(), device=counts_E.device),
                                    counts_E.to(torch.int64), output_size=n)
 
