@@ -196,7 +196,7 @@ def any_config(draw):
     return cfg, draw(st.integers(1, 10)), dtype
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @example(case=(MoEConfig(d_model=8, d_ff=8, num_experts=6, top_k=2, score_func="sigmoid", topk_norm="after",
                          topk_scale=2.5, num_groups=3, topk_groups=2, bias_update_rate=0.1,
                          capacity_factor=0.5, drop_policy="probs", pad_to_capacity=True, num_shared_experts=1,

@@ -52,7 +52,7 @@ def router_cases(draw):
     return cfg, T, seed, biased
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @example(case=(MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=3, num_groups=4, topk_groups=2,
                          score_func="sigmoid"), 6, 0, False), dtype=torch.float32)
 @given(case=router_cases(), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
