@@ -136,6 +136,11 @@ def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
                                                                       "capacity_steps")}
         if not cap_state:
             cap_state = init_capacity_state(cfg, ids_TK.device)
+        if set(cap_state) != {"load_history_W", "capacity_misses", "capacity_steps"} or (
+                cap_state["load_history_W"].shape != (cfg.dynamic_capacity_window,)):
+            raise ValueError("make_layout: dynamic-capacity state must hold load_history_W "
+                             f"[{cfg.dynamic_capacity_window}], capacity_misses and capacity_steps "
+                             f"(fmoe.init_moe_state), got {sorted(cap_state)}")
         counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
         max_load = counts_E.max() if counts_E.numel() else zero
         C = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)

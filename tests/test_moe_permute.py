@@ -130,6 +130,17 @@ def test_dynamic_capacity_forecast_and_misses() -> None:
     assert forecast_capacity(torch.tensor([3, 1, 2]), 1.5) == 5
 
 
+def test_dynamic_capacity_rejects_a_partial_or_mis_sized_state() -> None:
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=1, dynamic_capacity_window=3)
+    ids_TK, probs_TK = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    full = init_moe_state(cfg)
+    partial = {"load_history_W": full["load_history_W"]}
+    wrong_size = dict(full, load_history_W=torch.zeros(5, dtype=torch.int64))
+    for bad in (partial, wrong_size):
+        with pytest.raises(ValueError, match="dynamic-capacity state must hold load_history_W"):
+            make_layout(ids_TK, probs_TK, cfg, bad)
+
+
 def test_dynamic_capacity_layer_equals_dropless() -> None:
     base = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2)
     dyn = base.replace(dynamic_capacity_window=2, dynamic_capacity_margin=1.2)
