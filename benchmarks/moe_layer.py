@@ -35,14 +35,19 @@ def layer_flops(T: int, D: int, F: int, E: int, K: int) -> float:
 
 
 def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
-    """Median wall time per step: one warm-up each, then `repeats` rounds running every step in turn."""
+    """Median wall time per step: one warm-up each, then `repeats` rounds running every step in turn.
+
+    Each round starts one variant later (a rotation), so no variant always runs right after the same
+    neighbour: the order effects of the allocator and caches spread over all of them.
+    """
     for fn in steps.values():
         fn()
+    names = list(steps)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, fn in steps.items():
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.perf_counter()
-            fn()
+            steps[name]()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
