@@ -1,8 +1,8 @@
 """split_vjp overhead, side by side in one run: split backward vs full torch.func.vjp vs nn.Module.
 
 Model: 8 x (RMSNorm -> linear -> SwiGLU -> linear, residual), hidden 1024, ffn 2816, 2048 tokens, fp32, CPU.
-Variants are interleaved repetition by repetition and compared by medians, so machine noise hits them
-alike. Prints three ratios:
+Variants are interleaved repetition by repetition (the order rotating each time) and compared by
+medians, so machine noise and order effects hit them alike. Prints three ratios:
   (vjp_dx + vjp_dw) / full torch.func.vjp backward     target <= 1.05
   fmoe step (fwd + split bwd) / nn.Module fwd + loss.backward()   target <= 1.05
   vjp_dx / full backward     the share a zero-bubble scheduler keeps on the critical path
@@ -59,8 +59,9 @@ def main() -> None:
     module = nn.Sequential(*[ModuleMLP(p) for p in params["layers"]])
 
     clock = time.perf_counter
-    times: dict[str, list[float]] = {k: [] for k in ["dx", "dw", "full_bwd", "fmoe_step", "module_step"]}
-    for rep in range(args.reps + 1):  # the first repetition warms up and is discarded
+    sample: dict[str, float] = {}
+
+    def split_step() -> None:
         t0 = clock()
         out, vjp_dx = split_vjp(dense_stack, params, x)
         t1 = clock()
@@ -68,21 +69,28 @@ def main() -> None:
         t2 = clock()
         vjp_dw()
         t3 = clock()
-        del out, vjp_dx, vjp_dw
+        sample.update(dx=t2 - t1, dw=t3 - t2, fmoe_step=t3 - t0)
 
+    def full_step() -> None:
         _, full_fn = torch.func.vjp(dense_stack, params, x)
-        t4 = clock()
+        t0 = clock()
         full_fn(ct)
-        t5 = clock()
-        del full_fn
+        sample["full_bwd"] = clock() - t0
 
+    def module_step() -> None:
         module.zero_grad(set_to_none=True)
-        t6 = clock()
+        t0 = clock()
         (module(x) * ct).sum().backward()
-        t7 = clock()
+        sample["module_step"] = clock() - t0
+
+    variants = [split_step, full_step, module_step]
+    times: dict[str, list[float]] = {k: [] for k in ["dx", "dw", "full_bwd", "fmoe_step", "module_step"]}
+    for rep in range(args.reps + 1):  # the first repetition warms up and is discarded
+        # Rotate the order each repetition so no variant always runs after the same neighbour.
+        for step in variants[rep % 3:] + variants[:rep % 3]:
+            step()
         if rep > 0:
-            for k, v in {"dx": t2 - t1, "dw": t3 - t2, "full_bwd": t5 - t4, "fmoe_step": t3 - t0,
-                         "module_step": t7 - t6}.items():
+            for k, v in sample.items():
                 times[k].append(v)
 
     med = {k: statistics.median(v) for k, v in times.items()}
