@@ -35,6 +35,7 @@ from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import shared_experts
+from fmoe.init import scaled_normal
 from fmoe.layer import (
     MoEAux,
     MoERoute,
@@ -50,17 +51,15 @@ from fmoe.ops.linear import linear
 from fmoe.ops.rms_norm import rms_norm
 
 
-def _normal(shape: tuple[int, int], generator: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(shape, generator=generator) / shape[0] ** 0.5).to(dtype)
-
-
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return {"attn_norm": [D], "wq": [D, H*d], "wk": [D, G*d], "wv": [D, G*d], "wo": [H*d, D]}."""
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.hd, cfg.kv_heads * cfg.hd
-    return {"attn_norm": torch.ones(D, dtype=dtype), "wq": _normal((D, Hd), generator, dtype),
-            "wk": _normal((D, Gd), generator, dtype), "wv": _normal((D, Gd), generator, dtype),
-            "wo": _normal((Hd, D), generator, dtype)}
+    return {"attn_norm": torch.ones(D, dtype=dtype),
+            "wq": scaled_normal((D, Hd), D, generator, dtype),
+            "wk": scaled_normal((D, Gd), D, generator, dtype),
+            "wv": scaled_normal((D, Gd), D, generator, dtype),
+            "wo": scaled_normal((Hd, D), Hd, generator, dtype)}
 
 
 def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fmoe.init import scaled_normal
 from fmoe.ops.linear import linear
 from fmoe.ops.rms_norm import rms_norm
 from fmoe.ops.swiglu import swiglu
@@ -21,7 +22,7 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return {"norm_D": ones [D], "w_gate_DF": [D, F], "w_up_DF": [D, F], "w_down_FD": [F, D]}."""
     def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=generator) / shape[0] ** 0.5).to(dtype)
+        return scaled_normal(shape, shape[0], generator, dtype)
 
     return {"norm_D": torch.ones(d_model, dtype=dtype), "w_gate_DF": normal(d_model, d_ff),
             "w_up_DF": normal(d_model, d_ff), "w_down_FD": normal(d_ff, d_model)}

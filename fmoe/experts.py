@@ -20,33 +20,30 @@ from collections.abc import Sequence
 import torch
 
 from fmoe.config import MoEConfig
+from fmoe.init import scaled_normal
 from fmoe.ops.grouped_linear import grouped_linear
 from fmoe.ops.linear import linear
 from fmoe.ops.swiglu import swiglu
-
-
-def _normal(shape: tuple[int, ...], fan_in: int, generator: torch.Generator | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(shape, generator=generator) / fan_in ** 0.5).to(dtype)
 
 
 def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return the routed experts {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}."""
     E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
-    return {"w_gate": _normal((E, D, F), D, generator, dtype),
-            "w_up": _normal((E, D, F), D, generator, dtype),
-            "w_down": _normal((E, F, D), F, generator, dtype)}
+    return {"w_gate": scaled_normal((E, D, F), D, generator, dtype),
+            "w_up": scaled_normal((E, D, F), D, generator, dtype),
+            "w_down": scaled_normal((E, F, D), F, generator, dtype)}
 
 
 def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return the shared expert {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D] (, "gate": [D, 1])}."""
     D, S = cfg.d_model, cfg.num_shared_experts * cfg.d_ff
-    p = {"w_gate": _normal((D, S), D, generator, dtype), "w_up": _normal((D, S), D, generator, dtype),
-         "w_down": _normal((S, D), S, generator, dtype)}
+    p = {"w_gate": scaled_normal((D, S), D, generator, dtype),
+         "w_up": scaled_normal((D, S), D, generator, dtype),
+         "w_down": scaled_normal((S, D), S, generator, dtype)}
     if cfg.shared_expert_gate:
-        p["gate"] = _normal((D, 1), D, generator, dtype)
+        p["gate"] = scaled_normal((D, 1), D, generator, dtype)
     return p
 
 

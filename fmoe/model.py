@@ -28,6 +28,7 @@ import torch
 from fmoe.block import block, dense_block, init_block
 from fmoe.config import GPTConfig
 from fmoe.dispatch.base import Dispatcher
+from fmoe.init import scaled_normal
 from fmoe.layer import MoEAux, init_moe_state
 from fmoe.ops.cross_entropy import cross_entropy
 from fmoe.ops.embedding import embedding
@@ -61,11 +62,11 @@ def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
         "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
                    for i in range(cfg.n_layers)],
         "norm": torch.ones(D, dtype=dtype),
-        "head": (torch.randn(D, V, generator=generator) / D ** 0.5).to(dtype),
+        "head": scaled_normal((D, V), D, generator, dtype),
     }
     if cfg.mtp:
         params["mtp"] = {"norm_h": torch.ones(D, dtype=dtype), "norm_e": torch.ones(D, dtype=dtype),
-                         "proj": (torch.randn(2 * D, D, generator=generator) / (2 * D) ** 0.5).to(dtype),
+                         "proj": scaled_normal((2 * D, D), 2 * D, generator, dtype),
                          "block": init_block(cfg, generator, dtype), "norm": torch.ones(D, dtype=dtype)}
     return params
 

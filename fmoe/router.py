@@ -20,6 +20,7 @@ import torch
 
 from fmoe.balance import aux_loss, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
+from fmoe.init import scaled_normal
 from fmoe.ops.linear import linear
 
 
@@ -49,8 +50,7 @@ class Routing:
 def init_router(cfg: MoEConfig, generator: torch.Generator | None = None,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return {"weight": [D, E]} with N(0, 1/D) entries."""
-    w_DE = torch.randn(cfg.d_model, cfg.num_experts, generator=generator) / cfg.d_model ** 0.5
-    return {"weight": w_DE.to(dtype)}
+    return {"weight": scaled_normal((cfg.d_model, cfg.num_experts), cfg.d_model, generator, dtype)}
 
 
 def _top_indices(score_TX: torch.Tensor, k: int) -> torch.Tensor:
