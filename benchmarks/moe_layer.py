@@ -24,7 +24,7 @@ import torch
 
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe
-from fmoe.ops.grouped_linear import available_backends
+from fmoe.ops import available_backends
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 

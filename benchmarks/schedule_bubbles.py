@@ -8,7 +8,7 @@ the four-stage split and lone steps hiding 50% (the seed's fb overlap).
 
 from __future__ import annotations
 
-import schedule as S
+import fmoe.schedule as S
 
 ROWS = ("1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipe", "dualpipev",
         "dualpipev+dw_detach")

@@ -1,21 +1,29 @@
 """fmoe: functional Mixture-of-Experts training on torch.func (pure functions over parameter pytrees).
 
-`fmoe.moe` is the MoE layer function (defined in `fmoe/layer.py`). The block's stage functions live in
-`fmoe.block`.
+`fmoe.moe` is the MoE layer function (defined in `fmoe/layer.py`); the block's phase functions live in
+`fmoe.block`. Subpackages: `fmoe.transforms` (split_vjp, remat, the weight-grad tape), `fmoe.ops`
+(primitives), `fmoe.parallel` (expert parallelism), `fmoe.schedule` (pipeline schedules as data),
+`fmoe.cli`. Names load on first use (PEP 562), so `import fmoe.schedule` loads no model code.
 """
 
-from fmoe.config import GPTConfig as GPTConfig
-from fmoe.config import MoEConfig as MoEConfig
-from fmoe.dispatch.base import Dispatcher as Dispatcher
-from fmoe.dispatch.local import LocalDispatcher as LocalDispatcher
-from fmoe.layer import MoEAux as MoEAux
-from fmoe.layer import MoERoute as MoERoute
-from fmoe.layer import init_moe as init_moe
-from fmoe.layer import init_moe_state as init_moe_state
-from fmoe.layer import moe as moe
-from fmoe.model import GPTAux as GPTAux
-from fmoe.model import gpt_loss as gpt_loss
-from fmoe.model import init_gpt as init_gpt
-from fmoe.model import init_gpt_state as init_gpt_state
-from fmoe.router import Routing as Routing
-from fmoe.router import route as route
+from fmoe._lazy import lazy_exports
+
+_EXPORTS = {
+    "GPTConfig": ".config",
+    "MoEConfig": ".config",
+    "Dispatcher": ".dispatch.base",
+    "LocalDispatcher": ".dispatch.local",
+    "MoEAux": ".layer",
+    "MoERoute": ".layer",
+    "init_moe": ".layer",
+    "init_moe_state": ".layer",
+    "moe": ".layer",
+    "GPTAux": ".model",
+    "gpt_loss": ".model",
+    "init_gpt": ".model",
+    "init_gpt_state": ".model",
+    "Routing": ".router",
+    "route": ".router",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

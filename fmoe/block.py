@@ -46,9 +46,8 @@ from fmoe.layer import (
     make_aux,
     route_tokens,
 )
-from fmoe.ops.attention import attention as attention_op
-from fmoe.ops.linear import linear
-from fmoe.ops.rms_norm import rms_norm
+from fmoe.ops import attention as attention_op
+from fmoe.ops import linear, rms_norm
 
 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
@@ -120,7 +119,7 @@ def mlp(params: dict[str, Any], rows_MD: torch.Tensor, probs_M: torch.Tensor | N
         cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """Stage 3: return {"rows": ye_MD[, "shared": s_TD]}: routed experts (and the shared expert).
 
-    The routed experts run under `transforms.remat` when route.recompute (load-aware recompute).
+    The routed experts run under `fmoe.transforms.remat` when route.recompute (load-aware recompute).
     """
     counts_L, _ = dmeta
     experts = params["moe"]["experts"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fmoe.config import MoEConfig
-from fmoe.ops.permute import Layout, sort_layout
+from fmoe.ops import Layout, sort_layout
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class MoEConfig:
     - probs_in_expert: apply the gate weight inside the expert (before w_down) rather than at combine.
     - backend: grouped_linear backend ("grouped_mm", "loop", "npu") or None (automatic).
     Recompute
-    - adaptive_recompute: recompute the layer's expert activations with `transforms.remat` when the
+    - adaptive_recompute: recompute the layer's expert activations with `fmoe.transforms.remat` when the
       largest expert load exceeds recompute_load_scale x the mean load.
     """
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import torch
 
 from fmoe.init import scaled_normal
-from fmoe.ops.linear import linear
-from fmoe.ops.rms_norm import rms_norm
-from fmoe.ops.swiglu import swiglu
+from fmoe.ops import linear, rms_norm, swiglu
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,

@@ -21,9 +21,7 @@ import torch
 
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops.grouped_linear import grouped_linear
-from fmoe.ops.linear import linear
-from fmoe.ops.swiglu import swiglu
+from fmoe.ops import grouped_linear, linear, swiglu
 
 
 def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,

@@ -26,7 +26,7 @@ from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import init_experts, init_shared, routed_experts, shared_experts
-from fmoe.ops.permute import Layout, permute, permute_probs, unpermute
+from fmoe.ops import Layout, permute, permute_probs, unpermute
 from fmoe.recompute import maybe_remat, overloaded
 from fmoe.router import init_router, route
 
@@ -35,7 +35,7 @@ from fmoe.router import init_router, route
 class MoERoute:
     """Non-differentiable routing metadata handed from the routing step to the expert and combine steps.
 
-    layout: the expert-sorted row layout (fmoe.ops.permute.Layout); ids_TK: int64 [T, K] chosen experts;
+    layout: the expert-sorted row layout (fmoe.ops.Layout); ids_TK: int64 [T, K] chosen experts;
     tokens_per_expert_E: int64 [E] load before drops; dropped: int64 scalar, (token, slot) pairs dropped;
     capacity: C or None (dropless); capacity_missed: dynamic-capacity forecast miss (None if not dynamic);
     recompute: whether the expert step runs under remat; new_state: the layer's next state pytree;

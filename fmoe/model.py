@@ -30,10 +30,7 @@ from fmoe.config import GPTConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.init import scaled_normal
 from fmoe.layer import MoEAux, init_moe_state
-from fmoe.ops.cross_entropy import cross_entropy
-from fmoe.ops.embedding import embedding
-from fmoe.ops.linear import linear
-from fmoe.ops.rms_norm import rms_norm
+from fmoe.ops import cross_entropy, embedding, linear, rms_norm
 
 
 @dataclass(frozen=True)

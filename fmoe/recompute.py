@@ -2,7 +2,7 @@
 
 A layer whose routing is skewed holds far more expert activations than a balanced one (rows per
 expert follow the load). When the largest expert load exceeds `scale` x the mean load (default 2.0),
-the layer's routed-expert computation runs under `transforms.remat` (only its inputs are saved; the
+the layer's routed-expert computation runs under `fmoe.transforms.remat` (only its inputs are saved; the
 backward recomputes gate/up/activation); otherwise activations are saved as usual.
 
 Legend: E experts, M expert-sorted rows, D model width.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from transforms import nothing_saveable, remat
+from fmoe.transforms import nothing_saveable, remat
 
 
 def overloaded(counts_E: torch.Tensor, scale: float = 2.0) -> bool:

@@ -21,7 +21,7 @@ import torch
 from fmoe.balance import aux_loss, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops.linear import linear
+from fmoe.ops import linear
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

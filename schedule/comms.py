@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from schedule.ir import ACT, GRAD, Action, B, F, I, Op, Recv, Schedule, Send, ops_of
+from fmoe.schedule.ir import ACT, GRAD, Action, B, F, I, Op, Recv, Schedule, Send, ops_of
 
 
 def needs(s: Schedule, op: Op) -> list[Recv]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedule.ir import B, F, I, Op
+from fmoe.schedule.ir import B, F, I, Op
 
 Num = float | tuple[float, ...]
 

@@ -5,9 +5,9 @@ Legend: pp ranks, m microbatches, v chunks per rank (stage of chunk c on rank r 
 
 from __future__ import annotations
 
-from schedule import stages
-from schedule.gen_common import build, positive, require
-from schedule.ir import Action, B, F, Op, Overlap, Schedule
+from fmoe.schedule import stages
+from fmoe.schedule.gen_common import build, positive, require
+from fmoe.schedule.ir import Action, B, F, Op, Overlap, Schedule
 
 
 def gpipe(pp: int, m: int) -> Schedule:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedule.ir import Action, Placement, Schedule, ScheduleError
+from fmoe.schedule.ir import Action, Placement, Schedule, ScheduleError
 
 
 def require(ok: bool, name: str, why: str) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedule import stages
-from schedule.gen_common import build, positive, require
-from schedule.ir import Action, B, F, I, Op, Overlap, Schedule, W
+from fmoe.schedule import stages
+from fmoe.schedule.gen_common import build, positive, require
+from fmoe.schedule.ir import Action, B, F, I, Op, Overlap, Schedule, W
 
 
 def _steps(n: int, c: int, r: int, stage: tuple[int, int], mb0: tuple[int, int],

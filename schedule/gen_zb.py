@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from schedule import stages
-from schedule.gen_common import build, positive, require
-from schedule.ir import Action, F, I, Op, Schedule, W
+from fmoe.schedule import stages
+from fmoe.schedule.gen_common import build, positive, require
+from fmoe.schedule.ir import Action, F, I, Op, Schedule, W
 
 
 def zb_h1(pp: int, m: int) -> Schedule:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedule.ir import Placement, ScheduleError
+from fmoe.schedule.ir import Placement, ScheduleError
 
 
 @dataclass(frozen=True)
@@ -20,14 +20,32 @@ class LayerPlacement:
     imbalance_pct: float
 
 
+def stage_costs(placement: Placement, layers: tuple[int, ...], first_extra: float = 0.0,
+                last_extra: float = 0.0) -> tuple[float, ...]:
+    """Returns per-stage cost [S]: its layers + `first_extra` on stage 0 + `last_extra` on the last."""
+    if len(layers) != placement.num_stages:
+        raise ScheduleError(f"{len(layers)} layer counts for {placement.num_stages} stages")
+    last = placement.num_stages - 1
+    return tuple(n + (first_extra if s == 0 else 0.0) + (last_extra if s == last else 0.0)
+                 for s, n in enumerate(layers))
+
+
 def rank_costs(placement: Placement, layers: tuple[int, ...], first_extra: float = 0.0,
                last_extra: float = 0.0) -> tuple[float, ...]:
-    """Returns per-rank cost: layers of its stages + `first_extra` on stage 0 + `last_extra` on the last."""
+    """Returns per-rank cost [pp]: the `stage_costs` of the stages the rank holds, summed."""
     cost = [0.0] * placement.pp
-    for s, n in enumerate(layers):
-        extra = (first_extra if s == 0 else 0.0) + (last_extra if s == placement.num_stages - 1 else 0.0)
-        cost[placement.stage_rank[s]] += n + extra
+    for s, c in enumerate(stage_costs(placement, layers, first_extra, last_extra)):
+        cost[placement.stage_rank[s]] += c
     return tuple(cost)
+
+
+def even_layers(placement: Placement, num_layers: int, min_layers: int = 0) -> tuple[int, ...]:
+    """Returns `num_layers` split as evenly as possible over the stages [S] (earlier stages get the
+    remainder); raises ScheduleError when a stage would get fewer than `min_layers`."""
+    n = placement.num_stages
+    if num_layers < n * min_layers:
+        raise ScheduleError(f"{num_layers} layers cannot give {min_layers} to each of {n} stages")
+    return tuple(num_layers // n + (1 if s < num_layers % n else 0) for s in range(n))
 
 
 def imbalance_pct(costs: tuple[float, ...]) -> float:
@@ -41,11 +59,7 @@ def place_layers(placement: Placement, num_layers: int, first_extra: float = 0.0
     """Returns a LayerPlacement of `num_layers` over the stages that minimises the costliest rank
     (local search from the even split, moving one layer from the costliest rank's stage to the
     cheapest rank's stage while that lowers the pair's maximum), at least `min_layers` per stage."""
-    n = placement.num_stages
-    if num_layers < n * min_layers:
-        raise ScheduleError(f"place_layers: {num_layers} layers cannot give {min_layers} to each of "
-                            f"{n} stages")
-    layers = [num_layers // n + (1 if s < num_layers % n else 0) for s in range(n)]
+    layers = list(even_layers(placement, num_layers, min_layers))
     while True:
         cost = rank_costs(placement, tuple(layers), first_extra, last_extra)
         hi = max(range(placement.pp), key=lambda r: cost[r])

@@ -5,10 +5,10 @@ Legend: pp ranks, m microbatches, v chunks per rank (only the interleaved schedu
 
 from __future__ import annotations
 
-from schedule.gen_1f1b import gpipe, interleaved_1f1b, one_f_one_b
-from schedule.gen_dualpipe import dualpipe, dualpipev
-from schedule.gen_zb import zb_h1, zbv
-from schedule.ir import Schedule, ScheduleError
+from fmoe.schedule.gen_1f1b import gpipe, interleaved_1f1b, one_f_one_b
+from fmoe.schedule.gen_dualpipe import dualpipe, dualpipev
+from fmoe.schedule.gen_zb import zb_h1, zbv
+from fmoe.schedule.ir import Schedule, ScheduleError
 
 NAMES = ("gpipe", "1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipe", "dualpipev",
          "dualpipev+dw_detach")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedule.comms import without_comms
-from schedule.costs import Costs
-from schedule.ir import B, F, I, Op, Overlap, Schedule, ScheduleError, W, ops_of
+from fmoe.schedule.comms import without_comms
+from fmoe.schedule.costs import Costs
+from fmoe.schedule.ir import B, F, I, Op, Overlap, Schedule, ScheduleError, W, ops_of
 
 
 @dataclass(frozen=True)

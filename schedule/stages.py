@@ -5,7 +5,7 @@ Legend: pp ranks, v chunks per rank, S = number of stages; stage ids are global.
 
 from __future__ import annotations
 
-from schedule.ir import Placement, ScheduleError
+from fmoe.schedule.ir import Placement, ScheduleError
 
 
 def _check_pos(**kw: int) -> None:

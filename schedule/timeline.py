@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from schedule.ir import Overlap
-from schedule.simulate import Report
+from fmoe.schedule.ir import Overlap
+from fmoe.schedule.simulate import Report
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "F&B": "#8172b3"}
 
@@ -54,7 +54,7 @@ def write_png(rep: Report, path: str | Path, labels: bool | None = None) -> Path
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as exc:  # optional dependency
-        raise ImportError("schedule.timeline.write_png needs matplotlib; install it with "
+        raise ImportError("fmoe.schedule.timeline.write_png needs matplotlib; install it with "
                           "pip install 'fmoe[viz]'") from exc
     pp = len(rep.busy)
     labels = len(rep.events) <= 400 if labels is None else labels

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from schedule.comms import produces, with_comms
-from schedule.ir import ACT, GRAD, B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
+from fmoe.schedule.comms import produces, with_comms
+from fmoe.schedule.ir import ACT, GRAD, B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
 
 
 def _check_shape(s: Schedule) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fmoe.cli import main
+from fmoe.cli.main import main
 
 
 def test_demo_runs_and_conserves_flops(capsys):

@@ -6,10 +6,10 @@ Legend: B sequences, S positions, T = B * S tokens, D model width, E experts, K 
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_moe
@@ -18,9 +18,7 @@ from torch.utils._pytree import tree_map
 from fmoe.block import attention, block, combine, dispatch, init_block, mlp, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.ops.rms_norm import rms_norm
-from transforms import split_vjp
-from transforms.testing import assert_close
+from fmoe.ops import rms_norm
 
 MODES = {
     "dropless": {},
@@ -121,7 +119,7 @@ def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
     cfg, params, x = make("recompute", 2, 4, 4, 1, torch.float64, seed=2)
     cfg_never = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
                           moe=cfg.moe.replace(adaptive_recompute=False))
-    moe_module = importlib.import_module("fmoe.layer")
+    from fmoe import layer as moe_module
     calls = []
     real = moe_module.routed_experts
     monkeypatch.setattr(moe_module, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_moe
@@ -14,8 +16,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe, plan_route
-from transforms import split_vjp
-from transforms.testing import assert_close
 
 MODES = {
     "dropless": {},

@@ -6,12 +6,12 @@ Legend: B sequences, S positions, V vocabulary, D model width.
 from __future__ import annotations
 
 import torch
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close, check_vjp
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
-from transforms import split_vjp
-from transforms.testing import assert_close, check_vjp
 
 
 def make(mtp=True, dtype=torch.float64, mtp_loss_weight=0.5, aux_loss_coef=0.01, **moe_kw):

@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
+from fmoe.transforms.testing import assert_close, check_vjp
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, init_moe_state, moe
-from fmoe.ops.permute import permute, permute_probs, sort_layout, unpermute
-from transforms.testing import assert_close, check_vjp
+from fmoe.ops import permute, permute_probs, sort_layout, unpermute
 
 
 def draw_routing(T, E, K, seed):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fmoe.transforms.testing import assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_route
 
 from fmoe.config import MoEConfig
 from fmoe.router import route
-from transforms.testing import assert_close
 
 
 def test_zero_router_ties_pick_lowest_expert_ids() -> None:

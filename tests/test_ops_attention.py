@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import attention, rope
-from transforms.testing import assert_close, check_vjp, float_dtypes
 
 
 def rope_oracle(x_THd, positions, theta):

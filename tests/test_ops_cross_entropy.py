@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import cross_entropy
-from transforms.testing import assert_close, check_vjp, float_dtypes
 
 
 def make(N, V, dtype, ignore_frac, seed):

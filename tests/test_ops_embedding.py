@@ -5,21 +5,19 @@ Legend: V vocabulary rows, D features, N ids (any shape).
 
 from __future__ import annotations
 
-import importlib
 from unittest import mock
 
 import pytest
 import torch
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.tape import WeightGradTape, active_tape
+from fmoe.transforms.testing import assert_close, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from fmoe.ops import _embedding as emb_mod
 from fmoe.ops import embedding, linear
-from transforms.split_vjp import split_vjp
-from transforms.tape import WeightGradTape, active_tape
-from transforms.testing import assert_close, float_dtypes
-
-emb_mod = importlib.import_module("fmoe.ops.embedding")  # fmoe.ops.embedding is also the function
 
 
 def make(ids_shape, V, D, dtype, seed):

@@ -5,24 +5,20 @@ Legend: N rows, D input features, F output features, E experts.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from unittest import mock
 
 import pytest
 import torch
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.tape import WeightGradTape, active_tape
+from fmoe.transforms.testing import assert_close, check_vjp
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from fmoe.ops.grouped_linear import available_backends, grouped_linear
-from transforms.split_vjp import split_vjp
-from transforms.tape import WeightGradTape, active_tape
-from transforms.testing import assert_close, check_vjp
-
-# fmoe.ops re-exports the function under the module's own name, so `import fmoe.ops.grouped_linear as m`
-# would give the function; importlib returns the module.
-gl_mod = importlib.import_module("fmoe.ops.grouped_linear")
+from fmoe.ops import _grouped_linear as gl_mod
+from fmoe.ops import available_backends, grouped_linear
 
 
 @dataclass

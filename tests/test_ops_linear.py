@@ -5,20 +5,18 @@ Legend: B batch, N rows, D input features, F output features.
 
 from __future__ import annotations
 
-import importlib
 from unittest import mock
 
 import pytest
 import torch
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from fmoe.ops import _linear as lin_mod
 from fmoe.ops import linear
-from transforms.split_vjp import split_vjp
-from transforms.testing import assert_close, check_vjp, float_dtypes
-
-lin_mod = importlib.import_module("fmoe.ops.linear")  # fmoe.ops.linear is also the function's name
 
 
 def make(lead: tuple[int, ...], D: int, F: int, dtype: torch.dtype, seed: int):

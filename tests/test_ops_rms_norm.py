@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import rms_norm
-from transforms.split_vjp import split_vjp
-from transforms.testing import assert_close, check_vjp, float_dtypes
 
 shapes = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2).map(tuple), st.integers(1, 9))
 
@@ -52,7 +52,7 @@ def test_matches_oracle_vjp_and_split(shape, dtype, eps, seed) -> None:
 
 
 def test_scale_grad_not_deferred() -> None:
-    from transforms.tape import WeightGradTape, active_tape
+    from fmoe.transforms.tape import WeightGradTape, active_tape
 
     x, scale_D, ct = make((3,), 4, torch.float64, 0)
     _, vjp_fn = torch.func.vjp(rms_norm, x, scale_D)

@@ -19,8 +19,10 @@ from functools import partial
 import pytest
 import torch
 from dist_utils import spawn
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close
 
-from fmoe.ops.grouped_linear import grouped_linear
+from fmoe.ops import grouped_linear
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,
@@ -32,8 +34,6 @@ from fmoe.parallel import (
     experts_per_rank,
 )
 from fmoe.parallel.mesh import INTER
-from transforms.split_vjp import split_vjp
-from transforms.testing import assert_close
 
 D, F, L = 4, 3, 2
 DT = torch.float64

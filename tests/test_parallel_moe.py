@@ -32,6 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import spawn
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close
 
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe, uses_token_dispatch
@@ -45,8 +47,6 @@ from fmoe.parallel import (
 )
 from fmoe.parallel.tp_extends_ep import local_expert_range
 from fmoe.router import route
-from transforms.split_vjp import split_vjp
-from transforms.testing import assert_close
 
 T, D, F = 5, 8, 6
 DT = torch.float64

@@ -6,12 +6,7 @@ Legend: N rows, D model width, F hidden width.
 from __future__ import annotations
 
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-from torch.utils.flop_counter import FlopCounterMode
-
-from fmoe.ops.linear import linear
-from transforms import (
+from fmoe.transforms import (
     checkpoint_name,
     everything_saveable,
     nothing_saveable,
@@ -20,7 +15,12 @@ from transforms import (
     saved_residuals,
     split_vjp,
 )
-from transforms.testing import assert_close, float_dtypes
+from fmoe.transforms.testing import assert_close, float_dtypes
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from fmoe.ops import linear
 
 POLICIES = [nothing_saveable, everything_saveable, save_only_these_names("fc1"),
             save_only_these_names("fc1", "act", "count")]

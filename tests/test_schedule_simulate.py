@@ -7,14 +7,14 @@ import argparse
 import json
 from fractions import Fraction
 
+import fmoe.schedule as S
 import pytest
+from fmoe.schedule import stages
+from fmoe.schedule.imbalance import imbalance_pct, rank_costs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import schedule as S
-from fmoe.commands import simulate as cli_simulate
-from schedule import stages
-from schedule.imbalance import imbalance_pct, rank_costs
+from fmoe.cli import simulate as cli_simulate
 
 SET = settings(max_examples=25, deadline=None)
 UNIT = S.Costs(f=1, i=1, w=1)  # F = I = W = 1, B = I + W = 2, F&B = F + B = 3, no communication
@@ -137,13 +137,13 @@ def test_cli(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "makespan" in text and "r3" in text and out.exists()
     assert cli_simulate.run(parser.parse_args(["--schedule", "dualpipev", "--pp", "1"])) == 2
-    from fmoe.cli import main
+    from fmoe.cli.main import main
 
     assert main(["simulate", "--schedule", "zb_h1", "--pp", "2", "-m", "4"]) == 0
 
 
 def test_cli_layer_placement_evens_rank_cost(capsys) -> None:
-    from fmoe.cli import main
+    from fmoe.cli.main import main
 
     # 16 layers on 4 stages, embedding worth 1 layer on stage 0, loss + MTP worth 2 on stage 3:
     # even split costs 5, 4, 4, 6 (imbalance 6 / 4.75 - 1 = 26.3%); the balanced one 5, 5, 4, 5 (5.3%).

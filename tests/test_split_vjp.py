@@ -11,13 +11,13 @@ import weakref
 
 import pytest
 import torch
+from fmoe.transforms import check_vjp, split_vjp
+from fmoe.transforms.testing import assert_close, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from fmoe.ops.linear import linear
-from transforms import check_vjp, split_vjp
-from transforms.testing import assert_close, float_dtypes
+from fmoe.ops import linear
 
 SETTINGS = settings(max_examples=30, deadline=None)
 

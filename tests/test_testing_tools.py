@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fmoe.transforms.testing import assert_close, check_vjp, param_pytrees, tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fmoe.ops.linear import linear
-from transforms.testing import assert_close, check_vjp, param_pytrees, tensors
+from fmoe.ops import linear
 
 
 @settings(max_examples=20)

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fmoe.transforms.tape import WeightGradTape, active_tape
 from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from transforms.tape import WeightGradTape, active_tape
 
 
 def _split_tensors(tree: Any, found: list[torch.Tensor]) -> Any:

@@ -1,11 +1,20 @@
-"""fmoe.ops: differentiable primitives (setup_context autograd Functions; weight grads deferrable)."""
+"""fmoe.ops: differentiable primitives, one private module each (setup_context autograd Functions that
+work under torch.func; weight-bearing ones can defer their weight grads to the tape).
 
-from fmoe.ops.attention import attention as attention
-from fmoe.ops.attention import rope as rope
-from fmoe.ops.cross_entropy import cross_entropy as cross_entropy
-from fmoe.ops.embedding import embedding as embedding
-from fmoe.ops.grouped_linear import available_backends as available_backends
-from fmoe.ops.grouped_linear import grouped_linear as grouped_linear
-from fmoe.ops.linear import linear as linear
-from fmoe.ops.rms_norm import rms_norm as rms_norm
-from fmoe.ops.swiglu import swiglu as swiglu
+Public names only; a module's internals are reached as `fmoe.ops._linear` and so on.
+"""
+
+from fmoe.ops._attention import attention as attention
+from fmoe.ops._attention import rope as rope
+from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
+from fmoe.ops._embedding import embedding as embedding
+from fmoe.ops._grouped_linear import available_backends as available_backends
+from fmoe.ops._grouped_linear import grouped_linear as grouped_linear
+from fmoe.ops._linear import linear as linear
+from fmoe.ops._permute import Layout as Layout
+from fmoe.ops._permute import permute as permute
+from fmoe.ops._permute import permute_probs as permute_probs
+from fmoe.ops._permute import sort_layout as sort_layout
+from fmoe.ops._permute import unpermute as unpermute
+from fmoe.ops._rms_norm import rms_norm as rms_norm
+from fmoe.ops._swiglu import swiglu as swiglu

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from transforms.tape import defer_weight_grad, plain
+from fmoe.transforms.tape import defer_weight_grad, plain
 
 BACKENDS = ("grouped_mm", "loop", "npu")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-import schedule
-from schedule.registry import NAMES
+from fmoe import schedule
+from fmoe.schedule.registry import NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,18 +71,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _stage_layers(s: schedule.Schedule, args: argparse.Namespace) -> tuple[float, ...]:
     """Per-stage cost in layers (layers + first/last extra); prints the placement and its imbalance."""
-    n = s.placement.num_stages
     if args.placement == "balanced":
-        placed = schedule.place_layers(s.placement, args.layers, args.first_extra, args.last_extra, 1)
-        layers = placed.layers
+        layers = schedule.place_layers(s.placement, args.layers, args.first_extra, args.last_extra, 1).layers
     else:
-        if args.layers < n:
-            raise schedule.ScheduleError(f"--layers {args.layers} < {n} stages")
-        layers = tuple(args.layers // n + (1 if k < args.layers % n else 0) for k in range(n))
+        layers = schedule.even_layers(s.placement, args.layers, min_layers=1)
     rank_cost = schedule.rank_costs(s.placement, layers, args.first_extra, args.last_extra)
     print(f"layers per stage ({args.placement}): {' '.join(map(str, layers))}; "
           f"rank cost imbalance {schedule.imbalance_pct(rank_cost):.2f}%")
-    extra = [0.0] * n
-    extra[0] += args.first_extra
-    extra[-1] += args.last_extra
-    return tuple(layers[k] + extra[k] for k in range(n))
+    return schedule.stage_costs(s.placement, layers, args.first_extra, args.last_extra)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from transforms.tape import defer_weight_grad, plain
+from fmoe.transforms.tape import defer_weight_grad, plain
 
 
 def _weight_grad(x_ND: torch.Tensor, g_NF: torch.Tensor) -> torch.Tensor:

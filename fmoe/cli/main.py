@@ -1,11 +1,11 @@
-"""The `fmoe` command line: one sub-command per job, each in its own module under fmoe/commands/."""
+"""The `fmoe` command line: one sub-command per job, each in its own module under fmoe/cli/."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from fmoe.commands import demo, simulate
+from fmoe.cli import demo, simulate
 
 COMMANDS = {"demo": demo, "simulate": simulate}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from transforms.tape import defer_weight_grad, plain
+from fmoe.transforms.tape import defer_weight_grad, plain
 
 
 def _table_grad(ids_N: torch.Tensor, g_ND: torch.Tensor, V: int, dtype: torch.dtype) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe.dense import dense_stack, init_dense_stack
-from transforms import split_vjp
-from transforms.testing import assert_close
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
