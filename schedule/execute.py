@@ -1,0 +1,411 @@
+"""execute: run one rank's part of a verified schedule over its stage programs.
+
+    result = execute(s, rank, programs, data, group=pp_group)
+    result.loss, result.grads, result.events, result.peak_activations
+
+Contract:
+- Cooperative and single-threaded. The weight-grad tape and remat's records are process-global, so the
+  executor interleaves work only at phase boundaries, on the calling thread; it never runs two phases at
+  once. Gloo runs issued collectives on its own threads, so compute between issue and wait overlaps them.
+- F runs every phase of the stage under `split_vjp` (compute) or issues and waits its exchange (comm), and
+  keeps the dx closures. I runs them in reverse and queues the dw thunks; W runs the thunks; B is I and
+  then W. An Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
+  Each op is a generator that yields after issuing an exchange and before waiting for it: a driver that
+  runs two of them in turn overlaps one microbatch's exchange with the other's compute without changing
+  the op code.
+- Activations live from F until W (or B); after that nothing of the microbatch is held.
+- Pipeline P2P on `group`: receives are posted `recv_ahead` compute actions before their consumer and
+  waited just before use; sends are issued when their data exists and waited at the end of the step.
+  Adjacent stages on one rank (the turn of a V) hand over in memory. Every message has its own buffer:
+  nothing is reused while a deferred dw could still read it.
+- Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
+- A measured timeline: compute phases on the compute lane, exchanges (issue to completion) on the comm
+  lane, and every wait as its own compute-lane event.
+
+Generic: knows stage programs (schedule/program.py), never the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fmoe.schedule.ir import ACT, GRAD, B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
+from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
+from fmoe.schedule.verify import verify
+from fmoe.transforms import split_vjp
+
+_MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One measured interval on `rank`'s `lane` ("compute" or "comm"), in seconds from the step start."""
+
+    rank: int
+    lane: str
+    name: str
+    cat: str
+    start: float
+    end: float
+
+
+@dataclass
+class StepResult:
+    """What one rank's step produced.
+
+    loss: mean over microbatches of the losses computed on this rank (0-dim tensor; 0 when none);
+    losses: the same per loss name; grads: nested dicts with the global keys of this rank's stage params,
+    summed over its stages; stats: (stage, mb, layer, phase, value) for every phase that reported
+    meta["stats"]; events: the measured timeline; peak_activations: most (stage, microbatch) forwards alive
+    at once; peak_deferred: most (stage, microbatch) dw passes queued at once."""
+
+    loss: torch.Tensor
+    losses: dict[str, torch.Tensor]
+    grads: dict[str, Any]
+    stats: list[tuple[int, int, str, str, Any]]
+    events: list[TraceEvent]
+    peak_activations: int
+    peak_deferred: int
+
+
+@dataclass
+class _Record:
+    """What F of one (stage, microbatch) keeps for its backward, phase by phase."""
+
+    phases: list[tuple[Phase, str, Any, Any]] = field(default_factory=list)  # (phase, layer, closure, info)
+    out_spec: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def add(self, k: int) -> None:
+        self.now += k
+        self.peak = max(self.peak, self.now)
+
+
+def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram]) -> None:
+    """Raises ScheduleError unless `programs` holds exactly the stages `s` places on `rank`, each naming
+    its own stage, with stages of one model chunk structured alike; returns None."""
+    want = set(s.placement.stages_of(rank))
+    if set(programs) != want:
+        raise ScheduleError(f"rank {rank}: stage programs for stages {sorted(programs)}, but schedule "
+                            f"{s.name} places stages {sorted(want)} on this rank")
+    for st, prog in programs.items():
+        if prog.stage != st:
+            raise ScheduleError(f"rank {rank}: the program under stage {st} says it is stage {prog.stage}")
+        if not prog.layers:
+            raise ScheduleError(f"rank {rank}: stage {st} has no layers")
+
+
+def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
+            group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
+            timeout: timedelta = timedelta(seconds=120)) -> StepResult:
+    """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
+    StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
+    the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
+    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank."""
+    actions = verify(s).ranks[rank]
+    check_programs(s, rank, programs)
+    return _Executor(s, rank, programs, data, group, recv_ahead, timeout).run(actions)
+
+
+class _Executor:
+    def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
+                 data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
+                 timeout: timedelta):
+        self.s, self.rank, self.programs, self.data = s, rank, programs, data
+        self.group, self.recv_ahead, self.timeout = group, recv_ahead, timeout
+        self.scale = 1.0 / s.m
+        self.t0 = time.perf_counter()
+        self.events: list[TraceEvent] = []
+        self.records: dict[tuple[int, int], _Record] = {}
+        self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
+        self.local: dict[tuple[str, int, int], Acts] = {}
+        self.posted: dict[tuple[str, int, int], tuple[list, Acts, float]] = {}
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.losses: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, Any] = {}
+        self.stats: list[tuple[int, int, str, str, Any]] = []
+        self.live, self.queued = _Counter(), _Counter()
+
+    # ---- driver ---------------------------------------------------------------------------------------
+
+    def run(self, actions: tuple) -> StepResult:
+        compute_at = [k for k, a in enumerate(actions) if ops_of(a)]
+        recv_before: dict[int, list[Recv]] = {}
+        for k, a in enumerate(actions):
+            if isinstance(a, Recv):
+                consumer = next(c for c in compute_at if c > k)
+                post = compute_at[max(0, compute_at.index(consumer) - self.recv_ahead)]
+                recv_before.setdefault(min(post, consumer), []).append(a)
+        for k, a in enumerate(actions):
+            for r in recv_before.get(k, ()):
+                self._post_recv(r)
+            if isinstance(a, Send):
+                self._send(a)
+            elif isinstance(a, Op):
+                _drain(self.op(a))
+            elif isinstance(a, Overlap):
+                _drain(self.op(a.f))
+                _drain(self.op(a.b))
+        for work, _ in self.sends:
+            self._wait_work(work, "send")
+        self.sends.clear()
+        if self.records or self.deferred:
+            left = sorted(set(self.records) | set(self.deferred))
+            raise ScheduleError(f"rank {self.rank}: (stage, mb) {left} still held at the end of the step")
+        loss = sum(self.losses.values(), torch.zeros(()))
+        return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
+                          self.queued.peak)
+
+    def op(self, op: Op) -> Iterator[None]:
+        """Returns the generator that runs compute op `op`, yielding after each issued exchange."""
+        if op.kind == F:
+            return self._forward(op.stage, op.mb)
+        if op.kind == I:
+            return self._backward(op.stage, op.mb, weights=False)
+        if op.kind == B:
+            return self._backward(op.stage, op.mb, weights=True)
+        return self._weights(op.stage, op.mb)
+
+    # ---- compute ops ----------------------------------------------------------------------------------
+
+    def _forward(self, stage: int, mb: int) -> Iterator[None]:
+        prog = self.programs[stage]
+        prev = self.s.prev_stage(stage, mb)
+        acts = {} if prev is None else self._take(ACT, prev, mb, stage)
+        meta = dict(self.data(mb))
+        rec = _Record()
+        self.records[(stage, mb)] = rec
+        self.live.add(1)
+        for layer in prog.layers:
+            for ph in layer.phases:
+                label = f"{ph.name} s{stage} {layer.name} mb{mb}"
+                if ph.kind == "compute":
+                    t = self._now()
+                    acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec)
+                    self._event("compute", f"F {label}", "F", t)
+                else:
+                    t = self._now()
+                    pending = ph.start(acts, meta)
+                    yield
+                    tw = self._now()
+                    acts, meta = pending.wait()
+                    self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
+                    rec.phases.append((ph, layer.name, None, meta))
+        nxt = self.s.next_stage(stage, mb)
+        if nxt is None:
+            if acts:
+                raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
+                                    f"{sorted(acts)} that no loss consumes")
+        else:
+            rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
+            self._give(ACT, stage, mb, nxt, acts)
+
+    def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
+                         stage: int, mb: int, rec: _Record) -> tuple[Acts, Meta]:
+        params = tuple(subtree(prog.params, p) for p in ph.param_paths)
+        for k, v in acts.items():
+            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating tensor; "
+                                    "put non-differentiable values in meta")
+
+        def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
+            return ph.fn(p, a, meta)
+
+        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True)
+        spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
+        rec.phases.append((ph, layer, vjp_dx, spec))
+        stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
+        if stats is not None:
+            self.stats.append((stage, mb, layer, ph.name, stats))
+        passed = {}
+        for k, v in out.items():
+            if k in ph.losses:
+                self.losses[k] = self.losses.get(k, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
+            else:
+                passed[k] = v
+        return passed, meta_out
+
+    def _backward(self, stage: int, mb: int, weights: bool) -> Iterator[None]:
+        rec = self.records.pop((stage, mb), None)
+        if rec is None:
+            raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
+        nxt = self.s.next_stage(stage, mb)
+        ct = {} if nxt is None else self._take(GRAD, nxt, mb, stage, rec.out_spec)
+        queue: list[tuple[Phase, str, Callable[[], Any]]] = []
+        kind = "B" if weights else "I"
+        while rec.phases:
+            ph, layer, closure, info = rec.phases.pop()
+            label = f"{ph.name} s{stage} {layer} mb{mb}"
+            if ph.kind == "compute":
+                t = self._now()
+                full = {}
+                for k, (shape, dtype, device) in info.items():
+                    if k in ph.losses:
+                        full[k] = torch.full(shape, self.scale, dtype=dtype, device=device)
+                    else:
+                        g = ct.get(k)
+                        full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                (ct,), vjp_dw = closure(full)
+                ct = {k: v for k, v in ct.items() if v is not None}
+                del full, closure
+                queue.append((ph, layer, vjp_dw))
+                self._event("compute", f"{kind} {label}", kind, t)
+            else:
+                t = self._now()
+                pending = ph.start_transpose(ct, info)
+                yield
+                tw = self._now()
+                ct = pending.wait()
+                self._comm_events(pending, f"{ph.name}-B {label[len(ph.name) + 1:]}", t, tw)
+        prev = self.s.prev_stage(stage, mb)
+        if prev is not None:
+            self._give(GRAD, stage, mb, prev, ct)
+        self.deferred[(stage, mb)] = queue
+        self.queued.add(1)
+        if weights:
+            yield from self._weights(stage, mb)
+
+    def _weights(self, stage: int, mb: int) -> Iterator[None]:
+        queue = self.deferred.pop((stage, mb), None)
+        if queue is None:
+            raise ScheduleError(f"rank {self.rank}: W of stage {stage} mb {mb} before its I")
+        while queue:
+            ph, layer, vjp_dw = queue.pop(0)
+            t = self._now()
+            for path, g in zip(ph.param_paths, vjp_dw()):
+                _add_at(self.grads, path, g)
+            del vjp_dw
+            if ph.param_paths:
+                self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
+        self.queued.add(-1)
+        self.live.add(-1)
+        return
+        yield  # a generator like the other ops
+
+    # ---- P2P -------------------------------------------------------------------------------------------
+
+    def _global(self, pp_rank: int) -> int:
+        return pp_rank if self.group is None else dist.get_global_rank(self.group, pp_rank)
+
+    def _tag(self, what: str, stage: int, mb: int, k: int) -> int:
+        w = 0 if what == ACT else 1
+        return ((w * self.s.placement.num_stages + stage) * self.s.m + mb) * _MAX_KEYS + k
+
+    def _give(self, what: str, stage: int, mb: int, dest_stage: int, acts: Acts) -> None:
+        """Hands `acts` (ACT of stage's F, or GRAD of stage's backward) on towards `dest_stage`: the consumer
+        takes it from memory when it runs on this rank, else the Send action after this op issues it."""
+        del dest_stage  # the schedule's Send actions already say which messages leave the rank
+        self.local[(what, stage, mb)] = acts
+
+    def _send(self, a: Send) -> None:
+        acts = self.local.pop((a.what, a.stage, a.mb), None)
+        if acts is None:
+            raise ScheduleError(f"rank {self.rank}: {a} before the data exists")
+        if len(acts) > _MAX_KEYS:
+            raise ScheduleError(f"stage {a.stage}: {len(acts)} acts in one message (at most {_MAX_KEYS})")
+        t = self._now()
+        peer = self._global(a.peer)
+        for k, name in enumerate(sorted(acts)):
+            buf = acts[name].detach().contiguous()
+            tag = self._tag(a.what, a.stage, a.mb, k)
+            self.sends.append((dist.isend(buf, peer, group=self.group, tag=tag), buf))
+        self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
+
+    def _post_recv(self, a: Recv) -> None:
+        if a.what == ACT:
+            spec = self.programs[self.s.next_stage(a.stage, a.mb)].in_spec
+        else:
+            rec = self.records.get((self.s.prev_stage(a.stage, a.mb), a.mb))
+            if rec is None:  # our F has not run yet, so the shapes are unknown: post at consumption instead
+                return
+            spec = rec.out_spec
+        self._irecv(a, spec)
+
+    def _irecv(self, a: Recv, spec: Mapping[str, tuple]) -> None:
+        key = (a.what, a.stage, a.mb)
+        if key in self.posted:
+            return
+        peer = self._global(a.peer)
+        bufs: Acts = {}
+        works = []
+        for k, name in enumerate(sorted(spec)):
+            shape, dtype = spec[name][0], spec[name][1]
+            bufs[name] = torch.empty(shape, dtype=dtype)
+            tag = self._tag(a.what, a.stage, a.mb, k)
+            works.append(dist.irecv(bufs[name], peer, group=self.group, tag=tag))
+        self.posted[key] = (works, bufs, self._now())
+
+    def _take(self, what: str, stage: int, mb: int, here: int,
+              spec: Mapping[str, tuple] | None = None) -> Acts:
+        """Returns the acts (what = ACT) or cotangents (GRAD) that `stage` produced for `mb`, for stage
+        `here`: from memory, or from the receive (posted now if it was not posted early)."""
+        key = (what, stage, mb)
+        if key in self.local:
+            return self.local.pop(key)
+        if key not in self.posted:
+            spec = self.programs[here].in_spec if what == ACT else spec
+            self._irecv(Recv(what, stage, mb, self.s.placement.stage_rank[stage]), spec or {})
+        works, bufs, t_post = self.posted.pop(key)
+        t = self._now()
+        for w in works:
+            self._wait_work(w, f"receive of {what} s{stage} mb{mb}")
+        self._event("compute", f"wait p2p {what} s{stage} mb{mb}", "wait", t)
+        self._event("comm", f"p2p recv {what} s{stage} mb{mb}", "p2p", t_post)
+        return bufs
+
+    def _wait_work(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: {what} failed or timed out after {self.timeout} "
+                               f"(a peer died or runs a different schedule): {exc}") from exc
+        if ok is False:
+            raise RuntimeError(f"rank {self.rank}: {what} did not complete within {self.timeout}")
+
+    # ---- timeline --------------------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None) -> None:
+        self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end))
+
+    def _comm_events(self, pending: Any, label: str, issued: float, wait_start: float) -> None:
+        wait_end = self._now()
+        done = getattr(pending, "completed_at", None)
+        end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
+        self._event("comm", f"a2a {label}", "a2a", issued, end)
+        self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end)
+
+
+def _drain(gen: Iterator[None]) -> None:
+    for _ in gen:
+        pass
+
+
+def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any) -> None:
+    """Adds gradient subtree `grads` into nested dict `tree` at `path` (creating the path)."""
+    node = tree
+    for k in path[:-1]:
+        node = node.setdefault(k, {})
+    _add_tree(node, path[-1], grads)
+
+
+def _add_tree(node: dict[str, Any], key: str, g: Any) -> None:
+    if isinstance(g, Mapping):
+        child = node.setdefault(key, {})
+        for k, v in g.items():
+            _add_tree(child, k, v)
+    elif g is not None:
+        node[key] = g if key not in node else node[key] + g

@@ -1,0 +1,115 @@
+"""Stage programs: what an executor runs for one pipeline stage, with no knowledge of the model.
+
+A stage program is a sequence of layers; a layer is a sequence of phases with one signature:
+
+    compute:  fn(params: tuple[subtree, ...], acts: dict[str, Tensor], meta: dict) -> (acts, meta)
+    comm:     start(acts, meta) -> Pending;  Pending.wait() -> (acts, meta)
+              start_transpose(ct_acts, meta) -> Pending;  Pending.wait() -> ct_acts
+
+`acts` holds the differentiable activations only (floating tensors), keyed by name; it is the whole live
+state after the phase, so a phase's cotangent is a dict keyed like its output and the next backward phase
+needs no key-by-key assembly. `meta` holds everything else (token ids, routing layouts, split sizes) and is
+never differentiated. A compute phase runs under `split_vjp`: its dx closure runs at I, its dw thunk at W.
+A comm phase is linear, so it runs outside any vjp: its backward is `start_transpose` (the same exchange
+with the splits swapped), issued and waited by the executor like the forward.
+
+A compute phase may name some of its outputs `losses`: scalars that end there (the cross-entropy, a
+balancing loss). The executor takes them out of `acts`, adds them to the step's loss and gives them the
+cotangent 1 / microbatches in the backward. `meta["stats"]` after a phase, when present, is collected into
+the step result (per-microbatch expert loads and the like), so the model can update its state once per
+step.
+
+`params` of a phase are the subtrees at `param_paths` of the stage's parameter pytree (nested dicts whose
+keys are the model's global names); a phase with no weights has `param_paths = ()`. The same path on two
+stages (a shared weight) is allowed: the executor returns per-stage gradients and `shared_keys` says which
+must be summed across ranks.
+
+The first stage's forward starts from `acts = {}` (its first phase reads token ids from `meta`); the last
+stage's final phase returns only losses. Between stages `acts` travels as it is: `in_spec` gives the
+shapes and dtypes of a stage's input acts, which receive buffers are allocated from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+Acts = dict[str, torch.Tensor]
+Meta = dict[str, Any]
+Path = tuple[str, ...]
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+class Pending(Protocol):
+    """An issued exchange. `wait()` returns its result; `completed_at` (perf_counter seconds or None) is
+    when the exchange completed, when the handle knows it (a link model's completion time)."""
+
+    def wait(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a layer. `kind` "compute": `fn` and `param_paths`, `losses` names scalar outputs that
+    end here. `kind` "comm": `start` and `start_transpose` (see the module docstring)."""
+
+    name: str
+    kind: Literal["compute", "comm"]
+    fn: Callable[[tuple[Any, ...], Acts, Meta], tuple[Acts, Meta]] | None = None
+    param_paths: tuple[Path, ...] = ()
+    losses: tuple[str, ...] = ()
+    start: Callable[[Acts, Meta], Pending] | None = None
+    start_transpose: Callable[[Acts, Meta], Pending] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "compute" and (self.fn is None or self.start is not None):
+            raise ValueError(f"compute phase {self.name!r} needs fn and no start")
+        if self.kind == "comm" and (self.start is None or self.start_transpose is None or self.fn is not None
+                                    or self.param_paths or self.losses):
+            raise ValueError(f"comm phase {self.name!r} needs start and start_transpose, and no fn, params "
+                             "or losses")
+        if self.kind not in ("compute", "comm"):
+            raise ValueError(f"phase {self.name!r}: kind must be 'compute' or 'comm', got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A named sequence of phases (name used in timelines, for example "L5")."""
+
+    name: str
+    phases: tuple[Phase, ...]
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """What stage `stage` runs: `layers` in order over `params` (nested dicts, global keys).
+    `in_spec`: name -> (shape, dtype) of the input acts (empty for a stage that starts a path)."""
+
+    stage: int
+    layers: tuple[Layer, ...]
+    params: Any
+    in_spec: Mapping[str, TensorSpec] = field(default_factory=dict)
+
+
+def subtree(tree: Any, path: Path) -> Any:
+    """Returns the node of nested dicts `tree` at `path` (raises KeyError naming the path)."""
+    node = tree
+    for i, k in enumerate(path):
+        if not isinstance(node, Mapping) or k not in node:
+            raise KeyError(f"no parameter subtree at {'.'.join(path[:i + 1])!r}")
+        node = node[k]
+    return node
+
+
+class Ready:
+    """A Pending that is already complete (a local exchange, or a comm phase with nothing to send)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+        self.completed_at: float | None = None
+
+    def wait(self) -> Any:
+        """Returns the value it was made with."""
+        return self.value
