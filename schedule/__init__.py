@@ -1,6 +1,6 @@
 """schedule: pipeline schedules as data - generate, print, compare, verify and simulate them.
 
-Generic: never imports fmoe. See docs/schedules.md.
+Generic: imports nothing of the model (only fmoe.transforms, for the executor). See docs/schedules.md.
 """
 
 from fmoe.schedule.comms import with_comms as with_comms
@@ -28,6 +28,8 @@ from fmoe.schedule.ir import Schedule as Schedule
 from fmoe.schedule.ir import ScheduleError as ScheduleError
 from fmoe.schedule.ir import Send as Send
 from fmoe.schedule.ir import diff as diff
+from fmoe.schedule.parse import parse_action as parse_action
+from fmoe.schedule.parse import parse_schedule as parse_schedule
 from fmoe.schedule.registry import build as build
 from fmoe.schedule.simulate import Report as Report
 from fmoe.schedule.simulate import format_report as format_report
@@ -35,3 +37,12 @@ from fmoe.schedule.simulate import simulate as simulate
 from fmoe.schedule.timeline import write_png as write_png
 from fmoe.schedule.timeline import write_trace as write_trace
 from fmoe.schedule.verify import verify as verify
+
+# The executor and stage programs need torch; load them on first use so that generating, verifying and
+# simulating schedules stays torch-free.
+from fmoe._lazy import lazy_exports  # noqa: E402
+
+_LAZY = {"execute": ".execute", "StepResult": ".execute", "check_programs": ".execute",
+         "Phase": ".program", "Layer": ".program", "StageProgram": ".program", "Ready": ".program",
+         "TraceEvent": ".timeline", "report_events": ".timeline"}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -9,35 +9,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fmoe.schedule.ir import ACT, GRAD, Action, B, F, I, Op, Recv, Schedule, Send, ops_of
+from fmoe.schedule import deps
+from fmoe.schedule.ir import Action, Recv, Schedule, Send, ops_of
 
 
-def needs(s: Schedule, op: Op) -> list[Recv]:
-    """Returns the receives (from other ranks) that compute `op` needs on its rank."""
-    here = s.placement.stage_rank[op.stage]
-    if op.kind == F:
-        prev = s.prev_stage(op.stage, op.mb)
-        if prev is not None and s.placement.stage_rank[prev] != here:
-            return [Recv(ACT, prev, op.mb, s.placement.stage_rank[prev])]
-    elif op.kind in (B, I):
-        nxt = s.next_stage(op.stage, op.mb)
-        if nxt is not None and s.placement.stage_rank[nxt] != here:
-            return [Recv(GRAD, nxt, op.mb, s.placement.stage_rank[nxt])]
-    return []
+def recvs(s: Schedule, action: Action) -> tuple[Recv, ...]:
+    """Returns the receives (from other ranks) a compute action needs right before it on its rank;
+    none for a Send or Recv."""
+    if not ops_of(action):
+        return ()
+    return tuple(pair[1] for d in deps.needs(s, action) if (pair := deps.link(s, d)))
 
 
-def produces(s: Schedule, op: Op) -> list[Send]:
-    """Returns the sends (to other ranks) of what compute `op` produced."""
-    here = s.placement.stage_rank[op.stage]
-    if op.kind == F:
-        nxt = s.next_stage(op.stage, op.mb)
-        if nxt is not None and s.placement.stage_rank[nxt] != here:
-            return [Send(ACT, op.stage, op.mb, s.placement.stage_rank[nxt])]
-    elif op.kind in (B, I):
-        prev = s.prev_stage(op.stage, op.mb)
-        if prev is not None and s.placement.stage_rank[prev] != here:
-            return [Send(GRAD, op.stage, op.mb, s.placement.stage_rank[prev])]
-    return []
+def sends(s: Schedule, action: Action) -> tuple[Send, ...]:
+    """Returns the sends (to other ranks) of what a compute action produced, right after it on its
+    rank; none for a Send or Recv."""
+    if not ops_of(action):
+        return ()
+    return tuple(pair[0] for d in deps.produces(s, action) if (pair := deps.link(s, d)))
 
 
 def has_comms(s: Schedule) -> bool:
@@ -53,11 +42,7 @@ def with_comms(s: Schedule) -> Schedule:
     for acts in s.ranks:
         out: list[Action] = []
         for a in acts:
-            for op in ops_of(a):
-                out.extend(needs(s, op))
-            out.append(a)
-            for op in ops_of(a):
-                out.extend(produces(s, op))
+            out.extend((*recvs(s, a), a, *sends(s, a)))
         ranks.append(tuple(out))
     return replace(s, ranks=tuple(ranks))
 

@@ -35,24 +35,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fmoe.schedule.ir import ACT, GRAD, B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
+from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
+from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
+from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.transforms import split_vjp
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One measured interval on `rank`'s `lane` ("compute" or "comm"), in seconds from the step start."""
-
-    rank: int
-    lane: str
-    name: str
-    cat: str
-    start: float
-    end: float
 
 
 @dataclass
@@ -129,8 +119,8 @@ class _Executor:
         self.events: list[TraceEvent] = []
         self.records: dict[tuple[int, int], _Record] = {}
         self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
-        self.local: dict[tuple[str, int, int], Acts] = {}
-        self.posted: dict[tuple[str, int, int], tuple[list, Acts, float]] = {}
+        self.local: dict[Dep, Acts] = {}
+        self.posted: dict[Dep, tuple[list, Acts, float]] = {}
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
@@ -181,8 +171,7 @@ class _Executor:
 
     def _forward(self, stage: int, mb: int) -> Iterator[None]:
         prog = self.programs[stage]
-        prev = self.s.prev_stage(stage, mb)
-        acts = {} if prev is None else self._take(ACT, prev, mb, stage)
+        acts = self._take_boundary(Op(F, stage, mb), Kind.ACT, stage)
         meta = dict(self.data(mb))
         rec = _Record()
         self.records[(stage, mb)] = rec
@@ -202,14 +191,10 @@ class _Executor:
                     acts, meta = pending.wait()
                     self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
                     rec.phases.append((ph, layer.name, None, meta))
-        nxt = self.s.next_stage(stage, mb)
-        if nxt is None:
-            if acts:
-                raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
-                                    f"{sorted(acts)} that no loss consumes")
-        else:
-            rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
-            self._give(ACT, stage, mb, nxt, acts)
+        if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
+            raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
+                                f"{sorted(acts)} that no loss consumes")
+        rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record) -> tuple[Acts, Meta]:
@@ -240,8 +225,7 @@ class _Executor:
         rec = self.records.pop((stage, mb), None)
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
-        nxt = self.s.next_stage(stage, mb)
-        ct = {} if nxt is None else self._take(GRAD, nxt, mb, stage, rec.out_spec)
+        ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, stage, rec.out_spec)
         queue: list[tuple[Phase, str, Callable[[], Any]]] = []
         kind = "B" if weights else "I"
         while rec.phases:
@@ -268,9 +252,7 @@ class _Executor:
                 tw = self._now()
                 ct = pending.wait()
                 self._comm_events(pending, f"{ph.name}-B {label[len(ph.name) + 1:]}", t, tw)
-        prev = self.s.prev_stage(stage, mb)
-        if prev is not None:
-            self._give(GRAD, stage, mb, prev, ct)
+        self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct)
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)
         if weights:
@@ -298,71 +280,75 @@ class _Executor:
     def _global(self, pp_rank: int) -> int:
         return pp_rank if self.group is None else dist.get_global_rank(self.group, pp_rank)
 
-    def _tag(self, what: str, stage: int, mb: int, k: int) -> int:
-        w = 0 if what == ACT else 1
-        return ((w * self.s.placement.num_stages + stage) * self.s.m + mb) * _MAX_KEYS + k
+    def _tag(self, dep: Dep, k: int) -> int:
+        w = 0 if dep.kind is Kind.ACT else 1
+        return ((w * self.s.placement.num_stages + dep.stage) * self.s.m + dep.mb) * _MAX_KEYS + k
 
-    def _give(self, what: str, stage: int, mb: int, dest_stage: int, acts: Acts) -> None:
-        """Hands `acts` (ACT of stage's F, or GRAD of stage's backward) on towards `dest_stage`: the consumer
-        takes it from memory when it runs on this rank, else the Send action after this op issues it."""
-        del dest_stage  # the schedule's Send actions already say which messages leave the rank
-        self.local[(what, stage, mb)] = acts
+    def _take_boundary(self, op: Op, kind: Kind, here: int,
+                       spec: Mapping[str, tuple] | None = None) -> Acts:
+        """Returns what `op` needs from another stage (its `kind` Dep: ACT for F, GRAD for a backward), or
+        {} when it needs none (the start of a path for F, the loss stage for I)."""
+        dep = next((d for d in needs(self.s, op) if d.kind is kind), None)
+        if dep is None:
+            return {}
+        if dep in self.local:  # the producer ran on this rank (the turn of a V)
+            return self.local.pop(dep)
+        if dep not in self.posted:
+            self._irecv(dep, self.programs[here].in_spec if kind is Kind.ACT else spec or {})
+        works, bufs, t_post = self.posted.pop(dep)
+        t = self._now()
+        for w in works:
+            self._wait_work(w, f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb}")
+        self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t)
+        self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post)
+        return bufs
+
+    def _give_boundary(self, op: Op, kind: Kind, acts: Acts) -> bool:
+        """Keeps `acts`, what `op` produced for another stage, until its consumer on this rank takes it or
+        the schedule's Send issues it; returns False when `op` produces no such Dep (the path ends)."""
+        dep = next((d for d in produces(self.s, op) if d.kind is kind), None)
+        if dep is None:
+            return False
+        self.local[dep] = acts
+        return True
 
     def _send(self, a: Send) -> None:
-        acts = self.local.pop((a.what, a.stage, a.mb), None)
+        dep = carried(a)
+        acts = self.local.pop(dep, None)
         if acts is None:
             raise ScheduleError(f"rank {self.rank}: {a} before the data exists")
         if len(acts) > _MAX_KEYS:
             raise ScheduleError(f"stage {a.stage}: {len(acts)} acts in one message (at most {_MAX_KEYS})")
         t = self._now()
-        peer = self._global(a.peer)
         for k, name in enumerate(sorted(acts)):
             buf = acts[name].detach().contiguous()
-            tag = self._tag(a.what, a.stage, a.mb, k)
-            self.sends.append((dist.isend(buf, peer, group=self.group, tag=tag), buf))
+            self.sends.append((dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k)),
+                               buf))
         self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
 
     def _post_recv(self, a: Recv) -> None:
-        if a.what == ACT:
-            spec = self.programs[self.s.next_stage(a.stage, a.mb)].in_spec
+        """Posts the receive of `a` early when the receive buffers' shapes are known: a stage's input spec
+        for ACT; for GRAD, the output spec our own F recorded (else it is posted when consumed)."""
+        dep = carried(a)
+        if dep.kind is Kind.ACT:
+            spec = self.programs[self.s.next_stage(dep.stage, dep.mb)].in_spec
         else:
-            rec = self.records.get((self.s.prev_stage(a.stage, a.mb), a.mb))
-            if rec is None:  # our F has not run yet, so the shapes are unknown: post at consumption instead
+            rec = self.records.get((self.s.prev_stage(dep.stage, dep.mb), dep.mb))
+            if rec is None:
                 return
             spec = rec.out_spec
-        self._irecv(a, spec)
+        self._irecv(dep, spec)
 
-    def _irecv(self, a: Recv, spec: Mapping[str, tuple]) -> None:
-        key = (a.what, a.stage, a.mb)
-        if key in self.posted:
+    def _irecv(self, dep: Dep, spec: Mapping[str, tuple]) -> None:
+        if dep in self.posted:
             return
-        peer = self._global(a.peer)
+        peer = self._global(self.s.placement.stage_rank[dep.stage])
         bufs: Acts = {}
         works = []
         for k, name in enumerate(sorted(spec)):
-            shape, dtype = spec[name][0], spec[name][1]
-            bufs[name] = torch.empty(shape, dtype=dtype)
-            tag = self._tag(a.what, a.stage, a.mb, k)
-            works.append(dist.irecv(bufs[name], peer, group=self.group, tag=tag))
-        self.posted[key] = (works, bufs, self._now())
-
-    def _take(self, what: str, stage: int, mb: int, here: int,
-              spec: Mapping[str, tuple] | None = None) -> Acts:
-        """Returns the acts (what = ACT) or cotangents (GRAD) that `stage` produced for `mb`, for stage
-        `here`: from memory, or from the receive (posted now if it was not posted early)."""
-        key = (what, stage, mb)
-        if key in self.local:
-            return self.local.pop(key)
-        if key not in self.posted:
-            spec = self.programs[here].in_spec if what == ACT else spec
-            self._irecv(Recv(what, stage, mb, self.s.placement.stage_rank[stage]), spec or {})
-        works, bufs, t_post = self.posted.pop(key)
-        t = self._now()
-        for w in works:
-            self._wait_work(w, f"receive of {what} s{stage} mb{mb}")
-        self._event("compute", f"wait p2p {what} s{stage} mb{mb}", "wait", t)
-        self._event("comm", f"p2p recv {what} s{stage} mb{mb}", "p2p", t_post)
-        return bufs
+            bufs[name] = torch.empty(spec[name][0], dtype=spec[name][1])
+            works.append(dist.irecv(bufs[name], peer, group=self.group, tag=self._tag(dep, k)))
+        self.posted[dep] = (works, bufs, self._now())
 
     def _wait_work(self, work: Any, what: str) -> None:
         try:

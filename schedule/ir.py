@@ -9,7 +9,8 @@ rank; `sg`/`rg` the same for the input gradient produced by stage 3's backward.
 Executor-facing API (all an executor needs): `Schedule.ranks[r]` is the ordered tuple of actions of rank
 r, each one of `Op`, `Overlap`, `Send`, `Recv`; `Schedule.placement.stage_rank[s]` and
 `.layer_chunk[s]` say where a stage lives and which model chunk it runs; `comms.with_comms(s)` (also
-returned by `verify`) inserts the sends and receives. Nothing here is mutable.
+returned by `verify`) inserts the sends and receives; `deps.needs/produces(s, action)` say what an action
+needs on its rank and leaves there. Nothing here is mutable.
 """
 
 from __future__ import annotations

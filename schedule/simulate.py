@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fmoe.schedule import deps
 from fmoe.schedule.comms import without_comms
 from fmoe.schedule.costs import Costs
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Schedule, ScheduleError, W, ops_of
@@ -50,17 +51,6 @@ class Report:
     events: tuple[Event, ...]
 
 
-def _deps(s: Schedule, op: Op) -> list[tuple[str, int]]:
-    # ("F"|"G"|"W", stage) of the same microbatch that must finish first; "G" = B or I finished.
-    if op.kind == F:
-        prev = s.prev_stage(op.stage, op.mb)
-        return [] if prev is None else [("F", prev)]
-    if op.kind in (B, I):
-        nxt = s.next_stage(op.stage, op.mb)
-        return [("F", op.stage)] + ([] if nxt is None else [("G", nxt)])
-    return [("I", op.stage)]
-
-
 def _peaks(deltas: list[tuple[float, float]]) -> float:
     # releases before acquisitions at equal times (the next step starts when the previous one ended)
     cur = peak = 0.0
@@ -75,8 +65,7 @@ def simulate(s: Schedule, costs: Costs | None = None) -> Report:
     `costs` (default Costs()). Raises ScheduleError if the lists cannot complete (run `verify` first)."""
     costs = costs or Costs()
     s = without_comms(s)
-    pl = s.placement
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[deps.Dep, float] = {}  # when each produced Dep became available on its producer
     free = [0.0] * s.pp
     ptr = [0] * s.pp
     events: list[Event] = []
@@ -90,17 +79,12 @@ def simulate(s: Schedule, costs: Costs | None = None) -> Report:
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 ready = ready_nolat = 0.0
-                ok = True
-                for op in ops_of(a):
-                    for kind, st in _deps(s, op):
-                        t = done.get((kind, st, op.mb))
-                        if t is None:
-                            ok = False
-                            break
-                        lat = costs.p2p if pl.stage_rank[st] != r else 0.0
-                        ready, ready_nolat = max(ready, t + lat), max(ready_nolat, t)
-                if not ok:
+                needed = deps.needs(s, a)
+                if any(d not in done for d in needed):
                     break
+                for d in needed:
+                    lat = costs.p2p if deps.producer_rank(s, d) != r else 0.0
+                    ready, ready_nolat = max(ready, done[d] + lat), max(ready_nolat, done[d])
                 ops = ops_of(a)
                 start = max(free[r], ready)
                 dur = costs.pair(*ops) if isinstance(a, Overlap) else costs.lone(ops[0])
@@ -111,10 +95,7 @@ def simulate(s: Schedule, costs: Costs | None = None) -> Report:
                 events.append(Event(r, a, start, start + dur, comp, comm, max(0.0, dur - comp),
                                     max(0.0, start - max(free[r], ready_nolat)), phase))
                 free[r] = start + dur
-                for op in ops:
-                    done[("G" if op.kind in (B, I) else op.kind, op.stage, op.mb)] = start + dur
-                    if op.kind == I:
-                        done[("I", op.stage, op.mb)] = start + dur
+                done.update(dict.fromkeys(deps.produces(s, a), start + dur))
                 ptr[r] += 1
                 progress = True
         if all(ptr[r] == len(acts) for r, acts in enumerate(s.ranks)):

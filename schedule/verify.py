@@ -1,7 +1,8 @@
 """verify: a schedule is complete, respects dependencies, its sends and receives match, and it cannot
 deadlock when run with blocking point-to-point.
 
-Legend: r rank, s stage, mb microbatch, key = (what, producing stage, mb) of a message.
+Legend: r rank, s stage, mb microbatch; a Dep (deps.py: kind, producing stage, mb) is what an action
+needs or leaves on its rank, and the key of a message. The rule itself lives in deps.py.
 Communication semantics checked: a Recv blocks its rank until the peer has issued the matching Send;
 a Send never blocks (an executor issues it as isend and waits on it lazily, before reusing the buffer
 or at the end of the step). Compute actions never wait: everything they need must already have run or
@@ -12,8 +13,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fmoe.schedule.comms import produces, with_comms
-from fmoe.schedule.ir import ACT, GRAD, B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
+from fmoe.schedule import deps
+from fmoe.schedule.comms import sends, with_comms
+from fmoe.schedule.deps import Dep, Kind
+from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
+
+# what a missing Dep means, as the message names it; {r} is the rank that lacks it
+_MISSING = {
+    Kind.ACT: "its input (F{stage}.{mb}) has not run or arrived on r{r}",
+    Kind.SAVED: "F{stage}.{mb} has not run before it",
+    Kind.GRAD: "the output grad (backward of stage {stage} microbatch {mb}) has not run or arrived on r{r}",
+    Kind.DEFERRED: "its I{stage}.{mb} has not run before it",
+}
 
 
 def _check_shape(s: Schedule) -> None:
@@ -23,7 +34,10 @@ def _check_shape(s: Schedule) -> None:
     if len(s.mb_path) != s.m:
         raise ScheduleError(f"{s.name}: mb_path has {len(s.mb_path)} entries for m={s.m}")
     for r, acts in enumerate(s.ranks):
-        for a in acts:
+        for k, a in enumerate(acts):
+            if not isinstance(a, (Op, Overlap, Send, Recv)):  # ops_of would pass it over as a comm
+                raise ScheduleError(f"{s.name}: r{r} position {k}: {a!r} is not an action (Op, Overlap, "
+                                    "Send or Recv)")
             for op in ops_of(a):
                 if not 0 <= op.mb < s.m:
                     raise ScheduleError(f"{s.name}: r{r} {op}: microbatch {op.mb} out of range 0..{s.m - 1}")
@@ -50,75 +64,52 @@ def _check_counts(s: Schedule) -> None:
 
 
 def _check_messages(s: Schedule) -> None:
-    sends, recvs = Counter(), Counter()
+    sent, received = Counter(), Counter()  # (src rank, dst rank, Dep) of every Send / Recv listed
     for r, acts in enumerate(s.ranks):
         for a in acts:
             if isinstance(a, Send):
-                sends[(r, a.peer, a.what, a.stage, a.mb)] += 1
+                sent[(r, a.peer, deps.carried(a))] += 1
             elif isinstance(a, Recv):
-                recvs[(a.peer, r, a.what, a.stage, a.mb)] += 1
-    for (src, dst, what, st, mb), k in (sends - recvs).items():
-        raise ScheduleError(f"{s.name}: send {Send(what, st, mb, dst)} on r{src} has no matching receive "
-                            f"on r{dst} ({k} unmatched)")
-    for (src, dst, what, st, mb), k in (recvs - sends).items():
-        raise ScheduleError(f"{s.name}: receive {Recv(what, st, mb, src)} on r{dst} has no matching send "
-                            f"on r{src} ({k} unmatched)")
-    want = Counter()
-    for r, acts in enumerate(s.ranks):
-        for a in acts:
-            for op in ops_of(a):
-                for snd in produces(s, op):
-                    want[(r, snd.peer, snd.what, snd.stage, snd.mb)] += 1
-    for key in (sends - want) + (want - sends):
-        src, dst, what, st, mb = key
-        raise ScheduleError(f"{s.name}: {what} of stage {st} microbatch {mb} must go r{src} -> r{dst} "
-                            f"per the placement exactly once, found {sends[key]} sends")
+                received[(a.peer, r, deps.carried(a))] += 1
+    for (src, dst, d), k in (sent - received).items():
+        raise ScheduleError(f"{s.name}: send {Send(d.kind.value, d.stage, d.mb, dst)} on r{src} has no "
+                            f"matching receive on r{dst} ({k} unmatched)")
+    for (src, dst, d), k in (received - sent).items():
+        raise ScheduleError(f"{s.name}: receive {Recv(d.kind.value, d.stage, d.mb, src)} on r{dst} has no "
+                            f"matching send on r{src} ({k} unmatched)")
+    want = Counter((r, snd.peer, deps.carried(snd)) for r, acts in enumerate(s.ranks)
+                   for a in acts for snd in sends(s, a))
+    for key in (sent - want) + (want - sent):
+        src, dst, d = key
+        raise ScheduleError(f"{s.name}: {d.kind.value} of stage {d.stage} microbatch {d.mb} must go "
+                            f"r{src} -> r{dst} per the placement exactly once, found {sent[key]} sends")
 
 
-def _deps_met(s: Schedule, r: int, op: Op, have: set) -> str | None:
-    # `have`: ('F'|'G'|'W', stage, mb) computed on r, or ('act'|'grad', stage, mb) received on r.
-    pl = s.placement
-    if op.kind == F:
-        prev = s.prev_stage(op.stage, op.mb)
-        if prev is not None:
-            key = ("F", prev, op.mb) if pl.stage_rank[prev] == r else (ACT, prev, op.mb)
-            if key not in have:
-                return f"its input (F{prev}.{op.mb}) has not run or arrived on r{r}"
-    elif op.kind in (B, I):
-        if ("F", op.stage, op.mb) not in have:
-            return f"F{op.stage}.{op.mb} has not run before it"
-        nxt = s.next_stage(op.stage, op.mb)
-        if nxt is not None:
-            key = ("G", nxt, op.mb) if pl.stage_rank[nxt] == r else (GRAD, nxt, op.mb)
-            if key not in have:
-                return (f"the output grad (backward of stage {nxt} microbatch {op.mb}) has not run or "
-                        f"arrived on r{r}")
-    elif op.kind == W and ("I", op.stage, op.mb) not in have:
-        return f"its I{op.stage}.{op.mb} has not run before it"
+def _missing(s: Schedule, r: int, a: Op | Overlap, have: set[Dep], kinds: tuple[Kind, ...]) -> str | None:
+    # the first Dep of `kinds` that `a` needs and rank r does not hold, as a message; None if all held
+    for d in deps.needs(s, a):
+        if d.kind in kinds and d not in have:
+            return _MISSING[d.kind].format(stage=d.stage, mb=d.mb, r=r)
     return None
 
 
 def _check_local_order(s: Schedule) -> None:
     # same-rank dependencies, checked on the compute order alone so the message names the swapped pair
     for r, acts in enumerate(s.ranks):
-        have: set = set()
+        have: set[Dep] = set()
         for k, a in enumerate(acts):
-            for op in ops_of(a):
-                why = None
-                if op.kind in (B, I) and ("F", op.stage, op.mb) not in have:
-                    why = f"F{op.stage}.{op.mb} has not run before it"
-                elif op.kind == W and (I, op.stage, op.mb) not in have:
-                    why = f"its I{op.stage}.{op.mb} has not run before it"
-                if why:
-                    raise ScheduleError(f"{s.name}: r{r} position {k} {a}: {why}")
-            for op in ops_of(a):
-                have.add(("F" if op.kind == F else op.kind, op.stage, op.mb))
+            if not ops_of(a):
+                continue
+            why = _missing(s, r, a, have, (Kind.SAVED, Kind.DEFERRED))
+            if why:
+                raise ScheduleError(f"{s.name}: r{r} position {k} {a}: {why}")
+            have.update(deps.produces(s, a))
 
 
 def _run(s: Schedule) -> None:
-    have = [set() for _ in s.ranks]
+    have: list[set[Dep]] = [set() for _ in s.ranks]
     ptr = [0] * len(s.ranks)
-    posted: set[tuple] = set()  # (src, dst, what, stage, mb) of sends issued so far
+    posted: set[tuple[int, int, Dep]] = set()  # (src, dst, Dep) of sends issued so far
 
     while True:
         progress = False
@@ -126,22 +117,17 @@ def _run(s: Schedule) -> None:
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 if isinstance(a, Send):
-                    if ("F" if a.what == ACT else "G", a.stage, a.mb) not in have[r]:
+                    if not have[r].issuperset(deps.needs(s, a)):
                         raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: sends uncomputed data")
-                    posted.add((r, a.peer, a.what, a.stage, a.mb))
+                    posted.add((r, a.peer, deps.carried(a)))
                 elif isinstance(a, Recv):
-                    if (a.peer, r, a.what, a.stage, a.mb) not in posted:
+                    if (a.peer, r, deps.carried(a)) not in posted:
                         break  # a blocking receive waits for its send
-                    have[r].add((a.what, a.stage, a.mb))
-                else:
-                    for op in ops_of(a):  # both halves of a pair must be ready before the step
-                        why = _deps_met(s, r, op, have[r])
-                        if why:
-                            raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: {why}")
-                    for op in ops_of(a):
-                        have[r].add(("G" if op.kind in (B, I) else op.kind, op.stage, op.mb))
-                        if op.kind == I:
-                            have[r].add((I, op.stage, op.mb))
+                else:  # both halves of a pair must be ready before the step
+                    why = _missing(s, r, a, have[r], tuple(Kind))
+                    if why:
+                        raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: {why}")
+                have[r].update(deps.produces(s, a))
                 ptr[r] += 1
                 progress = True
         if all(ptr[r] == len(acts) for r, acts in enumerate(s.ranks)):
@@ -155,9 +141,10 @@ def _run(s: Schedule) -> None:
 def verify(s: Schedule) -> Schedule:
     """Checks `s` and returns it with explicit sends/receives (derived from the placement when absent),
     i.e. the lists an executor runs. Raises ScheduleError with a message naming the first problem:
-    a missing/duplicate F, B, I or W; an action on the wrong rank; a dependency violated (F of stage
-    s+1 before F of s, a backward before the later stage's backward, W before its I); unmatched or
-    misrouted sends/receives; or a deadlock under blocking batched point-to-point."""
+    something in a list that is not an action; a missing/duplicate F, B, I or W; an action on the wrong
+    rank; a dependency violated (F of stage s+1 before F of s, a backward before the later stage's
+    backward, W before its I); unmatched or misrouted sends/receives; or a deadlock under blocking
+    batched point-to-point."""
     _check_shape(s)
     _check_counts(s)
     _check_local_order(s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import fmoe.schedule as S
@@ -142,3 +143,13 @@ def test_rejects_wrong_rank() -> None:
     s = S.one_f_one_b(2, 1)
     with pytest.raises(S.ScheduleError, match="not placed on rank 0"):
         S.verify(replace(s, ranks=(s.ranks[1], s.ranks[0])))
+
+
+@pytest.mark.parametrize("junk", ["F1.0", None, 3, ("F", 1, 0)])
+@pytest.mark.parametrize("with_comms", [False, True])
+def test_rejects_non_actions(junk: object, with_comms: bool) -> None:
+    s = S.one_f_one_b(2, 2)
+    s = S.with_comms(s) if with_comms else s
+    acts = s.ranks[1][:1] + (junk,) + s.ranks[1][1:]
+    with pytest.raises(S.ScheduleError, match=rf"r1 position 1: {re.escape(repr(junk))} is not an action"):
+        S.verify(replace(s, ranks=(s.ranks[0], acts)))
