@@ -22,8 +22,9 @@ Path = tuple[str, ...]
 class SharedGrads:
     """Sums gradients of shared weights across the pipeline ranks that hold them.
 
-    `holders[path]`: the pipeline ranks (in `group`) whose stages hold the weight at `path` (a key path
-    into the nested parameter dicts); paths held by one rank are ignored."""
+    `holders[path]`: the pipeline ranks (in `group`) whose stages hold the weights at `path` (a key path
+    into the nested parameter dicts: a leaf or a subtree, whose leaves every holder has); paths held by
+    one rank are ignored."""
 
     def __init__(self, holders: Mapping[Path, Sequence[int]], group: dist.ProcessGroup | None = None):
         self.group = group
@@ -45,7 +46,7 @@ class SharedGrads:
         for ranks, paths, sub in self.sets:
             if self.me not in ranks:
                 continue
-            leaves = [_leaf(grads, p) for p in paths]
+            leaves = [g for p in paths for g in _leaves(_node(grads, p))]
             flat = torch.cat([g.reshape(-1) for g in leaves])
             dist.all_reduce(flat, group=sub)
             offset = 0
@@ -54,10 +55,17 @@ class SharedGrads:
                 offset += g.numel()
 
 
-def _leaf(tree: Mapping[str, Any], path: Path) -> torch.Tensor:
+def _node(tree: Mapping[str, Any], path: Path) -> Any:
     node: Any = tree
     for k in path:
         if not isinstance(node, Mapping) or k not in node:
             raise KeyError(f"shared weight {'.'.join(path)!r} has no gradient on this rank")
         node = node[k]
     return node
+
+
+def _leaves(node: Any) -> list[torch.Tensor]:
+    """The tensors of a gradient subtree, in sorted-key order (the same on every holder)."""
+    if isinstance(node, Mapping):
+        return [g for k in sorted(node) for g in _leaves(node[k])]
+    return [node]

@@ -1,0 +1,11 @@
+"""The GPT on a pipeline: cut into chunks, layers as executor phases, one step over a schedule.
+
+Composes the model (fmoe) with the generic executor (fmoe.schedule); the model itself knows no schedule.
+"""
+
+from fmoe.pipeline.cut import ChunkSpec as ChunkSpec
+from fmoe.pipeline.cut import cut_gpt as cut_gpt
+from fmoe.pipeline.cut import holders as holders
+from fmoe.pipeline.step import PipelineStep as PipelineStep
+from fmoe.pipeline.step import gpt_pipeline_step as gpt_pipeline_step
+from fmoe.pipeline.step import gpt_programs as gpt_programs

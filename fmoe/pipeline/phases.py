@@ -1,0 +1,195 @@
+"""The GPT's layers as executor phases (fmoe.schedule.program): embedding, dense and MoE blocks, MTP, head.
+
+Legend (the package's, docs/moe.md): B sequences, S positions, T = B*S tokens, D width, K top-k slots,
+R rows of this rank's expert-sorted layout, M rows this rank's experts receive.
+
+An MoE layer is the four phases of seed 000, plus the small compute tail of combine:
+  attention (compute): norm, attention, residual, norm, router, permute-1  -> rows_RD (+ probs)
+  counts    (comm):    the count exchange (host sync), issued as soon as routing is known
+  dispatch  (comm):    rows to the experts' ranks                          -> rows_MD
+  mlp       (compute): permute-2, routed experts, inverse permute-2, shared expert
+  combine   (comm):    rows back                                            -> rows_RD
+  unpermute (compute): unpermute-1 with the gate weights, + shared, + residual  -> h_BSD
+Dense layers, the embedding and the head + loss are one compute phase each. Phases without weights take
+no params. `acts` is the whole live state between phases (other keys pass through a phase untouched);
+routing metadata lives in `meta` under the layer's name. Each attention phase reports its layer's routing
+facts in meta["stats"], so the MoE state can be updated once per step (fmoe.layer.update_moe_state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fmoe.block import dense_block, self_attention
+from fmoe.config import GPTConfig
+from fmoe.experts import shared_experts
+from fmoe.layer import expert_rows, route_tokens
+from fmoe.ops import cross_entropy, embedding, linear, rms_norm, unpermute
+from fmoe.parallel.phased import RowPlan, start_plan, start_rows
+from fmoe.schedule.program import Layer, Phase, Ready
+
+H = "h_BSD"  # the hidden state that crosses layers and stages
+
+
+def embed_layer() -> Layer:
+    """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]."""
+    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {**acts, H: embedding(meta["ids_BS"], p[0])}, meta
+
+    return Layer("embed", (Phase("embed", "compute", fn=fn, param_paths=(("embed", "table"),)),))
+
+
+def dense_layer(cfg: GPTConfig, i: int) -> Layer:
+    """Returns dense block `i` as one compute phase over acts[h_BSD]."""
+    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {**acts, H: dense_block(p[0], acts[H], cfg)}, meta
+
+    return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(("layers", str(i)),)),))
+
+
+def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
+              state: dict[str, Any] | None, dispatcher: Any) -> Layer:
+    """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
+    docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
+    (the block's params) gives the key names: each phase takes exactly the weights it uses."""
+    moe_cfg = cfg.moe
+    key = f"route:{name}"
+    attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
+    attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
+    mlp_keys = tuple(k for k in block_params["moe"] if k != "router")  # routed (and shared) experts
+    mlp_paths = tuple((*path, "moe", k) for k in mlp_keys)
+
+    def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        block = dict(zip(attn_keys, p[:-1]))
+        x_BSD = acts[H]
+        B, S, D = x_BSD.shape
+        r_BSD = self_attention(block, x_BSD, cfg)
+        h_TD = rms_norm(r_BSD, block["mlp_norm"], cfg.norm_eps).reshape(B * S, D)
+        x_RD, probs_TK, probs_R, loss, route = route_tokens({"router": p[-1]}, h_TD, moe_cfg, state, S)
+        rest = {k: v for k, v in acts.items() if k != H}
+        out = {**rest, "residual_BSD": r_BSD, "normed_TD": h_TD, "rows_RD": x_RD, f"balance:{name}": loss}
+        if probs_TK is not None:
+            out["probs_TK"] = probs_TK
+        else:
+            out["probs_R"] = probs_R
+        meta = {**meta, key: route, "stats": {"layer": path, "route": route}}
+        return out, meta
+
+    def counts_start(acts: dict, meta: dict) -> Any:
+        layout = meta[key].layout
+        pending = start_plan(dispatcher, layout.counts_E, layout.counts)
+        return _Then(pending, lambda plan: (acts, {**meta, f"plan:{name}": plan}))
+
+    def counts_transpose(ct: dict, meta: dict) -> Any:
+        return Ready(ct)  # the counts carry no gradient
+
+    def rows_of(acts: dict, suffix: str) -> dict:
+        return {k: acts[k] for k in (f"rows_{suffix}D", f"probs_{suffix}") if k in acts}
+
+    def exchange(acts: dict, meta: dict, src: str, dst: str, reverse: bool) -> Any:
+        moving = rows_of(acts, src)
+        rest = {k: v for k, v in acts.items() if k not in moving}
+        pending = start_rows(dispatcher, meta[f"plan:{name}"], moving, reverse)
+        return _Then(pending, lambda moved: {**rest, **{k.replace(f"_{src}", f"_{dst}"): v
+                                                      for k, v in moved.items()}})
+
+    def dispatch_start(acts: dict, meta: dict) -> Any:
+        return _Then(exchange(acts, meta, "R", "M", reverse=False), lambda a: (a, meta))
+
+    def dispatch_transpose(ct: dict, meta: dict) -> Any:
+        return exchange(ct, meta, "M", "R", reverse=True)
+
+    def mlp(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        moe_p = dict(zip(mlp_keys, p))
+        plan: RowPlan = meta[f"plan:{name}"]
+        x_MD = plan.to_experts(acts["rows_MD"])
+        probs_M = plan.to_experts(acts["probs_M"]) if "probs_M" in acts else None
+        y_MD = expert_rows(moe_p["experts"], x_MD, probs_M, plan.counts_L, moe_cfg, meta[key].remat)
+        out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
+        out["rows_MD"] = plan.from_experts(y_MD)
+        if "shared" in moe_p:
+            out["shared_TD"] = shared_experts(moe_p["shared"], acts["normed_TD"])
+        return out, meta
+
+    def combine_start(acts: dict, meta: dict) -> Any:
+        return _Then(exchange(acts, meta, "M", "R", reverse=True), lambda a: (a, meta))
+
+    def combine_transpose(ct: dict, meta: dict) -> Any:
+        return exchange(ct, meta, "R", "M", reverse=False)
+
+    def finish(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        route = meta[key]
+        y_TD = unpermute(acts["rows_RD"], acts.get("probs_TK"), route.layout)
+        if "shared_TD" in acts:
+            y_TD = y_TD + acts["shared_TD"]
+        r_BSD = acts["residual_BSD"]
+        out = {k: v for k, v in acts.items() if k not in ("rows_RD", "probs_TK", "shared_TD", "residual_BSD")}
+        out[H] = r_BSD + y_TD.to(r_BSD.dtype).reshape(r_BSD.shape)
+        meta = {k: v for k, v in meta.items() if k not in (key, f"plan:{name}")}
+        return out, meta
+
+    return Layer(name, (
+        Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(f"balance:{name}",)),
+        Phase("counts", "comm", start=counts_start, start_transpose=counts_transpose),
+        Phase("dispatch", "comm", start=dispatch_start, start_transpose=dispatch_transpose),
+        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
+        Phase("combine", "comm", start=combine_start, start_transpose=combine_transpose),
+        Phase("unpermute", "compute", fn=finish),
+    ))
+
+
+def mtp_in_layer(cfg: GPTConfig) -> Layer:
+    """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
+    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions)."""
+    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        table, hidden_norm, embed_norm, w_proj = p
+        h_BSD = acts[H]
+        hn_BSD = rms_norm(h_BSD[:, :-1], hidden_norm, cfg.norm_eps)
+        next_BSD = embedding(meta["targets_BS"][:, :-1].clamp(min=0), table)
+        e_BSD = rms_norm(next_BSD, embed_norm, cfg.norm_eps)
+        z_BSD = linear(torch.cat([hn_BSD, e_BSD], dim=-1), w_proj)
+        return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": h_BSD, H: z_BSD}, meta
+
+    paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
+    return Layer("mtp_in", (Phase("mtp_in", "compute", fn=fn, param_paths=paths),))
+
+
+def head_layer(cfg: GPTConfig) -> Layer:
+    """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
+    mtp_loss_weight * the MTP cross-entropy ("mtp"). Ends the path: returns losses only."""
+    def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor,
+                    targets_BS: torch.Tensor) -> torch.Tensor:
+        B, S, D = h_BSD.shape
+        logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), w_DV)
+        return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+
+    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        norm_D, w_DV = p[0], p[1]
+        targets = meta["targets_BS"]
+        if cfg.mtp:
+            mtp = logits_loss(acts[H], p[2], w_DV, targets[:, 1:])
+            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets)
+            return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, meta
+        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets)}, meta
+
+    paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
+    losses = ("ce", "mtp") if cfg.mtp else ("ce",)
+    return Layer("head", (Phase("head", "compute", fn=fn, param_paths=paths, losses=losses),))
+
+
+class _Then:
+    """A Pending whose result is `then(inner.wait())`; forwards the inner `completed_at`."""
+
+    def __init__(self, inner: Any, then: Any):
+        self.inner, self.then = inner, then
+
+    @property
+    def completed_at(self) -> float | None:
+        """When the inner exchange completed, if known."""
+        return getattr(self.inner, "completed_at", None)
+
+    def wait(self) -> Any:
+        """Waits the inner Pending; returns `then` of its result."""
+        return self.then(self.inner.wait())

@@ -1,0 +1,109 @@
+"""One pipeline training step of the GPT: stage programs for a schedule, the executor, shared-weight
+gradients summed, MoE loads reported for the once-per-step state update.
+
+    programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S))
+    out = gpt_pipeline_step(cfg, s, rank, params, state, batches, group=pp_group)
+    out.loss, out.grads (init_gpt layout), out.loads, out.result (timeline, peaks)
+
+`batches[mb]` = (ids_BS, targets_BS) of microbatch mb; every rank gets the same list (the first and the
+last stage read it). The loss is the mean over microbatches of cross-entropy + balancing losses + the
+weighted MTP loss; it lives on the rank(s) holding the last chunk and is summed across the pipeline
+group so every rank returns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fmoe.config import GPTConfig
+from fmoe.dispatch.local import LocalDispatcher
+from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
+from fmoe.pipeline.phases import dense_layer, embed_layer, head_layer, moe_layer, mtp_in_layer
+from fmoe.schedule.execute import StepResult, execute
+from fmoe.schedule.ir import Schedule, ScheduleError
+from fmoe.schedule.program import Layer, StageProgram
+
+
+def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
+                 *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
+                 dispatcher: Any = None, dtype: torch.dtype = torch.float32) -> dict[int, StageProgram]:
+    """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
+    (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
+    `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`)."""
+    chunks = chunks or cut_gpt(cfg, s.placement)
+    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
+    B, S = micro_batch
+    if cfg.mtp and S < 2:
+        raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
+    out = {}
+    for stage in s.placement.stages_of(rank):
+        chunk = chunks[s.placement.layer_chunk[stage]]
+        layers: list[Layer] = [embed_layer()] if chunk.first else []
+        for i in chunk.layers:
+            if i < cfg.num_dense_layers:
+                layers.append(dense_layer(cfg, i))
+            else:
+                layers.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i],
+                                        state["layers"][i], dispatcher))
+        if chunk.last:
+            if cfg.mtp:
+                layers.append(mtp_in_layer(cfg))
+                layers.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"],
+                                        state.get("mtp"), dispatcher))
+            layers.append(head_layer(cfg))
+        spec = {} if chunk.first else {"h_BSD": ((B, S, cfg.d_model), dtype)}
+        out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
+    return out
+
+
+@dataclass
+class PipelineStep:
+    """loss: the step's loss (0-dim, the same on every rank); grads: this rank's gradients in the layout
+    of init_gpt params (None / absent where the rank holds nothing), shared weights summed across holders;
+    loads: per MoE layer path, tokens per expert [E] summed over the step's microbatches; result: the
+    executor's StepResult (timeline, peaks, per-loss values)."""
+
+    loss: torch.Tensor
+    grads: dict[str, Any]
+    loads: dict[tuple[str, ...], torch.Tensor]
+    result: StepResult
+
+
+def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
+                      batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                      group: dist.ProcessGroup | None = None,
+                      chunks: tuple[ChunkSpec, ...] | None = None, dispatcher: Any = None,
+                      shared: SharedGrads | None = None) -> PipelineStep:
+    """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
+    `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
+    process groups: pass one in to reuse it across steps)."""
+    if len(batches) != s.m:
+        raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
+    shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
+    if len(shapes) != 1:
+        raise ValueError(f"every microbatch's ids and targets must have one shape [B, S], got "
+                         f"{sorted(shapes)}")
+    chunks = chunks or cut_gpt(cfg, s.placement)
+    (B, S), = shapes
+    programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
+                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype)
+    data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
+    result = execute(s, rank, programs, lambda mb: data[mb], group=group)
+    if s.pp > 1:
+        if shared is None:
+            shared = SharedGrads(holders(cfg, s.placement, chunks), group)
+        shared.reduce(result.grads)
+    loss = result.loss.clone()
+    if s.pp > 1:
+        dist.all_reduce(loss, group=group)
+    loads: dict[tuple[str, ...], torch.Tensor] = {}
+    for _stage, _mb, _layer, _phase, stats in result.stats:
+        counts = stats["route"].tokens_per_expert_E
+        path = stats["layer"]
+        loads[path] = counts if path not in loads else loads[path] + counts
+    return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
