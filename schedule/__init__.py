@@ -3,6 +3,7 @@
 Generic: imports nothing of the model (only fmoe.transforms, for the executor). See docs/schedules.md.
 """
 
+from fmoe._lazy import lazy_exports
 from fmoe.schedule.comms import with_comms as with_comms
 from fmoe.schedule.comms import without_comms as without_comms
 from fmoe.schedule.costs import Costs as Costs
@@ -40,8 +41,6 @@ from fmoe.schedule.verify import verify as verify
 
 # The executor and stage programs need torch; load them on first use so that generating, verifying and
 # simulating schedules stays torch-free.
-from fmoe._lazy import lazy_exports  # noqa: E402
-
 _LAZY = {"execute": ".execute", "StepResult": ".execute", "check_programs": ".execute",
          "Phase": ".program", "Layer": ".program", "StageProgram": ".program", "Ready": ".program",
          "TraceEvent": ".timeline", "report_events": ".timeline"}

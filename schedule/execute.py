@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
