@@ -25,9 +25,10 @@ import torch
 from fmoe.block import dense_block, self_attention
 from fmoe.config import GPTConfig
 from fmoe.experts import shared_experts
-from fmoe.layer import expert_rows, route_tokens
+from fmoe.layer import expert_rows, plan_route, route_tokens, uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, rms_norm, unpermute
-from fmoe.parallel.phased import RowPlan, start_plan, start_rows
+from fmoe.parallel.hierarchical import HierarchicalDispatcher
+from fmoe.parallel.phased import RowPlan, phased
 from fmoe.schedule.program import Layer, Phase, Ready
 
 H = "h_BSD"  # the hidden state that crosses layers and stages
@@ -55,11 +56,14 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
     (the block's params) gives the key names: each phase takes exactly the weights it uses."""
     moe_cfg = cfg.moe
-    key = f"route:{name}"
+    route_key, plan_key = f"route:{name}", f"plan:{name}"
+    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
+    ex = phased(dispatcher, token_level)
     attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
     attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
     mlp_keys = tuple(k for k in block_params["moe"] if k != "router")  # routed (and shared) experts
     mlp_paths = tuple((*path, "moe", k) for k in mlp_keys)
+    balance = f"balance:{name}"
 
     def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         block = dict(zip(attn_keys, p[:-1]))
@@ -67,75 +71,65 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         B, S, D = x_BSD.shape
         r_BSD = self_attention(block, x_BSD, cfg)
         h_TD = rms_norm(r_BSD, block["mlp_norm"], cfg.norm_eps).reshape(B * S, D)
-        x_RD, probs_TK, probs_R, loss, route = route_tokens({"router": p[-1]}, h_TD, moe_cfg, state, S)
-        rest = {k: v for k, v in acts.items() if k != H}
-        out = {**rest, "residual_BSD": r_BSD, "normed_TD": h_TD, "rows_RD": x_RD, f"balance:{name}": loss}
-        if probs_TK is not None:
+        out = {k: v for k, v in acts.items() if k != H}
+        out.update(residual_BSD=r_BSD, normed_TD=h_TD)
+        if token_level:  # the dispatcher takes whole tokens: no permute-1 here
+            probs_TK, loss, route = plan_route({"router": p[-1]}, h_TD, moe_cfg, state, S)
             out["probs_TK"] = probs_TK
         else:
-            out["probs_R"] = probs_R
-        meta = {**meta, key: route, "stats": {"layer": path, "route": route}}
-        return out, meta
+            x_RD, probs_TK, probs_R, loss, route = route_tokens({"router": p[-1]}, h_TD, moe_cfg, state, S)
+            out["rows_RD"] = x_RD
+            if probs_TK is not None:
+                out["probs_TK"] = probs_TK
+            else:
+                out["probs_R"] = probs_R
+        out[balance] = loss
+        return out, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
 
     def counts_start(acts: dict, meta: dict) -> Any:
-        layout = meta[key].layout
-        pending = start_plan(dispatcher, layout.counts_E, layout.counts)
-        return _Then(pending, lambda plan: (acts, {**meta, f"plan:{name}": plan}))
+        return _Then(ex.start_plan(meta[route_key]), lambda plan: (acts, {**meta, plan_key: plan}))
 
-    def counts_transpose(ct: dict, meta: dict) -> Any:
-        return Ready(ct)  # the counts carry no gradient
-
-    def rows_of(acts: dict, suffix: str) -> dict:
-        return {k: acts[k] for k in (f"rows_{suffix}D", f"probs_{suffix}") if k in acts}
-
-    def exchange(acts: dict, meta: dict, src: str, dst: str, reverse: bool) -> Any:
-        moving = rows_of(acts, src)
-        rest = {k: v for k, v in acts.items() if k not in moving}
-        pending = start_rows(dispatcher, meta[f"plan:{name}"], moving, reverse)
-        return _Then(pending, lambda moved: {**rest, **{k.replace(f"_{src}", f"_{dst}"): v
-                                                      for k, v in moved.items()}})
-
-    def dispatch_start(acts: dict, meta: dict) -> Any:
-        return _Then(exchange(acts, meta, "R", "M", reverse=False), lambda a: (a, meta))
-
-    def dispatch_transpose(ct: dict, meta: dict) -> Any:
-        return exchange(ct, meta, "M", "R", reverse=True)
+    def with_meta(pending: Any, meta: dict) -> Any:
+        return _Then(pending, lambda a: (a, meta))
 
     def mlp(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         moe_p = dict(zip(mlp_keys, p))
-        plan: RowPlan = meta[f"plan:{name}"]
+        plan: RowPlan = meta[plan_key]
         x_MD = plan.to_experts(acts["rows_MD"])
         probs_M = plan.to_experts(acts["probs_M"]) if "probs_M" in acts else None
-        y_MD = expert_rows(moe_p["experts"], x_MD, probs_M, plan.counts_L, moe_cfg, meta[key].remat)
+        remat = meta[route_key].remat
+        if token_level:  # gate weights on the expert outputs, as the combine would apply them
+            y_MD = expert_rows(moe_p["experts"], x_MD, None, plan.counts_L, moe_cfg, remat)
+            y_MD = y_MD * probs_M.unsqueeze(-1).to(y_MD.dtype)
+        else:
+            y_MD = expert_rows(moe_p["experts"], x_MD, probs_M, plan.counts_L, moe_cfg, remat)
         out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
         out["rows_MD"] = plan.from_experts(y_MD)
         if "shared" in moe_p:
             out["shared_TD"] = shared_experts(moe_p["shared"], acts["normed_TD"])
         return out, meta
 
-    def combine_start(acts: dict, meta: dict) -> Any:
-        return _Then(exchange(acts, meta, "M", "R", reverse=True), lambda a: (a, meta))
-
-    def combine_transpose(ct: dict, meta: dict) -> Any:
-        return exchange(ct, meta, "R", "M", reverse=False)
-
     def finish(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        route = meta[key]
-        y_TD = unpermute(acts["rows_RD"], acts.get("probs_TK"), route.layout)
+        if token_level:
+            y_TD = acts["y_TD"]
+        else:
+            y_TD = unpermute(acts["rows_RD"], acts.get("probs_TK"), meta[route_key].layout)
         if "shared_TD" in acts:
             y_TD = y_TD + acts["shared_TD"]
         r_BSD = acts["residual_BSD"]
-        out = {k: v for k, v in acts.items() if k not in ("rows_RD", "probs_TK", "shared_TD", "residual_BSD")}
+        used = ("rows_RD", "y_TD", "probs_TK", "shared_TD", "residual_BSD")
+        out = {k: v for k, v in acts.items() if k not in used}
         out[H] = r_BSD + y_TD.to(r_BSD.dtype).reshape(r_BSD.shape)
-        meta = {k: v for k, v in meta.items() if k not in (key, f"plan:{name}")}
-        return out, meta
+        return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     return Layer(name, (
-        Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(f"balance:{name}",)),
-        Phase("counts", "comm", start=counts_start, start_transpose=counts_transpose),
-        Phase("dispatch", "comm", start=dispatch_start, start_transpose=dispatch_transpose),
+        Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
+        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct)),
+        Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
+              start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct)),
         Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
-        Phase("combine", "comm", start=combine_start, start_transpose=combine_transpose),
+        Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
+              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct)),
         Phase("unpermute", "compute", fn=finish),
     ))
 

@@ -1,0 +1,135 @@
+"""Expert parallelism inside pipeline stages: pp 2 x ep 2 on 4 gloo ranks, alltoall and hierarchical
+dispatchers (2 nodes of 1 rank, and 1 node of 2), balanced and imbalanced routing (an expert bias sends
+every token to the second EP rank's experts, so the first rank's experts receive no token).
+
+Oracle: each EP rank's microbatches run one after the other in one process through `gpt_loss` with all
+experts local (torch.func.vjp). Each rank's loss equals its oracle's; a rank's expert gradients equal
+the sum over EP ranks of the oracles' gradients of its experts; the other gradients, summed over the EP
+ranks (what data parallelism would all-reduce), equal the oracles' sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
+from fmoe import schedule as S
+from fmoe.parallel import AllToAllDispatcher, CommGroup, HierarchicalDispatcher, ParallelLayout, Topology
+from fmoe.pipeline import gpt_pipeline_step
+
+DT = torch.float64
+E, L, EP = 4, 2, 2
+
+
+def _cfg(mtp: bool, imbalanced: bool) -> GPTConfig:
+    moe = MoEConfig(d_model=16, d_ff=8, num_experts=E, top_k=2, aux_loss_coef=1e-2, num_shared_experts=1,
+                    bias_update_rate=1e-3 if imbalanced else 0.0)
+    return GPTConfig(vocab_size=32, d_model=16, n_layers=4, n_heads=2, moe=moe, mtp=mtp, num_dense_layers=1)
+
+
+def _state(cfg: GPTConfig, imbalanced: bool) -> dict:
+    state = init_gpt_state(cfg)
+    if imbalanced:  # every token picks experts 2 and 3 (EP rank 1): EP rank 0's experts get nothing
+        for s in state["layers"][cfg.num_dense_layers:] + ([state["mtp"]] if cfg.mtp else []):
+            s["expert_bias_E"] = torch.tensor([-100.0, -100.0, 0.0, 0.0])
+    return state
+
+
+def _batches(cfg: GPTConfig, ep_rank: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(10 + ep_rank)
+    seqs = [torch.randint(0, cfg.vocab_size, (2, 6), generator=g) for _ in range(m)]
+    return [(s[:, :-1], s[:, 1:]) for s in seqs]
+
+
+def _local(params: dict, cfg: GPTConfig, ep_rank: int) -> dict:
+    """The params an EP rank holds: every expert tensor sliced to its L experts."""
+    blocks = params["layers"][cfg.num_dense_layers:] + ([params["mtp"]["block"]] if cfg.mtp else [])
+    for b in blocks:
+        b["moe"]["experts"] = {k: v[ep_rank * L:(ep_rank + 1) * L].clone()
+                               for k, v in b["moe"]["experts"].items()}
+    return params
+
+
+def _flat(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, dict):
+        return {k2: v2 for k, v in tree.items() for k2, v2 in _flat(v, f"{prefix}{k}.").items()}
+    if isinstance(tree, list):
+        return {k2: v2 for i, v in enumerate(tree) for k2, v2 in _flat(v, f"{prefix}{i}.").items()}
+    return {} if tree is None else {prefix[:-1]: tree}
+
+
+def _oracle(cfg: GPTConfig, imbalanced: bool, ep_rank: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
+    params = init_gpt(cfg, torch.Generator().manual_seed(0), DT)
+    state = _state(cfg, imbalanced)
+    batches = _batches(cfg, ep_rank, m)
+    def mean_loss(p: dict) -> torch.Tensor:
+        return sum(gpt_loss(p, ids, t, cfg, state)[0] for ids, t in batches) / m
+
+    loss, vjp = torch.func.vjp(mean_loss, params)
+    return float(loss), _flat(vjp(torch.ones((), dtype=DT))[0])
+
+
+CASES = [("alltoall", 2, "1f1b", False, False), ("alltoall", 2, "dualpipev", True, True),
+         ("alltoall", 2, "interleaved", False, True), ("hierarchical", 1, "1f1b", False, True),
+         ("hierarchical", 1, "dualpipev", True, False), ("hierarchical", 2, "zb_h1", False, True)]
+M = 4
+
+
+def _rank(rank: int, world: int, cases: list) -> dict:
+    out, layouts = {}, {}
+    for kind, rpn, name, mtp, imbalanced in cases:
+        if rpn not in layouts:  # every rank builds the same layouts, in the same order
+            layouts[rpn] = ParallelLayout(pp=2, ep=EP, topology=Topology(world, rpn))
+        layout = layouts[rpn]
+        if kind == "alltoall":
+            d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
+        else:
+            d = HierarchicalDispatcher(CommGroup(layout.group("expert_inter")),
+                                       CommGroup(layout.group("expert_intra")), E)
+        cfg = _cfg(mtp, imbalanced)
+        pp_group = layout.group("pp")
+        ep_rank = torch.distributed.get_rank(layout.group("expert"))
+        stage_rank = torch.distributed.get_rank(pp_group)
+        params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
+        s = S.build(name, 2, M)
+        step = gpt_pipeline_step(cfg, s, stage_rank, params, _state(cfg, imbalanced),
+                                 _batches(cfg, ep_rank, M), group=pp_group, dispatcher=d)
+        grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
+        out[(kind, rpn, name)] = (ep_rank, float(step.loss), grads)
+    return out
+
+
+def _is_expert(key: str) -> bool:
+    return ".experts." in key
+
+
+def test_ep_inside_pipeline_stages_matches_per_rank_oracles() -> None:
+    results = spawn(_rank, 4, CASES, timeout_s=400)
+    for kind, rpn, name, mtp, imbalanced in CASES:
+        cfg = _cfg(mtp, imbalanced)
+        oracles = [_oracle(cfg, imbalanced, e, M) for e in range(EP)]
+        want_sum = {k: sum(o[1][k] for o in oracles) for k in oracles[0][1]}
+        dense: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
+        for r in results:
+            ep_rank, loss, grads = r.value[(kind, rpn, name)]
+            assert loss == pytest.approx(oracles[ep_rank][0], rel=1e-12), (kind, name, r.rank)
+            for k, v in grads.items():
+                v = torch.tensor(v, dtype=DT)
+                if _is_expert(k):
+                    experts[f"{k}@{ep_rank}"] = v
+                elif f"{k}@{ep_rank}" not in experts:
+                    dense.setdefault(f"{k}@{ep_rank}", v)
+        for k, want in want_sum.items():
+            if _is_expert(k):
+                for e in range(EP):
+                    torch.testing.assert_close(experts[f"{k}@{e}"], want[e * L:(e + 1) * L], rtol=1e-9,
+                                               atol=1e-12, msg=f"{kind} {name} {k} ep{e}")
+            else:
+                got = sum(dense[f"{k}@{e}"] for e in range(EP))
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{kind} {name} {k}")
+        if imbalanced:  # the first EP rank's experts received no token: only their zero gradient flows
+            w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_up"]
+            assert torch.count_nonzero(w[:L]) == 0 and torch.count_nonzero(w[L:]) > 0
