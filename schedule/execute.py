@@ -149,7 +149,7 @@ class _Executor:
                 _drain(self.op(a.f))
                 _drain(self.op(a.b))
         for work, _ in self.sends:
-            self._wait_work(work, "send")
+            self._wait_work(work, "a send")
         self.sends.clear()
         if self.records or self.deferred:
             left = sorted(set(self.records) | set(self.deferred))
@@ -200,13 +200,14 @@ class _Executor:
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record) -> tuple[Acts, Meta]:
         params = tuple(subtree(prog.params, p) for p in ph.param_paths)
-        for k, v in acts.items():
-            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
-                raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating tensor; "
-                                    "put non-differentiable values in meta")
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
-            return ph.fn(p, a, meta)
+            out, meta_out = ph.fn(p, a, meta)
+            for k, v in out.items():
+                if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                    raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating "
+                                        "tensor; put non-differentiable values in meta")
+            return out, meta_out
 
         out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
@@ -298,8 +299,10 @@ class _Executor:
             self._irecv(dep, self.programs[here].in_spec if kind is Kind.ACT else spec or {})
         works, bufs, t_post = self.posted.pop(dep)
         t = self._now()
+        what = f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank " \
+               f"{self.s.placement.stage_rank[dep.stage]}"
         for w in works:
-            self._wait_work(w, f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb}")
+            self._wait_work(w, what)
         self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t)
         self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post)
         return bufs
@@ -355,10 +358,12 @@ class _Executor:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as exc:
-            raise RuntimeError(f"rank {self.rank}: {what} failed or timed out after {self.timeout} "
-                               f"(a peer died or runs a different schedule): {exc}") from exc
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise RuntimeError(f"pipeline rank {self.rank}: {what} failed or did not complete within "
+                               f"{self.timeout} (the peer died, raised, or runs a different schedule): "
+                               f"{first}") from exc
         if ok is False:
-            raise RuntimeError(f"rank {self.rank}: {what} did not complete within {self.timeout}")
+            raise RuntimeError(f"pipeline rank {self.rank}: {what} did not complete within {self.timeout}")
 
     # ---- timeline --------------------------------------------------------------------------------------
 

@@ -3,14 +3,18 @@ whole model run microbatch after microbatch in one process (the oracle never tou
 
 from __future__ import annotations
 
+import datetime
+import json
+import time
+
 import pytest
 import torch
 from dist_utils import spawn
-from fmoe.schedule.execute import execute
-from fmoe.schedule.program import Layer, Phase, Ready, StageProgram
 
 from fmoe import schedule as S
 from fmoe.ops import linear
+from fmoe.schedule.execute import execute
+from fmoe.schedule.program import Layer, Phase, Ready, StageProgram
 
 D, T = 8, 6
 
@@ -111,4 +115,58 @@ def test_every_schedule_matches_the_single_process_oracle(pp: int) -> None:
             for k in want[c]:
                 torch.testing.assert_close(summed[c][k], want[c][k], rtol=1e-10, atol=1e-12, msg=name)
         for r in results:
-            assert r.value[name][2] == r.value[name][3], f"{name} rank {r.rank}: peak activations vs simulated"
+            assert r.value[name][2] == r.value[name][3], f"{name} rank {r.rank}: peak activations"
+
+
+def test_programs_that_do_not_match_the_placement_fail_before_running() -> None:
+    s = S.one_f_one_b(2, 2)
+    params = _params(2)
+    with pytest.raises(S.ScheduleError, match="places stages \\[0\\]"):
+        execute(s, 0, {1: _program(s, 1, params)}, lambda mb: _data(2)[mb])
+    wrong = _program(s, 1, params)
+    with pytest.raises(S.ScheduleError, match="says it is stage 1"):
+        execute(s, 0, {0: wrong}, lambda mb: _data(2)[mb])
+
+
+def test_integer_acts_are_rejected_with_the_phase_named() -> None:
+    s = S.one_f_one_b(1, 1)
+    bad = Phase("ids", "compute", fn=lambda p, a, m: ({"ids": m["x"].long()}, m))
+    with pytest.raises(S.ScheduleError, match="L0 ids: acts\\['ids'\\] is not a floating tensor"):
+        execute(s, 0, {0: StageProgram(0, (Layer("L0", (bad,)),), {})}, lambda mb: _data(1)[mb])
+
+
+def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
+    s = S.one_f_one_b(1, 2)
+    params = _params(1)
+    res = execute(s, 0, {0: _program(s, 0, params)}, lambda mb: _data(2)[mb])
+    names = [e.name for e in res.events]
+    assert "F body s0 L0 mb1" in names and "B body s0 L0 mb0" in names and "W body s0 L0 mb1" in names
+    assert "a2a double-F s0 L0 mb0" in names and "wait a2a double-B s0 L0 mb1" in names
+    lanes = {e.name: e.lane for e in res.events}
+    assert lanes["a2a double-F s0 L0 mb0"] == "comm" and lanes["wait a2a double-F s0 L0 mb0"] == "compute"
+    assert all(0 <= e.start <= e.end for e in res.events)
+    assert res.peak_activations == 1 and res.peak_deferred == 1
+    trace = json.loads(S.write_trace(res.events, tmp_path / "t.json", us_per_unit=1e6).read_text())
+    meta = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+            if e["name"] == "thread_name"}
+    assert meta == {(0, 0): "compute", (0, 1): "comm"}
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(res.events) and all(e["dur"] >= 0 for e in xs)
+    assert S.write_png(res.events, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _dies(rank: int, world: int) -> None:
+    if rank == 1:
+        raise SystemExit("rank 1 stops before its first send")
+    s = S.one_f_one_b(2, 2)
+    params = _params(2)
+    execute(s, rank, {0: _program(s, 0, params)}, lambda mb: _data(2)[mb],
+            timeout=datetime.timedelta(seconds=20))
+
+
+def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
+    t0 = time.monotonic()
+    results = spawn(_dies, 2, timeout_s=60, check=False)
+    assert time.monotonic() - t0 < 60
+    err = results[0].error or ""
+    assert "from pipeline rank 1" in err, err
