@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/moe_layer.py                  # D 1024, F 1024, E 16, K 4, 4096 tokens, fp32
     .venv/bin/python benchmarks/moe_layer.py --tokens 512 --repeats 1     # a quick look
 
-Legend: T tokens, D model width, F expert width, E experts, K experts per token, N = T * K routed rows.
+Legend (docs/moe.md): T tokens, D model width, F expert width, E experts, K top-k slots, N = T * K
+(token, slot) pairs (the rows of the dropless layout).
 
 Prints tokens/s (median of interleaved repetitions) for each backend and for the loop oracle of
 tests/moe_oracle.py (run on a few tokens: it is a python loop), then the layer's achieved FLOP rate

@@ -28,15 +28,15 @@ class ModuleMLP(nn.Module):
 
     def __init__(self, p: dict[str, torch.Tensor]):
         super().__init__()
-        self.norm = nn.RMSNorm(p["norm_D"].shape[0], eps=1e-6)
-        self.gate = nn.Linear(*p["w_gate_DF"].shape, bias=False)
-        self.up = nn.Linear(*p["w_up_DF"].shape, bias=False)
-        self.down = nn.Linear(*p["w_down_FD"].shape, bias=False)
+        self.norm = nn.RMSNorm(p["norm"].shape[0], eps=1e-6)
+        self.gate = nn.Linear(*p["w_gate"].shape, bias=False)
+        self.up = nn.Linear(*p["w_up"].shape, bias=False)
+        self.down = nn.Linear(*p["w_down"].shape, bias=False)
         with torch.no_grad():
-            self.norm.weight.copy_(p["norm_D"])
-            self.gate.weight.copy_(p["w_gate_DF"].t())
-            self.up.weight.copy_(p["w_up_DF"].t())
-            self.down.weight.copy_(p["w_down_FD"].t())
+            self.norm.weight.copy_(p["norm"])
+            self.gate.weight.copy_(p["w_gate"].t())
+            self.up.weight.copy_(p["w_up"].t())
+            self.down.weight.copy_(p["w_down"].t())
 
     def forward(self, x):
         h = self.norm(x)

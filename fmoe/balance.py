@@ -1,6 +1,7 @@
 """Load balancing: the auxiliary losses and the aux-loss-free expert-bias update.
 
-Legend: T tokens, E experts, K experts per token, B sequences (T = B * S), S tokens per sequence.
+Legend (the package's, docs/moe.md): T tokens, E experts, K top-k slots, B sequences (T = B * S),
+S tokens per sequence.
 
 All losses take fp32 (fp64) router quantities and return a differentiable scalar. `probs_TE` is the
 full per-token score distribution (softmax scores, or sigmoid scores divided by their per-token sum)

@@ -3,12 +3,12 @@ capacity from a sliding-window forecast (MISSION.md feature 16).
 
     layout, info = make_layout(ids_TK, probs_TK, cfg, state)
 
-Legend: T tokens, K experts per token, N = T * K (token, slot) pairs, E experts, C capacity (rows per
-expert), M layout rows, W forecast window (steps).
+Legend (the package's, docs/moe.md): T tokens, K top-k slots, N = T * K (token, slot) pairs, E experts,
+C capacity (rows per expert), R layout rows, W forecast window (steps).
 
 Host syncs, by mode: dropless none here (grouped_linear reads counts once); capacity drop without
 padding reads the number of kept pairs (it sizes the layout); drop-and-pad none (static shapes
-M = E * C, counts known on the host); dynamic capacity reads one "fits" flag per step and the true
+R = E * C, counts known on the host); dynamic capacity reads one "fits" flag per step and the true
 maximum load only on a miss (the single-process image of "agree on a cheap flag, all-reduce the max
 only on a miss"), plus the forecast from the window.
 """
@@ -21,7 +21,9 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from einops import rearrange
 
+from fmoe._index import exclusive_cumsum
 from fmoe.config import MoEConfig
 from fmoe.ops import Layout, sort_layout
 
@@ -60,21 +62,21 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
 
     policy "probs" keeps an expert's pairs with the highest gate weights, "position" its earliest
     pairs (token order). Kept rows are in token order within each expert. `pad` gives every expert
-    exactly `capacity` rows (M = E * C, padding rows at the end of each expert's block).
+    exactly `capacity` rows (R = E * C, padding rows at the end of each expert's block).
     """
     T, K = ids_TK.shape
     N, E, C = T * K, num_experts, capacity
     dev = ids_TK.device
-    ids_N = ids_TK.reshape(-1)
+    ids_N = rearrange(ids_TK, "t k -> (t k)")  # pair n = t * K + k
     if policy == "probs":
-        by_prob_N = torch.sort(-probs_TK.detach().reshape(-1), stable=True).indices
+        by_prob_N = torch.sort(-rearrange(probs_TK.detach(), "t k -> (t k)"), stable=True).indices
         order_N = by_prob_N[torch.sort(ids_N[by_prob_N], stable=True).indices]
     elif policy == "position":
         order_N = torch.sort(ids_N, stable=True).indices
     else:
         raise ValueError(f"drop_layout: policy must be 'probs' or 'position', got {policy!r}")
     counts_E = torch.bincount(ids_N, minlength=E)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    starts_E = exclusive_cumsum(counts_E)
     rank_N = torch.arange(N, device=dev) - starts_E[ids_N[order_N]]
     keep_N = torch.empty(N, dtype=torch.bool, device=dev)
     keep_N[order_N] = rank_N < C
@@ -87,24 +89,24 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
     kept_E = kept_E1[:E]
     arange_N = torch.arange(N, device=dev)
     if pad:
-        M = E * C
+        R = E * C
         key_sorted_N = key_N[order2_N]
-        starts_E1 = torch.cumsum(kept_E1, 0) - kept_E1
+        starts_E1 = exclusive_cumsum(kept_E1)
         pos_N = arange_N - starts_E1[key_sorted_N]
-        dst_sorted_N = torch.where(key_sorted_N < E, key_sorted_N * C + pos_N, torch.full_like(pos_N, M))
-        counts_L = torch.full((E,), C, dtype=torch.int64, device=dev)
+        dst_sorted_N = torch.where(key_sorted_N < E, key_sorted_N * C + pos_N, torch.full_like(pos_N, R))
+        rows_E = torch.full((E,), C, dtype=torch.int64, device=dev)
         counts = (C,) * E
     else:
-        M = int(kept_E.sum())  # host sync: the layout's size depends on the data
-        dst_sorted_N = torch.where(arange_N < M, arange_N, torch.full_like(arange_N, M))
-        counts_L, counts = kept_E, None
+        R = int(kept_E.sum())  # host sync: the layout's size depends on the data
+        dst_sorted_N = torch.where(arange_N < R, arange_N, torch.full_like(arange_N, R))
+        rows_E, counts = kept_E, None
     row_dst_N = torch.empty_like(ids_N)
     row_dst_N[order2_N] = dst_sorted_N
-    # Padding rows read pair N (the zero row); the extra slot M absorbs the writes of dropped pairs.
-    row_src_M = torch.full((M + 1,), N, dtype=torch.int64, device=dev)
-    row_src_M[dst_sorted_N] = order2_N
-    row_src_M = row_src_M[:M]
-    layout = Layout(row_src_M=row_src_M, row_dst_N=row_dst_N, tok_M=row_src_M // K, counts_E=counts_L,
+    # Padding rows read pair N (the zero row); the extra slot R absorbs the writes of dropped pairs.
+    row_src_R1 = torch.full((R + 1,), N, dtype=torch.int64, device=dev)
+    row_src_R1[dst_sorted_N] = order2_N
+    row_src_R = row_src_R1[:R]
+    layout = Layout(row_src_R=row_src_R, row_dst_N=row_dst_N, tok_R=row_src_R // K, counts_E=rows_E,
                     counts=counts, num_tokens=T, top_k=K)
     return layout, dropped
 

@@ -3,24 +3,22 @@
 Both are frozen dataclasses validated at construction: a bad combination raises ValueError naming the
 field, so a typo fails at config time rather than as a shape error deep in a forward.
 
-Legend: D model width, F expert ffn width, E routed experts, K experts per token, G expert groups.
+Legend (the package's, docs/moe.md): D model width, F expert ffn width, E routed experts, K top-k slots,
+J expert groups, H query heads, G kv heads, d head dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from fmoe._checks import positive as _positive
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")
 DROP_POLICIES = ("probs", "position")
-
-
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -73,9 +71,9 @@ class MoEConfig:
       shared_expert_gate adds a sigmoid gate per token on its output.
     - probs_in_expert: apply the gate weight inside the expert (before w_down) rather than at combine.
     - backend: grouped_linear backend ("grouped_mm", "loop", "npu") or None (automatic).
-    Recompute
-    - adaptive_recompute: recompute the layer's expert activations with `fmoe.transforms.remat` when the
-      largest expert load exceeds recompute_load_scale x the mean load.
+    Remat
+    - adaptive_remat: rematerialise the layer's expert activations with `fmoe.transforms.remat` when the
+      largest expert load exceeds remat_load_scale x the mean load (fmoe/remat_policy.py).
     """
 
     d_model: int
@@ -100,8 +98,8 @@ class MoEConfig:
     shared_expert_gate: bool = False
     probs_in_expert: bool = False
     backend: str | None = None
-    adaptive_recompute: bool = False
-    recompute_load_scale: float = 2.0
+    adaptive_remat: bool = False
+    remat_load_scale: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
@@ -144,7 +142,7 @@ class MoEConfig:
         if self.backend not in (None, "grouped_mm", "loop", "npu"):
             raise ValueError(f"MoEConfig.backend must be None, 'grouped_mm', 'loop' or 'npu', got "
                              f"{self.backend!r}")
-        _finite("MoEConfig.recompute_load_scale", self.recompute_load_scale, 0, strict=True)
+        _finite("MoEConfig.remat_load_scale", self.remat_load_scale, 0, strict=True)
 
     def replace(self, **changes: Any) -> MoEConfig:
         """Return a copy with `changes` applied (validated again)."""
@@ -155,8 +153,10 @@ class MoEConfig:
 class GPTConfig:
     """A small GPT: embedding, num_dense_layers dense blocks, then MoE blocks, final norm, head.
 
-    Attention: n_heads query heads, n_kv_heads key/value heads (GQA), head_dim = d_model // n_heads
-    unless given, RoPE with rope_theta, causal. Dense blocks use a SwiGLU of width d_ff_dense.
+    Attention: n_heads query heads (H), n_kv_heads key/value heads (G, GQA), head_dim (d), RoPE with
+    rope_theta, causal. Dense blocks use a SwiGLU of width d_ff_dense.
+    n_kv_heads, head_dim and d_ff_dense may be given as None: construction resolves them to n_heads,
+    d_model // n_heads and 4 * d_model, so after it they are always ints (read cfg.head_dim etc.).
     mtp: add a DeepSeek-V3 multi-token-prediction module (depth 1, predicts token t+2), whose loss is
     added with weight mtp_loss_weight. The MoE layers use `moe` (its d_model must equal d_model).
     """
@@ -174,8 +174,6 @@ class GPTConfig:
     norm_eps: float = 1e-6
     mtp: bool = False
     mtp_loss_weight: float = 0.3
-    kv_heads: int = field(init=False)
-    hd: int = field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -193,14 +191,11 @@ class GPTConfig:
         if self.moe.d_model != self.d_model:
             raise ValueError(f"GPTConfig.moe.d_model ({self.moe.d_model}) must equal d_model "
                              f"({self.d_model})")
-        if self.d_ff_dense is not None:
-            _positive("GPTConfig.d_ff_dense", self.d_ff_dense)
+        d_ff_dense = self.d_ff_dense if self.d_ff_dense is not None else 4 * self.d_model
+        _positive("GPTConfig.d_ff_dense", d_ff_dense)
         if self.mtp_loss_weight < 0:
             raise ValueError(f"GPTConfig.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
-        object.__setattr__(self, "kv_heads", kv)
-        object.__setattr__(self, "hd", hd)
-
-    @property
-    def dense_ff(self) -> int:
-        """Width of the dense SwiGLU (d_ff_dense, default 4 * d_model)."""
-        return self.d_ff_dense if self.d_ff_dense is not None else 4 * self.d_model
+        # Resolve the defaults in place: one name per quantity (frozen, hence object.__setattr__).
+        object.__setattr__(self, "n_kv_heads", kv)
+        object.__setattr__(self, "head_dim", hd)
+        object.__setattr__(self, "d_ff_dense", d_ff_dense)

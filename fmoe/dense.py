@@ -1,6 +1,6 @@
 """A dense (MoE-free) pre-norm SwiGLU MLP stack as pure functions: the split_vjp demo and benchmark model.
 
-Legend: T tokens, D model width, F ffn width, L layers.
+Legend (the package's, docs/moe.md): T tokens, D model width, F ffn width.
 
     params = init_dense_stack(num_layers, d_model, d_ff, generator)
     y_TD = dense_stack(params, x_TD)     # per layer: x + down(swiglu(gate(norm(x)), up(norm(x))))
@@ -12,31 +12,33 @@ from __future__ import annotations
 
 import torch
 
+from fmoe._checks import positive
 from fmoe.init import scaled_normal
 from fmoe.ops import linear, rms_norm, swiglu
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Return {"norm_D": ones [D], "w_gate_DF": [D, F], "w_up_DF": [D, F], "w_down_FD": [F, D]}."""
+    """Return one MLP's params {"norm": ones [D], "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]}."""
     def normal(*shape: int) -> torch.Tensor:
         return scaled_normal(shape, shape[0], generator, dtype)
 
-    return {"norm_D": torch.ones(d_model, dtype=dtype), "w_gate_DF": normal(d_model, d_ff),
-            "w_up_DF": normal(d_model, d_ff), "w_down_FD": normal(d_ff, d_model)}
+    return {"norm": torch.ones(d_model, dtype=dtype), "w_gate": normal(d_model, d_ff),
+            "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
 
 
 def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Return x_TD + down(swiglu(gate(h), up(h))) with h = rms_norm(x_TD): shape [T, D]."""
-    h_TD = rms_norm(x_TD, p["norm_D"], eps)
-    return x_TD + linear(swiglu(linear(h_TD, p["w_gate_DF"]), linear(h_TD, p["w_up_DF"])), p["w_down_FD"])
+    """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
+    axes, e.g. [B, S, D], work the same)."""
+    h_TD = rms_norm(x_TD, p["norm"], eps)
+    return x_TD + linear(swiglu(linear(h_TD, p["w_gate"]), linear(h_TD, p["w_up"])), p["w_down"])
 
 
 def init_dense_stack(num_layers: int, d_model: int, d_ff: int, generator: torch.Generator | None = None,
                      dtype: torch.dtype = torch.float32) -> dict[str, list[dict[str, torch.Tensor]]]:
     """Return {"layers": [init_swiglu_mlp(...)] * num_layers} (independent draws)."""
-    if min(num_layers, d_model, d_ff) <= 0:
-        raise ValueError(f"init_dense_stack: sizes must be positive, got L={num_layers} D={d_model} F={d_ff}")
+    for name, size in (("num_layers", num_layers), ("d_model", d_model), ("d_ff", d_ff)):
+        positive(f"init_dense_stack: {name}", size)
     return {"layers": [init_swiglu_mlp(d_model, d_ff, generator, dtype) for _ in range(num_layers)]}
 
 

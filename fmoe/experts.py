@@ -3,12 +3,13 @@
     y_MD = routed_experts(p["experts"], x_MD, counts_E)      # rows grouped by expert
     s_TD = shared_experts(p["shared"], x_TD)
 
-Legend: M rows grouped by expert (counts_E[e] consecutive rows for expert e), T tokens, D model
-width, F expert ffn width, S shared ffn width (num_shared_experts * F), E experts.
+Legend (the package's, docs/moe.md): M rows grouped by expert (counts_E[e] consecutive rows for expert
+e), T tokens, D model width, F ffn width (d_ff for a routed expert, num_shared_experts * d_ff for the
+shared one), E experts (the local ones, L, in expert parallelism).
 
 Parameter layout (weights are [in, out], y = x @ w):
 - routed: {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
-- shared: {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D]} plus "gate": [D, 1] when gated.
+- shared: {"w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]} plus "w_out_gate": [D, 1] when gated.
 Host sync: `routed_experts` reads counts once (when not already python ints) and hands the python
 list to its three grouped_linear calls.
 """
@@ -35,19 +36,20 @@ def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
 
 def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Return the shared expert {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D] (, "gate": [D, 1])}."""
-    D, S = cfg.d_model, cfg.num_shared_experts * cfg.d_ff
-    p = {"w_gate": scaled_normal((D, S), D, generator, dtype),
-         "w_up": scaled_normal((D, S), D, generator, dtype),
-         "w_down": scaled_normal((S, D), S, generator, dtype)}
+    """Return the shared expert {"w_gate": [D, F], "w_up": [D, F], "w_down": [F, D] (, "w_out_gate": [D, 1])}
+    with F = num_shared_experts * d_ff."""
+    D, F = cfg.d_model, cfg.num_shared_experts * cfg.d_ff
+    p = {"w_gate": scaled_normal((D, F), D, generator, dtype),
+         "w_up": scaled_normal((D, F), D, generator, dtype),
+         "w_down": scaled_normal((F, D), F, generator, dtype)}
     if cfg.shared_expert_gate:
-        p["gate"] = scaled_normal((D, 1), D, generator, dtype)
+        p["w_out_gate"] = scaled_normal((D, 1), D, generator, dtype)
     return p
 
 
 def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: torch.Tensor | Sequence[int],
                    probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
-    """Return y_MD = w_down(swiglu(w_gate x, w_up x) [* probs_M]) per expert block of rows.
+    """Return y_MD [M, D] = w_down(swiglu(w_gate x, w_up x) [* probs_M]) per expert block of rows.
 
     `probs_M` (optional) multiplies each row's activation by its gate weight before w_down (gate
     weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
@@ -62,8 +64,8 @@ def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: tor
 
 
 def shared_experts(p: dict[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
-    """Return s_TD = w_down(swiglu(w_gate x, w_up x)), times sigmoid(x @ gate) when gated."""
+    """Return s_TD [T, D] = w_down(swiglu(w_gate x, w_up x)), times sigmoid(x @ w_out_gate) when gated."""
     s_TD = linear(swiglu(linear(x_TD, p["w_gate"]), linear(x_TD, p["w_up"])), p["w_down"])
-    if "gate" in p:
-        s_TD = s_TD * torch.sigmoid(linear(x_TD, p["gate"]))
+    if "w_out_gate" in p:
+        s_TD = s_TD * torch.sigmoid(linear(x_TD, p["w_out_gate"]))
     return s_TD

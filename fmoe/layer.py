@@ -1,16 +1,21 @@
 """The MoE layer as a pure function: route -> permute -> dispatch -> experts -> combine -> unpermute.
 
-    params = init_moe(cfg, generator)        # {"router": {"weight"}, "experts": {...}, "shared": {...}}
+    params = init_moe(cfg, generator)        # {"router": {"w"}, "experts": {...}, "shared": {...}}
     state = init_moe_state(cfg)              # non-differentiated: expert bias, capacity window
     y_TD, aux = moe(params, x_TD, cfg, state)
 
-Legend: T tokens, D model width, E experts, K experts per token, N = T * K (token, slot) pairs,
-M expert-sorted layout rows (N dropless, fewer with drops, E * C padded).
+Legend (the package's, docs/moe.md): T tokens, D model width, E experts, L local experts, K top-k slots,
+N = T * K (token, slot) pairs, R rows of the expert-sorted layout (N dropless, fewer with drops, E * C
+padded), M rows this rank's experts receive after dispatch (M = R on one process), C capacity.
+
+Gate weights have two forms, chosen by cfg.probs_in_expert, and a name each: probs_TK [T, K], applied
+at combine (unpermute), or probs_R [R], one per layout row, sent along with the rows (probs_M after
+dispatch) and applied inside the expert. `route_tokens` returns both slots, exactly one of them None.
 
 The pieces (`route_tokens`, `expert_rows`, `combine_rows`) are what the block's stage functions call
 one by one; `moe` composes them. No residual and no norm here: that is the block's job.
-Host syncs: grouped_linear reads the per-expert counts once; capacity modes and adaptive recompute
-add the reads listed in fmoe/capacity.py and fmoe/recompute.py.
+Host syncs: grouped_linear reads the per-expert counts once; capacity modes and adaptive remat
+add the reads listed in fmoe/capacity.py and fmoe/remat_policy.py.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fmoe import transforms
 from fmoe.balance import max_over_mean, update_expert_bias
 from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
@@ -27,7 +33,7 @@ from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import init_experts, init_shared, routed_experts, shared_experts
 from fmoe.ops import Layout, permute, permute_probs, unpermute
-from fmoe.recompute import maybe_remat, overloaded
+from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import init_router, route
 
 
@@ -38,7 +44,7 @@ class MoERoute:
     layout: the expert-sorted row layout (fmoe.ops.Layout); ids_TK: int64 [T, K] chosen experts;
     tokens_per_expert_E: int64 [E] load before drops; dropped: int64 scalar, (token, slot) pairs dropped;
     capacity: C or None (dropless); capacity_missed: dynamic-capacity forecast miss (None if not dynamic);
-    recompute: whether the expert step runs under remat; new_state: the layer's next state pytree;
+    remat: whether the expert step runs under remat; new_state: the layer's next state pytree;
     losses: the balancing losses, detached, for logging.
     """
 
@@ -48,7 +54,7 @@ class MoERoute:
     dropped: torch.Tensor
     capacity: int | None
     capacity_missed: bool | None
-    recompute: bool
+    remat: bool
     new_state: dict[str, torch.Tensor]
     losses: dict[str, torch.Tensor]
 
@@ -60,7 +66,7 @@ class MoEAux:
     loss: differentiable scalar, the sum of the balancing losses (add it to the training loss);
     losses: {"aux", "seq_aux", "z"} detached scalars (for logging); tokens_per_expert_E: int64 [E] load;
     dropped: int64 scalar; max_over_mean: float scalar max load / mean load; new_state: next state;
-    recomputed: whether the expert activations were rematerialised; capacity: C or None;
+    remat: whether the expert activations were rematerialised; capacity: C or None;
     capacity_missed: dynamic-capacity miss this step (None if not dynamic).
     """
 
@@ -70,7 +76,7 @@ class MoEAux:
     dropped: torch.Tensor
     max_over_mean: torch.Tensor
     new_state: dict[str, torch.Tensor]
-    recomputed: bool
+    remat: bool
     capacity: int | None
     capacity_missed: bool | None
 
@@ -79,10 +85,10 @@ def init_moe(cfg: MoEConfig, generator: torch.Generator | None = None,
              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Return the MoE parameter pytree (weights [in, out]):
 
-    {"router": {"weight": [D, E]},
+    {"router": {"w": [D, E]},
      "experts": {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]},
-     "shared": {"w_gate": [D, S], "w_up": [D, S], "w_down": [S, D], ("gate": [D, 1])}}  (if shared)
-    with S = num_shared_experts * d_ff. Entries are N(0, 1/fan_in).
+     "shared": {"w_gate": [D, F'], "w_up": [D, F'], "w_down": [F', D], ("w_out_gate": [D, 1])}}  (if shared)
+    with F' = num_shared_experts * d_ff. Entries are N(0, 1/fan_in).
     """
     params: dict[str, Any] = {"router": init_router(cfg, generator, dtype),
                               "experts": init_experts(cfg, generator, dtype)}
@@ -103,11 +109,11 @@ def init_moe_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> dict[s
 
 def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                state: dict[str, Any] | None = None, seq_len: int | None = None,
-               recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
+               remat: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
     """Route without moving rows: return (probs_TK, loss, route).
 
     probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
-    metadata (layout, next state, recompute decision). `recompute` overrides the adaptive rule.
+    metadata (layout, next state, remat decision). `remat` overrides the adaptive rule.
     """
     if state is None:
         state = init_moe_state(cfg, x_TD.device)
@@ -121,27 +127,30 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
     if "expert_bias_E" in state:
         new_state["expert_bias_E"] = update_expert_bias(state["expert_bias_E"], r.counts_E,
                                                         cfg.bias_update_rate)
-    if recompute is None:
-        recompute = cfg.adaptive_recompute and overloaded(r.counts_E, cfg.recompute_load_scale)
+    if remat is None:
+        remat = cfg.adaptive_remat and overloaded(r.counts_E, cfg.remat_load_scale)
     meta = MoERoute(layout=layout, ids_TK=r.ids_TK, tokens_per_expert_E=r.counts_E, dropped=cap.dropped,
-                    capacity=cap.capacity, capacity_missed=cap.missed, recompute=bool(recompute),
+                    capacity=cap.capacity, capacity_missed=cap.missed, remat=bool(remat),
                     new_state=new_state, losses={k: v.detach() for k, v in r.losses.items()})
     return r.probs_TK, r.loss, meta
 
 
 def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                  state: dict[str, Any] | None = None, seq_len: int | None = None,
-                 recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoERoute]:
-    """Route and permute: return (xs_ND, probs, loss, route).
+                 remat: bool | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, MoERoute]:
+    """Route and permute: return (x_RD, probs_TK, probs_R, loss, route).
 
-    xs_ND: token rows in the expert-sorted layout [M, D]; probs: gate weights, [T, K] when applied at
-    combine, or [M] per layout row when cfg.probs_in_expert; loss: differentiable balancing loss;
-    route: the `MoERoute` metadata. `recompute` overrides the adaptive-recompute decision.
+    x_RD: token rows in the expert-sorted layout; probs_TK: gate weights [T, K] to apply at combine
+    (None when cfg.probs_in_expert); probs_R: the gate weight of each layout row [R] when
+    cfg.probs_in_expert (else None); loss: differentiable balancing loss; route: the `MoERoute`
+    metadata. `remat` overrides the adaptive-remat decision.
     """
-    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, recompute)
-    xs_ND = permute(x_TD, meta.layout)
-    probs = permute_probs(probs_TK, meta.layout) if cfg.probs_in_expert else probs_TK
-    return xs_ND, probs, loss, meta
+    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat)
+    x_RD = permute(x_TD, meta.layout)
+    if cfg.probs_in_expert:
+        return x_RD, None, permute_probs(probs_TK, meta.layout), loss, meta
+    return x_RD, probs_TK, None, loss, meta
 
 
 def uses_token_dispatch(dispatcher: Any, cfg: MoEConfig) -> bool:
@@ -155,65 +164,71 @@ def uses_token_dispatch(dispatcher: Any, cfg: MoEConfig) -> bool:
             and not cfg.dynamic_capacity_window and not cfg.probs_in_expert)
 
 
-def dispatch_rows(xs_ND: torch.Tensor, probs: torch.Tensor | None, route: MoERoute,
+def dispatch_rows(x_RD: torch.Tensor, probs_R: torch.Tensor | None, route: MoERoute,
                   dispatcher: Dispatcher) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """Send layout rows to the experts: return (xe_MD, probs_M or None, (counts_L, meta))."""
-    probs_N = probs if probs is not None and probs.dim() == 1 else None
-    xe_MD, counts_L, probs_M, meta = dispatcher.dispatch(xs_ND, route.layout.counts_E, probs_N)
+    """Send layout rows (and their gate weights probs_R, if any) to the experts.
+
+    Returns (x_MD, probs_M or None, (counts_L, meta)): rows grouped by local expert, their gate weights,
+    the rows per local expert (python ints when known on the host) and the dispatcher's meta.
+    """
+    x_MD, counts_L, probs_M, meta = dispatcher.dispatch(x_RD, route.layout.counts_E, probs_R)
     # Unchanged counts of a padded layout are known on the host: hand the python ints on (no sync).
     if counts_L is route.layout.counts_E and route.layout.counts is not None:
         counts_L = route.layout.counts
-    return xe_MD, probs_M, (counts_L, meta)
+    return x_MD, probs_M, (counts_L, meta)
 
 
-def expert_rows(experts: dict[str, torch.Tensor], xe_MD: torch.Tensor, probs_M: torch.Tensor | None,
-                counts_L: Any, cfg: MoEConfig, recompute: bool = False) -> torch.Tensor:
-    """Run the routed experts on rows grouped by local expert: return ye_MD (remat when `recompute`)."""
-    def run(p: dict[str, torch.Tensor], x_MD: torch.Tensor, pr_M: torch.Tensor | None) -> torch.Tensor:
-        return routed_experts(p, x_MD, counts_L, pr_M, cfg.backend)
+def expert_rows(experts: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None,
+                counts_L: Any, cfg: MoEConfig, remat: bool = False) -> torch.Tensor:
+    """Run the routed experts on rows grouped by local expert: return y_MD [M, D].
 
-    return maybe_remat(run, recompute)(experts, xe_MD, probs_M)
+    Under `fmoe.transforms.remat` with the policy `expert_policy(remat)` (nothing saved when `remat`).
+    """
+    def run(p: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None) -> torch.Tensor:
+        return routed_experts(p, x_MD, counts_L, probs_M, cfg.backend)
+
+    return transforms.remat(run, policy=expert_policy(remat))(experts, x_MD, probs_M)
 
 
-def combine_rows(ys_ND: torch.Tensor, probs: torch.Tensor | None, route: MoERoute) -> torch.Tensor:
-    """Back to token order: return y_TD = sum over the K slots (weighted by probs_TK unless applied)."""
-    probs_TK = probs if probs is not None and probs.dim() == 2 else None
-    return unpermute(ys_ND, probs_TK, route.layout)
+def combine_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERoute) -> torch.Tensor:
+    """Back to token order: return y_TD [T, D], the sum over the K slots, weighted by probs_TK unless
+    it is None (gate weights already applied inside the experts)."""
+    return unpermute(y_RD, probs_TK, route.layout)
 
 
 def make_aux(loss: torch.Tensor, route: MoERoute) -> MoEAux:
     """Assemble the `MoEAux` of a layer from its differentiable loss and routing metadata."""
     return MoEAux(loss=loss, losses=dict(route.losses), tokens_per_expert_E=route.tokens_per_expert_E,
                   dropped=route.dropped, max_over_mean=max_over_mean(route.tokens_per_expert_E),
-                  new_state=route.new_state, recomputed=route.recompute, capacity=route.capacity,
+                  new_state=route.new_state, remat=route.remat, capacity=route.capacity,
                   capacity_missed=route.capacity_missed)
 
 
 def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
         *, seq_len: int | None = None, dispatcher: Dispatcher | None = None,
-        recompute: bool | None = None) -> tuple[torch.Tensor, MoEAux]:
+        remat: bool | None = None) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_TD, aux): the MoE layer's output [T, D] (x's dtype) and its `MoEAux`.
 
     `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
     `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major).
     `dispatcher`: how rows reach the experts (default LocalDispatcher); one with `dispatch_tokens` gets
-    whole tokens when `uses_token_dispatch` says so. `recompute`: force (True) or
-    forbid (False) rematerialising the expert activations; None = cfg.adaptive_recompute rule.
+    whole tokens when `uses_token_dispatch` says so. `remat`: force (True) or
+    forbid (False) rematerialising the expert activations; None = cfg.adaptive_remat rule.
     aux.loss is differentiable: add it to the loss you differentiate.
     """
     if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
         raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
     dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
     if uses_token_dispatch(dispatcher, cfg):
-        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, recompute)
-        xe_MD, counts_L, dmeta = dispatcher.dispatch_tokens(x_TD, meta.ids_TK, probs_TK)
-        ye_MD = expert_rows(params["experts"], xe_MD, None, counts_L, cfg, meta.recompute)
-        y_TD = dispatcher.combine_tokens(ye_MD, dmeta).to(x_TD.dtype)
+        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat)
+        x_MD, counts_L, dmeta = dispatcher.dispatch_tokens(x_TD, meta.ids_TK, probs_TK)
+        y_MD = expert_rows(params["experts"], x_MD, None, counts_L, cfg, meta.remat)
+        y_TD = dispatcher.combine_tokens(y_MD, dmeta).to(x_TD.dtype)
     else:
-        xs_ND, probs, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, recompute)
-        xe_MD, probs_M, (counts_L, dmeta) = dispatch_rows(xs_ND, probs, meta, dispatcher)
-        ye_MD = expert_rows(params["experts"], xe_MD, probs_M, counts_L, cfg, meta.recompute)
-        y_TD = combine_rows(dispatcher.combine(ye_MD, dmeta), probs, meta)
+        x_RD, probs_TK, probs_R, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, remat)
+        x_MD, probs_M, (counts_L, dmeta) = dispatch_rows(x_RD, probs_R, meta, dispatcher)
+        y_MD = expert_rows(params["experts"], x_MD, probs_M, counts_L, cfg, meta.remat)
+        y_TD = combine_rows(dispatcher.combine(y_MD, dmeta), probs_TK, meta)
     if "shared" in params:
         y_TD = y_TD + shared_experts(params["shared"], x_TD)
     return y_TD, make_aux(loss, meta)

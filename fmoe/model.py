@@ -4,7 +4,8 @@
     state = init_gpt_state(cfg)
     loss, aux = gpt_loss(params, ids_BS, targets_BS, cfg, state)   # aux.new_state for the next step
 
-Legend: B sequences, S positions, T = B * S tokens, D model width, V vocabulary, L layers.
+Legend (the package's, docs/moe.md): B sequences, S positions, T = B * S tokens, D model width,
+V vocabulary.
 
 Layers: cfg.num_dense_layers dense blocks, then MoE blocks (fmoe/block.py). Loss = mean next-token
 cross-entropy + sum of the MoE balancing losses + mtp_loss_weight * MTP loss.
@@ -14,8 +15,9 @@ passed through one more MoE block, and the shared head predicts token i+2 (S - 1
 The embedding and output head are shared with the main model.
 
 Parameter layout:
-{"embed": [V, D], "layers": [block params], "norm": [D], "head": [D, V],
- "mtp": {"norm_h": [D], "norm_e": [D], "proj": [2D, D], "block": block params, "norm": [D]}}  (if mtp)
+{"embed": {"table": [V, D]}, "layers": [block params], "norm": [D], "head": {"w": [D, V]},
+ "mtp": {"hidden_norm": [D], "embed_norm": [D], "w_proj": [2D, D], "block": block params, "norm": [D]}}
+("mtp" only with cfg.mtp; hidden_norm / embed_norm normalise h_i / the embedding of token i+1).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class GPTAux:
     """What `gpt_loss` reports besides the loss.
 
     main_loss / mtp_loss / balance_loss: detached scalars (mtp_loss 0 without MTP);
-    layers: one MoEAux per MoE layer (main layers, then the MTP block); recomputed: indices into
+    layers: one MoEAux per MoE layer (main layers, then the MTP block); remat_layers: indices into
     `layers` of the layers whose expert activations were rematerialised; new_state: the next state.
     """
 
@@ -46,7 +48,7 @@ class GPTAux:
     mtp_loss: torch.Tensor
     balance_loss: torch.Tensor
     layers: list[MoEAux]
-    recomputed: list[int]
+    remat_layers: list[int]
     new_state: dict[str, Any]
 
 
@@ -55,15 +57,15 @@ def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
     """Return the GPT parameter pytree (layout in the module docstring)."""
     D, V = cfg.d_model, cfg.vocab_size
     params: dict[str, Any] = {
-        "embed": (torch.randn(V, D, generator=generator) * 0.02).to(dtype),
+        "embed": {"table": (torch.randn(V, D, generator=generator) * 0.02).to(dtype)},
         "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
                    for i in range(cfg.n_layers)],
         "norm": torch.ones(D, dtype=dtype),
-        "head": scaled_normal((D, V), D, generator, dtype),
+        "head": {"w": scaled_normal((D, V), D, generator, dtype)},
     }
     if cfg.mtp:
-        params["mtp"] = {"norm_h": torch.ones(D, dtype=dtype), "norm_e": torch.ones(D, dtype=dtype),
-                         "proj": scaled_normal((2 * D, D), 2 * D, generator, dtype),
+        params["mtp"] = {"hidden_norm": torch.ones(D, dtype=dtype), "embed_norm": torch.ones(D, dtype=dtype),
+                         "w_proj": scaled_normal((2 * D, D), 2 * D, generator, dtype),
                          "block": init_block(cfg, generator, dtype), "norm": torch.ones(D, dtype=dtype)}
     return params
 
@@ -79,6 +81,7 @@ def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[s
 
 def _logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
                  cfg: GPTConfig) -> torch.Tensor:
+    """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS."""
     B, S, D = h_BSD.shape
     logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
     return cross_entropy(logits_TV, targets_BS.reshape(B * S))
@@ -92,7 +95,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     ids_BS: input token ids; targets_BS: the next tokens (targets[:, i] = token i + 1; -100 ignored).
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
-    x_BSD = embedding(ids_BS, params["embed"])
+    x_BSD = embedding(ids_BS, params["embed"]["table"])
     moe_aux: list[MoEAux] = []
     new_layers: list[dict[str, Any]] = []
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
@@ -103,24 +106,24 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
             x_BSD, a = block(p, x_BSD, cfg, s, dispatcher)
             moe_aux.append(a)
             new_layers.append(a.new_state)
-    main = _logits_loss(x_BSD, params["norm"], params["head"], targets_BS, cfg)
+    main = _logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
     new_state: dict[str, Any] = {"layers": new_layers}
     mtp = main.new_zeros(())
     if cfg.mtp and ids_BS.shape[1] > 1:
         m = params["mtp"]
-        h_BSD = rms_norm(x_BSD[:, :-1], m["norm_h"], cfg.norm_eps)
-        next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), params["embed"])
-        e_BSD = rms_norm(next_BSD, m["norm_e"], cfg.norm_eps)
-        z_BSD = linear(torch.cat([h_BSD, e_BSD], dim=-1), m["proj"])
+        h_BSD = rms_norm(x_BSD[:, :-1], m["hidden_norm"], cfg.norm_eps)
+        next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), params["embed"]["table"])
+        e_BSD = rms_norm(next_BSD, m["embed_norm"], cfg.norm_eps)
+        z_BSD = linear(torch.cat([h_BSD, e_BSD], dim=-1), m["w_proj"])
         z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher)
         moe_aux.append(a)
         new_state["mtp"] = a.new_state
-        mtp = _logits_loss(z_BSD, m["norm"], params["head"], targets_BS[:, 1:], cfg)
+        mtp = _logits_loss(z_BSD, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg)
     elif cfg.mtp:
         new_state["mtp"] = state.get("mtp", {})
     balance = sum((a.loss for a in moe_aux), main.new_zeros(()))
     loss = main + balance.to(main.dtype) + cfg.mtp_loss_weight * mtp
     aux = GPTAux(main_loss=main.detach(), mtp_loss=mtp.detach(), balance_loss=balance.detach(),
-                 layers=moe_aux, recomputed=[i for i, a in enumerate(moe_aux) if a.recomputed],
+                 layers=moe_aux, remat_layers=[i for i, a in enumerate(moe_aux) if a.remat],
                  new_state=new_state)
     return loss, aux

@@ -2,7 +2,8 @@
 
     r = route(router_params, x_TD, cfg, state)      # r.ids_TK, r.probs_TK, r.counts_E, r.losses
 
-Legend: T tokens, D model width, E experts, K experts per token, G expert groups.
+Legend (the package's, docs/moe.md): T tokens, D model width, E experts, K top-k slots, J expert groups
+(num_groups), e = E / J experts per group, X a generic axis.
 
 Ties (equal selection scores, equal group scores) go to the lowest expert / group index.
 Everything is computed in fp32 whatever the input dtype (fp64 stays fp64), so selection does not
@@ -17,16 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from einops import rearrange, repeat
 
 from fmoe.balance import aux_loss, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops import linear
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The router's math dtype for inputs of `dtype`: fp64 for fp64, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from fmoe.ops import compute_dtype, linear
 
 
 @dataclass(frozen=True)
@@ -49,8 +46,8 @@ class Routing:
 
 def init_router(cfg: MoEConfig, generator: torch.Generator | None = None,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Return {"weight": [D, E]} with N(0, 1/D) entries."""
-    return {"weight": scaled_normal((cfg.d_model, cfg.num_experts), cfg.d_model, generator, dtype)}
+    """Return the router params {"w": [D, E]} with N(0, 1/D) entries."""
+    return {"w": scaled_normal((cfg.d_model, cfg.num_experts), cfg.d_model, generator, dtype)}
 
 
 def _top_indices(score_TX: torch.Tensor, k: int) -> torch.Tensor:
@@ -66,27 +63,27 @@ def _top_indices(score_TX: torch.Tensor, k: int) -> torch.Tensor:
 def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """Return a bool [T, E] mask of the experts in each token's topk_groups best groups."""
     T, E = choice_TE.shape
-    G = cfg.num_groups
-    choice_TGe = choice_TE.reshape(T, G, E // G)
-    top_in_group = min(2, E // G)
-    group_score_TG = choice_TGe.topk(top_in_group, dim=-1).values.sum(-1)
-    groups_TJ = _top_indices(group_score_TG, cfg.topk_groups)
-    mask_TG = torch.zeros(T, G, dtype=torch.bool, device=choice_TE.device)
-    mask_TG.scatter_(1, groups_TJ, True)
-    return mask_TG.repeat_interleave(E // G, dim=1)
+    J = cfg.num_groups
+    choice_TJe = rearrange(choice_TE, "t (j e) -> t j e", j=J)  # expert-major: group j is e consecutive ids
+    top_in_group = min(2, E // J)
+    group_score_TJ = choice_TJe.topk(top_in_group, dim=-1).values.sum(-1)
+    best_TX = _top_indices(group_score_TJ, cfg.topk_groups)  # X = topk_groups
+    mask_TJ = torch.zeros(T, J, dtype=torch.bool, device=choice_TE.device)
+    mask_TJ.scatter_(1, best_TX, True)
+    return repeat(mask_TJ, "t j -> t (j e)", e=E // J)
 
 
 def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
           state: dict[str, Any] | None = None, seq_len: int | None = None) -> Routing:
     """Route T tokens to K of E experts; returns a `Routing` (see its field shapes).
 
-    `params["weight"]` is the [D, E] router weight. `state` may hold "expert_bias_E" (selection bias).
+    `params["w"]` is the [D, E] router weight. `state` may hold "expert_bias_E" (selection bias).
     `seq_len` splits the T tokens into sequences for the sequence-wise loss (default: one sequence).
     """
     ct = compute_dtype(x_TD.dtype)
     T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
     # The cast of w is the identity (same object, so its dw stays deferrable) when w is already ct.
-    logits_TE = linear(x_TD.to(ct), params["weight"].to(ct))
+    logits_TE = linear(x_TD.to(ct), params["w"].to(ct))
     if cfg.score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     else:

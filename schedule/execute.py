@@ -27,6 +27,7 @@ Generic: knows stage programs (schedule/program.py), never the model.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -149,7 +150,7 @@ class _Executor:
                 _drain(self.op(a.f))
                 _drain(self.op(a.b))
         for work, _ in self.sends:
-            self._wait_work(work, "a send")
+            self._wait_work(work, "a send (to the next or previous pipeline rank)")
         self.sends.clear()
         if self.records or self.deferred:
             left = sorted(set(self.records) | set(self.deferred))
@@ -326,8 +327,9 @@ class _Executor:
         t = self._now()
         for k, name in enumerate(sorted(acts)):
             buf = acts[name].detach().contiguous()
-            self.sends.append((dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k)),
-                               buf))
+            with self._peer_failure(f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"):
+                work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
+            self.sends.append((work, buf))
         self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
 
     def _post_recv(self, a: Recv) -> None:
@@ -346,22 +348,31 @@ class _Executor:
     def _irecv(self, dep: Dep, spec: Mapping[str, tuple]) -> None:
         if dep in self.posted:
             return
-        peer = self._global(self.s.placement.stage_rank[dep.stage])
+        pp_peer = self.s.placement.stage_rank[dep.stage]
+        peer = self._global(pp_peer)
         bufs: Acts = {}
         works = []
         for k, name in enumerate(sorted(spec)):
             bufs[name] = torch.empty(spec[name][0], dtype=spec[name][1])
-            works.append(dist.irecv(bufs[name], peer, group=self.group, tag=self._tag(dep, k)))
+            with self._peer_failure(f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank "
+                                    f"{pp_peer}"):
+                works.append(dist.irecv(bufs[name], peer, group=self.group, tag=self._tag(dep, k)))
         self.posted[dep] = (works, bufs, self._now())
 
-    def _wait_work(self, work: Any, what: str) -> None:
+    @contextlib.contextmanager
+    def _peer_failure(self, what: str) -> Iterator[None]:
+        """Turns a failed P2P call into an error that names this rank, the message and the peer."""
         try:
-            ok = work.wait(self.timeout)
+            yield
         except RuntimeError as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise RuntimeError(f"pipeline rank {self.rank}: {what} failed or did not complete within "
                                f"{self.timeout} (the peer died, raised, or runs a different schedule): "
                                f"{first}") from exc
+
+    def _wait_work(self, work: Any, what: str) -> None:
+        with self._peer_failure(what):
+            ok = work.wait(self.timeout)
         if ok is False:
             raise RuntimeError(f"pipeline rank {self.rank}: {what} did not complete within {self.timeout}")
 

@@ -5,31 +5,26 @@ Legend: pp ranks, v chunks per rank, S = number of stages; stage ids are global.
 
 from __future__ import annotations
 
-from fmoe.schedule.ir import Placement, ScheduleError
-
-
-def _check_pos(**kw: int) -> None:
-    for k, x in kw.items():
-        if not isinstance(x, int) or x < 1:
-            raise ScheduleError(f"{k} must be a positive integer, got {x!r}")
+from fmoe.schedule.gen_common import positive
+from fmoe.schedule.ir import Placement
 
 
 def loop(pp: int) -> Placement:
     """Returns the plain placement: S = pp stages, stage s on rank s."""
-    _check_pos(pp=pp)
+    positive("loop", pp=pp)
     return Placement("loop", pp, tuple(range(pp)), (tuple(range(pp)),), tuple(range(pp)))
 
 
 def interleaved(pp: int, v: int) -> Placement:
     """Returns the interleaved placement: S = v*pp stages, stage s on rank s % pp (chunk s // pp)."""
-    _check_pos(pp=pp, v=v)
+    positive("interleaved", pp=pp, v=v)
     n = pp * v
     return Placement("interleaved", pp, tuple(s % pp for s in range(n)), (tuple(range(n)),), tuple(range(n)))
 
 
 def vshape(pp: int) -> Placement:
     """Returns the V placement: S = 2*pp stages, rank r holds stages r and 2*pp-1-r."""
-    _check_pos(pp=pp)
+    positive("vshape", pp=pp)
     n = 2 * pp
     ranks = tuple(s if s < pp else n - 1 - s for s in range(n))
     return Placement("vshape", pp, ranks, (tuple(range(n)),), tuple(range(n)))
@@ -38,7 +33,7 @@ def vshape(pp: int) -> Placement:
 def bidirectional(pp: int) -> Placement:
     """Returns DualPipe's placement: two copies of a pp-stage model. Stages 0..pp-1 (copy 0) run down,
     stage j on rank j; stages pp..2pp-1 (copy 1) run up, stage pp+j on rank pp-1-j and runs chunk j."""
-    _check_pos(pp=pp)
+    positive("bidirectional", pp=pp)
     ranks = tuple(range(pp)) + tuple(pp - 1 - j for j in range(pp))
     paths = (tuple(range(pp)), tuple(range(pp, 2 * pp)))
     return Placement("bidirectional", pp, ranks, paths, tuple(range(pp)) * 2)

@@ -160,14 +160,14 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
 
     info: ids, counts (load before drops), dropped (pairs), losses, capacity (C or None), missed
     (dynamic capacity, else None), rows (the layout, see oracle_rows), capacity_state (dynamic entries
-    of the next state), overloaded (max load > recompute_load_scale * mean load), new_bias (list, when
+    of the next state), overloaded (max load > remat_load_scale * mean load), new_bias (list, when
     a bias is in state).
     """
     T = x_TD.shape[0]
     bias = None
     if state and "expert_bias_E" in state:
         bias = [float(v) for v in state["expert_bias_E"]]
-    r = oracle_route(params["router"]["weight"], x_TD, cfg, bias, seq_len)
+    r = oracle_route(params["router"]["w"], x_TD, cfg, bias, seq_len)
     keep = oracle_keep(r["ids"], r["probs"], cfg, T)
     capacity, missed, capacity_state = oracle_capacity(cfg, T, r["counts"], state)
     ex = params["experts"]
@@ -185,8 +185,8 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
         if "shared" in params:
             sh = params["shared"]
             s = _swiglu_row(x_TD[t], sh["w_gate"], sh["w_up"]) @ sh["w_down"]
-            if "gate" in sh:
-                s = s * (1 / (1 + torch.exp(-(x_TD[t] @ sh["gate"][:, 0]))))
+            if "w_out_gate" in sh:
+                s = s * (1 / (1 + torch.exp(-(x_TD[t] @ sh["w_out_gate"][:, 0]))))
             acc = acc + s
         rows.append(acc)
     y_TD = torch.stack(rows) if rows else x_TD * 0
@@ -195,7 +195,7 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
     info = {"ids": r["ids"], "counts": r["counts"], "dropped": T * cfg.top_k - len(keep),
             "losses": r["losses"], "capacity": capacity, "missed": missed, "capacity_state": capacity_state,
             "rows": oracle_rows(r["ids"], keep, cfg, T, capacity),
-            "overloaded": total > 0 and max(r["counts"]) > cfg.recompute_load_scale * total / cfg.num_experts}
+            "overloaded": total > 0 and max(r["counts"]) > cfg.remat_load_scale * total / cfg.num_experts}
     if bias is not None:
         mean = sum(r["counts"]) / cfg.num_experts
         rate = cfg.bias_update_rate

@@ -23,7 +23,7 @@ def test_uniform_routing_gives_exactly_the_coefficient(score_func, E) -> None:
     cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=E, score_func=score_func,
                     aux_loss_coef=0.3, seq_aux_loss_coef=0.7, z_loss_coef=0.2)
     x = torch.randn(6, 4)
-    r = route({"weight": torch.zeros(4, E)}, x, cfg, seq_len=3)
+    r = route({"w": torch.zeros(4, E)}, x, cfg, seq_len=3)
     assert r.counts_E.tolist() == [6] * E
     assert float(r.losses["aux"]) == pytest.approx(0.3, rel=1e-6)
     assert float(r.losses["seq_aux"]) == pytest.approx(0.7, rel=1e-6)
@@ -60,7 +60,7 @@ def test_bias_changes_selection_not_gate_weights() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 4, generator=g)
     x = torch.randn(10, 8, generator=g)
-    biased = route({"weight": w}, x, cfg, {"expert_bias_E": torch.tensor([5.0, 0.0, 0.0, 0.0])})
+    biased = route({"w": w}, x, cfg, {"expert_bias_E": torch.tensor([5.0, 0.0, 0.0, 0.0])})
     assert (biased.ids_TK[:, 0] == 0).all()  # the bias forces expert 0 in
     scores = torch.sigmoid(x @ w).gather(1, biased.ids_TK)
     torch.testing.assert_close(biased.probs_TK, scores / scores.sum(-1, keepdim=True))
@@ -71,7 +71,7 @@ def test_aux_loss_free_balancing_evens_a_skewed_router(score_func) -> None:
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=8, top_k=2, score_func=score_func, bias_update_rate=0.01)
     g = torch.Generator().manual_seed(0)
     params = init_moe(cfg, g)
-    params["router"]["weight"][0, :2] += 1.5  # feature 0 is constant: experts 0 and 1 favoured by all tokens
+    params["router"]["w"][0, :2] += 1.5  # feature 0 is constant: experts 0 and 1 favoured by all tokens
     state = init_moe_state(cfg)
     ratios = []
     with torch.no_grad():
@@ -94,8 +94,8 @@ def test_bias_state_starts_at_zero_when_missing(state) -> None:
     # A caller that passes an empty state must still get the expert bias back (else balancing silently stops).
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=1, bias_update_rate=0.5)
     params = init_moe(cfg, torch.Generator().manual_seed(0))
-    params["router"]["weight"].zero_()
-    params["router"]["weight"][0, 0] = 5.0  # feature 0 = 1: every token on expert 0
+    params["router"]["w"].zero_()
+    params["router"]["w"][0, 0] = 5.0  # feature 0 = 1: every token on expert 0
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     x[:, 0] = 1.0
     _, aux = moe(params, x, cfg, state)

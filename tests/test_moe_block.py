@@ -1,31 +1,32 @@
 """The block's four stage functions: each under split_vjp, chained in the backward order of seed 000,
 equal the unsplit vjp of the whole block; the block's output equals attention + the loop oracle.
 
-Legend: B sequences, S positions, T = B * S tokens, D model width, E experts, K experts per token.
+Legend (docs/moe.md): B sequences, S positions, T = B * S tokens, D model width, E experts, K top-k slots,
+R layout rows, M rows the experts receive.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms import split_vjp
-from fmoe.transforms.testing import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_moe
-from torch.utils._pytree import tree_map
 
+from fmoe._compat import tree_map
 from fmoe.block import attention, block, combine, dispatch, init_block, mlp, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.ops import rms_norm
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close
 
 MODES = {
     "dropless": {},
     "pad": dict(capacity_factor=1.0, pad_to_capacity=True),
     "in_expert_shared": dict(probs_in_expert=True, num_shared_experts=1, shared_expert_gate=True),
     "losses_drop": dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=0.8),
-    "recompute": dict(adaptive_recompute=True, recompute_load_scale=0.5),
+    "remat": dict(adaptive_remat=True, remat_load_scale=0.5),
     "sigmoid_groups_bias": dict(score_func="sigmoid", topk_norm="before", topk_scale=2.0,
                                 bias_update_rate=0.1, seq_aux_loss_coef=0.1),
     "dynamic_in_expert": dict(dynamic_capacity_window=2, probs_in_expert=True, num_shared_experts=1),
@@ -50,31 +51,34 @@ def staged_grads(params, x, cfg, ct_y, ct_loss):
     """Forward the four stages under split_vjp, then backward combine, mlp, dispatch, attention (dx),
     and finally every deferred dw; returns (y, loss, dx, dparams)."""
     disp = LocalDispatcher(cfg.moe.num_experts)
-    in_expert = cfg.moe.probs_in_expert
     acts, vjp_a, route = split_vjp(lambda p, x: attention(p, x, cfg), params, x, has_aux=True)
-    probs_N = acts["probs"] if in_expert else None
-    probs_TK = None if in_expert else acts["probs"]
-    d, vjp_d, dmeta = split_vjp(lambda p, r, pr: dispatch(p, r, pr, route, disp), params, acts["rows"],
-                                probs_N, has_aux=True)
-    m, vjp_m = split_vjp(lambda p, r, pr, h: mlp(p, r, pr, h, route, dmeta, cfg), params, d["rows"],
-                         d.get("probs"), acts["normed"])
+    # Exactly one form of the gate weights: probs_R (inside the experts) or probs_TK (at combine).
+    in_expert = cfg.moe.probs_in_expert
+    assert ("probs_R" in acts, "probs_TK" in acts) == (in_expert, not in_expert)
+    d, vjp_d, dmeta = split_vjp(lambda p, r, pr: dispatch(p, r, pr, route, disp), params, acts["rows_RD"],
+                                acts.get("probs_R"), has_aux=True)
+    m, vjp_m = split_vjp(lambda p, r, pr, h: mlp(p, r, pr, h, route, dmeta, cfg), params, d["rows_MD"],
+                         d.get("probs_M"), acts["normed_TD"])
     y, vjp_c = split_vjp(lambda p, r, s, res, pr: combine(p, r, s, res, pr, route, dmeta, disp), params,
-                         m["rows"], m.get("shared"), acts["residual"], probs_TK)
+                         m["rows_MD"], m.get("shared_TD"), acts["residual_BSD"], acts.get("probs_TK"))
     # Backward in the order of seed 000: Combine(B), MLP(B), Dispatch(B), Attention(B); dw all deferred.
     (d_rows, d_shared, d_res, d_probs_tk), dw_c = vjp_c(ct_y)
-    ct_m = {"rows": d_rows}
+    ct_m = {"rows_MD": d_rows}
     if d_shared is not None:
-        ct_m["shared"] = d_shared
-    (d_xe, d_pm, d_normed), dw_m = vjp_m(ct_m)
-    ct_d = {"rows": d_xe}
-    if d_pm is not None:
-        ct_d["probs"] = d_pm
-    (d_xs, d_probs_n), dw_d = vjp_d(ct_d)
-    d_probs = d_probs_n if in_expert else d_probs_tk
+        ct_m["shared_TD"] = d_shared
+    (d_x_md, d_probs_m, d_normed), dw_m = vjp_m(ct_m)
+    ct_d = {"rows_MD": d_x_md}
+    if d_probs_m is not None:
+        ct_d["probs_M"] = d_probs_m
+    (d_x_rd, d_probs_r), dw_d = vjp_d(ct_d)
     if d_normed is None:
-        d_normed = torch.zeros_like(acts["normed"])
-    ct_a = {"residual": d_res, "normed": d_normed,
-            "rows": d_xs, "probs": d_probs, "loss": ct_loss}
+        d_normed = torch.zeros_like(acts["normed_TD"])
+    ct_a = {"residual_BSD": d_res, "normed_TD": d_normed, "rows_RD": d_x_rd}
+    if "probs_R" in acts:
+        ct_a["probs_R"] = d_probs_r
+    else:
+        ct_a["probs_TK"] = d_probs_tk
+    ct_a["loss"] = ct_loss
     (dx,), dw_a = vjp_a(ct_a)
     grads = [dw() for dw in (dw_c, dw_m, dw_d, dw_a)]
     dparams = tree_map(lambda *gs: sum(gs), *grads)
@@ -115,10 +119,10 @@ def test_block_is_attention_plus_oracle(mode) -> None:
     assert int(aux.dropped) == info["dropped"]
 
 
-def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
-    cfg, params, x = make("recompute", 2, 4, 4, 1, torch.float64, seed=2)
+def test_adaptive_remat_rematerialises_and_keeps_grads(monkeypatch) -> None:
+    cfg, params, x = make("remat", 2, 4, 4, 1, torch.float64, seed=2)
     cfg_never = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
-                          moe=cfg.moe.replace(adaptive_recompute=False))
+                          moe=cfg.moe.replace(adaptive_remat=False))
     from fmoe import layer as moe_module
     calls = []
     real = moe_module.routed_experts
@@ -131,7 +135,7 @@ def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
 
         def f(p, x):
             y, aux = block(p, x, c)
-            flags.append(aux.recomputed)
+            flags.append(aux.remat)
             return y, aux.loss
 
         (y, loss), vjp_fn = torch.func.vjp(f, params, x)
@@ -145,9 +149,11 @@ def test_adaptive_recompute_rematerialises_and_keeps_grads(monkeypatch) -> None:
     assert_close(g_rec, g_plain)
 
 
-def test_recompute_decision_follows_load() -> None:
-    from fmoe.recompute import overloaded
+def test_remat_decision_follows_load() -> None:
+    from fmoe.remat_policy import expert_policy, overloaded
+    from fmoe.transforms import everything_saveable, nothing_saveable
 
+    assert expert_policy(True) is nothing_saveable and expert_policy(False) is everything_saveable
     assert overloaded(torch.tensor([9, 1, 1, 1]), 2.0)
     assert not overloaded(torch.tensor([3, 3, 3, 3]), 2.0)
     assert not overloaded(torch.tensor([5, 3, 3, 3]), 2.0)

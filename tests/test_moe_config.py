@@ -31,7 +31,7 @@ BASE = dict(d_model=8, d_ff=16, num_experts=4, top_k=2)
     (dict(dynamic_capacity_margin=0.5), "dynamic_capacity_margin"),
     (dict(shared_expert_gate=True), "shared_expert_gate"),
     (dict(backend="cuda"), "backend"),
-    (dict(recompute_load_scale=0.0), "recompute_load_scale"),
+    (dict(remat_load_scale=0.0), "remat_load_scale"),
     (dict(topk_scale=0.0), "topk_scale"),
     (dict(d_model=8.0), "d_model"),
     (dict(top_k=True), "top_k"),
@@ -53,7 +53,7 @@ BASE = dict(d_model=8, d_ff=16, num_experts=4, top_k=2)
     (dict(topk_scale=float("nan")), "topk_scale"),
     (dict(topk_scale=float("inf")), "topk_scale"),
     (dict(backend="GROUPED_MM"), "backend"),
-    (dict(recompute_load_scale=float("nan")), "recompute_load_scale"),
+    (dict(remat_load_scale=float("nan")), "remat_load_scale"),
 ])
 def test_invalid_moe_config(changes, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms import split_vjp
-from fmoe.transforms.testing import assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_moe
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fmoe._compat import tree_flatten, tree_map, tree_unflatten
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe, plan_route
+from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import assert_close
 
 MODES = {
     "dropless": {},
@@ -31,7 +31,7 @@ MODES = {
     "shared_drop_in_expert": dict(num_shared_experts=2, probs_in_expert=True, capacity_factor=0.5),
     "losses": dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.2, z_loss_coef=0.01),
     "bias_sigmoid": dict(bias_update_rate=0.1, score_func="sigmoid", aux_loss_coef=0.05),
-    "recompute": dict(adaptive_recompute=True, recompute_load_scale=0.5),
+    "remat": dict(adaptive_remat=True, remat_load_scale=0.5),
 }
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
@@ -57,12 +57,12 @@ def make_inputs(cfg: MoEConfig, T: int, dtype: torch.dtype, seed: int, scenario:
         # which would turn the tie into a near-tie that fp32 and the fp64 oracle break differently).
         x_TD = (x_TD * 2).round() / 2
         x_TD[1::2] = x_TD[0::2][: T // 2]
-        params["router"]["weight"] = (params["router"]["weight"] * 8).round() / 8
+        params["router"]["w"] = (params["router"]["w"] * 8).round() / 8
     if scenario in ("empty_expert", "one_expert"):
         # A constant positive feature 0 and a router row that only sees it: expert 0 never (always) chosen.
         x_TD[:, 0] = 3.0
-        params["router"]["weight"][0] = 0.0
-        params["router"]["weight"][0, 0] = -10.0 if scenario == "empty_expert" else 10.0
+        params["router"]["w"][0] = 0.0
+        params["router"]["w"][0, 0] = -10.0 if scenario == "empty_expert" else 10.0
     state = {}
     if cfg.bias_update_rate:
         state["expert_bias_E"] = torch.randn(cfg.num_experts, generator=g) * 0.3
@@ -104,14 +104,14 @@ def check_against_oracle(mode, T, D, F, E, K, dtype, seed, backend=None, scenari
                          capacity_factor=None):
     cfg = make_cfg(mode, D, F, E, K, capacity_factor)
     aux = check_cfg(cfg, T, dtype, seed, backend, scenario)
-    if mode == "recompute":
-        assert aux.recomputed
+    if mode == "remat":
+        assert aux.remat
     return aux
 
 
 def check_cfg(cfg, T, dtype, seed, backend=None, scenario="random"):
     """Compare `moe` under split_vjp with the oracle: y, loss, every gradient, counts, drops, capacity,
-    the layout rows (padding included), the next state and the recompute decision."""
+    the layout rows (padding included), the next state and the remat decision."""
     D = cfg.d_model
     params, x_TD, state = make_inputs(cfg, T, dtype, seed, scenario)
     seq_len = T // 2 if T % 2 == 0 else T
@@ -137,9 +137,9 @@ def check_cfg(cfg, T, dtype, seed, backend=None, scenario="random"):
     assert aux.capacity_missed == info["missed"]
     for key, value in info["capacity_state"].items():
         assert aux.new_state[key].tolist() == value, key
-    assert aux.recomputed == (cfg.adaptive_recompute and info["overloaded"])
+    assert aux.remat == (cfg.adaptive_remat and info["overloaded"])
     _, _, meta = plan_route(params, x_TD, cfg, state, seq_len)
-    assert meta.layout.row_src_M.tolist() == info["rows"]
+    assert meta.layout.row_src_R.tolist() == info["rows"]
     if scenario == "empty_expert":
         assert info["counts"][0] == 0
     return aux
@@ -162,7 +162,7 @@ def test_matches_oracle(mode, sizes, k_frac, dtype, seed, backend, capacity_fact
 def any_config(draw):
     """Every option drawn independently: routing (score function, norm, scale, groups, bias), balancing
     losses, capacity mode (dropless, drop, drop-and-pad, dynamic) with both policies, shared experts
-    (gated or not), probs in the expert, adaptive recompute, and the backend (grouped_mm forced with
+    (gated or not), probs in the expert, adaptive remat, and the backend (grouped_mm forced with
     sizes aligned for it). Returns (cfg, T, dtype)."""
     G = draw(st.sampled_from([1, 2, 3]))
     per = draw(st.integers(1, 3))
@@ -191,7 +191,7 @@ def any_config(draw):
     shared = draw(st.integers(0, 2))
     kw.update(num_shared_experts=shared, shared_expert_gate=shared > 0 and draw(st.booleans()))
     if draw(st.booleans()):
-        kw.update(adaptive_recompute=True, recompute_load_scale=draw(st.sampled_from([0.5, 1.5])))
+        kw.update(adaptive_remat=True, remat_load_scale=draw(st.sampled_from([0.5, 1.5])))
     cfg = MoEConfig(d_model=D, d_ff=F, num_experts=G * per, top_k=K, **kw)
     return cfg, draw(st.integers(1, 10)), dtype
 
@@ -263,7 +263,7 @@ def test_single_expert_is_dense_swiglu(dtype) -> None:
     dg, du, dd, dx_d = vjp_dense(ct)
     assert_close((dp["experts"]["w_gate"][0], dp["experts"]["w_up"][0], dp["experts"]["w_down"][0], dx),
                  (dg, du, dd, dx_d))
-    assert_close(dp["router"]["weight"], torch.zeros_like(dp["router"]["weight"]))
+    assert_close(dp["router"]["w"], torch.zeros_like(dp["router"]["w"]))
 
 
 def test_oracle_can_fail() -> None:

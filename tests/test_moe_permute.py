@@ -1,6 +1,7 @@
 """permute / unpermute and capacity layouts against python loops; their backwards by finite differences.
 
-Legend: T tokens, D features, E experts, K experts per token, N = T * K pairs, M layout rows, C capacity.
+Legend (docs/moe.md): T tokens, D features, E experts, K top-k slots, N = T * K pairs, R layout rows,
+C capacity.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import math
 
 import pytest
 import torch
-from fmoe.transforms.testing import assert_close, check_vjp
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +17,7 @@ from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_lay
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, init_moe_state, moe
 from fmoe.ops import permute, permute_probs, sort_layout, unpermute
+from fmoe.transforms.testing import assert_close, check_vjp
 
 
 def draw_routing(T, E, K, seed):
@@ -72,33 +73,33 @@ def test_layout_permute_unpermute_match_loops(case, mode) -> None:
         layout, dropped = drop_layout(ids_TK, probs_TK, E, C, policy, pad)
     per = loop_layout(ids_TK, probs_TK, E, C, policy, pad)
     assert layout.counts_E.tolist() == ([C] * E if pad else [len(m) for m in per])
-    x_MD = permute(x_TD, layout)
-    assert_close(x_MD, loop_permute(x_TD, per, C, pad))
+    x_RD = permute(x_TD, layout)
+    assert_close(x_RD, loop_permute(x_TD, per, C, pad))
     # unpermute: probability-weighted sum over the kept slots of each token.
-    y_MD = torch.randn(x_MD.shape[0], 3, generator=g, dtype=torch.float64)
+    y_RD = torch.randn(x_RD.shape[0], 3, generator=g, dtype=torch.float64)
     expect = torch.zeros(T, 3, dtype=torch.float64)
     row = 0
     for mine in per:
         for t, k in mine:
-            expect[t] += probs_TK[t, k] * y_MD[row]
+            expect[t] += probs_TK[t, k] * y_RD[row]
             row += 1
         if pad:
             row += C - len(mine)
-    assert_close(unpermute(y_MD, probs_TK, layout), expect)
-    p_M = permute_probs(probs_TK, layout)
-    assert_close(p_M, loop_permute(probs_TK.reshape(-1, 1), [[(t * K + k, 0) for t, k in m] for m in per], C,
+    assert_close(unpermute(y_RD, probs_TK, layout), expect)
+    p_R = permute_probs(probs_TK, layout)
+    assert_close(p_R, loop_permute(probs_TK.reshape(-1, 1), [[(t * K + k, 0) for t, k in m] for m in per], C,
                                    pad).reshape(-1))
     if T:
         check_vjp(lambda x: permute(x, layout), x_TD)
-        check_vjp(lambda y, p: unpermute(y, p, layout), y_MD, probs_TK)
-        check_vjp(lambda y: unpermute(y, None, layout), y_MD)
+        check_vjp(lambda y, p: unpermute(y, p, layout), y_RD, probs_TK)
+        check_vjp(lambda y: unpermute(y, None, layout), y_RD)
         check_vjp(lambda p: permute_probs(p, layout), probs_TK)
 
 
 def test_permute_is_a_stable_sort() -> None:
     ids_TK = torch.tensor([[2, 0], [0, 1], [2, 1]])
     layout = sort_layout(ids_TK, 3)
-    assert layout.row_src_M.tolist() == [1, 2, 3, 5, 0, 4]
+    assert layout.row_src_R.tolist() == [1, 2, 3, 5, 0, 4]
     assert layout.counts_E.tolist() == [2, 2, 2]
 
 
@@ -163,7 +164,7 @@ def test_drop_policy_keeps_the_right_pairs(policy) -> None:
     probs_TK = torch.tensor([[0.1], [0.9], [0.5], [0.3]])
     layout, dropped = drop_layout(ids_TK, probs_TK, 2, 2, policy)
     assert int(dropped) == 1
-    kept = layout.row_src_M.tolist()
+    kept = layout.row_src_R.tolist()
     assert kept == ([1, 2, 3] if policy == "probs" else [0, 1, 3])
 
 
@@ -189,4 +190,4 @@ def test_drop_by_probs_ties_keep_the_earliest_pairs(pad) -> None:
     probs_TK = torch.tensor([[0.5, 0.5], [0.7, 0.3], [0.3, 0.7], [0.7, 0.3]])
     layout, dropped = drop_layout(ids_TK, probs_TK, 2, 2, "probs", pad)
     assert int(dropped) == 2 + 2
-    assert layout.row_src_M.tolist() == [2, 5, 1, 3]
+    assert layout.row_src_R.tolist() == [2, 5, 1, 3]

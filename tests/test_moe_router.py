@@ -1,27 +1,27 @@
 """The router against the loop oracle on tie-prone inputs: top-k and group selection break ties the same
 way (lowest expert / group index first); bf16 inputs route in fp32.
 
-Legend: T tokens, D model width, E experts, K experts per token, G expert groups.
+Legend (docs/moe.md): T tokens, D model width, E experts, K top-k slots, J expert groups.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms.testing import assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from moe_oracle import oracle_route
 
 from fmoe.config import MoEConfig
 from fmoe.router import route
+from fmoe.transforms.testing import assert_close
 
 
 def test_zero_router_ties_pick_lowest_expert_ids() -> None:
     # Every score equal: the K chosen experts are 0..K-1, best (= lowest index) first, for every E.
     for E, K in [(4, 2), (8, 3), (16, 5), (64, 6)]:
         cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=K)
-        r = route({"weight": torch.zeros(4, E)}, torch.randn(5, 4), cfg)
+        r = route({"w": torch.zeros(4, E)}, torch.randn(5, 4), cfg)
         assert r.ids_TK.tolist() == [list(range(K))] * 5, (E, K)
 
 
@@ -29,20 +29,20 @@ def test_partial_ties_and_group_ties_pick_lowest_index() -> None:
     # Scores (a, b, b, b, a, b) with b > a: the K = 2 best are experts 1 and 2.
     cfg = MoEConfig(d_model=2, d_ff=4, num_experts=6, top_k=2)
     w = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0, 1.0], [0.0] * 6])
-    assert route({"weight": w}, torch.ones(3, 2), cfg).ids_TK.tolist() == [[1, 2]] * 3
+    assert route({"w": w}, torch.ones(3, 2), cfg).ids_TK.tolist() == [[1, 2]] * 3
     # Four groups with equal scores: group 0 is chosen, so experts 0 and 1.
     cfg = MoEConfig(d_model=2, d_ff=4, num_experts=8, top_k=2, num_groups=4, topk_groups=1)
-    assert route({"weight": torch.zeros(2, 8)}, torch.ones(3, 2), cfg).ids_TK.tolist() == [[0, 1]] * 3
+    assert route({"w": torch.zeros(2, 8)}, torch.ones(3, 2), cfg).ids_TK.tolist() == [[0, 1]] * 3
 
 
 @st.composite
 def router_cases(draw):
-    G = draw(st.sampled_from([1, 2, 3, 4]))
+    J = draw(st.sampled_from([1, 2, 3, 4]))
     per = draw(st.integers(1, 3))
-    E = G * per
-    topk_groups = draw(st.integers(1, G))
+    E = J * per
+    topk_groups = draw(st.integers(1, J))
     K = draw(st.integers(1, topk_groups * per))
-    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=K, num_groups=G, topk_groups=topk_groups,
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=E, top_k=K, num_groups=J, topk_groups=topk_groups,
                     score_func=draw(st.sampled_from(["softmax", "sigmoid"])),
                     topk_norm=draw(st.sampled_from(["before", "after"])),
                     topk_scale=draw(st.sampled_from([1.0, 2.5])))
@@ -67,10 +67,10 @@ def test_route_matches_oracle_on_tie_prone_inputs(case, dtype) -> None:
     if biased:
         # One bias per group when groups are limited: a bias that differs inside a group could cancel in a
         # group score ((s + 0.25) + (s' - 0.25) vs s + s'), a tie in exact math that rounding breaks.
-        G = cfg.num_groups if cfg.topk_groups < cfg.num_groups else cfg.num_experts
-        bias_G = torch.randint(-1, 2, (G,), generator=g).float() * 0.25
-        state["expert_bias_E"] = bias_G.repeat_interleave(cfg.num_experts // G)
-    r = route({"weight": w_DE.to(dtype)}, x_TD.to(dtype), cfg, state)
+        J = cfg.num_groups if cfg.topk_groups < cfg.num_groups else cfg.num_experts
+        bias_J = torch.randint(-1, 2, (J,), generator=g).float() * 0.25
+        state["expert_bias_E"] = bias_J.repeat_interleave(cfg.num_experts // J)
+    r = route({"w": w_DE.to(dtype)}, x_TD.to(dtype), cfg, state)
     bias = state["expert_bias_E"].tolist() if biased else None
     o = oracle_route(w_DE, x_TD, cfg, bias, None)
     assert r.ids_TK.tolist() == o["ids"]
@@ -86,8 +86,8 @@ def test_bf16_inputs_route_in_fp32() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 8, generator=g).bfloat16()
     x = torch.randn(64, 16, generator=g).bfloat16()
-    r16 = route({"weight": w}, x, cfg)
-    r32 = route({"weight": w.float()}, x.float(), cfg)
+    r16 = route({"w": w}, x, cfg)
+    r32 = route({"w": w.float()}, x.float(), cfg)
     assert r16.probs_TK.dtype == torch.float32 and r16.loss.dtype == torch.float32
     assert r16.ids_TK.tolist() == r32.ids_TK.tolist()
     assert torch.equal(r16.probs_TK, r32.probs_TK)
@@ -102,7 +102,7 @@ def test_bias_selects_but_gate_weights_are_unbiased_with_groups(score_func) -> N
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(4, 8, generator=g), torch.randn(5, 4, generator=g)
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 9.0])
-    r = route({"weight": w}, x, cfg, {"expert_bias_E": bias})
+    r = route({"w": w}, x, cfg, {"expert_bias_E": bias})
     assert sorted(map(sorted, r.ids_TK.tolist())) == [[6, 7]] * 5
     scores = torch.softmax(x @ w, -1) if score_func == "softmax" else torch.sigmoid(x @ w)
     torch.testing.assert_close(r.probs_TK, 2.0 * scores.gather(1, r.ids_TK))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import cross_entropy
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 
 
 def make(N, V, dtype, ignore_frac, seed):
@@ -77,7 +77,7 @@ def test_custom_ignore_index_and_vmap() -> None:
 @pytest.mark.parametrize(
     ("logits", "targets", "match"),
     [
-        (torch.zeros(3), torch.zeros(3, dtype=torch.long), r"\[N, V\]"),
+        (torch.zeros(3), torch.zeros(3, dtype=torch.long), r"\[X, V\]"),
         (torch.zeros(3, 2), torch.zeros(2, dtype=torch.long), "shape"),
         (torch.zeros(3, 2), torch.zeros(3), "integer"),
         (torch.zeros(3, 2), torch.tensor([0, 2, 1]), r"\[0, 2\)"),

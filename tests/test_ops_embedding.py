@@ -9,15 +9,15 @@ from unittest import mock
 
 import pytest
 import torch
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.tape import WeightGradTape, active_tape
-from fmoe.transforms.testing import assert_close, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe.ops import _embedding as emb_mod
 from fmoe.ops import embedding, linear
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.tape import WeightGradTape, active_tape
+from fmoe.transforms.testing import assert_close, float_dtypes
 
 
 def make(ids_shape, V, D, dtype, seed):

@@ -9,14 +9,14 @@ from unittest import mock
 
 import pytest
 import torch
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe.ops import _linear as lin_mod
 from fmoe.ops import linear
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 
 
 def make(lead: tuple[int, ...], D: int, F: int, dtype: torch.dtype, seed: int):

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import rms_norm
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 
 shapes = st.tuples(st.lists(st.integers(0, 4), min_size=0, max_size=2).map(tuple), st.integers(1, 9))
 

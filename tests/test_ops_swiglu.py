@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.ops import swiglu
+from fmoe.transforms.testing import assert_close, check_vjp, float_dtypes
 
 shapes = st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple)
 

@@ -13,8 +13,6 @@ import weakref
 
 import torch
 from dist_utils import spawn
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.testing import assert_close
 
 from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.collectives import (
@@ -32,6 +30,8 @@ from fmoe.parallel.collectives import (
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.mesh import INTER, INTRA, Topology
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close
 
 D = 3
 

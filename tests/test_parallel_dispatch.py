@@ -1,7 +1,8 @@
 """Expert-parallel dispatchers against a single-process oracle of the same MoE expert computation.
 
 Legend: P ranks, T tokens (per rank; Tg global), K top-k, E global experts, L = E / P local experts,
-D width, F expert output width, N = T*K routed rows, M rows this rank's experts receive.
+D width, F expert output width, R = T*K expert-sorted rows of this rank (dropless), M rows this rank's
+experts receive (legend of docs/moe.md).
 
 Oracle (one process, whole global batch): y_t = sum_k probs[t, k] * tanh(x_t @ w[ids[t, k]]), with its
 `torch.func.vjp` for dx, dprobs and dw. Every rank runs the expert-parallel version on its own tokens
@@ -19,8 +20,6 @@ from functools import partial
 import pytest
 import torch
 from dist_utils import spawn
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.testing import assert_close
 
 from fmoe.ops import grouped_linear
 from fmoe.parallel import (
@@ -34,6 +33,8 @@ from fmoe.parallel import (
     experts_per_rank,
 )
 from fmoe.parallel.mesh import INTER
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close
 
 D, F, L = 4, 3, 2
 DT = torch.float64
@@ -90,19 +91,19 @@ def ep_forward(d, entry: str, w_LDF: torch.Tensor, x_TD: torch.Tensor, probs_TK:
         x_MD, counts_L, meta = d.dispatch_tokens(x_TD, ids_TK, probs_TK)
         return d.combine_tokens(experts(x_MD, counts_L), meta)
     K = ids_TK.shape[1]
-    order_N = torch.argsort(ids_TK.reshape(-1), stable=True)  # permute-1
-    token_N = order_N // K
+    order_R = torch.argsort(ids_TK.reshape(-1), stable=True)  # permute-1
+    token_R = order_R // K
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
-    probs_N = probs_TK.reshape(-1).index_select(0, order_N)
-    x_ND = x_TD.index_select(0, token_N)
+    probs_R = probs_TK.reshape(-1).index_select(0, order_R)
+    x_RD = x_TD.index_select(0, token_R)
     if entry == "rows":
-        x_MD, counts_L, probs_M, meta = d.dispatch(x_ND, counts_E)
+        x_MD, counts_L, probs_M, meta = d.dispatch(x_RD, counts_E)
         assert probs_M is None
-        y_ND = d.combine(experts(x_MD, counts_L), meta) * probs_N[:, None]
+        y_RD = d.combine(experts(x_MD, counts_L), meta) * probs_R[:, None]
     else:  # "rows_probs": weight before combine with the probabilities moved by dispatch
-        x_MD, counts_L, probs_M, meta = d.dispatch(x_ND, counts_E, probs_N)
-        y_ND = d.combine(experts(x_MD, counts_L) * probs_M[:, None], meta)
-    return y_ND.new_zeros(x_TD.shape[0], y_ND.shape[1]).index_add(0, token_N, y_ND)
+        x_MD, counts_L, probs_M, meta = d.dispatch(x_RD, counts_E, probs_R)
+        y_RD = d.combine(experts(x_MD, counts_L) * probs_M[:, None], meta)
+    return y_RD.new_zeros(x_TD.shape[0], y_RD.shape[1]).index_add(0, token_R, y_RD)
 
 
 def _stage(params: dict, x_TD: torch.Tensor, probs_TK: torch.Tensor, *, d, entry: str,

@@ -32,8 +32,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import spawn
-from fmoe.transforms.split_vjp import split_vjp
-from fmoe.transforms.testing import assert_close
 
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe, uses_token_dispatch
@@ -47,6 +45,8 @@ from fmoe.parallel import (
 )
 from fmoe.parallel.tp_extends_ep import local_expert_range
 from fmoe.router import route
+from fmoe.transforms.split_vjp import split_vjp
+from fmoe.transforms.testing import assert_close
 
 T, D, F = 5, 8, 6
 DT = torch.float64
@@ -62,8 +62,8 @@ class RowsOnly:
     def __init__(self, inner):
         self.inner, self.num_local_experts = inner, inner.num_local_experts
 
-    def dispatch(self, x_ND, counts_E, probs_N=None):
-        return self.inner.dispatch(x_ND, counts_E, probs_N)
+    def dispatch(self, x_RD, counts_E, probs_R=None):
+        return self.inner.dispatch(x_RD, counts_E, probs_R)
 
     def combine(self, y_MD, meta):
         return self.inner.combine(y_MD, meta)
@@ -101,10 +101,10 @@ def _setup(cfg: MoEConfig, routing: str, world: int):
     if routing in ("imbalanced", "empty"):  # feature 0 is a large constant that steers the router
         x[:, 0] = 4.0
     if routing == "imbalanced":  # it votes for the last rank's experts only
-        params["router"]["weight"][0] = -5.0
-        params["router"]["weight"][0, (world - 1) * L:] = 5.0
+        params["router"]["w"][0] = -5.0
+        params["router"]["w"][0, (world - 1) * L:] = 5.0
     if routing == "empty":  # it votes against rank 1's experts
-        params["router"]["weight"][0, L:2 * L] = -5.0
+        params["router"]["w"][0, L:2 * L] = -5.0
     ct = torch.randn(sum(T_P), D, generator=g, dtype=DT)
     if routing == "imbalanced":
         assert (route(params["router"], x, cfg).ids_TK // L == world - 1).all()

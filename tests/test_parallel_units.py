@@ -13,28 +13,29 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from fmoe._index import exclusive_cumsum
 from fmoe.parallel import CommCounters, LinkModel, Topology, experts_per_rank
 from fmoe.parallel.mesh import INTER, INTRA
-from fmoe.parallel.rows import chunk_transpose_index, exclusive_cumsum, expert_ids_of_rows
+from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
 from fmoe.parallel.tp_extends_ep import local_expert_range
 
-counts_AB = st.integers(1, 4).flatmap(lambda a: st.integers(1, 4).flatmap(
-    lambda b: st.lists(st.integers(0, 3), min_size=a * b, max_size=a * b).map(
-        lambda xs: torch.tensor(xs).reshape(a, b))))
+counts_XY = st.integers(1, 4).flatmap(lambda x: st.integers(1, 4).flatmap(
+    lambda y: st.lists(st.integers(0, 3), min_size=x * y, max_size=x * y).map(
+        lambda xs: torch.tensor(xs).reshape(x, y))))
 
 
 @settings(max_examples=40, deadline=None)
-@given(counts_AB)
+@given(counts_XY)
 @example(torch.zeros(2, 3, dtype=torch.int64))
 @example(torch.tensor([[0, 5], [0, 0]]))
-def test_chunk_transpose_index_matches_loop(c_AB):
-    """Oracle: label every row with its (a, b) chunk and list the labels b-major with a python loop."""
-    A, B = c_AB.shape
-    labels = [(a, b) for a in range(A) for b in range(B) for _ in range(int(c_AB[a, b]))]
-    expect = [i for b in range(B) for a in range(A)
-              for i, lab in enumerate(labels) if lab == (a, b)]
-    idx = chunk_transpose_index(c_AB)
-    assert chunk_transpose_index(c_AB, len(labels)).tolist() == expect  # host total: same index
+def test_chunk_transpose_index_matches_loop(c_XY):
+    """Oracle: label every row with its (x, y) chunk and list the labels y-major with a python loop."""
+    X, Y = c_XY.shape
+    labels = [(x, y) for x in range(X) for y in range(Y) for _ in range(int(c_XY[x, y]))]
+    expect = [i for y in range(Y) for x in range(X)
+              for i, lab in enumerate(labels) if lab == (x, y)]
+    idx = chunk_transpose_index(c_XY)
+    assert chunk_transpose_index(c_XY, len(labels)).tolist() == expect  # host total: same index
     assert idx.tolist() == expect
     assert sorted(idx.tolist()) == list(range(len(labels)))  # a permutation: argsort inverts it
 
@@ -44,6 +45,7 @@ def test_chunk_transpose_index_matches_loop(c_AB):
 def test_row_helpers(counts):
     c = torch.tensor(counts)
     assert exclusive_cumsum(c).tolist() == [sum(counts[:i]) for i in range(len(counts))]
+    assert exclusive_cumsum(torch.stack([c, c]), dim=1).tolist() == [exclusive_cumsum(c).tolist()] * 2
     expect = [e for e, n in enumerate(counts) for _ in range(n)]
     assert expert_ids_of_rows(c).tolist() == expect
     assert expert_ids_of_rows(c, sum(counts)).tolist() == expect

@@ -6,6 +6,11 @@ Legend: N rows, D model width, F hidden width.
 from __future__ import annotations
 
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from fmoe.ops import linear
 from fmoe.transforms import (
     checkpoint_name,
     everything_saveable,
@@ -16,28 +21,23 @@ from fmoe.transforms import (
     split_vjp,
 )
 from fmoe.transforms.testing import assert_close, float_dtypes
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-from torch.utils.flop_counter import FlopCounterMode
-
-from fmoe.ops import linear
 
 POLICIES = [nothing_saveable, everything_saveable, save_only_these_names("fc1"),
             save_only_these_names("fc1", "act", "count")]
 
 
 def block(p: dict, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h_NF = checkpoint_name(linear(x_ND, p["w1_DF"]), "fc1")
+    h_NF = checkpoint_name(linear(x_ND, p["w_fc1"]), "fc1")
     a_NF = checkpoint_name(torch.nn.functional.silu(h_NF) * p["s_F"], "act")
     count = checkpoint_name((h_NF > 0).sum(), "count")  # an integer output: no gradient
-    return linear(a_NF, p["w2_FD"]) + x_ND, count
+    return linear(a_NF, p["w_fc2"]) + x_ND, count
 
 
 def params(d: int, f: int, dtype: torch.dtype, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w1_DF": torch.randn(d, f, generator=g, dtype=torch.float64).to(dtype) / d**0.5,
+    return {"w_fc1": torch.randn(d, f, generator=g, dtype=torch.float64).to(dtype) / d**0.5,
             "s_F": torch.randn(f, generator=g, dtype=torch.float64).to(dtype),
-            "w2_FD": torch.randn(f, d, generator=g, dtype=torch.float64).to(dtype) / f**0.5}
+            "w_fc2": torch.randn(f, d, generator=g, dtype=torch.float64).to(dtype) / f**0.5}
 
 
 @settings(max_examples=30, deadline=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 
 import pytest
@@ -169,4 +170,5 @@ def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
     results = spawn(_dies, 2, timeout_s=60, check=False)
     assert time.monotonic() - t0 < 60
     err = results[0].error or ""
-    assert "from pipeline rank 1" in err, err
+    # rank 0 fails at its first P2P call with the dead rank: the send of mb 1 or a receive, either way named
+    assert re.search(r"(from|to) pipeline rank 1 failed", err), err

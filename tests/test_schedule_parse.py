@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 
-import fmoe.schedule as S
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fmoe.schedule as S
 from fmoe.schedule import deps, stages
 from fmoe.schedule.ir import ACT, GRAD, ops_of
 from fmoe.schedule.registry import NAMES
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 SET = settings(max_examples=8, deadline=None)
 

@@ -7,14 +7,14 @@ import argparse
 import json
 from fractions import Fraction
 
-import fmoe.schedule as S
 import pytest
-from fmoe.schedule import stages
-from fmoe.schedule.imbalance import imbalance_pct, rank_costs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import fmoe.schedule as S
 from fmoe.cli import simulate as cli_simulate
+from fmoe.schedule import stages
+from fmoe.schedule.imbalance import imbalance_pct, rank_costs
 
 SET = settings(max_examples=25, deadline=None)
 UNIT = S.Costs(f=1, i=1, w=1)  # F = I = W = 1, B = I + W = 2, F&B = F + B = 3, no communication

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-import fmoe.schedule as S
 import pytest
-from fmoe.schedule.ir import ACT, Op, Send
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
+import fmoe.schedule as S
+from fmoe.schedule.ir import ACT, Op, Send
 
 SET = settings(max_examples=30, deadline=None)
 

@@ -11,13 +11,14 @@ import weakref
 
 import pytest
 import torch
-from fmoe.transforms import check_vjp, split_vjp
-from fmoe.transforms.testing import assert_close, float_dtypes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from fmoe._compat import get_unwrapped, is_functorch_wrapped
 from fmoe.ops import linear
+from fmoe.transforms import check_vjp, split_vjp
+from fmoe.transforms.testing import assert_close, float_dtypes
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -30,7 +31,7 @@ def make_params(depth: int, d: int, f: int, dtype: torch.dtype, seed: int) -> di
 
     return {
         "blocks": [
-            {"scale_D": 1 + 0.1 * r(d), "w_in_DF": r(d, f), "b_F": 0.1 * r(f), "w_out_FD": r(f, d)}
+            {"norm": 1 + 0.1 * r(d), "w_in": r(d, f), "b_in": 0.1 * r(f), "w_out": r(f, d)}
             for _ in range(depth)
         ],
         "unused_D": r(d),
@@ -41,8 +42,8 @@ def stack(params: dict, x_ND: torch.Tensor) -> torch.Tensor:
     """Norm -> linear (+bias) -> tanh -> linear with residual, per block; a plain-torch norm on purpose
     (its scale is a parameter that no weight-bearing primitive consumes)."""
     for blk in params["blocks"]:
-        h = x_ND * torch.rsqrt(x_ND.pow(2).mean(-1, keepdim=True) + 1e-6) * blk["scale_D"]
-        x_ND = x_ND + linear(torch.tanh(linear(h, blk["w_in_DF"], blk["b_F"])), blk["w_out_FD"])
+        h = x_ND * torch.rsqrt(x_ND.pow(2).mean(-1, keepdim=True) + 1e-6) * blk["norm"]
+        x_ND = x_ND + linear(torch.tanh(linear(h, blk["w_in"], blk["b_in"])), blk["w_out"])
     return x_ND
 
 
@@ -129,9 +130,9 @@ def test_nothing_is_held_after_dw():
     refs = []
 
     def f(p, x):
-        h = torch.tanh(linear(x, p["blocks"][0]["w_in_DF"]))
-        refs.append(weakref.ref(torch._C._functorch.get_unwrapped(h)))
-        return linear(h, p["blocks"][0]["w_out_FD"])
+        h = torch.tanh(linear(x, p["blocks"][0]["w_in"]))
+        refs.append(weakref.ref(get_unwrapped(h)))
+        return linear(h, p["blocks"][0]["w_out"])
 
     _, vjp_dx = split_vjp(f, params, x)
     _, vjp_dw = vjp_dx(torch.ones(3, 4, dtype=torch.float64))
@@ -172,6 +173,6 @@ def test_has_aux_returns_any_aux():
                                  w, torch.ones(4, 2, dtype=torch.float64), has_aux=True)
     assert aux["n"] == 4 and aux["info"].k == 3
     assert float(aux["info"].total) == 8.0
-    assert not torch._C._functorch.is_functorch_wrapped_tensor(aux["info"].total)
+    assert not is_functorch_wrapped(aux["info"].total)
     (dx,), vjp_dw = vjp_dx(torch.ones_like(out))
     assert_close(vjp_dw(), torch.full((2, 2), 4.0, dtype=torch.float64))

@@ -10,11 +10,14 @@ from fmoe.transforms.remat import nothing_saveable as nothing_saveable
 from fmoe.transforms.remat import remat as remat
 from fmoe.transforms.remat import save_only_these_names as save_only_these_names
 from fmoe.transforms.remat import saved_residuals as saved_residuals
+from fmoe.transforms.split_vjp import DwFn as DwFn
+from fmoe.transforms.split_vjp import DxFn as DxFn
 from fmoe.transforms.split_vjp import split_vjp as split_vjp
 from fmoe.transforms.tape import WeightGradTape as WeightGradTape
 from fmoe.transforms.tape import active_tape as active_tape
 from fmoe.transforms.tape import current_tape as current_tape
 from fmoe.transforms.tape import defer_weight_grad as defer_weight_grad
+from fmoe.transforms.tape import weight_grad_or_defer as weight_grad_or_defer
 
 from fmoe._lazy import lazy_exports
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fmoe._compat import tree_flatten, tree_unflatten
 
 
 @dataclass(frozen=True)

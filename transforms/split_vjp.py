@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, Protocol, overload
 
 import torch
 from fmoe.transforms.tape import WeightGradTape, active_tape
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fmoe._compat import tree_flatten, tree_unflatten
 
 
 def _split_tensors(tree: Any, found: list[torch.Tensor]) -> Any:
@@ -78,15 +79,47 @@ class _Once:
         self.done = True
 
 
+class DwFn(Protocol):
+    """The weight-grad pass `vjp_dw() -> dparams` returned by a `DxFn`.
+
+    `dparams` has the pytree structure of `params` (one gradient per float leaf, zeros for unused ones,
+    None for non-float leaves). Callable once; afterwards neither activations nor tape entries are held.
+    """
+
+    def __call__(self) -> Any: ...
+
+
+class DxFn(Protocol):
+    """The input-grad pass `vjp_dx(cotangent) -> (dargs, vjp_dw)` returned by `split_vjp`.
+
+    `cotangent` has the structure of `out`; `dargs` is a tuple with one gradient pytree per positional
+    arg of f after params (None for non-float leaves); `vjp_dw` is the deferred weight-grad pass. Callable
+    once.
+    """
+
+    def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], DwFn]: ...
+
+
+@overload
+def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
+              has_aux: Literal[False] = False) -> tuple[Any, DxFn]: ...
+
+
+@overload
+def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
+              has_aux: Literal[True]) -> tuple[Any, DxFn, Any]: ...
+
+
 def split_vjp(
     f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False
-) -> tuple[Any, Callable[[Any], tuple[tuple[Any, ...], Callable[[], Any]]]] | tuple[Any, Callable, Any]:
+) -> tuple[Any, DxFn] | tuple[Any, DxFn, Any]:
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
-    `vjp_dx(cotangent) -> (dargs, vjp_dw)`: `dargs` is a tuple with one gradient pytree per positional
-    arg (None for non-float leaves). `vjp_dw() -> dparams` has the structure of `params`. Each may be
-    called once; `vjp_dw` exists only after `vjp_dx`, so the order is enforced by construction. After
-    `vjp_dw` returns, neither activations nor tape entries are held.
+    With has_aux, f returns `(out, aux)`; aux may be any pytree (ints, dataclasses) and comes back
+    unwrapped. `vjp_dx: DxFn` maps a cotangent of `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns
+    `dparams` with the structure of `params`. Each may be called once; `vjp_dw` exists only after
+    `vjp_dx`, so the order is enforced by construction. After `vjp_dw` returns, neither activations nor
+    tape entries are held.
     """
     leaves, spec = tree_flatten((params, args))
     n_param_leaves = len(tree_flatten(params)[0])
@@ -119,7 +152,7 @@ def split_vjp(
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
 
-    def vjp_dx(cotangent: Any) -> tuple[tuple[Any, ...], Callable[[], Any]]:
+    def vjp_dx(cotangent: Any) -> tuple[tuple[Any, ...], DwFn]:
         dx_once.claim()
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
-import torch._C._functorch as _functorch
+
+from fmoe._compat import get_unwrapped, is_functorch_wrapped
 
 # The active tape is process-wide, not a contextvar: the autograd engine may run a backward on its own
 # device threads (CUDA), where a contextvar set by the caller would be invisible. One dx pass runs at a
@@ -30,8 +32,8 @@ _ACTIVE: list[WeightGradTape | None] = [None]
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
     """Return the tensor object under every functorch wrapper of `t` (identity kept, no detach)."""
-    while _functorch.is_functorch_wrapped_tensor(t):
-        t = _functorch.get_unwrapped(t)
+    while is_functorch_wrapped(t):
+        t = get_unwrapped(t)
     return t
 
 
@@ -111,7 +113,7 @@ def current_tape() -> WeightGradTape | None:
 def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """Record `thunk` on the active tape if it defers `w`; returns the placeholder gradient, else None.
 
-    The helper a primitive's backward calls:
+    The low-level step (a primitive's backward calls `weight_grad_or_defer`, which wraps it):
 
         dw = defer_weight_grad(w, lambda: x_keep.t() @ g_keep)
         if dw is None:
@@ -126,3 +128,19 @@ def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> tor
         return None
     tape.record(w, thunk)
     return w.new_zeros(()).expand(w.shape)
+
+
+def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """Return the gradient of weight `w` for a primitive's backward: `compute(*args)` now, or, when the
+    active tape defers `w`, the stride-0 zero placeholder of w's shape, with `compute` queued on the tape.
+
+    The whole deferred-dw recipe in one call (`w` is the caller's tensor, kept in setup_context):
+
+        dw = weight_grad_or_defer(ctx.w_plain, _weight_grad, x_ND, g_NF)
+
+    The queued thunk holds `plain` copies of the tensor args (they must outlive the vjp); other args pass
+    as they are. `compute` must return a tensor of w's shape.
+    """
+    keep = [plain(a) if isinstance(a, torch.Tensor) else a for a in args]
+    dw = defer_weight_grad(w, lambda: compute(*keep))
+    return compute(*args) if dw is None else dw

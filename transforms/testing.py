@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fmoe._compat import tree_flatten, tree_map, tree_unflatten
 
 # rtol/atol per dtype for comparing two computations of the same quantity in that dtype.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -68,12 +69,14 @@ def check_vjp(
     rtol: float = 1e-6,
     generator: torch.Generator | None = None,
 ) -> tuple[float, float]:
-    """Check `vjp` of `f` against a float64 central difference in one random direction.
+    """Check `vjp` of `f` against `f` run plainly and a float64 central difference in one random direction.
 
-    Casts floating primals to float64, draws a tangent t (over primals) and a cotangent c (over the
-    output), and compares <c, (f(x + eps t) - f(x - eps t)) / 2 eps> with <vjp(c), t>. `vjp(f, *primals)`
-    must return `(out, fn)` with `fn(c)` giving one gradient pytree per primal (default
-    `torch.func.vjp`). Returns the two numbers; raises AssertionError when they differ.
+    Casts floating primals to float64. First, as JAX's check_vjp does, the primal output `out` of
+    `vjp(f, *primals)` must equal `f(*primals)` run plainly (so a custom rule whose forward under a
+    transform computes something else fails). Then draws a tangent t (over primals) and a cotangent c
+    (over the output), and compares <c, (f(x + eps t) - f(x - eps t)) / 2 eps> with <vjp(c), t>.
+    `vjp(f, *primals)` must return `(out, fn)` with `fn(c)` giving one gradient pytree per primal
+    (default `torch.func.vjp`). Returns the two numbers; raises AssertionError when either check fails.
     """
     vjp = vjp or torch.func.vjp
     gen = generator or torch.Generator().manual_seed(0)
@@ -90,6 +93,10 @@ def check_vjp(
         return tree_map(lambda p, t: p if t is None else p + sign * eps * t, primals64, tangent)
 
     out, vjp_fn = vjp(f, *primals64)
+    try:
+        assert_close(out, f(*primals64))
+    except AssertionError as e:
+        raise AssertionError(f"check_vjp: primal output under vjp differs from f(*primals): {e}") from e
     cot = tree_map(rand_like, out)
     grads = vjp_fn(cot)
     f_plus, f_minus = f(*shifted(1.0)), f(*shifted(-1.0))

@@ -1,8 +1,8 @@
 """The dispatch/combine seam: how routed token rows reach the experts and come back.
 
-Legend: E global experts, L experts local to this rank, N routed rows on this rank (sorted by global
-expert id, counts_E[e] rows for expert e), M rows this rank's local experts receive (grouped by local
-expert), D model width.
+Legend (the package's, docs/moe.md): E global experts, L experts local to this rank, R rows of this
+rank's expert-sorted layout (sorted by global expert id, counts_E[e] rows for expert e), M rows this
+rank's local experts receive (grouped by local expert), D model width.
 
 A dispatcher moves rows only; routing, permutation and probability weighting stay in the MoE layer.
 It holds no parameters, so a stage function `lambda params, x: dispatcher.dispatch(x, counts_E)` can be
@@ -23,13 +23,13 @@ class Dispatcher(Protocol):
     num_local_experts: int
 
     def dispatch(
-        self, x_ND: torch.Tensor, counts_E: torch.Tensor, probs_N: torch.Tensor | None = None
+        self, x_RD: torch.Tensor, counts_E: torch.Tensor, probs_R: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]:
         """Return (x_MD, counts_L, probs_M or None, meta): rows for this rank's experts, grouped by local
-        expert, their per-expert counts (int64, on x's device), the matching probabilities when given,
-        and opaque metadata for `combine`."""
+        expert, their per-expert counts (int64, on x's device), the matching gate weights when probs_R
+        (one per layout row) is given, and opaque metadata for `combine`."""
         ...
 
     def combine(self, y_MD: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Return y_ND: expert outputs sent back, in this rank's original expert-sorted row order."""
+        """Return y_RD: expert outputs sent back, in this rank's original expert-sorted row order."""
         ...

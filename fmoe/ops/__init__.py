@@ -7,6 +7,7 @@ Public names only; a module's internals are reached as `fmoe.ops._linear` and so
 from fmoe.ops._attention import attention as attention
 from fmoe.ops._attention import rope as rope
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
+from fmoe.ops._dtypes import compute_dtype as compute_dtype
 from fmoe.ops._embedding import embedding as embedding
 from fmoe.ops._grouped_linear import available_backends as available_backends
 from fmoe.ops._grouped_linear import grouped_linear as grouped_linear

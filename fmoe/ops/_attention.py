@@ -1,13 +1,13 @@
 """attention: causal grouped-query attention with rotary position embeddings (RoPE), no weights.
 
-    o_BTHd = attention(q_BTHd, k_BTGd, v_BTGd)      # projections are the caller's (`linear`)
+    o_BSHd = attention(q_BSHd, k_BSGd, v_BSGd)      # projections are the caller's (`linear`)
 
-Legend: B batch, T sequence positions, H query heads, G key/value heads (G divides H), d head dim
-(even, for RoPE), S key positions (= T).
+Legend (the package's, docs/moe.md): B sequences, S positions (queries and keys alike), H query heads,
+G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs.
 RoPE is the half-split ("rotate_half") form: for i < d/2, the pair (x[i], x[i + d/2]) is rotated by
 angle pos * theta^(-2i/d), with angles computed in fp32 (fp64 for fp64 input).
 The autograd Function saves only q, k, v and recomputes the forward inside its backward with
-`torch.func.vjp` (works under an outer vjp, tape autograd and vmap), so no [T, S] probabilities are
+`torch.func.vjp` (works under an outer vjp, tape autograd and vmap), so no [S, S] probabilities are
 kept between forward and backward.
 """
 
@@ -15,100 +15,99 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
+
+from fmoe.ops._dtypes import compute_dtype
 
 
-def _angle_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def rope(x_BTHd: torch.Tensor, positions_T: torch.Tensor | None = None,
+def rope(x_BSHd: torch.Tensor, positions_S: torch.Tensor | None = None,
          theta: float = 10000.0) -> torch.Tensor:
-    """Return x rotated by RoPE (same shape and dtype); x is [..., T, H, d] with d even.
+    """Return x rotated by RoPE (same shape and dtype); x is [..., S, H, d] with d even.
 
-    `positions_T` (integer or float [T], default arange(T)) gives each position's index.
+    `positions_S` (integer or float [S], default arange(S)) gives each position's index.
     Differentiable by plain torch ops.
     """
-    T, d = x_BTHd.shape[-3], x_BTHd.shape[-1]
+    S, d = x_BSHd.shape[-3], x_BSHd.shape[-1]
     if d % 2:
         raise ValueError(f"rope: head dim must be even, got {d}")
-    ct = _angle_dtype(x_BTHd.dtype)
-    if positions_T is None:
-        positions_T = torch.arange(T, device=x_BTHd.device)
-    if positions_T.shape != (T,):
-        raise ValueError(f"rope: positions must have shape ({T},), got {tuple(positions_T.shape)}")
-    inv_freq_h = theta ** (-torch.arange(0, d // 2, device=x_BTHd.device, dtype=ct) * 2 / d)
-    ang_Th = positions_T.to(ct).unsqueeze(-1) * inv_freq_h  # [T, d/2]
-    cos_T1h, sin_T1h = ang_Th.cos().unsqueeze(-2), ang_Th.sin().unsqueeze(-2)  # broadcast over heads
-    xf = x_BTHd.to(ct)
+    ct = compute_dtype(x_BSHd.dtype)
+    if positions_S is None:
+        positions_S = torch.arange(S, device=x_BSHd.device)
+    if positions_S.shape != (S,):
+        raise ValueError(f"rope: positions must have shape ({S},), got {tuple(positions_S.shape)}")
+    inv_freq_h = theta ** (-torch.arange(0, d // 2, device=x_BSHd.device, dtype=ct) * 2 / d)
+    ang_Sh = positions_S.to(ct).unsqueeze(-1) * inv_freq_h  # [S, h]
+    cos_S1h, sin_S1h = ang_Sh.cos().unsqueeze(-2), ang_Sh.sin().unsqueeze(-2)  # broadcast over heads
+    xf = x_BSHd.to(ct)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return torch.cat([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], dim=-1).to(x_BTHd.dtype)
+    return torch.cat([x1 * cos_S1h - x2 * sin_S1h, x2 * cos_S1h + x1 * sin_S1h], dim=-1).to(x_BSHd.dtype)
 
 
-def _attention_math(q_BTHd, k_BTGd, v_BTGd, positions_T, theta: float, causal: bool) -> torch.Tensor:
-    H, G = q_BTHd.shape[-2], k_BTGd.shape[-2]
-    q_BHTd = rope(q_BTHd, positions_T, theta).transpose(-3, -2)
-    k_BGSd = rope(k_BTGd, positions_T, theta).transpose(-3, -2)
-    v_BGSd = v_BTGd.transpose(-3, -2)
+def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
+    H, G = q_BSHd.shape[-2], k_BSGd.shape[-2]
+    q_BHSd = rearrange(rope(q_BSHd, positions_S, theta), "... s h d -> ... h s d")
+    k_BGSd = rearrange(rope(k_BSGd, positions_S, theta), "... s g d -> ... g s d")
+    v_BGSd = rearrange(v_BSGd, "... s g d -> ... g s d")
     if G != H:
         # Explicit repeat (not enable_gqa) so every sdpa backend, and its vjp, sees plain MHA shapes.
         k_BGSd = k_BGSd.repeat_interleave(H // G, dim=-3)
         v_BGSd = v_BGSd.repeat_interleave(H // G, dim=-3)
-    o_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BGSd, v_BGSd, is_causal=causal)
-    return o_BHTd.transpose(-3, -2)
+    o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=causal)
+    return rearrange(o_BHSd, "... h s d -> ... s h d")
 
 
 class _Attention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q_BTHd, k_BTGd, v_BTGd, positions_T, theta: float, causal: bool) -> torch.Tensor:
-        return _attention_math(q_BTHd, k_BTGd, v_BTGd, positions_T, theta, causal)
+    def forward(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
+        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q_BTHd, k_BTGd, v_BTGd, positions_T, theta, causal = inputs
-        ctx.save_for_backward(q_BTHd, k_BTGd, v_BTGd, positions_T)
+        q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal = inputs
+        ctx.save_for_backward(q_BSHd, k_BSGd, v_BSGd, positions_S)
         ctx.theta, ctx.causal = theta, causal
 
     @staticmethod
-    def backward(ctx, g_BTHd):
-        q_BTHd, k_BTGd, v_BTGd, positions_T = ctx.saved_tensors
+    def backward(ctx, g_BSHd):
+        q_BSHd, k_BSGd, v_BSGd, positions_S = ctx.saved_tensors
         theta, causal = ctx.theta, ctx.causal
-        _, vjp_fn = torch.func.vjp(lambda q, k, v: _attention_math(q, k, v, positions_T, theta, causal),
-                                   q_BTHd, k_BTGd, v_BTGd)
-        dq, dk, dv = vjp_fn(g_BTHd.contiguous())
+        _, vjp_fn = torch.func.vjp(lambda q, k, v: _attention_math(q, k, v, positions_S, theta, causal),
+                                   q_BSHd, k_BSGd, v_BSGd)
+        dq, dk, dv = vjp_fn(g_BSHd.contiguous())
         return dq, dk, dv, None, None, None
 
 
-def attention(q_BTHd: torch.Tensor, k_BTGd: torch.Tensor, v_BTGd: torch.Tensor, *,
+def attention(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, *,
               rope_theta: float = 10000.0, causal: bool = True,
-              positions_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Return o_BTHd = softmax(rope(q) rope(k)^T / sqrt(d) + causal mask) v, per head.
+              positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    """Return o_BSHd = softmax(rope(q) rope(k)^T / sqrt(d) + causal mask) v, per head.
 
-    q is [B, T, H, d] (or [T, H, d]); k and v are [B, T, G, d] with G dividing H (grouped-query
+    q is [B, S, H, d] (or [S, H, d]); k and v are [B, S, G, d] with G dividing H (grouped-query
     attention: query head h reads kv head h // (H / G)). RoPE (theta `rope_theta`, positions
-    `positions_T`, default arange(T)) is applied to q and k. Output has q's shape and dtype.
+    `positions_S`, default arange(S)) is applied to q and k. Output has q's shape and dtype.
     """
-    if q_BTHd.dim() not in (3, 4) or k_BTGd.dim() != q_BTHd.dim() or v_BTGd.dim() != q_BTHd.dim():
-        raise ValueError(f"attention: q, k, v must all be [B, T, heads, d] or [T, heads, d], got "
-                         f"{tuple(q_BTHd.shape)}, {tuple(k_BTGd.shape)}, {tuple(v_BTGd.shape)}")
-    if k_BTGd.shape != v_BTGd.shape:
-        raise ValueError(f"attention: k {tuple(k_BTGd.shape)} and v {tuple(v_BTGd.shape)} "
+    if q_BSHd.dim() not in (3, 4) or k_BSGd.dim() != q_BSHd.dim() or v_BSGd.dim() != q_BSHd.dim():
+        raise ValueError(f"attention: q, k, v must all be [B, S, heads, d] or [S, heads, d], got "
+                         f"{tuple(q_BSHd.shape)}, {tuple(k_BSGd.shape)}, {tuple(v_BSGd.shape)}")
+    if k_BSGd.shape != v_BSGd.shape:
+        raise ValueError(f"attention: k {tuple(k_BSGd.shape)} and v {tuple(v_BSGd.shape)} "
                          "must have one shape")
-    if q_BTHd.shape[:-2] != k_BTGd.shape[:-2] or q_BTHd.shape[-1] != k_BTGd.shape[-1]:
-        raise ValueError(f"attention: q {tuple(q_BTHd.shape)} and k {tuple(k_BTGd.shape)} must agree on "
+    if q_BSHd.shape[:-2] != k_BSGd.shape[:-2] or q_BSHd.shape[-1] != k_BSGd.shape[-1]:
+        raise ValueError(f"attention: q {tuple(q_BSHd.shape)} and k {tuple(k_BSGd.shape)} must agree on "
                          "batch, sequence and head dim")
-    H, G, d = q_BTHd.shape[-2], k_BTGd.shape[-2], q_BTHd.shape[-1]
+    H, G, d = q_BSHd.shape[-2], k_BSGd.shape[-2], q_BSHd.shape[-1]
     if G == 0 or H % G:
         raise ValueError(f"attention: kv heads G={G} must divide query heads H={H}")
     if d % 2:
         raise ValueError(f"attention: head dim must be even for RoPE, got {d}")
-    if not (q_BTHd.dtype == k_BTGd.dtype == v_BTGd.dtype) or not q_BTHd.is_floating_point():
+    if not (q_BSHd.dtype == k_BSGd.dtype == v_BSGd.dtype) or not q_BSHd.is_floating_point():
         raise ValueError(f"attention: q, k, v must share one floating dtype, got "
-                         f"{q_BTHd.dtype}, {k_BTGd.dtype}, {v_BTGd.dtype}")
-    T = q_BTHd.shape[-3]
-    if positions_T is None:
-        positions_T = torch.arange(T, device=q_BTHd.device)
-    elif positions_T.shape != (T,):
-        raise ValueError(f"attention: positions must have shape ({T},), got {tuple(positions_T.shape)}")
-    return _Attention.apply(q_BTHd, k_BTGd, v_BTGd, positions_T, float(rope_theta), bool(causal))
+                         f"{q_BSHd.dtype}, {k_BSGd.dtype}, {v_BSGd.dtype}")
+    S = q_BSHd.shape[-3]
+    if positions_S is None:
+        positions_S = torch.arange(S, device=q_BSHd.device)
+    elif positions_S.shape != (S,):
+        raise ValueError(f"attention: positions must have shape ({S},), got {tuple(positions_S.shape)}")
+    return _Attention.apply(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))

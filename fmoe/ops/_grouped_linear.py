@@ -1,9 +1,9 @@
 """grouped_linear: one matmul per expert over contiguous row blocks, with a deferrable weight gradient.
 
-    y_NF = grouped_linear(x_ND, w_EDF, counts_E)   # rows of x sorted by expert: expert e owns counts_E[e]
+    y_MF = grouped_linear(x_MD, w_EDF, counts_E)   # rows of x sorted by expert: expert e owns counts_E[e]
 
-Legend: N rows (tokens routed to this rank, sorted by expert), D input features, F output features,
-E experts (local), E1 = E + 1 boundaries.
+Legend (the package's, docs/moe.md): M rows (routed to this rank's experts, grouped by expert), D input
+features, F output features, E experts (local), E1 = E + 1 boundaries.
 
 Backends (`available_backends(dtype, device)` lists those usable):
 - "grouped_mm": `torch._grouped_mm` with int32 cumulative offsets (fp32/bf16/fp16; on CPU its kernel
@@ -24,7 +24,8 @@ import functools
 
 import torch
 
-from fmoe.transforms.tape import defer_weight_grad, plain
+from fmoe._compat import HAS_GROUPED_MM, grouped_mm
+from fmoe.transforms.tape import weight_grad_or_defer
 
 BACKENDS = ("grouped_mm", "loop", "npu")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,15 +42,15 @@ def _npu_module():
 @functools.cache
 def _grouped_mm_works(dtype: torch.dtype, device_type: str) -> bool:
     """Probe `torch._grouped_mm` once per (dtype, device type) on tiny aligned tensors (no error = usable)."""
-    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES:
+    if not HAS_GROUPED_MM or dtype not in _GROUPED_MM_DTYPES:
         return False
     try:
         device = torch.device(device_type)
-        x_ND = torch.zeros(4, 16, dtype=dtype, device=device)
+        x_MD = torch.zeros(4, 16, dtype=dtype, device=device)
         w_EDF = torch.zeros(2, 16, 16, dtype=dtype, device=device)
         offs_E = torch.tensor([1, 4], dtype=torch.int32, device=device)
-        torch._grouped_mm(x_ND, w_EDF, offs=offs_E)
-        torch._grouped_mm(x_ND.t(), x_ND, offs=offs_E)  # the 2D x 2D form the weight grad needs
+        grouped_mm(x_MD, w_EDF, offs=offs_E)
+        grouped_mm(x_MD.t(), x_MD, offs=offs_E)  # the 2D x 2D form the weight grad needs
         return True
     except Exception:  # any failure (unsupported arch, dtype, missing kernel) means: use another backend
         return False
@@ -89,109 +90,106 @@ def _offsets(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype) 
 
 # ---- the three products, per backend. a_MK rows grouped by counts ------------------------------
 
-def _fwd(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...], backend: str) -> torch.Tensor:
-    """y_NF[rows of e] = x_ND[rows of e] @ w_EDF[e] (also the dx product with w transposed)."""
+def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...], backend: str) -> torch.Tensor:
+    """y_MF[rows of e] = x_MD[rows of e] @ w_EDF[e] (also the dx product with w transposed)."""
     if backend == "grouped_mm":
-        return torch._grouped_mm(x_ND.contiguous(), w_EDF, offs=_offsets(counts, x_ND.device, torch.int32))
+        return grouped_mm(x_MD.contiguous(), w_EDF, offs=_offsets(counts, x_MD.device, torch.int32))
     if backend == "npu":
         torch_npu = _npu_module()
-        group_list = _offsets(counts, x_ND.device, torch.int64)
-        return torch_npu.npu_grouped_matmul([x_ND.contiguous()], [w_EDF.contiguous()], group_list=group_list,
+        group_list = _offsets(counts, x_MD.device, torch.int64)
+        return torch_npu.npu_grouped_matmul([x_MD.contiguous()], [w_EDF.contiguous()], group_list=group_list,
                                             split_item=2, group_type=0, group_list_type=0)[0]
     # Out-of-place products joined by cat (not matmul(out=...)): stays differentiable for grad-of-grad.
     b = _bounds(counts)
     if not counts:
-        return x_ND.new_zeros(x_ND.shape[0], w_EDF.shape[-1])
-    return torch.cat([x_ND[b[e]:b[e + 1]] @ w_EDF[e] for e in range(len(counts))])
+        return x_MD.new_zeros(x_MD.shape[0], w_EDF.shape[-1])
+    return torch.cat([x_MD[b[e]:b[e + 1]] @ w_EDF[e] for e in range(len(counts))])
 
 
-def _weight_grad(x_ND: torch.Tensor, g_NF: torch.Tensor, counts: tuple[int, ...],
+def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...],
                  backend: str) -> torch.Tensor:
-    """dw_EDF[e] = x_ND[rows of e]^T @ g_NF[rows of e]; zero for an expert with no rows."""
+    """dw_EDF[e] = x_MD[rows of e]^T @ g_MF[rows of e]; zero for an expert with no rows."""
     if backend == "grouped_mm":
         # 2D x 2D with offs groups the shared (row) dimension: one product per expert.
-        return torch._grouped_mm(x_ND.contiguous().t(), g_NF.contiguous(),
-                                 offs=_offsets(counts, x_ND.device, torch.int32))
+        return grouped_mm(x_MD.contiguous().t(), g_MF.contiguous(),
+                          offs=_offsets(counts, x_MD.device, torch.int32))
     # "npu" uses the loop too: npu_grouped_matmul's K-grouped mode is not available on every release.
     # An expert with no rows gives a [D, 0] @ [0, F] product: zeros, as required.
     b = _bounds(counts)
     if not counts:
-        return x_ND.new_zeros(0, x_ND.shape[-1], g_NF.shape[-1])
-    return torch.stack([x_ND[b[e]:b[e + 1]].t() @ g_NF[b[e]:b[e + 1]] for e in range(len(counts))])
+        return x_MD.new_zeros(0, x_MD.shape[-1], g_MF.shape[-1])
+    return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(counts))])
 
 
 class _GroupedLinear(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...],
+    def forward(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...],
                 backend: str) -> torch.Tensor:
-        return _fwd(x_ND, w_EDF, counts, backend)
+        return _fwd(x_MD, w_EDF, counts, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x_ND, w_EDF, counts, backend = inputs
-        ctx.save_for_backward(x_ND, w_EDF)
+        x_MD, w_EDF, counts, backend = inputs
+        ctx.save_for_backward(x_MD, w_EDF)
         ctx.counts, ctx.backend = counts, backend
         ctx.w_plain = w_EDF  # the caller's tensor object: the tape keys deferral on it
 
     @staticmethod
-    def backward(ctx, g_NF):
-        x_ND, w_EDF = ctx.saved_tensors
+    def backward(ctx, g_MF):
+        x_MD, w_EDF = ctx.saved_tensors
         counts, backend = ctx.counts, ctx.backend
         # A cotangent may be expanded (stride 0); the grouped kernels reject that, so materialise it.
-        g_NF = g_NF.contiguous()
-        dx = _fwd(g_NF, w_EDF.transpose(-2, -1), counts, backend) if ctx.needs_input_grad[0] else None
+        g_MF = g_MF.contiguous()
+        dx = _fwd(g_MF, w_EDF.transpose(-2, -1), counts, backend) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            x_keep, g_keep = plain(x_ND), plain(g_NF)
-            dw = defer_weight_grad(ctx.w_plain, lambda: _weight_grad(x_keep, g_keep, counts, backend))
-            if dw is None:
-                dw = _weight_grad(x_ND, g_NF, counts, backend)
+            dw = weight_grad_or_defer(ctx.w_plain, _weight_grad, x_MD, g_MF, counts, backend)
         return dx, dw, None, None
 
 
-def _choose_backend(x_ND: torch.Tensor, w_EDF: torch.Tensor, backend: str | None) -> str:
+def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None) -> str:
     D, F = w_EDF.shape[1], w_EDF.shape[2]
-    avail = available_backends(x_ND.dtype, x_ND.device)
+    avail = available_backends(x_MD.dtype, x_MD.device)
     if backend is None:
         if "npu" in avail:
             return "npu"
-        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, x_ND.dtype):
+        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, x_MD.dtype):
             return "grouped_mm"
         return "loop"
     if backend not in BACKENDS:
         raise ValueError(f"grouped_linear: unknown backend {backend!r}; choose one of {BACKENDS} or None")
     if backend not in avail:
-        raise ValueError(f"grouped_linear: backend {backend!r} is not available for {x_ND.dtype} on "
-                         f"{x_ND.device}; available: {avail}")
-    if backend == "grouped_mm" and not _aligned_for_grouped_mm(D, F, x_ND.dtype):
+        raise ValueError(f"grouped_linear: backend {backend!r} is not available for {x_MD.dtype} on "
+                         f"{x_MD.device}; available: {avail}")
+    if backend == "grouped_mm" and not _aligned_for_grouped_mm(D, F, x_MD.dtype):
         raise ValueError(f"grouped_linear: backend 'grouped_mm' needs D and F to be multiples of "
-                         f"16 bytes / itemsize for {x_ND.dtype}, got D={D}, F={F}; use 'loop' or None")
+                         f"16 bytes / itemsize for {x_MD.dtype}, got D={D}, F={F}; use 'loop' or None")
     return backend
 
 
-def grouped_linear(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
+def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
                    backend: str | None = None) -> torch.Tensor:
-    """Return y_NF where the rows of expert e are x_ND[rows of e] @ w_EDF[e].
+    """Return y_MF where the rows of expert e are x_MD[rows of e] @ w_EDF[e].
 
     Rows are contiguous per-expert blocks: expert e owns counts_E[e] consecutive rows, in expert order,
-    and sum(counts_E) must equal N (empty experts allowed). `counts_E` is an integer tensor on any
-    device (or a sequence of ints); it is read to the host once per call. Differentiable in x_ND and
+    and sum(counts_E) must equal M (empty experts allowed). `counts_E` is an integer tensor on any
+    device (or a sequence of ints); it is read to the host once per call. Differentiable in x_MD and
     w_EDF; the weight gradient is deferred when a `split_vjp` tape defers w_EDF.
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
     """
-    if x_ND.dim() != 2:
-        raise ValueError(f"grouped_linear: x must be 2-D [N, D], got shape {tuple(x_ND.shape)}")
+    if x_MD.dim() != 2:
+        raise ValueError(f"grouped_linear: x must be 2-D [M, D], got shape {tuple(x_MD.shape)}")
     if w_EDF.dim() != 3:
         raise ValueError(f"grouped_linear: w must be 3-D [E, D, F], got shape {tuple(w_EDF.shape)}")
-    if x_ND.shape[1] != w_EDF.shape[1]:
-        raise ValueError(f"grouped_linear: x has {x_ND.shape[1]} features, w is {tuple(w_EDF.shape)} "
+    if x_MD.shape[1] != w_EDF.shape[1]:
+        raise ValueError(f"grouped_linear: x has {x_MD.shape[1]} features, w is {tuple(w_EDF.shape)} "
                          "([experts, in, out])")
-    if x_ND.dtype != w_EDF.dtype:
-        raise ValueError(f"grouped_linear: x is {x_ND.dtype} but w is {w_EDF.dtype}; cast one first")
-    if not x_ND.is_floating_point():
-        raise ValueError(f"grouped_linear: x must be floating point, got {x_ND.dtype}")
+    if x_MD.dtype != w_EDF.dtype:
+        raise ValueError(f"grouped_linear: x is {x_MD.dtype} but w is {w_EDF.dtype}; cast one first")
+    if not x_MD.is_floating_point():
+        raise ValueError(f"grouped_linear: x must be floating point, got {x_MD.dtype}")
     if isinstance(counts_E, torch.Tensor):
         if counts_E.dim() != 1 or counts_E.is_floating_point() or counts_E.is_complex():
             raise ValueError(f"grouped_linear: counts must be a 1-D integer tensor, got {counts_E.dtype} "
@@ -204,6 +202,6 @@ def grouped_linear(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
                          f"{w_EDF.shape[0]} experts")
     if any(c < 0 for c in counts):
         raise ValueError(f"grouped_linear: counts must be non-negative, got {list(counts)}")
-    if sum(counts) != x_ND.shape[0]:
-        raise ValueError(f"grouped_linear: sum(counts) = {sum(counts)} but x has {x_ND.shape[0]} rows")
-    return _GroupedLinear.apply(x_ND, w_EDF, counts, _choose_backend(x_ND, w_EDF, backend))
+    if sum(counts) != x_MD.shape[0]:
+        raise ValueError(f"grouped_linear: sum(counts) = {sum(counts)} but x has {x_MD.shape[0]} rows")
+    return _GroupedLinear.apply(x_MD, w_EDF, counts, _choose_backend(x_MD, w_EDF, backend))

@@ -1,21 +1,24 @@
 """All-gather dispatcher (MISSION.md feature 13): gather the group's rows, index_select the local ones.
 
-Legend: P ranks in the expert group (ep x tp), E global experts, L local experts, N rows on this rank
-(expert-sorted), R = max rows over ranks (gathered rows are padded to R per rank), M rows for the local
-experts, D width. counts_PE[p, e]: rows rank p holds for expert e.
+Legend (the package's, docs/moe.md): P ranks in the expert group (ep x tp), E global experts, L local
+experts, R rows of this rank's expert-sorted layout, R_max = max R over ranks (gathered rows are padded
+to R_max per rank), M rows for the local experts, D width. counts_PE[p, e]: rows rank p holds for
+expert e.
 
 Token level (`dispatch_tokens` / `combine_tokens`, the natural form): all-gather the group's *tokens*
-(T per rank, padded to R = max T) with their ids and probs, asynchronously; select the (token, slot)
+(T per rank, padded to T_max = max T) with their ids and probs, asynchronously; select the (token, slot)
 rows of the local experts with `index_select`; combine weights them, `index_put`s (accumulating over the
-local slots of a token) into a zero [P*R, D] buffer and reduce-scatters: K times fewer bytes than rows.
+local slots of a token) into a zero [P*T_max, D] buffer and reduce-scatters: K times fewer bytes than
+rows.
 
 Row level (the Dispatcher protocol): dispatch all-gathers the padded expert-sorted rows asynchronously
 and builds the row index while they travel; the local experts' rows are picked with `index_select` (no
-expanded gather index). Combine writes the expert outputs back with `index_put` into a zero [P*R, D]
-buffer and reduce-scatters it: every row has exactly one owner, so the sum is a placement.
+expanded gather index). Combine writes the expert outputs back with `index_put` into a zero
+[P*R_max, D] buffer and reduce-scatters it: every row has exactly one owner, so the sum is a placement.
 
 Host synchronisation (explicit), per dispatch: one blocking all-gather of counts (counts_E, or T at
-token level) read to the host for R, and one read of the local row count M (index sizes). Combine: none.
+token level) read to the host for R_max (T_max), and one read of the local row count M (index sizes).
+Combine: none.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
+from fmoe._index import exclusive_cumsum
 from fmoe.parallel.collectives import (
     CommGroup,
     all_gather,
@@ -32,13 +37,12 @@ from fmoe.parallel.collectives import (
     all_gather_counts,
     reduce_scatter,
 )
-from fmoe.parallel.rows import exclusive_cumsum
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
 
 @dataclass(frozen=True)
 class AllGatherMeta:
-    """What combine needs: gathered-row index of each local row [M], padded rows R, this rank's N."""
+    """What combine needs: gathered-row index of each local row [M], padded rows R_max, this rank's R."""
 
     idx_M: torch.Tensor
     rows_padded: int
@@ -47,7 +51,7 @@ class AllGatherMeta:
 
 @dataclass(frozen=True)
 class AllGatherTokenMeta:
-    """What combine_tokens needs: gathered token of each local row [M], row weights [M] or None, R, T."""
+    """What combine_tokens needs: gathered token of each local row [M], row weights [M] or None, T_max, T."""
 
     row_tok: torch.Tensor
     row_w: torch.Tensor | None
@@ -63,23 +67,24 @@ class AllGatherDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = experts_per_rank(num_experts, 1, comm.size)
 
-    def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, probs_N: torch.Tensor | None = None,
+    def dispatch(self, x_RD: torch.Tensor, counts_E: torch.Tensor, probs_R: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllGatherMeta]:
         """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
         P, L, me = self.comm.size, self.num_local_experts, self.comm.rank
         counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
-        r = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
-        n = x_ND.shape[0]
-        x_pad = F.pad(x_ND, (0, 0) * (x_ND.dim() - 1) + (0, r - n))
+        r_max = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
+        r = x_RD.shape[0]
+        x_pad = F.pad(x_RD, (0, 0) * (x_RD.dim() - 1) + (0, r_max - r))
         x_all, hx = all_gather_async(x_pad, self.comm, op="allgather.dispatch")
         hp = None
-        if probs_N is not None:
-            p_all, hp = all_gather_async(F.pad(probs_N, (0, r - n)), self.comm, op="allgather.probs")
-        # While the gathers travel: rows of local expert l from rank p sit at p*R + start_PE[p, me*L + l].
-        start_PE = _row_starts(counts_PE)
+        if probs_R is not None:
+            p_all, hp = all_gather_async(F.pad(probs_R, (0, r_max - r)), self.comm, op="allgather.probs")
+        # While the gathers travel: rows of local expert l from rank p sit at p*R_max + start_PE[p, me*L + l].
+        start_PE = exclusive_cumsum(counts_PE, dim=1)  # first row of expert e within rank p's rows
         mine_PL = counts_PE[:, me * L:(me + 1) * L]
-        base_PL = start_PE[:, me * L:(me + 1) * L] + r * torch.arange(P, device=counts_PE.device)[:, None]
-        base_LP, len_LP = base_PL.t().reshape(-1), mine_PL.t().reshape(-1)
+        base_PL = start_PE[:, me * L:(me + 1) * L] + r_max * torch.arange(P, device=counts_PE.device)[:, None]
+        # the chunks in (local expert, rank) order: their gathered start and their length
+        base_LP, len_LP = rearrange(base_PL, "p l -> (l p)"), rearrange(mine_PL, "p l -> (l p)")
         m = int(len_LP.sum())
         idx_M = torch.arange(m, device=counts_PE.device) + torch.repeat_interleave(
             base_LP - exclusive_cumsum(len_LP), len_LP, output_size=m)
@@ -89,11 +94,11 @@ class AllGatherDispatcher:
         if hp is not None:
             hp.wait()
             probs_M = p_all.index_select(0, idx_M.to(p_all.device))
-        meta = AllGatherMeta(idx_M.to(x_ND.device), r, n)
-        return x_MD, mine_PL.sum(0).to(x_ND.device), probs_M, meta
+        meta = AllGatherMeta(idx_M.to(x_RD.device), r_max, r)
+        return x_MD, mine_PL.sum(0).to(x_RD.device), probs_M, meta
 
     def combine(self, y_MD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
-        """Return y_ND: expert outputs in this rank's original expert-sorted row order."""
+        """Return y_RD: expert outputs in this rank's original expert-sorted row order."""
         buf = y_MD.new_zeros((self.comm.size * meta.rows_padded, *y_MD.shape[1:]))
         y_all = torch.index_put(buf, (meta.idx_M,), y_MD)  # out of place: differentiable in y_MD
         return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.rows]
@@ -105,14 +110,15 @@ class AllGatherDispatcher:
         L, me, t, k = self.num_local_experts, self.comm.rank, x_TD.shape[0], ids_TK.shape[1]
         t_1 = torch.tensor([t], device=x_TD.device)
         counts_P = all_gather_counts(t_1, self.comm, op="allgather.counts")  # blocks
-        r = int(counts_P.max())  # host sync: padded tokens per rank
-        pad = (0, 0) * (x_TD.dim() - 1) + (0, r - t)
+        t_max = int(counts_P.max())  # host sync: padded tokens per rank
+        pad = (0, 0) * (x_TD.dim() - 1) + (0, t_max - t)
         x_all, hx = all_gather_async(F.pad(x_TD, pad), self.comm, op="allgather.dispatch")
         hp = None
         if probs_TK is not None:
-            p_all, hp = all_gather_async(F.pad(probs_TK, (0, 0, 0, r - t)), self.comm, op="allgather.probs")
+            p_all, hp = all_gather_async(F.pad(probs_TK, (0, 0, 0, t_max - t)), self.comm,
+                                         op="allgather.probs")
         with torch.no_grad():  # integer routing: moved, never differentiated; padding rows route nowhere (-1)
-            ids_all = all_gather(F.pad(ids_TK.to(torch.int64), (0, 0, 0, r - t), value=-1), self.comm,
+            ids_all = all_gather(F.pad(ids_TK.to(torch.int64), (0, 0, 0, t_max - t), value=-1), self.comm,
                                  op="allgather.ids")
         # While x and probs travel: the (token, slot) rows of the local experts, by local expert then token.
         local = (ids_all >= me * L) & (ids_all < (me + 1) * L)
@@ -127,7 +133,7 @@ class AllGatherDispatcher:
         if hp is not None:
             hp.wait()
             row_w = p_all.reshape(-1).index_select(0, order_M.to(p_all.device))
-        return x_MD, counts_L.to(x_TD.device), AllGatherTokenMeta(row_tok.to(x_TD.device), row_w, r, t)
+        return x_MD, counts_L.to(x_TD.device), AllGatherTokenMeta(row_tok.to(x_TD.device), row_w, t_max, t)
 
     def combine_tokens(self, y_MD: torch.Tensor, meta: AllGatherTokenMeta) -> torch.Tensor:
         """Return y_TD = sum_k probs[t, k] * y(t, k): weight, accumulate per token, reduce-scatter."""
@@ -136,11 +142,3 @@ class AllGatherDispatcher:
         buf = y_MD.new_zeros((self.comm.size * meta.tokens_padded, *y_MD.shape[1:]))
         y_all = torch.index_put(buf, (meta.row_tok,), y_MD, accumulate=True)  # a token's local slots add up
         return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.tokens]
-
-
-def _row_starts(counts_PE: torch.Tensor) -> torch.Tensor:
-    """start_PE[p, e]: first row of expert e within rank p's expert-sorted rows."""
-    c = torch.cumsum(counts_PE, 1)
-    return c - counts_PE
-
-

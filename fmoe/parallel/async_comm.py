@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from fmoe._compat import disable_functorch
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
 
@@ -102,7 +103,7 @@ class CommHandle:
         # Outside the Function that issued it, under torch.func the wait would be seen as an in-place
         # write to a captured tensor (gloo copies results at wait): run it below the transforms.
         try:
-            with torch._C._DisableFuncTorch():
+            with disable_functorch():
                 for w in self._works:
                     w.wait()
         except Exception as e:  # a peer raised, died or timed out: say so, don't leave a raw gloo error

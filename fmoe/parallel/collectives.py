@@ -1,7 +1,8 @@
 """Differentiable collectives (setup_context autograd Functions), correct under `torch.func.vjp`.
 
-Legend: P ranks in the group, N rows sent by this rank, M rows received, D trailing feature dims (any),
-in_splits_P / out_splits_P host lists of rows sent to / received from each group rank.
+Legend (the package's, docs/moe.md): P ranks in the group, X rows sent by this rank, Y rows received,
+D trailing feature dims (any), in_splits_P / out_splits_P host lists of rows sent to / received from
+each group rank.
 
 c10d's in-place `all_to_all_single` gives silently zero gradients under `torch.func.vjp`, and the
 `torch.distributed.nn` wrappers raise there (../shared/notes/torch-func.md). Here each collective is a
@@ -103,27 +104,27 @@ def _row_bytes(x: torch.Tensor) -> int:
 
 # ---- raw (non-differentiable) issue functions: plain tensors in, (out, handle) back ---------------
 
-def _a2a(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: CommGroup,
+def _a2a(x_XD: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: CommGroup,
          op: str) -> tuple[torch.Tensor, CommHandle]:
-    x_ND = x_ND.contiguous()
-    out_MD = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
-    rb = _row_bytes(x_ND)
+    x_XD = x_XD.contiguous()
+    out_YD = x_XD.new_empty((sum(out_splits), *x_XD.shape[1:]))
+    rb = _row_bytes(x_XD)
 
     def launch():
-        return dist.all_to_all_single(out_MD, x_ND, out_splits, in_splits, group=comm.group, async_op=True)
+        return dist.all_to_all_single(out_YD, x_XD, out_splits, in_splits, group=comm.group, async_op=True)
 
-    return out_MD, comm._issue(op, [n * rb for n in in_splits], launch, x_ND, out_MD)
+    return out_YD, comm._issue(op, [n * rb for n in in_splits], launch, x_XD, out_YD)
 
 
-def _ag(x_ND: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
-    x_ND = x_ND.contiguous()
-    out = x_ND.new_empty((comm.size * x_ND.shape[0], *x_ND.shape[1:]))
-    nbytes = x_ND.numel() * x_ND.element_size()
+def _ag(x_XD: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
+    x_XD = x_XD.contiguous()
+    out = x_XD.new_empty((comm.size * x_XD.shape[0], *x_XD.shape[1:]))
+    nbytes = x_XD.numel() * x_XD.element_size()
 
     def launch():
-        return _all_gather_single(out, x_ND, group=comm.group, async_op=True)
+        return _all_gather_single(out, x_XD, group=comm.group, async_op=True)
 
-    return out, comm._issue(op, [nbytes] * comm.size, launch, x_ND, out)
+    return out, comm._issue(op, [nbytes] * comm.size, launch, x_XD, out)
 
 
 def _rs(x_PND: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
@@ -168,8 +169,8 @@ def _finish(out: torch.Tensor, handle: CommHandle, box: _Box | None) -> torch.Te
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(x_ND, out_splits, in_splits, comm, op, box):
-        out, h = _a2a(x_ND, out_splits, in_splits, comm, op)
+    def forward(x_XD, out_splits, in_splits, comm, op, box):
+        out, h = _a2a(x_XD, out_splits, in_splits, comm, op)
         return _finish(out, h, box)
 
     @staticmethod
@@ -177,15 +178,15 @@ class _AllToAll(torch.autograd.Function):
         _, ctx.out_splits, ctx.in_splits, ctx.comm, ctx.op, _ = inputs
 
     @staticmethod
-    def backward(ctx, g_MD):
-        g = _AllToAll.apply(g_MD, ctx.in_splits, ctx.out_splits, ctx.comm, ctx.op + ".bwd", None)
+    def backward(ctx, g_YD):
+        g = _AllToAll.apply(g_YD, ctx.in_splits, ctx.out_splits, ctx.comm, ctx.op + ".bwd", None)
         return g, None, None, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(x_ND, comm, op, box):
-        out, h = _ag(x_ND, comm, op)
+    def forward(x_XD, comm, op, box):
+        out, h = _ag(x_XD, comm, op)
         return _finish(out, h, box)
 
     @staticmethod
@@ -208,8 +209,8 @@ class _ReduceScatter(torch.autograd.Function):
         _, ctx.comm, ctx.op, _ = inputs
 
     @staticmethod
-    def backward(ctx, g_ND):
-        return _AllGather.apply(g_ND, ctx.comm, ctx.op + ".bwd", None), None, None, None
+    def backward(ctx, g_XD):
+        return _AllGather.apply(g_XD, ctx.comm, ctx.op + ".bwd", None), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -240,61 +241,61 @@ def _splits(splits: Sequence[int] | None, n: int, comm: CommGroup, what: str) ->
     return splits
 
 
-def _a2a_splits(x_ND: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None,
+def _a2a_splits(x_XD: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None,
                 in_splits: Sequence[int] | None) -> tuple[list[int], list[int]]:
     if (out_splits is None) != (in_splits is None):
         raise ValueError("all_to_all: give both out_splits and in_splits, or neither (equal splits)")
-    in_s = _splits(in_splits, x_ND.shape[0], comm, "in_splits")
+    in_s = _splits(in_splits, x_XD.shape[0], comm, "in_splits")
     out_s = in_s if out_splits is None else _splits(out_splits, 0, comm, "out_splits")
-    if sum(in_s) != x_ND.shape[0]:
-        raise ValueError(f"all_to_all: in_splits sum to {sum(in_s)}, x has {x_ND.shape[0]} rows")
+    if sum(in_s) != x_XD.shape[0]:
+        raise ValueError(f"all_to_all: in_splits sum to {sum(in_s)}, x has {x_XD.shape[0]} rows")
     return out_s, in_s
 
 
-def all_to_all_async(x_ND: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None = None,
+def all_to_all_async(x_XD: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None = None,
                      in_splits: Sequence[int] | None = None, *, op: str = "all_to_all",
                      ) -> tuple[torch.Tensor, CommHandle]:
-    """Issue an all-to-all: rows in_splits[j] of x_ND go to rank j; return (x_MD, handle).
+    """Issue an all-to-all: rows in_splits[j] of x_XD go to rank j; return (x_YD, handle).
 
-    x_MD holds out_splits[j] rows from rank j, in rank order; read it only after `handle.wait()`.
+    x_YD holds out_splits[j] rows from rank j, in rank order; read it only after `handle.wait()`.
     Splits None means equal. Differentiable (backward: the all-to-all with the splits swapped).
     """
-    out_s, in_s = _a2a_splits(x_ND, comm, out_splits, in_splits)
+    out_s, in_s = _a2a_splits(x_XD, comm, out_splits, in_splits)
     box = _Box()
-    out = _AllToAll.apply(x_ND, out_s, in_s, comm, op, box)
+    out = _AllToAll.apply(x_XD, out_s, in_s, comm, op, box)
     return out, box.handle
 
 
-def all_to_all(x_ND: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None = None,
+def all_to_all(x_XD: torch.Tensor, comm: CommGroup, out_splits: Sequence[int] | None = None,
                in_splits: Sequence[int] | None = None, *, op: str = "all_to_all") -> torch.Tensor:
-    """Return x_MD: the synchronous, differentiable all-to-all (see `all_to_all_async`)."""
-    out_s, in_s = _a2a_splits(x_ND, comm, out_splits, in_splits)
-    return _AllToAll.apply(x_ND, out_s, in_s, comm, op, None)
+    """Return x_YD: the synchronous, differentiable all-to-all (see `all_to_all_async`)."""
+    out_s, in_s = _a2a_splits(x_XD, comm, out_splits, in_splits)
+    return _AllToAll.apply(x_XD, out_s, in_s, comm, op, None)
 
 
-def all_gather_async(x_ND: torch.Tensor, comm: CommGroup, *, op: str = "all_gather",
+def all_gather_async(x_XD: torch.Tensor, comm: CommGroup, *, op: str = "all_gather",
                      ) -> tuple[torch.Tensor, CommHandle]:
-    """Issue an all-gather of equal-size x_ND; return (x_(P*N)D in rank order, handle). Differentiable."""
+    """Issue an all-gather of equal-size x_XD; return (x_(P*X)D in rank order, handle). Differentiable."""
     box = _Box()
-    out = _AllGather.apply(x_ND, comm, op, box)
+    out = _AllGather.apply(x_XD, comm, op, box)
     return out, box.handle
 
 
-def all_gather(x_ND: torch.Tensor, comm: CommGroup, *, op: str = "all_gather") -> torch.Tensor:
-    """Return x_(P*N)D: every rank's x_ND concatenated in rank order (synchronous, differentiable)."""
-    return _AllGather.apply(x_ND, comm, op, None)
+def all_gather(x_XD: torch.Tensor, comm: CommGroup, *, op: str = "all_gather") -> torch.Tensor:
+    """Return x_(P*X)D: every rank's x_XD concatenated in rank order (synchronous, differentiable)."""
+    return _AllGather.apply(x_XD, comm, op, None)
 
 
 def reduce_scatter_async(x_PND: torch.Tensor, comm: CommGroup, *, op: str = "reduce_scatter",
                          ) -> tuple[torch.Tensor, CommHandle]:
-    """Issue a sum reduce-scatter; return (x_ND = sum over ranks of chunk `rank`, handle). Differentiable."""
+    """Issue a sum reduce-scatter; return (x_XD = sum over ranks of chunk `rank`, handle). Differentiable."""
     box = _Box()
     out = _ReduceScatter.apply(x_PND, comm, op, box)
     return out, box.handle
 
 
 def reduce_scatter(x_PND: torch.Tensor, comm: CommGroup, *, op: str = "reduce_scatter") -> torch.Tensor:
-    """Return x_ND: chunk `rank` of x_PND summed over ranks (synchronous, differentiable)."""
+    """Return x_XD: chunk `rank` of x_PND summed over ranks (synchronous, differentiable)."""
     return _ReduceScatter.apply(x_PND, comm, op, None)
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from fmoe import _compat
+
 
 class CollectiveError(RuntimeError):
     """A collective failed because a peer raised, died or timed out."""
@@ -35,11 +37,8 @@ def abort_process_group(group: dist.ProcessGroup | None = None) -> None:
     """Tear down `group` (default: the world, hence all groups) so peers waiting on us fail now."""
     if not dist.is_initialized():
         return
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
-        if abort is not None:
-            abort(group) if group is not None else abort()
-        else:
+        if not _compat.abort_process_group(group):
             dist.destroy_process_group(group)
     except Exception:  # already broken: nothing left to tear down
         pass

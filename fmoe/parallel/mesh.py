@@ -1,6 +1,7 @@
 """Process layout: the dp / pp / ep / tp process groups from a DeviceMesh, and which ranks share a node.
 
-Legend: P ranks in a group, S nodes a group spans, G ranks of that group per node.
+Legend (the package's, docs/moe.md): P ranks in a group, A nodes a group spans, I ranks of that group per
+node.
 
 `Topology` says how many consecutive global ranks share a node, so 4 local processes can play
 2 nodes x 2 ranks: the link class of a transfer (intra-node / inter-node) comes from it, and so do the
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fmoe._compat import flatten_mesh
 
 INTRA = "intra"  # link class: both ranks on one node
 INTER = "inter"  # link class: ranks on different nodes
@@ -90,9 +93,9 @@ class ParallelLayout:
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
         self._meshes: dict[str, DeviceMesh] = {
             "pp": self.mesh["pp"], "dp": self.mesh["dp"], "tp": self.mesh["tp"],
-            "ep": self.mesh["ep_inter", "ep_intra"]._flatten("ep"),
-            "expert": self.mesh["ep_inter", "ep_intra", "tp"]._flatten("expert"),
-            "expert_intra": self.mesh["ep_intra", "tp"]._flatten("expert_intra"),
+            "ep": flatten_mesh(self.mesh["ep_inter", "ep_intra"], "ep"),
+            "expert": flatten_mesh(self.mesh["ep_inter", "ep_intra", "tp"], "expert"),
+            "expert_intra": flatten_mesh(self.mesh["ep_intra", "tp"], "expert_intra"),
             "expert_inter": self.mesh["ep_inter"],
         }
 

@@ -61,23 +61,12 @@ class RowPlan:
         return y_MD if self.inverse_M is None else y_MD.index_select(0, self.inverse_M)
 
 
-class Done:
-    """A Pending that is already complete."""
-
-    def __init__(self, value: Any):
-        self.value = value
-        self.completed_at: float | None = None
-
-    def wait(self) -> Any:
-        """Returns the value."""
-        return self.value
-
-
 class Chain:
-    """A Pending of exchanges in sequence: `steps[0]` was issued at construction; each later step is a
-    function of the previous result that issues the next exchange and returns (result, handles). `wait()`
-    waits each step's handles, then runs the next; it returns the last result. `completed_at`: the link
-    model's completion time of the last exchange, else when its wait returned."""
+    """A Pending of exchanges in sequence. `first` = (result, handles) of the exchange issued at
+    construction (no handles: the result is already there); each later step is a function of the previous
+    result that issues the next exchange and returns (result, handles). `wait()` waits each step's
+    handles, then runs the next; it returns the last result. `completed_at`: the link model's completion
+    time of the last exchange, else when its wait returned."""
 
     def __init__(self, first: tuple[Any, list], *later: Any):
         self.result, self.handles = first
@@ -158,7 +147,7 @@ class _LocalExchange(_RowExchange):
 
     def start_plan(self, route: Any) -> Any:
         layout = route.layout
-        return Done(RowPlan(counts_L=layout.counts if layout.counts is not None else layout.counts_E))
+        return Chain((RowPlan(counts_L=layout.counts if layout.counts is not None else layout.counts_E), []))
 
     def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list]:
         return dict(rows), []

@@ -1,6 +1,6 @@
 """TP extends EP (MISSION.md feature 21): the tp ranks split the *number* of experts, not their weights.
 
-Legend: E global experts, L = E / (tp * ep) experts per rank.
+Legend (the package's, docs/moe.md): E global experts, L = E / (tp * ep) experts per rank.
 
 Each rank of the ep x tp expert group owns L whole experts, so each grouped GEMM keeps full-size
 weights. Tokens are exchanged over the whole expert group (ParallelLayout.group("expert")); the tokens

@@ -1,0 +1,91 @@
+"""Every private torch API fmoe uses, named once: a torch release that changes one breaks this file only.
+
+Each name below wraps (or re-exports) one private API; tests/test_compat.py exercises each for real, so
+an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on torch 2.13.
+
+- `grouped_mm`, `grouped_mm_op`, `HAS_GROUPED_MM`: `torch._grouped_mm(a, b, offs=...)` (and its aten op
+  `torch.ops.aten._grouped_mm`), one GEMM per row group in a single kernel; torch has no public grouped
+  GEMM. Used by fmoe/ops/_grouped_linear.py (the "grouped_mm" backend) and its flop-count test.
+- `is_functorch_wrapped`, `get_unwrapped`: `torch._C._functorch.is_functorch_wrapped_tensor` /
+  `get_unwrapped`, which see through one torch.func wrapper. Used by transforms/tape.py: the tape keys
+  deferral on the caller's tensor object, and a deferred thunk must hold tensors that outlive the vjp.
+- `disable_functorch`: `torch._C._DisableFuncTorch`, a context that runs its block below every torch.func
+  transform. Used by fmoe/parallel/async_comm.py: a gloo wait writes into the collective's output, which
+  under torch.func would be an (illegal) in-place write to a captured tensor.
+- `flatten_mesh`: `DeviceMesh._flatten(name)`, merging several mesh dims into one 1-D mesh with its own
+  process group; there is no public way to do that. Used by fmoe/parallel/mesh.py (ep, expert groups).
+- `abort_process_group`: `torch.distributed.distributed_c10d._abort_process_group`, which closes a
+  group's connections at once (destroy_process_group may block on a dead peer). Used by
+  fmoe/parallel/failure.py so that peers blocked in a collective with a failed rank fail now.
+- `tree_flatten`, `tree_unflatten`, `tree_map`: `torch.utils._pytree`, the pytree utilities torch.func
+  itself uses (same leaf and node rules as our vjp primals); torch 2.13 has no public pytree module.
+  Used by transforms/split_vjp.py, remat.py, testing.py and the tests.
+
+This module imports only torch (it is a leaf, so fmoe.transforms may import it); distributed modules are
+imported on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch._C._functorch as _functorch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh", "get_unwrapped",
+    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "tree_flatten", "tree_map", "tree_unflatten",
+]
+
+HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """Return `torch._grouped_mm(a, b, offs=offs)`: one product per group of rows of `a`.
+
+    3-D b: a_NK @ b_EKF -> [N, F], rows offs[e-1]:offs[e] of a with b[e]. 2-D b: a_KN @ b_NF -> [E, K, F],
+    grouping the shared dim N. `offs` is int32 cumulative group ends [E].
+    """
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def grouped_mm_op() -> Any:
+    """Return the aten op packet `torch.ops.aten._grouped_mm` (a key for FlopCounterMode mappings)."""
+    return torch.ops.aten._grouped_mm
+
+
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """True when `t` is a torch.func wrapper (a tensor seen inside vjp / grad / vmap)."""
+    return _functorch.is_functorch_wrapped_tensor(t)
+
+
+def get_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """Return the tensor one torch.func wrapper of `t` holds (same shape; identity kept, no detach)."""
+    return _functorch.get_unwrapped(t)
+
+
+def disable_functorch() -> contextlib.AbstractContextManager[Any]:
+    """Return a context manager whose block runs below every active torch.func transform."""
+    return torch._C._DisableFuncTorch()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """Return the 1-D mesh `name` that merges every dim of `mesh` (size = product of its dims)."""
+    return mesh._flatten(name)
+
+
+def abort_process_group(group: dist.ProcessGroup | None = None) -> bool:
+    """Abort `group` (default: the world, hence every group); returns False when torch lacks the API."""
+    import torch.distributed.distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is None:
+        return False
+    abort(group) if group is not None else abort()
+    return True

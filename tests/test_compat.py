@@ -1,0 +1,118 @@
+"""fmoe._compat: each private torch API fmoe relies on, exercised for real (one test per API).
+
+When a torch upgrade breaks one of these, fix fmoe/_compat.py; nothing else names the private API.
+Legend: N rows, K inner dim, F output features, E groups.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from dist_utils import spawn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fmoe import _compat
+
+
+def test_grouped_mm_matches_a_loop_and_its_aten_op() -> None:
+    assert _compat.HAS_GROUPED_MM
+    g = torch.Generator().manual_seed(0)
+    x_NK = torch.randn(8, 16, generator=g)
+    w_EKF = torch.randn(3, 16, 8, generator=g)
+    g_NF = torch.randn(8, 8, generator=g)
+    offs_E = torch.tensor([3, 3, 8], dtype=torch.int32)
+    rows = [slice(0, 3), slice(3, 3), slice(3, 8)]  # groups of 3, 0 and 5 rows
+    y_NF = _compat.grouped_mm(x_NK, w_EKF, offs=offs_E)
+    y_loop = torch.cat([x_NK[r] @ w_EKF[e] for e, r in enumerate(rows)])
+    torch.testing.assert_close(y_NF, y_loop)
+    # The 2-D x 2-D form groups the shared dim: the per-group weight grad (zeros for the empty group).
+    dw_EKF = _compat.grouped_mm(x_NK.t(), g_NF, offs=offs_E)
+    dw_loop = torch.stack([x_NK[r].t() @ g_NF[r] for r in rows])
+    torch.testing.assert_close(dw_EKF, dw_loop)
+    assert float(dw_EKF[1].abs().max()) == 0.0
+    # The aten op packet is the one that runs (a FlopCounterMode mapping keyed on it is consulted).
+    seen: list[int] = []
+
+    def flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        seen.append(1)
+        return 1
+
+    with FlopCounterMode(display=False, custom_mapping={_compat.grouped_mm_op(): flops}) as counter:
+        _compat.grouped_mm(x_NK, w_EKF, offs=offs_E)
+    assert seen and counter.get_total_flops() == 1
+
+
+def test_functorch_unwrap_under_vjp() -> None:
+    x = torch.randn(3, dtype=torch.float64)
+    seen: dict[str, object] = {}
+
+    def f(x_in: torch.Tensor) -> torch.Tensor:
+        seen["wrapped"] = _compat.is_functorch_wrapped(x_in)
+        seen["inner"] = _compat.get_unwrapped(x_in)
+        return x_in * 2
+
+    out, vjp_fn = torch.func.vjp(f, x)
+    assert seen["wrapped"] is True and seen["inner"] is x  # one level: the caller's tensor object
+    assert not _compat.is_functorch_wrapped(x) and not _compat.is_functorch_wrapped(out)
+    (dx,) = vjp_fn(torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(dx, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_disable_functorch_allows_a_write_to_a_captured_tensor() -> None:
+    buf, src = torch.zeros(3), torch.ones(3)
+    errors: list[str] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        try:
+            buf.copy_(src)  # what a gloo wait does to a collective's output: illegal under a transform
+        except RuntimeError as e:
+            errors.append(str(e))
+        with _compat.disable_functorch():
+            buf.copy_(src)
+            assert not _compat.is_functorch_wrapped(torch.ones(1) + 1)
+        return x * 2
+
+    torch.func.vjp(f, torch.randn(3))
+    assert errors and "captured" in errors[0]
+    torch.testing.assert_close(buf, src)
+
+
+def _flatten_mesh_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    flat = _compat.flatten_mesh(mesh["a", "b"], "ab")
+    t = torch.ones(2)
+    dist.all_reduce(t, group=flat.get_group())
+    return {"names": flat.mesh_dim_names, "size": flat.size(), "ndim": flat.ndim, "sum": t.tolist()}
+
+
+def test_flatten_mesh_on_a_world_1_gloo_group() -> None:
+    (r,) = spawn(_flatten_mesh_rank, 1, timeout_s=90, pg_timeout_s=20)
+    assert r.value == {"names": ("ab",), "size": 1, "ndim": 1, "sum": [1.0, 1.0]}
+
+
+def _abort_rank(rank: int, world: int) -> dict:
+    sub = dist.new_group([0])
+    aborted_sub = _compat.abort_process_group(sub)
+    still = dist.is_initialized()
+    aborted_world = _compat.abort_process_group()
+    return {"sub": aborted_sub, "world": aborted_world, "init_after_sub": still,
+            "init_after_world": dist.is_initialized()}
+
+
+def test_abort_process_group_on_gloo() -> None:
+    (r,) = spawn(_abort_rank, 1, timeout_s=90, pg_timeout_s=20)
+    assert r.value == {"sub": True, "world": True, "init_after_sub": True, "init_after_world": False}
+
+
+def test_pytree_round_trip_and_map() -> None:
+    tree = {"b": [torch.ones(2), (3, None)], "a": {"w": torch.zeros(1, 2)}}
+    leaves, spec = _compat.tree_flatten(tree)
+    assert [type(x) for x in leaves] == [torch.Tensor, int, type(None), torch.Tensor]  # dict order kept
+    back = _compat.tree_unflatten(leaves, spec)
+    assert back.keys() == tree.keys() and back["b"][1] == (3, None) and back["a"]["w"] is tree["a"]["w"]
+    doubled = _compat.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, tree)
+    assert _compat.tree_flatten(doubled)[1] == spec
+    torch.testing.assert_close(doubled["b"][0], torch.full((2,), 2.0))
+    assert doubled["b"][1] == (3, None)
