@@ -1,28 +1,31 @@
-"""A transformer block with an MoE MLP, as the four stage functions of seed 000.
+"""A transformer block with an MoE MLP, as the phases of seed 000 (pure functions over dicts of acts).
 
-    acts, route = attention(params, x_BSD, cfg, state)   # norm, attention, residual, norm, router, permute
-    disp, dmeta = dispatch(params, acts["rows_RD"], acts.get("probs_R"), route, dispatcher)  # to experts
-    out = mlp(params, disp["rows_MD"], disp.get("probs_M"), acts["normed_TD"], route, dmeta, cfg)  # experts
-    y_BSD = combine(params, out["rows_MD"], out.get("shared_TD"), acts["residual_BSD"], acts.get("probs_TK"),
-                    route, dmeta, dispatcher)              # back to token order, residual
+    acts, route = attention(params, x_BSD, cfg, state)    # norm, attention, residual, norm, router,
+                                                          # permute-1 -> rows_RD
+    ...the dispatcher moves acts["rows_RD"] (+ "probs_R") to the experts: acts["rows_MD"] (+ "probs_M")
+    acts = experts(params["moe"], acts, counts_L, cfg, route.remat)   # routed + shared experts
+    ...the dispatcher moves acts["rows_MD"] back to acts["rows_RD"]
+    acts = finish(acts, route)                            # unpermute-1, + shared, + residual -> h_BSD
 
 Legend (the package's, docs/moe.md): B sequences, S positions, T = B * S tokens, D model width,
 H query heads, G kv heads, d head dim, K top-k slots, R rows of this rank's expert-sorted layout,
 M rows this rank's experts receive (M = R on one process).
 
-Each stage is pure, `(params, *activations, *metadata) -> outputs`, so a scheduler can run it under
-`split_vjp` on its own: differentiable outputs come back as a dict of tensors (keys present only when
-the mode uses them), non-differentiable metadata (`MoERoute`, the dispatcher's meta) separately.
-`attention` and `dispatch` return `(acts, meta)` (use `has_aux=True`); `mlp` and `combine` return
-activations only. Activation keys carry the legend's shape suffix. The gate weights are
-acts["probs_TK"] [T, K], applied at combine, or, when cfg.moe.probs_in_expert, acts["probs_R"] [R],
-one per layout row, which travels with the rows through dispatch (disp["probs_M"]) while combine
-gets None. The balancing loss is the output acts["loss"] of `attention`: give it a cotangent (e.g. 1.0).
+Each phase maps a dict of activations (floating tensors, keyed with the legend's shape suffixes) to the
+next one; keys it does not use pass through, so a phase run under `split_vjp` takes the cotangent of its
+whole output dict and returns that of its whole input dict: a backward chains the phases with no
+key-by-key assembly. Non-differentiable metadata (`MoERoute`, split sizes) stays outside the dicts.
+The exchanges between the phases are linear maps with no weights: `block` runs them through a
+`Dispatcher`; a pipeline runs them as comm phases (fmoe/pipeline/phases.py). The gate weights are
+acts["probs_TK"] [T, K], applied by `finish`, or, when cfg.moe.probs_in_expert, acts["probs_R"] [R], one
+per layout row, which travel with the rows ("probs_M") into `experts`. The balancing loss is
+acts["loss"] out of `attention`: give it a cotangent (e.g. 1.0).
 
 Parameter layout of a block:
 {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D], "mlp_norm": [D],
  "moe": fmoe.init_moe params}; a dense block has "mlp": fmoe.dense.init_swiglu_mlp params instead
-of "mlp_norm" and "moe".
+of "mlp_norm" and "moe". `attention` reads the attention weights, "mlp_norm" and "moe"/"router" only;
+`experts` reads "moe"/"experts" (and "moe"/"shared").
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from fmoe.layer import (
     expert_rows,
     init_moe,
     make_aux,
+    plan_route,
     route_tokens,
 )
 from fmoe.ops import attention as attention_op
@@ -88,82 +92,89 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig) 
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
-              state: dict[str, Any] | None = None,
-              remat: bool | None = None) -> tuple[dict[str, torch.Tensor], MoERoute]:
-    """Stage 1: return (acts, route).
+              state: dict[str, Any] | None = None, remat: bool | None = None, *,
+              permute_tokens: bool = True) -> tuple[dict[str, torch.Tensor], MoERoute]:
+    """Phase 1: return (acts, route).
 
     acts: {"residual_BSD": x + attention, "normed_TD": rms_norm(residual) per token (the experts'
     input), "rows_RD": normed_TD permuted to the expert-sorted layout, then "probs_TK": gate weights
-    [T, K] (applied at combine) or "probs_R": gate weight [R] of each layout row (cfg.moe.probs_in_expert),
-    and "loss": the differentiable balancing loss (scalar)}.
+    [T, K] (applied by `finish`) or "probs_R": gate weight [R] of each layout row (cfg.moe.probs_in_expert),
+    and "loss": the differentiable balancing loss (scalar)}. `permute_tokens` False (a token-level
+    dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
     route: the `MoERoute` (layout, load, drops, new state, remat decision).
     """
     S = x_BSD.shape[1]
     r_BSD = self_attention(params, x_BSD, cfg)
     h_TD = rearrange(rms_norm(r_BSD, params["mlp_norm"], cfg.norm_eps), "b s d -> (b s) d")
-    x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, S, remat)
-    acts = {"residual_BSD": r_BSD, "normed_TD": h_TD, "rows_RD": x_RD}
-    if probs_R is None:
-        acts["probs_TK"] = probs_TK
+    acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
+    if permute_tokens:
+        x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, S, remat)
+        acts["rows_RD"] = x_RD
+        if probs_R is None:
+            acts["probs_TK"] = probs_TK
+        else:
+            acts["probs_R"] = probs_R
     else:
-        acts["probs_R"] = probs_R
+        acts["probs_TK"], loss, route = plan_route(params["moe"], h_TD, cfg.moe, state, S, remat)
     acts["loss"] = loss
     return acts, route
 
 
-def dispatch(params: dict[str, Any], rows_RD: torch.Tensor, probs_R: torch.Tensor | None, route: MoERoute,
-             dispatcher: Dispatcher) -> tuple[dict[str, torch.Tensor], Any]:
-    """Stage 2: return ({"rows_MD": x_MD[, "probs_M": probs_M]}, dmeta); `params` is unused (no weights).
+def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any, cfg: GPTConfig,
+            remat: bool = False, *, weight_outputs: bool = False) -> dict[str, torch.Tensor]:
+    """Phase 3: the routed experts (and the shared expert) of MoE params `params` ({"experts", "shared"?});
+    return acts with "rows_MD" [M, D] replaced by the experts' outputs, "probs_M" and "normed_TD"
+    consumed, "shared_TD" [T, D] added when there is a shared expert; other keys pass through.
 
-    probs_R: the per-row gate weights when they are applied inside the experts, else None.
-    dmeta: (counts per local expert, the dispatcher's meta) for `mlp` and `combine`.
+    acts["rows_MD"]: rows grouped by local expert, counts_L[l] for local expert l. acts["probs_M"], if
+    present, multiplies each row inside its expert (before w_down), or, with `weight_outputs`, its
+    output (as a combine would). The routed experts run under `fmoe.transforms.remat` when `remat`.
     """
-    x_MD, probs_M, dmeta = dispatch_rows(rows_RD, probs_R, route, dispatcher)
-    out = {"rows_MD": x_MD}
-    if probs_M is not None:
-        out["probs_M"] = probs_M
-    return out, dmeta
-
-
-def mlp(params: dict[str, Any], rows_MD: torch.Tensor, probs_M: torch.Tensor | None,
-        normed_TD: torch.Tensor | None, route: MoERoute, dmeta: Any,
-        cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """Stage 3: return {"rows_MD": y_MD[, "shared_TD": s_TD]}: routed experts (and the shared expert).
-
-    The routed experts run under `fmoe.transforms.remat` when route.remat (load-aware remat).
-    """
-    counts_L, _ = dmeta
-    experts = params["moe"]["experts"]
-    out = {"rows_MD": expert_rows(experts, rows_MD, probs_M, counts_L, cfg.moe, route.remat)}
-    if "shared" in params["moe"]:
-        out["shared_TD"] = shared_experts(params["moe"]["shared"], normed_TD)
+    probs_M = acts.get("probs_M")
+    if weight_outputs:
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, cfg.moe, remat)
+        y_MD = y_MD * probs_M.unsqueeze(-1).to(y_MD.dtype)
+    else:
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], probs_M, counts_L, cfg.moe, remat)
+    out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
+    out["rows_MD"] = y_MD
+    if "shared" in params:
+        out["shared_TD"] = shared_experts(params["shared"], acts["normed_TD"])
     return out
 
 
-def combine(params: dict[str, Any], rows_MD: torch.Tensor, shared_TD: torch.Tensor | None,
-            residual_BSD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERoute, dmeta: Any,
-            dispatcher: Dispatcher) -> torch.Tensor:
-    """Stage 4: return y_BSD = residual + unpermute(combine(rows), probs_TK) (+ shared); `params` is unused.
-
-    probs_TK: gate weights [T, K] applied here, or None when they were applied inside the experts.
-    """
-    _, meta = dmeta
-    y_TD = combine_rows(dispatcher.combine(rows_MD, meta), probs_TK, route)
-    if shared_TD is not None:
-        y_TD = y_TD + shared_TD
-    return residual_BSD + y_TD.reshape(residual_BSD.shape)
+def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Tensor]:
+    """Phase 4's compute: return acts with "h_BSD" = residual + unpermute(rows_RD, probs_TK) (+ shared),
+    consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
+    "shared_TD" and "residual_BSD"; other keys pass through."""
+    if "y_TD" in acts:
+        y_TD = acts["y_TD"]
+    else:
+        y_TD = combine_rows(acts["rows_RD"], acts.get("probs_TK"), route)
+    if "shared_TD" in acts:
+        y_TD = y_TD + acts["shared_TD"]
+    r_BSD = acts["residual_BSD"]
+    used = ("rows_RD", "y_TD", "probs_TK", "shared_TD", "residual_BSD")
+    out = {k: v for k, v in acts.items() if k not in used}
+    out["h_BSD"] = r_BSD + y_TD.reshape(r_BSD.shape)
+    return out
 
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
           dispatcher: Dispatcher | None = None, remat: bool | None = None) -> tuple[torch.Tensor, MoEAux]:
-    """Return (y_BSD, aux): the four stages composed (aux.loss is the differentiable balancing loss)."""
+    """Return (y_BSD, aux): the phases composed, the exchanges through `dispatcher` (default local);
+    aux.loss is the differentiable balancing loss."""
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     acts, route = attention(params, x_BSD, cfg, state, remat)
-    disp, dmeta = dispatch(params, acts["rows_RD"], acts.get("probs_R"), route, dispatcher)
-    out = mlp(params, disp["rows_MD"], disp.get("probs_M"), acts["normed_TD"], route, dmeta, cfg)
-    y_BSD = combine(params, out["rows_MD"], out.get("shared_TD"), acts["residual_BSD"], acts.get("probs_TK"),
-                    route, dmeta, dispatcher)
-    return y_BSD, make_aux(acts["loss"], route)
+    loss = acts.pop("loss")
+    x_MD, probs_M, (counts_L, meta) = dispatch_rows(acts.pop("rows_RD"), acts.pop("probs_R", None), route,
+                                                    dispatcher)
+    acts["rows_MD"] = x_MD
+    if probs_M is not None:
+        acts["probs_M"] = probs_M
+    acts = experts(params["moe"], acts, counts_L, cfg, route.remat)
+    acts["rows_RD"] = dispatcher.combine(acts.pop("rows_MD"), meta)
+    return finish(acts, route)["h_BSD"], make_aux(loss, route)
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:

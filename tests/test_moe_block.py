@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from moe_oracle import oracle_moe
 
 from fmoe._compat import tree_map
-from fmoe.block import attention, block, combine, dispatch, init_block, mlp, self_attention
+from fmoe.block import attention, block, experts, finish, init_block, self_attention
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.dispatch.local import LocalDispatcher
 from fmoe.ops import rms_norm
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
@@ -48,41 +47,38 @@ def make(mode: str, B: int, S: int, E: int, K: int, dtype: torch.dtype, seed: in
 
 
 def staged_grads(params, x, cfg, ct_y, ct_loss):
-    """Forward the four stages under split_vjp, then backward combine, mlp, dispatch, attention (dx),
-    and finally every deferred dw; returns (y, loss, dx, dparams)."""
-    disp = LocalDispatcher(cfg.moe.num_experts)
+    """Forward the phases under split_vjp (attention, experts, finish; the local exchanges are renames),
+    then backward finish, experts, attention (dx), and finally every deferred dw; returns
+    (y, loss, dx, dparams). Each phase's cotangent is the dict its successor's dx pass returned."""
+    moe = params["moe"]
     acts, vjp_a, route = split_vjp(lambda p, x: attention(p, x, cfg), params, x, has_aux=True)
     # Exactly one form of the gate weights: probs_R (inside the experts) or probs_TK (at combine).
     in_expert = cfg.moe.probs_in_expert
     assert ("probs_R" in acts, "probs_TK" in acts) == (in_expert, not in_expert)
-    d, vjp_d, dmeta = split_vjp(lambda p, r, pr: dispatch(p, r, pr, route, disp), params, acts["rows_RD"],
-                                acts.get("probs_R"), has_aux=True)
-    m, vjp_m = split_vjp(lambda p, r, pr, h: mlp(p, r, pr, h, route, dmeta, cfg), params, d["rows_MD"],
-                         d.get("probs_M"), acts["normed_TD"])
-    y, vjp_c = split_vjp(lambda p, r, s, res, pr: combine(p, r, s, res, pr, route, dmeta, disp), params,
-                         m["rows_MD"], m.get("shared_TD"), acts["residual_BSD"], acts.get("probs_TK"))
-    # Backward in the order of seed 000: Combine(B), MLP(B), Dispatch(B), Attention(B); dw all deferred.
-    (d_rows, d_shared, d_res, d_probs_tk), dw_c = vjp_c(ct_y)
-    ct_m = {"rows_MD": d_rows}
-    if d_shared is not None:
-        ct_m["shared_TD"] = d_shared
-    (d_x_md, d_probs_m, d_normed), dw_m = vjp_m(ct_m)
-    ct_d = {"rows_MD": d_x_md}
-    if d_probs_m is not None:
-        ct_d["probs_M"] = d_probs_m
-    (d_x_rd, d_probs_r), dw_d = vjp_d(ct_d)
-    if d_normed is None:
-        d_normed = torch.zeros_like(acts["normed_TD"])
-    ct_a = {"residual_BSD": d_res, "normed_TD": d_normed, "rows_RD": d_x_rd}
-    if "probs_R" in acts:
-        ct_a["probs_R"] = d_probs_r
-    else:
-        ct_a["probs_TK"] = d_probs_tk
-    ct_a["loss"] = ct_loss
-    (dx,), dw_a = vjp_a(ct_a)
-    grads = [dw() for dw in (dw_c, dw_m, dw_d, dw_a)]
-    dparams = tree_map(lambda *gs: sum(gs), *grads)
-    return y, acts["loss"], dx, dparams
+    loss = acts["loss"]
+    counts_L = route.layout.counts if route.layout.counts is not None else route.layout.counts_E
+    dispatched = {_to_m(k): v for k, v in acts.items() if k != "loss"}  # the local dispatch: a rename
+    m, vjp_m = split_vjp(lambda p, a: experts(p, a, counts_L, cfg, route.remat), moe, dispatched)
+    # experts() reads moe["experts"] / ["shared"]; its dw pass returns zeros for the router it ignores
+    combined = {("rows_RD" if k == "rows_MD" else k): v for k, v in m.items()}  # the local combine
+    y, vjp_f = split_vjp(lambda p, a: finish(a, route), {}, combined)
+    (ct_f,), dw_f = vjp_f({"h_BSD": ct_y})
+    ct_m = {("rows_MD" if k == "rows_RD" else k): v for k, v in ct_f.items()}
+    (ct_d,), dw_m = vjp_m(ct_m)
+    ct_a = {_to_r(k): v for k, v in ct_d.items()}
+    (dx,), dw_a = vjp_a({**ct_a, "loss": ct_loss})
+    dw_f()  # finish has no weights
+    dparams = dw_a()  # the whole block's structure (the experts' entries zero: attention does not read them)
+    dparams["moe"] = tree_map(lambda a, b: a + b, dparams["moe"], dw_m())
+    return y["h_BSD"], loss, dx, dparams
+
+
+def _to_m(key: str) -> str:
+    return {"rows_RD": "rows_MD", "probs_R": "probs_M"}.get(key, key)
+
+
+def _to_r(key: str) -> str:
+    return {"rows_MD": "rows_RD", "probs_M": "probs_R"}.get(key, key)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from fmoe.block import dense_block, self_attention
+from fmoe import block
 from fmoe.config import GPTConfig
-from fmoe.experts import shared_experts
-from fmoe.layer import expert_rows, plan_route, route_tokens, uses_token_dispatch
-from fmoe.ops import cross_entropy, embedding, linear, rms_norm, unpermute
+from fmoe.layer import uses_token_dispatch
+from fmoe.ops import cross_entropy, embedding, linear, rms_norm
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
 from fmoe.schedule.program import Layer, Phase, Ready
@@ -45,7 +44,7 @@ def embed_layer() -> Layer:
 def dense_layer(cfg: GPTConfig, i: int) -> Layer:
     """Returns dense block `i` as one compute phase over acts[h_BSD]."""
     def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {**acts, H: dense_block(p[0], acts[H], cfg)}, meta
+        return {**acts, H: block.dense_block(p[0], acts[H], cfg)}, meta
 
     return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(("layers", str(i)),)),))
 
@@ -66,25 +65,11 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     balance = f"balance:{name}"
 
     def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        block = dict(zip(attn_keys, p[:-1]))
-        x_BSD = acts[H]
-        B, S, D = x_BSD.shape
-        r_BSD = self_attention(block, x_BSD, cfg)
-        h_TD = rms_norm(r_BSD, block["mlp_norm"], cfg.norm_eps).reshape(B * S, D)
-        out = {k: v for k, v in acts.items() if k != H}
-        out.update(residual_BSD=r_BSD, normed_TD=h_TD)
-        if token_level:  # the dispatcher takes whole tokens: no permute-1 here
-            probs_TK, loss, route = plan_route({"router": p[-1]}, h_TD, moe_cfg, state, S)
-            out["probs_TK"] = probs_TK
-        else:
-            x_RD, probs_TK, probs_R, loss, route = route_tokens({"router": p[-1]}, h_TD, moe_cfg, state, S)
-            out["rows_RD"] = x_RD
-            if probs_TK is not None:
-                out["probs_TK"] = probs_TK
-            else:
-                out["probs_R"] = probs_R
-        out[balance] = loss
-        return out, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+        params = {**dict(zip(attn_keys, p[:-1])), "moe": {"router": p[-1]}}
+        out, route = block.attention(params, acts[H], cfg, state, permute_tokens=not token_level)
+        out[balance] = out.pop("loss")
+        rest = {k: v for k, v in acts.items() if k != H}
+        return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
 
     def counts_start(acts: dict, meta: dict) -> Any:
         return _Then(ex.start_plan(meta[route_key]), lambda plan: (acts, {**meta, plan_key: plan}))
@@ -93,33 +78,17 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         return _Then(pending, lambda a: (a, meta))
 
     def mlp(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        moe_p = dict(zip(mlp_keys, p))
         plan: RowPlan = meta[plan_key]
-        x_MD = plan.to_experts(acts["rows_MD"])
-        probs_M = plan.to_experts(acts["probs_M"]) if "probs_M" in acts else None
-        remat = meta[route_key].remat
-        if token_level:  # gate weights on the expert outputs, as the combine would apply them
-            y_MD = expert_rows(moe_p["experts"], x_MD, None, plan.counts_L, moe_cfg, remat)
-            y_MD = y_MD * probs_M.unsqueeze(-1).to(y_MD.dtype)
-        else:
-            y_MD = expert_rows(moe_p["experts"], x_MD, probs_M, plan.counts_L, moe_cfg, remat)
-        out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
-        out["rows_MD"] = plan.from_experts(y_MD)
-        if "shared" in moe_p:
-            out["shared_TD"] = shared_experts(moe_p["shared"], acts["normed_TD"])
+        grouped = {**acts, "rows_MD": plan.to_experts(acts["rows_MD"])}  # permute-2
+        if "probs_M" in acts:
+            grouped["probs_M"] = plan.to_experts(acts["probs_M"])
+        out = block.experts(dict(zip(mlp_keys, p)), grouped, plan.counts_L, cfg, meta[route_key].remat,
+                            weight_outputs=token_level)
+        out["rows_MD"] = plan.from_experts(out["rows_MD"])
         return out, meta
 
     def finish(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        if token_level:
-            y_TD = acts["y_TD"]
-        else:
-            y_TD = unpermute(acts["rows_RD"], acts.get("probs_TK"), meta[route_key].layout)
-        if "shared_TD" in acts:
-            y_TD = y_TD + acts["shared_TD"]
-        r_BSD = acts["residual_BSD"]
-        used = ("rows_RD", "y_TD", "probs_TK", "shared_TD", "residual_BSD")
-        out = {k: v for k, v in acts.items() if k not in used}
-        out[H] = r_BSD + y_TD.to(r_BSD.dtype).reshape(r_BSD.shape)
+        out = block.finish(acts, meta[route_key])
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     return Layer(name, (
