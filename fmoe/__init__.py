@@ -18,6 +18,7 @@ _EXPORTS = {
     "init_moe": ".layer",
     "init_moe_state": ".layer",
     "moe": ".layer",
+    "update_moe_state": ".layer",
     "GPTAux": ".model",
     "gpt_loss": ".model",
     "init_gpt": ".model",

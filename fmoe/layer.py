@@ -107,6 +107,36 @@ def init_moe_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> dict[s
     return state
 
 
+def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_expert_E: torch.Tensor,
+                     max_load: torch.Tensor | int | None = None,
+                     missed: bool | None = None) -> dict[str, torch.Tensor]:
+    """Return the layer's next state after one step whose microbatches routed `tokens_per_expert_E`
+    ([E], summed over the step's microbatches and, by the caller, over data-parallel ranks).
+
+    The expert bias (aux-loss-free balancing) moves once, by the summed load. With dynamic capacity the
+    window takes `max_load`, the step's largest per-expert load of one microbatch (capacity is sized per
+    microbatch), and `missed` (did any microbatch exceed its forecast) counts once. With one microbatch
+    this is the `new_state` that `moe` reports; a pipeline calls it once per step instead.
+    """
+    new_state = dict(state)
+    if cfg.bias_update_rate > 0:
+        bias_E = state.get("expert_bias_E")
+        if bias_E is None:
+            bias_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=tokens_per_expert_E.device)
+        new_state["expert_bias_E"] = update_expert_bias(bias_E, tokens_per_expert_E, cfg.bias_update_rate)
+    if cfg.dynamic_capacity_window:
+        if max_load is None or missed is None:
+            raise ValueError("update_moe_state: dynamic capacity needs the step's max_load and missed")
+        cap = {k: state[k] for k in ("load_history_W", "capacity_misses", "capacity_steps")} if (
+            "load_history_W" in state) else init_capacity_state(cfg, tokens_per_expert_E.device)
+        hist_W = cap["load_history_W"]
+        load = torch.as_tensor(max_load, dtype=hist_W.dtype, device=hist_W.device).reshape(1)
+        new_state["load_history_W"] = torch.cat([hist_W[1:], load])
+        new_state["capacity_misses"] = cap["capacity_misses"] + (1 if missed else 0)
+        new_state["capacity_steps"] = cap["capacity_steps"] + 1
+    return new_state
+
+
 def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                state: dict[str, Any] | None = None, seq_len: int | None = None,
                remat: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:

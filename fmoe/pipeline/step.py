@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
+from fmoe.layer import update_moe_state
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
 from fmoe.pipeline.phases import dense_layer, embed_layer, head_layer, moe_layer, mtp_in_layer
@@ -65,12 +66,12 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
 class PipelineStep:
     """loss: the step's loss (0-dim, the same on every rank); grads: this rank's gradients in the layout
     of init_gpt params (None / absent where the rank holds nothing), shared weights summed across holders;
-    loads: per MoE layer path, tokens per expert [E] summed over the step's microbatches; result: the
+    loads: per MoE layer (its param path), the step's LayerLoad (for `update_gpt_state`); result: the
     executor's StepResult (timeline, peaks, per-loss values)."""
 
     loss: torch.Tensor
     grads: dict[str, Any]
-    loads: dict[tuple[str, ...], torch.Tensor]
+    loads: dict[tuple[str, ...], LayerLoad]
     result: StepResult
 
 
@@ -101,9 +102,44 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     loss = result.loss.clone()
     if s.pp > 1:
         dist.all_reduce(loss, group=group)
-    loads: dict[tuple[str, ...], torch.Tensor] = {}
+    loads: dict[tuple[str, ...], LayerLoad] = {}
     for _stage, _mb, _layer, _phase, stats in result.stats:
-        counts = stats["route"].tokens_per_expert_E
-        path = stats["layer"]
-        loads[path] = counts if path not in loads else loads[path] + counts
+        route, path = stats["route"], stats["layer"]
+        load = LayerLoad(route.tokens_per_expert_E, route.tokens_per_expert_E.max(),
+                         bool(route.capacity_missed))
+        loads[path] = load if path not in loads else loads[path].merge(load)
     return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """One MoE layer's routing over a step: tokens_per_expert_E [E] summed over microbatches, max_load the
+    largest per-expert load of one microbatch, missed whether any microbatch exceeded its capacity
+    forecast (dynamic capacity)."""
+
+    tokens_per_expert_E: torch.Tensor
+    max_load: torch.Tensor
+    missed: bool
+
+    def merge(self, other: LayerLoad) -> LayerLoad:
+        """Returns the load of both microbatch sets together."""
+        return LayerLoad(self.tokens_per_expert_E + other.tokens_per_expert_E,
+                         torch.maximum(self.max_load, other.max_load), self.missed or other.missed)
+
+
+def update_gpt_state(cfg: GPTConfig, state: dict[str, Any],
+                     loads: dict[tuple[str, ...], LayerLoad]) -> dict[str, Any]:
+    """Returns the GPT state after one step: `update_moe_state` once per MoE layer with its step load
+    (`PipelineStep.loads`, keyed by the layer's param path; reduce them over data-parallel ranks first).
+    Layers this rank does not hold keep their state."""
+    new = {"layers": list(state["layers"])}
+    if "mtp" in state:
+        new["mtp"] = state["mtp"]
+    for path, load in loads.items():
+        args = (cfg.moe, load.tokens_per_expert_E, load.max_load, load.missed)
+        if path[0] == "layers":
+            i = int(path[1])
+            new["layers"][i] = update_moe_state(state["layers"][i], *args)
+        else:
+            new["mtp"] = update_moe_state(state["mtp"], *args)
+    return new
