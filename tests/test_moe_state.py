@@ -7,6 +7,7 @@ reports per microbatch, summed (max and any for dynamic capacity), not m per-cal
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state, init_moe, init_moe_state, moe
 from fmoe import schedule as S
 from fmoe.layer import update_moe_state
-from fmoe.pipeline import gpt_pipeline_step, update_gpt_state
+from fmoe.pipeline import cut_gpt, gpt_pipeline_step, split_microbatches, update_gpt_state
 
 
 def _assert_state_equal(a: dict, b: dict) -> None:
@@ -77,3 +78,18 @@ def test_pipeline_step_updates_the_state_once_from_summed_loads() -> None:
         chained = update_moe_state(chained, moe_cfg, a.layers[0].tokens_per_expert_E,
                                    a.layers[0].tokens_per_expert_E.max(), a.layers[0].capacity_missed)
     assert int(chained["capacity_steps"]) == 3
+
+
+def test_split_microbatches_and_layout_errors() -> None:
+    ids = torch.arange(12).reshape(4, 3)
+    parts = split_microbatches(ids, ids + 1, 2)
+    assert [tuple(i.shape) for i, _ in parts] == [(2, 3), (2, 3)] and torch.equal(parts[1][0], ids[2:])
+    for bad in (3, 0, 5):
+        with pytest.raises(ValueError, match="do not split a batch of 4"):
+            split_microbatches(ids, ids, bad)
+    moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1)
+    cfg = GPTConfig(vocab_size=8, d_model=8, n_layers=3, n_heads=2, moe=moe_cfg)
+    with pytest.raises(S.ScheduleError, match="cannot give 1 to each of 4"):
+        cut_gpt(cfg, S.dualpipev(2, 4).placement)  # 4 chunks for 3 layers
+    with pytest.raises(S.ScheduleError, match=r"\(1, 1\)"):
+        cut_gpt(cfg, S.one_f_one_b(2, 2).placement, layers=(1, 1))

@@ -10,4 +10,5 @@ from fmoe.pipeline.step import LayerLoad as LayerLoad
 from fmoe.pipeline.step import PipelineStep as PipelineStep
 from fmoe.pipeline.step import gpt_pipeline_step as gpt_pipeline_step
 from fmoe.pipeline.step import gpt_programs as gpt_programs
+from fmoe.pipeline.step import split_microbatches as split_microbatches
 from fmoe.pipeline.step import update_gpt_state as update_gpt_state

@@ -30,6 +30,19 @@ from fmoe.schedule.ir import Schedule, ScheduleError
 from fmoe.schedule.program import Layer, StageProgram
 
 
+def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
+                       m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Returns a batch [B, S] of ids and targets cut into `m` microbatches of B / m sequences each, in
+    order; raises ValueError unless m divides B."""
+    if ids_BS.shape != targets_BS.shape or ids_BS.dim() != 2:
+        raise ValueError(f"ids and targets must both be [B, S], got {tuple(ids_BS.shape)} and "
+                         f"{tuple(targets_BS.shape)}")
+    B = ids_BS.shape[0]
+    if not isinstance(m, int) or m < 1 or B % m:
+        raise ValueError(f"{m} microbatches do not split a batch of {B} sequences evenly")
+    return list(zip(ids_BS.chunk(m), targets_BS.chunk(m)))
+
+
 def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
                  *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
                  dispatcher: Any = None, dtype: torch.dtype = torch.float32) -> dict[int, StageProgram]:
