@@ -100,22 +100,24 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
             group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
-            timeout: timedelta = timedelta(seconds=120)) -> StepResult:
+            timeout: timedelta = timedelta(seconds=120), overlap: bool = True) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
-    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank."""
+    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `overlap`
+    (default on): an Overlap pair interleaves its two ops phase by phase, and a lone B runs the dw of the
+    phases it has differentiated while its exchanges travel; off: pairs run one op after the other."""
     actions = verify(s).ranks[rank]
     check_programs(s, rank, programs)
-    return _Executor(s, rank, programs, data, group, recv_ahead, timeout).run(actions)
+    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap).run(actions)
 
 
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
-                 timeout: timedelta):
+                 timeout: timedelta, overlap: bool):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
-        self.group, self.recv_ahead, self.timeout = group, recv_ahead, timeout
+        self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.scale = 1.0 / s.m
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
@@ -146,9 +148,11 @@ class _Executor:
                 self._send(a)
             elif isinstance(a, Op):
                 _drain(self.op(a))
+            elif isinstance(a, Overlap) and self.overlap:
+                _interleave(self.op(a.f), self.op(a.b, paired=True))
             elif isinstance(a, Overlap):
                 _drain(self.op(a.f))
-                _drain(self.op(a.b))
+                _drain(self.op(a.b, paired=True))
         for work, _ in self.sends:
             self._wait_work(work, "a send (to the next or previous pipeline rank)")
         self.sends.clear()
@@ -159,14 +163,15 @@ class _Executor:
         return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
                           self.queued.peak)
 
-    def op(self, op: Op) -> Iterator[None]:
-        """Returns the generator that runs compute op `op`, yielding after each issued exchange."""
+    def op(self, op: Op, paired: bool = False) -> Iterator[None]:
+        """Returns the generator that runs compute op `op`, yielding after each issued exchange that is
+        still in flight. `paired`: the op is one half of an Overlap (the other op hides its exchanges)."""
         if op.kind == F:
             return self._forward(op.stage, op.mb)
         if op.kind == I:
-            return self._backward(op.stage, op.mb, weights=False)
+            return self._backward(op.stage, op.mb, weights=False, paired=paired)
         if op.kind == B:
-            return self._backward(op.stage, op.mb, weights=True)
+            return self._backward(op.stage, op.mb, weights=True, paired=paired)
         return self._weights(op.stage, op.mb)
 
     # ---- compute ops ----------------------------------------------------------------------------------
@@ -188,7 +193,8 @@ class _Executor:
                 else:
                     t = self._now()
                     pending = ph.start(acts, meta)
-                    yield
+                    if _in_flight(pending):
+                        yield
                     tw = self._now()
                     acts, meta = pending.wait()
                     self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
@@ -224,7 +230,7 @@ class _Executor:
                 passed[k] = v
         return passed, meta_out
 
-    def _backward(self, stage: int, mb: int, weights: bool) -> Iterator[None]:
+    def _backward(self, stage: int, mb: int, weights: bool, paired: bool = False) -> Iterator[None]:
         rec = self.records.pop((stage, mb), None)
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
@@ -251,7 +257,12 @@ class _Executor:
             else:
                 t = self._now()
                 pending = ph.start_transpose(ct, info)
-                yield
+                if _in_flight(pending):
+                    if weights and self.overlap and not paired:
+                        # a lone B: the dw of the phases already differentiated (the routed experts')
+                        # hides the exchange
+                        self._run_dw(stage, mb, queue)
+                    yield
                 tw = self._now()
                 ct = pending.wait()
                 self._comm_events(pending, f"{ph.name}-B {label[len(ph.name) + 1:]}", t, tw)
@@ -265,6 +276,14 @@ class _Executor:
         queue = self.deferred.pop((stage, mb), None)
         if queue is None:
             raise ScheduleError(f"rank {self.rank}: W of stage {stage} mb {mb} before its I")
+        self._run_dw(stage, mb, queue)
+        self.queued.add(-1)
+        self.live.add(-1)
+        return
+        yield  # a generator like the other ops
+
+    def _run_dw(self, stage: int, mb: int, queue: list[tuple[Phase, str, Callable[[], Any]]]) -> None:
+        """Runs (and empties) `queue`'s dw thunks in order, adding their gradients into the step's."""
         while queue:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
@@ -273,10 +292,6 @@ class _Executor:
             del vjp_dw
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
-        self.queued.add(-1)
-        self.live.add(-1)
-        return
-        yield  # a generator like the other ops
 
     # ---- P2P -------------------------------------------------------------------------------------------
 
@@ -395,6 +410,25 @@ class _Executor:
 def _drain(gen: Iterator[None]) -> None:
     for _ in gen:
         pass
+
+
+def _interleave(*gens: Iterator[None]) -> None:
+    """Runs generators in turn, switching at each yield (an exchange in flight) until all are done: one
+    microbatch's compute runs while the other's exchange travels, and each one's own phases stay in order."""
+    live = list(gens)
+    k = 0
+    while live:
+        g = live[k % len(live)]
+        try:
+            next(g)
+            k += 1
+        except StopIteration:
+            live.remove(g)
+
+
+def _in_flight(pending: Any) -> bool:
+    """True when waiting on `pending` could block (a Pending without `in_flight` is assumed to)."""
+    return bool(getattr(pending, "in_flight", True))
 
 
 def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any) -> None:

@@ -24,6 +24,14 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     return interleaved_1f1b(pp, m, 1, name="1f1b")
 
 
+def combined_1f1b(m: int) -> Schedule:
+    """Returns Megatron's combined 1F1B for one pipeline rank (pp = 1, for expert parallelism without
+    pipeline parallelism): F0, then F(i+1)&B(i) pairs, then B(m-1); each pair's forward hides the
+    backward's all-to-all and the other way round. Needs m >= 1 (m = 1: F0 then B0, no pair)."""
+    positive("combined_1f1b", m=m)
+    return interleaved_1f1b(1, m, 1, extra_warmup=True, overlap=m > 1, name="combined_1f1b")
+
+
 def _virtual_order(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
     # Megatron: groups of pp microbatches sweep chunk 0..v-1 (backward: v-1..0) before the next group.
     out = []

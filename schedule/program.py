@@ -45,7 +45,8 @@ TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
 class Pending(Protocol):
     """An issued exchange. `wait()` returns its result; `completed_at` (perf_counter seconds or None) is
-    when the exchange completed, when the handle knows it (a link model's completion time)."""
+    when the exchange completed, when the handle knows it (a link model's completion time); `in_flight`
+    (optional, default True) False when nothing travels, so the executor need not switch ops for it."""
 
     def wait(self) -> Any: ...
 
@@ -105,6 +106,8 @@ def subtree(tree: Any, path: Path) -> Any:
 
 class Ready:
     """A Pending that is already complete (a local exchange, or a comm phase with nothing to send)."""
+
+    in_flight = False  # the executor does not yield to another op for it
 
     def __init__(self, value: Any):
         self.value = value

@@ -133,3 +133,51 @@ def test_ep_inside_pipeline_stages_matches_per_rank_oracles() -> None:
         if imbalanced:  # the first EP rank's experts received no token: only their zero gradient flows
             w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_up"]
             assert torch.count_nonzero(w[:L]) == 0 and torch.count_nonzero(w[L:]) > 0
+
+
+OVERLAP_CASES = [("alltoall", 2, "dualpipev", True), ("alltoall", 2, "interleaved+extra", False),
+                 ("hierarchical", 1, "dualpipe", False), ("hierarchical", 2, "dualpipev", True)]
+
+
+def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
+    """Each case with fb overlap on and off; returns {(case, overlap): (loss, grads)}."""
+    out, layouts = {}, {}
+    for kind, rpn, name, imbalanced in cases:
+        if rpn not in layouts:
+            layouts[rpn] = ParallelLayout(pp=pp, ep=EP, topology=Topology(world, rpn))
+        layout = layouts[rpn]
+        if kind == "alltoall":
+            d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
+        else:
+            d = HierarchicalDispatcher(CommGroup(layout.group("expert_inter")),
+                                       CommGroup(layout.group("expert_intra")), E)
+        cfg = _cfg(True, imbalanced)
+        ep_rank = torch.distributed.get_rank(layout.group("expert"))
+        pp_group = layout.group("pp")
+        s = S.build(name, pp, M)
+        for overlap in (True, False):
+            params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
+            step = gpt_pipeline_step(cfg, s, torch.distributed.get_rank(pp_group), params,
+                                     _state(cfg, imbalanced), _batches(cfg, ep_rank, M), group=pp_group,
+                                     dispatcher=d, overlap=overlap)
+            grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
+            out[(kind, rpn, name, overlap)] = (ep_rank, float(step.loss), grads)
+    return out
+
+
+@pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES),
+                                      (1, [("alltoall", 2, "combined_1f1b", True),
+                                           ("hierarchical", 1, "combined_1f1b", False)])],
+                         ids=["pp2xep2", "pp1xep2"])
+def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list) -> None:
+    results = spawn(_overlap_rank, pp * EP, cases, pp, timeout_s=400)
+    for kind, rpn, name, imbalanced in cases:
+        oracles = [_oracle(_cfg(True, imbalanced), imbalanced, e, M) for e in range(EP)]
+        for r in results:
+            ep_rank, loss_on, grads_on = r.value[(kind, rpn, name, True)]
+            _, loss_off, grads_off = r.value[(kind, rpn, name, False)]
+            assert loss_on == pytest.approx(loss_off, rel=1e-13) == oracles[ep_rank][0], (kind, name)
+            assert grads_on.keys() == grads_off.keys()
+            for k in grads_on:
+                torch.testing.assert_close(torch.tensor(grads_on[k]), torch.tensor(grads_off[k]), rtol=1e-12,
+                                           atol=1e-14, msg=f"{kind} {name} {k}")

@@ -1,6 +1,7 @@
 """embedding: row lookup out[...] = table_VD[ids[...]], with a deferrable table gradient.
 
-Legend (the package's, docs/moe.md): V vocabulary rows, D features, X ids (any shape; `ids_X` stands for ids of any shape).
+Legend (the package's, docs/moe.md): V vocabulary rows, D features, X ids (any shape; `ids_X` stands
+for ids of any shape).
 The table gradient is a scatter-add of the cotangent rows into a [V, D] zero tensor; while a
 `split_vjp` tape defers the table, the dx pass records it as a thunk (ids have no gradient, so the
 dx pass of an embedding does no work at all).

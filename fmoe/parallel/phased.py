@@ -73,6 +73,11 @@ class Chain:
         self.later = list(later)
         self.completed_at: float | None = None
 
+    @property
+    def in_flight(self) -> bool:
+        """True when the exchange issued first is travelling (False: nothing was sent, e.g. locally)."""
+        return bool(self.handles)
+
     def wait(self) -> Any:
         """Runs the chain to the end; returns its result."""
         while True:

@@ -3,9 +3,9 @@ takes the same update and the copies stay identical.
 
 Which weights: the embedding table that the MTP module on the last stage reads next to the first stage,
 the output head, and with DualPipe every chunk (held once per direction). A `SharedGrads` is built on
-every rank from the same global list (path, shape, holder ranks), so the process groups it creates, one
-per distinct set of holders, are created in the same order everywhere (torch.distributed requires it).
-A rank contributes to the groups it belongs to; each group sums its leaves in one flat all-reduce.
+every rank from the same global list (path, holder ranks). A set of holders that is the whole pipeline
+group reduces over that group; a smaller set gets its own process group, created by its members only
+(local synchronisation), in the same order on each. Each set sums its leaves in one flat all-reduce.
 """
 
 from __future__ import annotations
@@ -34,18 +34,24 @@ class SharedGrads:
             if len(ranks) > 1:
                 by_set.setdefault(ranks, []).append(path)
         self.me = dist.get_rank(group)
+        size = dist.get_world_size(group)
         self.sets: list[tuple[tuple[int, ...], list[Path], dist.ProcessGroup | None]] = []
         for ranks, paths in sorted(by_set.items()):
-            # Every rank creates every group, in this order, member or not.
-            sub = dist.new_group([dist.get_global_rank(group, r) if group is not None else r for r in ranks])
+            if self.me not in ranks:
+                continue
+            if len(ranks) == size:  # every pipeline rank holds it: the pipeline group itself
+                sub = group
+            else:
+                # Only the holders create it (local synchronisation): several pipeline groups (one per
+                # data- / expert-parallel position) build theirs at once without a world-wide barrier.
+                members = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
+                sub = dist.new_group(members, use_local_synchronization=True)
             self.sets.append((ranks, paths, sub))
 
     def reduce(self, grads: dict[str, Any]) -> None:
         """Sums, in place, the gradients at the shared paths of `grads` (nested dicts) across their holders;
         returns None. Raises KeyError naming a shared path this rank should hold but has no gradient for."""
-        for ranks, paths, sub in self.sets:
-            if self.me not in ranks:
-                continue
+        for _ranks, paths, sub in self.sets:
             leaves = [g for p in paths for g in _leaves(_node(grads, p))]
             flat = torch.cat([g.reshape(-1) for g in leaves])
             dist.all_reduce(flat, group=sub)

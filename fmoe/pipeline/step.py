@@ -28,6 +28,7 @@ from fmoe.pipeline.phases import dense_layer, embed_layer, head_layer, moe_layer
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
 from fmoe.schedule.program import Layer, StageProgram
+from fmoe.structure import check_gpt, check_gpt_state, local_experts
 
 
 def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
@@ -45,15 +46,23 @@ def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
 
 def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
                  *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
-                 dispatcher: Any = None, dtype: torch.dtype = torch.float32) -> dict[int, StageProgram]:
+                 dispatcher: Any = None, dtype: torch.dtype = torch.float32,
+                 check: bool = True) -> dict[int, StageProgram]:
     """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
     (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
-    `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`)."""
+    `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`).
+    `check`: check the params this rank's chunks read, and their layer states, against `cfg` first
+    (keys, shapes, dtypes; routed experts: the dispatcher's num_local_experts; fmoe/structure.py); the
+    phases then run unchecked. False skips it, for trees that already passed."""
     chunks = chunks or cut_gpt(cfg, s.placement)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     B, S = micro_batch
     if cfg.mtp and S < 2:
         raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
+    if check:
+        paths = [p for stage in s.placement.stages_of(rank)
+                 for p in chunks[s.placement.layer_chunk[stage]].param_paths(cfg)]
+        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher), paths=paths)
     out = {}
     for stage in s.placement.stages_of(rank):
         chunk = chunks[s.placement.layer_chunk[stage]]
@@ -92,10 +101,14 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       batches: list[tuple[torch.Tensor, torch.Tensor]], *,
                       group: dist.ProcessGroup | None = None,
                       chunks: tuple[ChunkSpec, ...] | None = None, dispatcher: Any = None,
-                      shared: SharedGrads | None = None) -> PipelineStep:
+                      shared: SharedGrads | None = None, overlap: bool = True,
+                      check: bool = True) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
-    process groups: pass one in to reuse it across steps)."""
+    process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
+    pairs and of lone backward steps (fmoe.schedule.execute); off runs pairs one op after the other.
+    `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
+    it, for trees that already passed."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -105,9 +118,9 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     chunks = chunks or cut_gpt(cfg, s.placement)
     (B, S), = shapes
     programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
-                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype)
+                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
-    result = execute(s, rank, programs, lambda mb: data[mb], group=group)
+    result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap)
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
@@ -141,10 +154,13 @@ class LayerLoad:
 
 
 def update_gpt_state(cfg: GPTConfig, state: dict[str, Any],
-                     loads: dict[tuple[str, ...], LayerLoad]) -> dict[str, Any]:
+                     loads: dict[tuple[str, ...], LayerLoad], *, check: bool = True) -> dict[str, Any]:
     """Returns the GPT state after one step: `update_moe_state` once per MoE layer with its step load
     (`PipelineStep.loads`, keyed by the layer's param path; reduce them over data-parallel ranks first).
-    Layers this rank does not hold keep their state."""
+    Layers this rank does not hold keep their state. `check`: check `state` and the loads' shapes
+    against `cfg` first; False skips it."""
+    if check:
+        check_gpt_state(state, cfg)
     new = {"layers": list(state["layers"])}
     if "mtp" in state:
         new["mtp"] = state["mtp"]
@@ -152,7 +168,7 @@ def update_gpt_state(cfg: GPTConfig, state: dict[str, Any],
         args = (cfg.moe, load.tokens_per_expert_E, load.max_load, load.missed)
         if path[0] == "layers":
             i = int(path[1])
-            new["layers"][i] = update_moe_state(state["layers"][i], *args)
+            new["layers"][i] = update_moe_state(state["layers"][i], *args, check=check)
         else:
-            new["mtp"] = update_moe_state(state["mtp"], *args)
+            new["mtp"] = update_moe_state(state["mtp"], *args, check=check)
     return new
