@@ -2,19 +2,52 @@
 
 Legend: S stages; f, i, w per-stage times of forward, input-grad, weight-grad (b = i + w unless given);
 a2a = one all-to-all (a dispatch or a combine) of one MoE layer; L = moe_layers per stage.
+
+Every field is checked at construction (`Costs.__post_init__`) and a bad value raises ScheduleError
+naming the field and the value; `check_stages` checks the per-stage tuples against a schedule's stage
+count (`simulate` calls it). What is allowed, and why:
+  f, i, b    finite and > 0: a zero-time F or backward makes an activation's acquisition and release
+             coincide, which the peak-memory count cannot order (and a step cannot take no time).
+  w          finite and >= 0: W = 0 is meaningful (weight grads free, B = I; the ZB closed forms hold).
+  p2p, a2a   finite and >= 0 scalars (0 = no communication).
+  attn_frac, lone_hide   shares in [0, 1].
+  moe_layers an int >= 1 (the F&B split divides by it).
+  act_mem, wgrad_mem     finite and >= 0.
+  pair_overlap           a bool.
+Per-stage values are a tuple (a list is turned into one) of at least one such number; a scalar
+applies to every stage.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
-from fmoe.schedule.ir import B, F, I, Op
+from fmoe.schedule.gen_common import positive
+from fmoe.schedule.ir import B, F, I, Op, ScheduleError
 
 Num = float | tuple[float, ...]
+
+_PER_STAGE = ("f", "i", "w", "b")
 
 
 def _at(x: Num, stage: int) -> float:
     return float(x[stage]) if isinstance(x, tuple) else float(x)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def _number(name: str, x: object, *, strict: bool, upper: float | None = None) -> None:
+    """Raises ScheduleError unless `x` is a finite real > 0 (`strict`) or >= 0, and <= `upper` if given."""
+    low = "> 0" if strict else ">= 0"
+    want = f"in [0, {upper:g}]" if upper is not None else low
+    if not _is_real(x) or not math.isfinite(x):
+        raise ScheduleError(f"Costs.{name} must be a finite number {want}, got {x!r}")
+    if (x <= 0 if strict else x < 0) or (upper is not None and x > upper):
+        raise ScheduleError(f"Costs.{name} must be {want}, got {x!r}")
 
 
 @dataclass(frozen=True)
@@ -43,10 +76,50 @@ class Costs:
     act_mem: float = 1.0
     wgrad_mem: float = 0.0
 
+    def __post_init__(self) -> None:
+        for name in _PER_STAGE:
+            x = getattr(self, name)
+            if x is None and name == "b":
+                continue
+            if isinstance(x, list):  # a frozen dataclass holds tuples (hashable, and what _at indexes)
+                x = tuple(x)
+                object.__setattr__(self, name, x)
+            if isinstance(x, tuple):
+                if not x:
+                    raise ScheduleError(f"Costs.{name} is an empty per-stage tuple; give one value per stage")
+                for s, v in enumerate(x):
+                    _number(f"{name}[{s}]", v, strict=name != "w")
+            elif _is_real(x):
+                _number(name, x, strict=name != "w")
+            else:
+                raise ScheduleError(f"Costs.{name} must be a number or a tuple of per-stage numbers, "
+                                    f"got {x!r}")
+        for name in ("p2p", "a2a", "act_mem", "wgrad_mem"):
+            _number(name, getattr(self, name), strict=False)
+        for name in ("attn_frac", "lone_hide"):
+            _number(name, getattr(self, name), strict=False, upper=1.0)
+        n = self.moe_layers
+        if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
+            raise ScheduleError(f"Costs.moe_layers must be an int >= 1, got {n!r}")
+        if not isinstance(self.pair_overlap, bool):
+            raise ScheduleError(f"Costs.pair_overlap must be a bool, got {self.pair_overlap!r}")
+
+    def check_stages(self, num_stages: int, where: str = "the schedule") -> None:
+        """Raises ScheduleError unless every per-stage tuple has `num_stages` values; returns None."""
+        for name in _PER_STAGE:
+            x = getattr(self, name)
+            if isinstance(x, tuple) and len(x) != num_stages:
+                raise ScheduleError(f"Costs.{name} has {len(x)} per-stage values, {where} has {num_stages} "
+                                    f"stages: {x!r}")
+
     @staticmethod
     def from_flops(hidden: int, seq: int, micro_batch: int = 1, layers_per_stage: int = 1,
                    flops_per_unit: float = 1.0) -> Costs:
-        """Returns Costs with F, I, W from the Zero Bubble paper's per-layer FLOP counts (B = I + W)."""
+        """Returns Costs with F, I, W from the Zero Bubble paper's per-layer FLOP counts (B = I + W);
+        ScheduleError unless the sizes are positive ints and `flops_per_unit` a finite number > 0."""
+        positive("Costs.from_flops", hidden=hidden, seq=seq, micro_batch=micro_batch,
+                 layers_per_stage=layers_per_stage)
+        _number("from_flops: flops_per_unit", flops_per_unit, strict=True)
         b, s, h, n = micro_batch, seq, hidden, layers_per_stage
         return Costs(f=n * (24 * b * s * h * h + 4 * b * s * s * h) / flops_per_unit,
                      i=n * (24 * b * s * h * h + 8 * b * s * s * h) / flops_per_unit,

@@ -62,8 +62,12 @@ def _peaks(deltas: list[tuple[float, float]]) -> float:
 
 def simulate(s: Schedule, costs: Costs | None = None) -> Report:
     """Returns the Report of running `s` (sends/receives ignored, they follow from placement) under
-    `costs` (default Costs()). Raises ScheduleError if the lists cannot complete (run `verify` first)."""
-    costs = costs or Costs()
+    `costs` (default Costs()). Raises ScheduleError if the lists cannot complete (run `verify` first), if
+    `costs` is not a Costs, or if a per-stage cost tuple does not have one value per stage of `s`."""
+    costs = Costs() if costs is None else costs
+    if not isinstance(costs, Costs):
+        raise ScheduleError(f"simulate: costs must be a Costs, got {type(costs).__name__} {costs!r}")
+    costs.check_stages(s.placement.num_stages, f"schedule {s.name!r}")
     s = without_comms(s)
     done: dict[deps.Dep, float] = {}  # when each produced Dep became available on its producer
     free = [0.0] * s.pp

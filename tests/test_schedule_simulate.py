@@ -161,3 +161,30 @@ def test_cli_layer_placement_evens_rank_cost(capsys) -> None:
 
     assert makespan(balanced) < makespan(even)
     assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--layers", "3"]) == 2
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--schedule", "dualpipev", "--pp", "2", "-m", "4", "--a2a", "0.5", "--moe-layers", "0"],
+     "error: Costs.moe_layers must be an int >= 1, got 0"),
+    (["--f", "nan"], "error: Costs.f must be a finite number > 0, got nan"),
+    (["--i", "-1"], "error: Costs.i must be > 0, got -1.0"),
+    (["--w", "inf"], "error: Costs.w must be a finite number >= 0, got inf"),
+    (["--p2p", "nan"], "error: Costs.p2p must be a finite number >= 0, got nan"),
+    (["--a2a", "-0.5"], "error: Costs.a2a must be >= 0, got -0.5"),
+    (["--lone-hide", "2", "--a2a", "1"], "error: Costs.lone_hide must be in [0, 1], got 2.0"),
+    (["--layers", "16", "--f", "-1"], "error: Costs.f must be > 0, got -1.0"),
+    (["--layers", "16", "--last-extra", "nan"], "error: --last-extra must be a finite number >= 0, got nan"),
+])
+def test_cli_bad_cost_is_one_error_line(capsys, argv: list[str], msg: str) -> None:
+    from fmoe.cli.main import main
+
+    assert main(["simulate", *argv]) == 2
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == msg and out.count("error:") == 1 and "makespan" not in out
+
+
+def test_cli_zero_w_is_valid(capsys) -> None:
+    from fmoe.cli.main import main
+
+    assert main(["simulate", "--schedule", "zb_h1", "--pp", "4", "-m", "8", "--w", "0"]) == 0
+    assert "makespan 22," in capsys.readouterr().out  # (m + pp - 1)(F + I) with W free: 11 x 2

@@ -6,6 +6,8 @@ Example: fmoe simulate --schedule dualpipev --pp 4 --microbatches 16 --a2a 0.25 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 
 from fmoe import schedule
 from fmoe.schedule.registry import NAMES
@@ -40,24 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Builds, verifies and simulates the schedule; prints the report; returns 0 (2 on a bad schedule)."""
+    """Builds, verifies and simulates the schedule; prints the report; returns 0, or 2 after printing one
+    `error: ...` line for a bad schedule, layer placement or cost (a ScheduleError naming the value)."""
     try:
-        s = schedule.build(args.schedule, args.pp, args.microbatches, args.v)
-        schedule.verify(s)
+        return _run(args)
     except schedule.ScheduleError as exc:
         print(f"error: {exc}")
         return 2
-    f, i, w = args.f, args.i, args.w
-    if args.layers is not None:
-        try:
-            per_stage = _stage_layers(s, args)
-        except schedule.ScheduleError as exc:
-            print(f"error: {exc}")
-            return 2
-        f, i, w = (tuple(x * n for n in per_stage) for x in (args.f, args.i, args.w))
-    costs = schedule.Costs(f=f, i=i, w=w, p2p=args.p2p, a2a=args.a2a,
+
+
+def _run(args: argparse.Namespace) -> int:
+    """`run` without the error handling: raises ScheduleError for a bad argument; returns 0."""
+    s = schedule.build(args.schedule, args.pp, args.microbatches, args.v)
+    schedule.verify(s)
+    # the flags as given are checked first, so an error names the value typed (not layers x it)
+    costs = schedule.Costs(f=args.f, i=args.i, w=args.w, p2p=args.p2p, a2a=args.a2a,
                            moe_layers=args.moe_layers, lone_hide=args.lone_hide,
                            pair_overlap=not args.no_pair_overlap)
+    if args.layers is not None:
+        per_stage = _stage_layers(s, args)
+        costs = dataclasses.replace(costs, **{k: tuple(getattr(args, k) * n for n in per_stage)
+                                              for k in ("f", "i", "w")})
     if args.print_schedule:
         print(s)
     rep = schedule.simulate(s, costs)
@@ -70,7 +75,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stage_layers(s: schedule.Schedule, args: argparse.Namespace) -> tuple[float, ...]:
-    """Per-stage cost in layers (layers + first/last extra); prints the placement and its imbalance."""
+    """Per-stage cost in layers (layers + first/last extra); prints the placement and its imbalance.
+    Raises ScheduleError for a negative or non-finite extra."""
+    for flag, x in (("--first-extra", args.first_extra), ("--last-extra", args.last_extra)):
+        if not math.isfinite(x) or x < 0:
+            raise schedule.ScheduleError(f"{flag} must be a finite number >= 0, got {x!r}")
     if args.placement == "balanced":
         layers = schedule.place_layers(s.placement, args.layers, args.first_extra, args.last_extra, 1).layers
     else:

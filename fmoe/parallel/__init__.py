@@ -5,6 +5,7 @@ process groups, a `CommGroup` wraps one with its topology / counters / link mode
 dispatcher holds CommGroups and implements the dispatch/combine seam (fmoe/dispatch/base.py).
 """
 
+from fmoe.parallel.agreement import AgreementError, agree
 from fmoe.parallel.allgather import AllGatherDispatcher
 from fmoe.parallel.alltoall import AllToAllDispatcher
 from fmoe.parallel.async_comm import CommHandle, CommStream
@@ -27,6 +28,7 @@ from fmoe.parallel.mesh import ParallelLayout, Topology
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
 __all__ = [
+    "AgreementError",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "CollectiveError",
@@ -38,6 +40,7 @@ __all__ = [
     "LinkModel",
     "ParallelLayout",
     "Topology",
+    "agree",
     "all_gather",
     "all_gather_async",
     "all_reduce",

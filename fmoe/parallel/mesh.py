@@ -15,7 +15,9 @@ different experts instead of slices of the same ones.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -66,14 +68,32 @@ class ParallelLayout:
     `expert_inter` split it into the ranks of this node and the ranks with the same node-local position
     on the other nodes (the two stages of hierarchical dispatch). Must be built by every rank, after
     `init_process_group`, with the same arguments.
+
+    `agree_on`: None (default) checks nothing. A mapping (`{}` for the layout alone, or e.g.
+    `{"config": cfg, "params": params}`) makes construction first run `fmoe.parallel.agree` over the
+    world with `layout=self` and those things, before any group is built: every rank raises the same
+    AgreementError naming the ranks that disagree, instead of building mismatched groups. Give
+    `params` here only when every rank holds the same shapes (no pipeline split; else agree per stage,
+    e.g. `agree(layout.group("expert"), params=p)`).
     """
 
     DIMS = ("pp", "dp", "ep_inter", "ep_intra", "tp")
 
     def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
-                 topology: Topology | None = None, device_type: str = "cpu"):
+                 topology: Topology | None = None, device_type: str = "cpu",
+                 agree_on: Mapping[str, Any] | None = None):
         ws = dist.get_world_size()
         dp = dp if dp is not None else ws // (tp * ep * pp)
+        self.tp, self.ep, self.pp, self.dp = tp, ep, pp, dp
+        self.device_type = device_type
+        if agree_on is not None:  # before any check or group, so that every rank fails the same way
+            if "layout" in agree_on:
+                raise ValueError("ParallelLayout: agree_on must not name 'layout' (the layout itself is "
+                                 "checked)")
+            from fmoe.parallel.agreement import agree  # here: agreement imports this module
+
+            self.topology = topology or Topology.from_env(ws)
+            agree(None, layout=self, **agree_on)
         if tp * ep * pp * dp != ws:
             raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {ws}")
         self.topology = topology or Topology.from_env(ws)
@@ -88,7 +108,6 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} must span whole nodes of {rpn} ranks "
                                  f"with tp {tp} inside a node")
             ep_intra = rpn // tp
-        self.tp, self.ep, self.pp, self.dp = tp, ep, pp, dp
         shape = (pp, dp, ep // ep_intra, ep_intra, tp)
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
         self._meshes: dict[str, DeviceMesh] = {
@@ -98,6 +117,12 @@ class ParallelLayout:
             "expert_intra": flatten_mesh(self.mesh["ep_intra", "tp"], "expert_intra"),
             "expert_inter": self.mesh["ep_inter"],
         }
+
+    def describe(self) -> dict[str, Any]:
+        """Return what ranks must agree on (`fmoe.parallel.agree`): sizes, world size, topology, device."""
+        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp,
+                "world_size": dist.get_world_size(), "topology": self.topology,
+                "device_type": self.device_type}
 
     def group(self, name: str) -> dist.ProcessGroup:
         """Return the process group called `name` that contains this rank."""
