@@ -16,7 +16,14 @@ from dist_utils import spawn
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
 from fmoe import schedule as S
-from fmoe.parallel import AllToAllDispatcher, CommGroup, HierarchicalDispatcher, ParallelLayout, Topology
+from fmoe.parallel import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    CommGroup,
+    HierarchicalDispatcher,
+    ParallelLayout,
+    Topology,
+)
 from fmoe.pipeline import gpt_pipeline_step
 
 DT = torch.float64
@@ -72,9 +79,19 @@ def _oracle(cfg: GPTConfig, imbalanced: bool, ep_rank: int, m: int) -> tuple[flo
 
 
 CASES = [("alltoall", 2, "1f1b", False, False), ("alltoall", 2, "dualpipev", True, True),
-         ("alltoall", 2, "interleaved", False, True), ("hierarchical", 1, "1f1b", False, True),
+         ("alltoall", 2, "interleaved", False, True), ("allgather", 2, "zbv", True, True),
+         ("hierarchical", 1, "1f1b", False, True),
          ("hierarchical", 1, "dualpipev", True, False), ("hierarchical", 2, "zb_h1", False, True)]
 M = 4
+
+
+def _dispatcher(kind: str, layout: ParallelLayout):
+    if kind == "alltoall":
+        return AllToAllDispatcher(CommGroup(layout.group("expert")), E)
+    if kind == "allgather":
+        return AllGatherDispatcher(CommGroup(layout.group("expert")), E)
+    inter, intra = CommGroup(layout.group("expert_inter")), CommGroup(layout.group("expert_intra"))
+    return HierarchicalDispatcher(inter, intra, E)
 
 
 def _rank(rank: int, world: int, cases: list) -> dict:
@@ -83,11 +100,7 @@ def _rank(rank: int, world: int, cases: list) -> dict:
         if rpn not in layouts:  # every rank builds the same layouts, in the same order
             layouts[rpn] = ParallelLayout(pp=2, ep=EP, topology=Topology(world, rpn))
         layout = layouts[rpn]
-        if kind == "alltoall":
-            d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
-        else:
-            d = HierarchicalDispatcher(CommGroup(layout.group("expert_inter")),
-                                       CommGroup(layout.group("expert_intra")), E)
+        d = _dispatcher(kind, layout)
         cfg = _cfg(mtp, imbalanced)
         pp_group = layout.group("pp")
         ep_rank = torch.distributed.get_rank(layout.group("expert"))
@@ -136,7 +149,8 @@ def test_ep_inside_pipeline_stages_matches_per_rank_oracles() -> None:
 
 
 OVERLAP_CASES = [("alltoall", 2, "dualpipev", True), ("alltoall", 2, "interleaved+extra", False),
-                 ("hierarchical", 1, "dualpipe", False), ("hierarchical", 2, "dualpipev", True)]
+                 ("allgather", 2, "dualpipev+dw_detach", True), ("hierarchical", 1, "dualpipe", False),
+                 ("hierarchical", 2, "dualpipev", True)]
 
 
 def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
@@ -146,11 +160,7 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
         if rpn not in layouts:
             layouts[rpn] = ParallelLayout(pp=pp, ep=EP, topology=Topology(world, rpn))
         layout = layouts[rpn]
-        if kind == "alltoall":
-            d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
-        else:
-            d = HierarchicalDispatcher(CommGroup(layout.group("expert_inter")),
-                                       CommGroup(layout.group("expert_intra")), E)
+        d = _dispatcher(kind, layout)
         cfg = _cfg(True, imbalanced)
         ep_rank = torch.distributed.get_rank(layout.group("expert"))
         pp_group = layout.group("pp")
@@ -167,6 +177,7 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
 
 @pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES),
                                       (1, [("alltoall", 2, "combined_1f1b", True),
+                                           ("allgather", 2, "combined_1f1b", False),
                                            ("hierarchical", 1, "combined_1f1b", False)])],
                          ids=["pp2xep2", "pp1xep2"])
 def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list) -> None:

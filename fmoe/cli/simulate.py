@@ -10,12 +10,12 @@ import dataclasses
 import math
 
 from fmoe import schedule
-from fmoe.schedule.registry import NAMES
+from fmoe.schedule.registry import ALL_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the schedule, shape and cost options to `parser`; returns None."""
-    parser.add_argument("--schedule", choices=NAMES, default="1f1b")
+    parser.add_argument("--schedule", choices=ALL_NAMES, default="1f1b")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, default=16)
     parser.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved schedules")

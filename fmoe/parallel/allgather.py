@@ -59,6 +59,22 @@ class AllGatherTokenMeta:
     tokens: int
 
 
+def gather_index(counts_PE: torch.Tensor, rank: int, L: int, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (idx_M, counts_L): the index into all ranks' gathered rows ([P * R_max], rank p's at
+    p * R_max) of each row of `rank`'s L local experts, grouped by local expert then source rank, and the
+    rows per local expert. counts_PE[p, e]: rows rank p holds for expert e, expert-sorted."""
+    P = counts_PE.shape[0]
+    start_PE = exclusive_cumsum(counts_PE, dim=1)  # first row of expert e within rank p's rows
+    mine_PL = counts_PE[:, rank * L:(rank + 1) * L]
+    base_PL = start_PE[:, rank * L:(rank + 1) * L] + r_max * torch.arange(P, device=counts_PE.device)[:, None]
+    # the chunks in (local expert, rank) order: their gathered start and their length
+    base_LP, len_LP = rearrange(base_PL, "p l -> (l p)"), rearrange(mine_PL, "p l -> (l p)")
+    m = int(len_LP.sum())
+    idx_M = torch.arange(m, device=counts_PE.device) + torch.repeat_interleave(
+        base_LP - exclusive_cumsum(len_LP), len_LP, output_size=m)
+    return idx_M, mine_PL.sum(0)
+
+
 class AllGatherDispatcher:
     """Dispatch by all-gather + index_select, combine by index_put + reduce-scatter; no parameters."""
 
@@ -70,7 +86,7 @@ class AllGatherDispatcher:
     def dispatch(self, x_RD: torch.Tensor, counts_E: torch.Tensor, probs_R: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllGatherMeta]:
         """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
-        P, L, me = self.comm.size, self.num_local_experts, self.comm.rank
+        L, me = self.num_local_experts, self.comm.rank
         counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
         r_max = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
         r = x_RD.shape[0]
@@ -79,15 +95,7 @@ class AllGatherDispatcher:
         hp = None
         if probs_R is not None:
             p_all, hp = all_gather_async(F.pad(probs_R, (0, r_max - r)), self.comm, op="allgather.probs")
-        # While the gathers travel: rows of local expert l from rank p sit at p*R_max + start_PE[p, me*L + l].
-        start_PE = exclusive_cumsum(counts_PE, dim=1)  # first row of expert e within rank p's rows
-        mine_PL = counts_PE[:, me * L:(me + 1) * L]
-        base_PL = start_PE[:, me * L:(me + 1) * L] + r_max * torch.arange(P, device=counts_PE.device)[:, None]
-        # the chunks in (local expert, rank) order: their gathered start and their length
-        base_LP, len_LP = rearrange(base_PL, "p l -> (l p)"), rearrange(mine_PL, "p l -> (l p)")
-        m = int(len_LP.sum())
-        idx_M = torch.arange(m, device=counts_PE.device) + torch.repeat_interleave(
-            base_LP - exclusive_cumsum(len_LP), len_LP, output_size=m)
+        idx_M, counts_L = gather_index(counts_PE, me, L, r_max)  # while the gathers travel
         hx.wait()
         x_MD = x_all.index_select(0, idx_M.to(x_all.device))
         probs_M = None
@@ -95,7 +103,7 @@ class AllGatherDispatcher:
             hp.wait()
             probs_M = p_all.index_select(0, idx_M.to(p_all.device))
         meta = AllGatherMeta(idx_M.to(x_RD.device), r_max, r)
-        return x_MD, mine_PL.sum(0).to(x_RD.device), probs_M, meta
+        return x_MD, counts_L.to(x_RD.device), probs_M, meta
 
     def combine(self, y_MD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
         """Return y_RD: expert outputs in this rank's original expert-sorted row order."""

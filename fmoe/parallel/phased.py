@@ -15,9 +15,10 @@ is known. Permute-2 (received rows -> grouped by local expert) is compute: `plan
 `plan.from_experts` are differentiable index_selects the expert phase runs.
 
 Two granularities (`token_level`):
-- row level (Local, AllToAll): the layer permutes tokens into its expert-sorted rows (permute-1) and
-  unpermutes with the gate weights afterwards; dispatch moves acts["rows_RD"] (and acts["probs_R"] when
-  the gate weights travel) to "rows_MD" ("probs_M"), combine moves "rows_MD" back to "rows_RD".
+- row level (Local, AllToAll, AllGather): the layer permutes tokens into its expert-sorted rows
+  (permute-1) and unpermutes with the gate weights afterwards; dispatch moves acts["rows_RD"] (and
+  acts["probs_R"] when the gate weights travel) to "rows_MD" ("probs_M"), combine moves "rows_MD" back
+  to "rows_RD".
 - token level (Hierarchical, dropless with gate weights at combine): dispatch reads whole tokens,
   acts["normed_TD"] (left in place for the shared expert) and acts["probs_TK"], and sends a token to a
   node once however many of its experts live there; the gate weights arrive as "probs_M" and the expert
@@ -31,10 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fmoe.dispatch.local import LocalDispatcher
+from fmoe.parallel.allgather import AllGatherDispatcher, gather_index
 from fmoe.parallel.alltoall import AllToAllDispatcher
-from fmoe.parallel.collectives import CommGroup, all_to_all_async
+from fmoe.parallel.collectives import CommGroup, all_gather_async, all_to_all_async, reduce_scatter_async
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
 
@@ -50,7 +53,7 @@ class RowPlan:
     inverse_M: torch.Tensor | None = None
     send_P: list[int] | None = None  # all-to-all: rows to each rank
     recv_P: list[int] | None = None  # all-to-all: rows from each rank
-    hier: Any = None  # hierarchical: _HierPlan
+    hier: Any = None  # the route of a two-stage exchange: _HierPlan (hierarchical), _GatherPlan (all-gather)
 
     def to_experts(self, x_MD: torch.Tensor) -> torch.Tensor:
         """Returns received rows [M, ...] regrouped by local expert (permute-2; differentiable)."""
@@ -114,15 +117,16 @@ def _renamed(rest: dict, names: dict[str, str]) -> Any:
 
 
 class _RowExchange:
-    """Row-level exchanges over `move(plan, rows, reverse) -> (moved, handles)` (module docstring)."""
+    """Row-level exchanges over `move(plan, rows, reverse) -> (raw, handles, finish)`: issue, then
+    `finish(raw)` after the wait gives the moved rows (module docstring)."""
 
     token_level = False
 
     def _start(self, plan: RowPlan, acts: dict, src: str, dst: str, reverse: bool) -> Any:
         moving, rest, names = _moving(acts, src, dst)
-        moved, handles = self.move(plan, moving, reverse)
-        chain = Chain((moved, handles), _lift(_renamed(rest, names)))
-        return chain
+        raw, handles, finish = self.move(plan, moving, reverse)
+        rename = _renamed(rest, names)
+        return Chain((raw, handles), _lift(lambda got: rename(finish(got))))
 
     def start_dispatch(self, plan: RowPlan, acts: dict) -> Any:
         """Issues rows_RD (+ probs_R) -> rows_MD (+ probs_M); other acts pass through."""
@@ -141,6 +145,10 @@ class _RowExchange:
         return self._start(plan, ct, "R", "M", reverse=False)
 
 
+def _same(x: Any) -> Any:
+    return x
+
+
 def _lift(f: Any) -> Any:
     """A Chain step that runs `f` on the result and issues nothing."""
     return lambda result: (f(result), [])
@@ -154,8 +162,8 @@ class _LocalExchange(_RowExchange):
         layout = route.layout
         return Chain((RowPlan(counts_L=layout.counts if layout.counts is not None else layout.counts_E), []))
 
-    def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list]:
-        return dict(rows), []
+    def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list, Any]:
+        return dict(rows), [], _same
 
 
 class _AllToAllExchange(_RowExchange):
@@ -176,9 +184,66 @@ class _AllToAllExchange(_RowExchange):
 
         return Chain((recv, handles), plan)
 
-    def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list]:
+    def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list, Any]:
         out_s, in_s = (plan.send_P, plan.recv_P) if reverse else (plan.recv_P, plan.send_P)
-        return _a2a(rows, self.d.comm, out_s, in_s, f"alltoall.{'combine' if reverse else 'dispatch'}")
+        op = f"alltoall.{'combine' if reverse else 'dispatch'}"
+        raw, handles = _a2a(rows, self.d.comm, out_s, in_s, op)
+        return raw, handles, _same
+
+
+@dataclass(frozen=True)
+class _GatherPlan:
+    """The all-gather route of one layer: gathered-row index of each local row [M] (already grouped by
+    local expert), padded rows per rank R_max, this rank's rows R."""
+
+    idx_M: torch.Tensor
+    rows_padded: int
+    rows: int
+
+
+class _AllGatherExchange(_RowExchange):
+    """Dispatch: all-gather the padded rows, index_select the local ones (grouped by local expert, so no
+    permute-2). Combine, its transpose: index_put into zeros, reduce-scatter, drop the padding."""
+
+    def __init__(self, d: AllGatherDispatcher):
+        self.d = d
+
+    def start_plan(self, route: Any) -> Any:
+        comm, L = self.d.comm, self.d.num_local_experts
+        counts_E = route.layout.counts_E.to(torch.int64).reshape(1, -1).contiguous()
+        with torch.no_grad():
+            got, h = all_gather_async(counts_E, comm, op="allgather.counts")
+
+        def plan(counts_PE: torch.Tensor) -> tuple[RowPlan, list]:
+            counts_PE = counts_PE.reshape(comm.size, -1)
+            r_max = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
+            idx_M, counts_L = gather_index(counts_PE, comm.rank, L, r_max)
+            gather = _GatherPlan(idx_M, r_max, route.layout.num_rows)
+            return RowPlan(counts_L=counts_L.tolist(), hier=gather), []
+
+        return Chain((got, [h]), plan)
+
+    def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list, Any]:
+        g, comm = plan.hier, self.d.comm
+        out, handles = {}, []
+        with torch.no_grad():
+            for k, x in rows.items():
+                x = x.detach()
+                if reverse:  # M rows -> their places among all ranks' padded rows -> summed back per rank
+                    buf = x.new_zeros((comm.size * g.rows_padded, *x.shape[1:]))
+                    out[k], h = reduce_scatter_async(buf.index_put_((g.idx_M,), x), comm,
+                                                     op="allgather.combine")
+                else:
+                    pad = (0, 0) * (x.dim() - 1) + (0, g.rows_padded - g.rows)
+                    out[k], h = all_gather_async(F.pad(x, pad), comm, op="allgather.dispatch")
+                handles.append(h)
+
+        def finish(got: dict) -> dict:
+            if reverse:
+                return {k: v[:g.rows] for k, v in got.items()}
+            return {k: v.index_select(0, g.idx_M) for k, v in got.items()}
+
+        return out, handles, finish
 
 
 @dataclass(frozen=True)
@@ -359,5 +424,7 @@ def phased(dispatcher: Any, token_level: bool = False) -> Any:
         return _LocalExchange(dispatcher)
     if isinstance(dispatcher, AllToAllDispatcher):
         return _AllToAllExchange(dispatcher)
+    if isinstance(dispatcher, AllGatherDispatcher):
+        return _AllGatherExchange(dispatcher)
     raise TypeError(f"{type(dispatcher).__name__} has no issue/wait exchanges for pipeline phases; use "
-                    "LocalDispatcher, AllToAllDispatcher or HierarchicalDispatcher")
+                    "LocalDispatcher, AllToAllDispatcher, AllGatherDispatcher or HierarchicalDispatcher")
