@@ -19,7 +19,13 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
   fmoe/parallel/failure.py so that peers blocked in a collective with a failed rank fail now.
 - `tree_flatten`, `tree_unflatten`, `tree_map`: `torch.utils._pytree`, the pytree utilities torch.func
   itself uses (same leaf and node rules as our vjp primals); torch 2.13 has no public pytree module.
-  Used by transforms/split_vjp.py, remat.py, testing.py and the tests.
+  Used by transforms/split_vjp.py, remat.py, testing.py and the tests. `tree_flatten_with_path` and
+  `keystr` (same module) name a leaf by its path (`[0]['h']`); split_vjp uses them in error messages only.
+- `tensor_version`: `Tensor._version`, the counter every in-place write bumps (shared by views and
+  `detach()`), which tape autograd checks on its saved tensors. Used by transforms/tape.py: a deferred
+  weight-grad thunk checks that the tensors it captured were not modified in place before it runs.
+- `under_vmap`: `torch._C._functorch.get_interpreter_stack()` and `TransformType.Vmap`, telling whether a
+  `torch.func.vmap` is active. Used by transforms/split_vjp.py, which refuses to run under vmap.
 
 This module imports only torch (it is a leaf, so fmoe.transforms may import it); distributed modules are
 imported on first use.
@@ -32,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._C._functorch as _functorch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -40,7 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh", "get_unwrapped",
-    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "tree_flatten", "tree_map", "tree_unflatten",
+    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "tensor_version", "tree_flatten",
+    "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
 
 HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
@@ -68,6 +75,21 @@ def is_functorch_wrapped(t: torch.Tensor) -> bool:
 def get_unwrapped(t: torch.Tensor) -> torch.Tensor:
     """Return the tensor one torch.func wrapper of `t` holds (same shape; identity kept, no detach)."""
     return _functorch.get_unwrapped(t)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """Return `t._version`: how many in-place writes `t`'s data has had (views and detaches share it).
+
+    Returns -1 for an inference tensor, which has no counter (and outside `torch.inference_mode` cannot be
+    written in place).
+    """
+    return -1 if t.is_inference() else t._version
+
+
+def under_vmap() -> bool:
+    """True when the caller runs inside `torch.func.vmap` (at any depth of the torch.func transform stack)."""
+    stack = _functorch.get_interpreter_stack()
+    return bool(stack) and any(i.key() == _functorch.TransformType.Vmap for i in stack)
 
 
 def disable_functorch() -> contextlib.AbstractContextManager[Any]:

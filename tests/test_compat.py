@@ -116,3 +116,42 @@ def test_pytree_round_trip_and_map() -> None:
     assert _compat.tree_flatten(doubled)[1] == spec
     torch.testing.assert_close(doubled["b"][0], torch.full((2,), 2.0))
     assert doubled["b"][1] == (3, None)
+
+
+def test_tensor_version_counts_in_place_writes_shared_by_views_and_detach() -> None:
+    t = torch.zeros(3)
+    v0 = _compat.tensor_version(t)
+    t.add_(1.0)
+    assert _compat.tensor_version(t) == v0 + 1
+    alias = t.detach()
+    t[0].fill_(2.0)  # a write through a view
+    assert _compat.tensor_version(alias) == _compat.tensor_version(t) == v0 + 2
+    _ = t + 1  # out of place: no bump
+    assert _compat.tensor_version(t) == v0 + 2
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    assert _compat.tensor_version(frozen) == -1
+
+
+def test_under_vmap_sees_vmap_at_any_depth() -> None:
+    seen: dict[str, bool] = {}
+
+    def probe(key: str):
+        def f(x: torch.Tensor) -> torch.Tensor:
+            seen[key] = _compat.under_vmap()
+            return x.sum()
+        return f
+
+    seen["outside"] = _compat.under_vmap()
+    torch.func.vmap(probe("vmap"))(torch.ones(2, 3))
+    torch.func.grad(probe("grad"))(torch.ones(3))
+    torch.func.vmap(torch.func.grad(probe("vmap_of_grad")))(torch.ones(2, 3))
+    assert seen == {"outside": False, "vmap": True, "grad": False, "vmap_of_grad": True}
+
+
+def test_tree_flatten_with_path_and_keystr() -> None:
+    tree = ({"w": torch.ones(1), "blocks": [torch.zeros(1)]}, (torch.ones(2),))
+    leaves, spec = _compat.tree_flatten_with_path(tree)
+    assert [_compat.keystr(p) for p, _ in leaves] == ["[0]['w']", "[0]['blocks'][0]", "[1][0]"]
+    assert leaves[2][1] is tree[1][0] and spec == _compat.tree_flatten(tree)[1]
+    assert leaves[1][0][0].idx == 0 and leaves[2][0][1].idx == 0  # SequenceKey.idx: the position

@@ -121,3 +121,57 @@ def test_saved_residuals_lists_tags():
     p, x = params(3, 4, torch.float32, 0), torch.randn(2, 3)
     seen = saved_residuals(block, save_only_these_names("fc1"), p, x)
     assert seen == [("fc1", (2, 4), True), ("act", (2, 4), False), ("count", (), False)]
+
+
+def dropout_block(p: dict, x_ND: torch.Tensor, rate: float) -> torch.Tensor:
+    h_NF = checkpoint_name(linear(x_ND, p["w_fc1"]), "fc1")
+    a_NF = torch.nn.functional.dropout(torch.nn.functional.silu(h_NF), rate, training=True) * p["s_F"]
+    return linear(torch.nn.functional.dropout(a_NF, rate, training=True), p["w_fc2"]) + x_ND
+
+
+def forward_draw_backward(vjp: str, f, p: dict, x: torch.Tensor, ct: torch.Tensor, seed: int):
+    """Seed, forward, draw from the stream, backward, draw again: returns (out, grads, draws)."""
+    torch.manual_seed(seed)
+    if vjp == "split_vjp":
+        out, vjp_dx = split_vjp(f, p, x)
+        mid = torch.rand(3)
+        (dx,), vjp_dw = vjp_dx(ct)
+        grads = (vjp_dw(), dx)
+    elif vjp == "tape":
+        pg = {k: v.detach().requires_grad_() for k, v in p.items()}
+        xg = x.detach().requires_grad_()
+        out = f(pg, xg)
+        mid = torch.rand(3)
+        out.backward(ct)
+        grads = ({k: v.grad for k, v in pg.items()}, xg.grad)
+        out = out.detach()
+    else:
+        out, fn = torch.func.vjp(f, p, x)
+        mid = torch.rand(3)
+        grads = fn(ct)
+    return out, grads, (mid, torch.rand(3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 8), d=st.integers(1, 6), f=st.integers(1, 6), rate=st.sampled_from([0.1, 0.5, 0.9]),
+       policy=st.sampled_from([nothing_saveable, save_only_these_names("fc1")]),
+       vjp=st.sampled_from(["torch.func.vjp", "split_vjp", "tape"]), seed=st.integers(0, 2**16))
+@example(n=4, d=3, f=5, rate=0.5, policy=nothing_saveable, vjp="torch.func.vjp", seed=0)
+@example(n=1, d=1, f=1, rate=0.9, policy=nothing_saveable, vjp="split_vjp", seed=1)
+def test_remat_replays_dropout_and_leaves_the_callers_stream_alone(n, d, f, rate, policy, vjp, seed):
+    """The recompute draws the forward's dropout masks; the draws around it are those without remat."""
+    p = params(d, f, torch.float64, seed)
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ct = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+
+    def plain_f(p, x):
+        return dropout_block(p, x, rate)
+
+    def remat_f(p, x):
+        return remat(dropout_block, policy)(p, x, rate)
+
+    ref_out, ref_grads, ref_draws = forward_draw_backward(vjp, plain_f, p, x, ct, seed)
+    out, grads, draws = forward_draw_backward(vjp, remat_f, p, x, ct, seed)
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+    assert_close(draws, ref_draws)

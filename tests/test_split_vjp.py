@@ -1,4 +1,6 @@
-"""split_vjp against the unsplit torch.func.vjp and float64 finite differences.
+"""split_vjp against the unsplit torch.func.vjp and float64 finite differences, and the checks that keep
+its deferred work from trusting what it captured: in-place writes after vjp_dx, a wrong cotangent, tied
+weights, vmap.
 
 Legend: N rows, D model width, F hidden width, L depth.
 """
@@ -15,9 +17,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from fmoe._compat import get_unwrapped, is_functorch_wrapped
+from fmoe._compat import get_unwrapped, is_functorch_wrapped, tree_flatten
+from fmoe.config import MoEConfig
+from fmoe.layer import init_moe, moe
 from fmoe.ops import linear
-from fmoe.transforms import check_vjp, split_vjp
+from fmoe.transforms import (
+    CaptureModifiedError,
+    WeightGradTape,
+    active_tape,
+    check_vjp,
+    defer_weight_grad,
+    split_vjp,
+)
 from fmoe.transforms.testing import assert_close, float_dtypes
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -176,3 +187,257 @@ def test_has_aux_returns_any_aux():
     assert not is_functorch_wrapped(aux["info"].total)
     (dx,), vjp_dw = vjp_dx(torch.ones_like(out))
     assert_close(vjp_dw(), torch.full((2, 2), 4.0, dtype=torch.float64))
+
+
+# ---- deferred work must not trust what it captured ------------------------------------------------
+
+def captured_mix(p: dict, x_ND: torch.Tensor, extra: dict) -> dict:
+    """Four deferred weight grads, each reading another input: x (w1), an activation and the cotangent
+    (w2), extra['h'] (w3), the param u used as the input of a linear (w4)."""
+    h_NF = torch.tanh(linear(x_ND, p["w1"]))
+    return {"y": linear(h_NF, p["w2"]) + linear(extra["h"], p["w3"]) + linear(p["u"], p["w4"])}
+
+
+def captured_mix_inputs(n: int, d: int, seed: int) -> tuple[dict, torch.Tensor, dict, dict]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=torch.float64)
+
+    params = {"w1": r(d, d + 1), "w2": r(d + 1, d), "w3": r(2, d), "w4": r(3, d), "u": r(n, 3)}
+    return params, r(n, d), {"h": r(n, 2)}, {"y": r(n, d)}
+
+
+MUTATIONS = {
+    "add": lambda t: t.add_(1.0),
+    "neg": lambda t: t.neg_(),
+    "same_values": lambda t: t.mul_(1.0),  # contents unchanged, still a write (tape autograd raises too)
+    "view": lambda t: t[0].fill_(3.0),  # a write through a view bumps the shared version counter
+}
+# target -> (how the error names it, the weight whose deferred gradient reads it), None: not captured
+TARGETS = {
+    "x": (r"argument 0", r"params\['w1'\]"),
+    "extra": (r"argument 1\['h'\]", r"params\['w3'\]"),
+    "cotangent": (r"the cotangent\['y'\]", r"params\['w[234]'\]"),
+    "u": (r"params\['u'\]", r"params\['w4'\]"),
+    "w1": None,  # a weight: dw = x^T g does not read it, so writing it after vjp_dx is harmless
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(target=st.sampled_from(sorted(TARGETS)), mutation=st.sampled_from(sorted(MUTATIONS)),
+       n=st.integers(1, 4), d=st.integers(1, 4), seed=st.integers(0, 2**16))
+@example(target="x", mutation="neg", n=2, d=3, seed=0)
+@example(target="cotangent", mutation="view", n=1, d=1, seed=0)
+@example(target="w1", mutation="add", n=2, d=2, seed=0)
+def test_writing_a_captured_input_after_vjp_dx_raises_and_names_it(target, mutation, n, d, seed):
+    params, x, extra, ct = captured_mix_inputs(n, d, seed)
+    _, ref_fn = torch.func.vjp(captured_mix, params, x, extra)
+    ref = ref_fn(ct)
+    _, vjp_dx = split_vjp(captured_mix, params, x, extra)
+    (dx, dextra), vjp_dw = vjp_dx(ct)
+    assert_close((dx, dextra), ref[1:])
+    victim = {"x": x, "extra": extra["h"], "cotangent": ct["y"], "u": params["u"], "w1": params["w1"]}[target]
+    MUTATIONS[mutation](victim)
+    if TARGETS[target] is None:
+        assert_close(vjp_dw(), ref[0])
+        return
+    who, weight = TARGETS[target]
+    pattern = f"{who} was modified in place after vjp_dx .* deferred weight gradient of {weight}"
+    with pytest.raises(CaptureModifiedError, match=pattern):
+        vjp_dw()
+    with pytest.raises(CaptureModifiedError, match=pattern):  # the same error again, not "already called"
+        vjp_dw()
+
+
+def test_moe_under_split_vjp_refuses_an_input_written_after_vjp_dx():
+    """The case that came out sign-flipped: a pipeline reusing x's buffer before the router's dw ran."""
+    cfg = MoEConfig(d_model=4, d_ff=6, num_experts=4, top_k=2)
+    g = torch.Generator().manual_seed(0)
+    params = init_moe(cfg, g, dtype=torch.float64)
+    x_TD = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    ct_TD = torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+    def f(p, x):
+        return moe(p, x, cfg)[0]
+
+    _, vjp_dx = split_vjp(f, params, x_TD)
+    _, vjp_dw = vjp_dx(ct_TD)
+    x_TD.neg_()
+    with pytest.raises(CaptureModifiedError, match=r"argument 0 was modified in place after vjp_dx"):
+        vjp_dw()
+    # The same schedule with a copy handed over is fine and matches the unsplit vjp.
+    x_TD.neg_()
+    _, ref_fn = torch.func.vjp(f, params, x_TD)
+    ref_dp, _ = ref_fn(ct_TD)
+    _, vjp_dx = split_vjp(f, params, x_TD.clone())
+    _, vjp_dw = vjp_dx(ct_TD)
+    x_TD.neg_()
+    assert_close(vjp_dw(), ref_dp)
+
+
+def test_tape_checks_the_tensors_a_thunk_captured():
+    w, x, g = torch.randn(3, 2), torch.randn(4, 3), torch.randn(4, 2)
+    for captures in (None, (x, g)):  # None: found in the lambda's closure
+        tape = WeightGradTape([w])
+        with active_tape(tape):
+            assert defer_weight_grad(w, lambda: x.t() @ g, captures) is not None
+        x.add_(1.0)
+        with pytest.raises(CaptureModifiedError, match=r"weight 0 \(shape \(3, 2\)\) was modified in place"):
+            tape.run()
+        assert len(tape) == 1  # nothing consumed
+    tape = WeightGradTape([w])
+    with active_tape(tape):
+        defer_weight_grad(w, lambda: x.t() @ g)
+    torch.testing.assert_close(tape.run()[0], x.t() @ g)
+
+
+def test_split_vjp_refuses_vmap():
+    w = torch.randn(3, 4, dtype=torch.float64)
+    xs = torch.randn(5, 2, 3, dtype=torch.float64)
+    cts = torch.randn(5, 2, 4, dtype=torch.float64)
+
+    def per_sample(x, ct):
+        _, vjp_dx = split_vjp(lambda p, x: linear(x, p), w, x)
+        return vjp_dx(ct)[1]()
+
+    with pytest.raises(RuntimeError, match="split_vjp does not support torch.func.vmap"):
+        torch.func.vmap(per_sample)(xs, cts)
+    # vjp_dx under vmap (the forward outside) is refused too, and not used up by the refusal.
+    _, vjp_dx = split_vjp(lambda p, x: linear(x, p), w, xs[0])
+    with pytest.raises(RuntimeError, match="split_vjp does not support torch.func.vmap"):
+        torch.func.vmap(lambda ct: vjp_dx(ct)[1]())(cts[:, 0])
+    _, vjp_dw = vjp_dx(cts[0])
+    assert_close(vjp_dw(), xs[0].t() @ cts[0])
+    # What the message points to: torch.func.vjp inside vmap gives per-sample weight grads.
+    per = torch.func.vmap(lambda x, ct: torch.func.vjp(lambda p: linear(x, p), w)[1](ct)[0])(xs, cts)
+    assert_close(per, torch.einsum("snd,snf->sdf", xs, cts))
+
+
+ROLES = ("deferred", "plain", "sum", "unused")  # a weight-bearing primitive, plain matmul, expanded grad
+
+
+def apply_role(h_ND: torch.Tensor, w_DD: torch.Tensor, role: str) -> torch.Tensor:
+    if role == "deferred":
+        return torch.tanh(linear(h_ND, w_DD))
+    if role == "plain":
+        return torch.tanh(h_ND @ w_DD)
+    if role == "sum":
+        return h_ND * w_DD.sum()  # its gradient is a stride-0 expanded scalar under torch.func.vjp
+    return h_ND
+
+
+@st.composite
+def aliased_case(draw: st.DrawFn) -> dict:
+    """Params (a nested dict) and a weight-like positional arg drawn from a few base tensors, so that one
+    tensor object can sit under several keys (and be the arg too); each use gets a role."""
+    d = draw(st.integers(1, 4))
+    n_base = draw(st.integers(1, 3))
+    keys = draw(st.lists(st.sampled_from(["a", "b", "blk.c", "blk.d", "e"]), min_size=1, max_size=5,
+                         unique=True))
+    which = {k: draw(st.integers(0, n_base - 1)) for k in [*keys, "arg"]}
+    roles = {k: draw(st.sampled_from(ROLES)) for k in [*keys, "arg"]}
+    return {"d": d, "n": draw(st.integers(1, 3)), "n_base": n_base, "which": which, "roles": roles,
+            "seed": draw(st.integers(0, 2**16))}
+
+
+def build_aliased(case: dict) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    g = torch.Generator().manual_seed(case["seed"])
+    d, n = case["d"], case["n"]
+    bases = [torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5 for _ in range(case["n_base"])]
+    params: dict = {}
+    keys = [k for k in case["which"] if k != "arg"]
+    for k in keys:
+        node, *rest = k.split(".")
+        if rest:
+            params.setdefault(node, {})[rest[0]] = bases[case["which"][k]]
+        else:
+            params[k] = bases[case["which"][k]]
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    ct = torch.randn(n, d, generator=g, dtype=torch.float64)
+    return params, x, bases[case["which"]["arg"]], ct, keys
+
+
+def get_key(p: dict, key: str) -> torch.Tensor:
+    node, *rest = key.split(".")
+    return p[node][rest[0]] if rest else p[node]
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=aliased_case())
+@example(case={"d": 3, "n": 2, "n_base": 1, "which": {"a": 0, "b": 0, "arg": 0},
+               "roles": {"a": "deferred", "b": "deferred", "arg": "unused"}, "seed": 0})  # the tied pair
+@example(case={"d": 2, "n": 2, "n_base": 1, "which": {"a": 0, "arg": 0},
+               "roles": {"a": "deferred", "arg": "deferred"}, "seed": 1})  # a param passed as an arg too
+@example(case={"d": 2, "n": 1, "n_base": 2, "which": {"a": 0, "b": 1, "arg": 1},
+               "roles": {"a": "sum", "b": "unused", "arg": "sum"}, "seed": 2})  # expanded grads only
+def test_aliased_leaves_get_their_own_gradients_as_real_tensors(case):
+    params, x, w_arg, ct, keys = build_aliased(case)
+    roles = case["roles"]
+
+    def f(p, x, w_arg):
+        h = x
+        for k in keys:
+            h = apply_role(h, get_key(p, k), roles[k])
+        return apply_role(h, w_arg, roles["arg"])
+
+    _, ref_fn = torch.func.vjp(f, params, x, w_arg)
+    ref_dp, ref_dx, ref_dw_arg = ref_fn(ct)
+    _, vjp_dx = split_vjp(f, params, x, w_arg)
+    (dx, dw_arg), vjp_dw = vjp_dx(ct)
+    dparams = vjp_dw()
+    assert_close((dparams, dx, dw_arg), (ref_dp, ref_dx, ref_dw_arg))
+    for grad in tree_flatten((dparams, dx, dw_arg))[0]:
+        if grad.numel() > 1:
+            assert all(s != 0 for s in grad.stride()), grad.stride()
+        grad.add_(1.0)  # writable: no expanded placeholder
+
+
+COTANGENT_MISTAKES = {
+    "shape": ({"y": torch.ones(2, 5, dtype=torch.float64), "s": torch.ones((), dtype=torch.float64)},
+              r"the cotangent\['y'\] is a torch.float64 tensor of shape \(2, 5\), but the output\['y'\] "
+              r"is a torch.float64 tensor of shape \(2, 4\)"),
+    "dtype": ({"y": torch.ones(2, 4, dtype=torch.float64), "s": torch.ones((), dtype=torch.float32)},
+              r"the cotangent\['s'\] is a torch.float32 tensor of shape \(\), but the output\['s'\] is a "
+              r"torch.float64 tensor of shape \(\)"),
+    "none_leaf": ({"y": None, "s": torch.ones((), dtype=torch.float64)},
+                  r"the cotangent\['y'\] is None, but the output\['y'\] is a torch.float64 tensor"),
+    "missing_key": ({"y": torch.ones(2, 4, dtype=torch.float64)},
+                    r"the cotangent must have the structure of the output"),
+    "bare_tensor": (torch.ones(2, 4, dtype=torch.float64),
+                    r"expected \{'y': Tensor, 's': Tensor\}, got Tensor"),
+    "not_a_tensor": ({"y": torch.ones(2, 4, dtype=torch.float64), "s": 1.0},
+                     r"the cotangent\['s'\] is a float, but the output\['s'\] is a torch.float64 tensor"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(COTANGENT_MISTAKES))
+def test_a_wrong_cotangent_is_named_and_does_not_use_up_vjp_dx(mistake):
+    w = torch.randn(3, 4, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def f(p, x):
+        y = linear(x, p)
+        return {"y": y, "s": y.square().sum()}
+
+    bad, pattern = COTANGENT_MISTAKES[mistake]
+    _, vjp_dx = split_vjp(f, w, x)
+    with pytest.raises(ValueError, match=pattern):
+        vjp_dx(bad)
+    ct = {"y": torch.randn(2, 4, dtype=torch.float64), "s": torch.tensor(0.5, dtype=torch.float64)}
+    (dx,), vjp_dw = vjp_dx(ct)  # the retry works
+    _, ref_fn = torch.func.vjp(f, w, x)
+    assert_close((vjp_dw(), dx), ref_fn(ct))
+
+
+def test_vjp_dw_does_not_hold_inputs_its_thunks_do_not_read():
+    """The weak references kept for naming a modified input must not keep that input alive until dw."""
+    w = torch.randn(3, 4, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    _, vjp_dx = split_vjp(lambda p, x: linear(torch.tanh(x), p), w, x)  # dw reads tanh(x), not x
+    _, vjp_dw = vjp_dx(torch.ones(2, 4, dtype=torch.float64))
+    ref = weakref.ref(x)
+    del x, vjp_dx
+    gc.collect()
+    assert ref() is None
+    assert vjp_dw().shape == (3, 4)

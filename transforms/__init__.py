@@ -4,6 +4,7 @@ Installed and imported as `fmoe.transforms` (the folder is transforms/ at the to
 `check_vjp` and `assert_close` load `fmoe.transforms.testing` (and hypothesis) on first use.
 """
 
+from fmoe._lazy import lazy_exports
 from fmoe.transforms.remat import checkpoint_name as checkpoint_name
 from fmoe.transforms.remat import everything_saveable as everything_saveable
 from fmoe.transforms.remat import nothing_saveable as nothing_saveable
@@ -13,12 +14,11 @@ from fmoe.transforms.remat import saved_residuals as saved_residuals
 from fmoe.transforms.split_vjp import DwFn as DwFn
 from fmoe.transforms.split_vjp import DxFn as DxFn
 from fmoe.transforms.split_vjp import split_vjp as split_vjp
+from fmoe.transforms.tape import CaptureModifiedError as CaptureModifiedError
 from fmoe.transforms.tape import WeightGradTape as WeightGradTape
 from fmoe.transforms.tape import active_tape as active_tape
 from fmoe.transforms.tape import current_tape as current_tape
 from fmoe.transforms.tape import defer_weight_grad as defer_weight_grad
 from fmoe.transforms.tape import weight_grad_or_defer as weight_grad_or_defer
-
-from fmoe._lazy import lazy_exports
 
 __getattr__, __dir__ = lazy_exports(__name__, {"assert_close": ".testing", "check_vjp": ".testing"})

@@ -18,6 +18,11 @@ Policies, as in JAX (`jax.checkpoint_policies`):
   saved value still run in the recompute when their own backward needs them; what the policy
   guarantees is value identity, and that only the tagged values are held between forward and
   backward. `saved_residuals` lists what a policy keeps.
+
+Random state: as `torch.utils.checkpoint` does (preserve_rng_state=True), the forward saves the CPU
+generator's state and that of each device generator the inputs live on, and the recompute runs from
+those states, so dropout draws the same mask twice. The caller's generators are put back after the
+recompute: the random stream seen outside is the one without remat.
 """
 
 from __future__ import annotations
@@ -88,12 +93,45 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     return x + (saved - x).detach()  # the saved value, with the gradient still flowing into x
 
 
+@dataclass
+class _RngState:
+    """The CPU generator's state and, per device, that device's default generator state."""
+
+    cpu: torch.Tensor
+    devices: list[tuple[torch.device, torch.Tensor]]
+
+
+def _rng_devices(leaves: list[Any]) -> list[torch.device]:
+    """Return the distinct non-CPU devices of the tensor leaves whose generators can be saved, in order."""
+    found: list[torch.device] = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta") and t.device not in found:
+            if hasattr(torch.get_device_module(t.device), "get_rng_state"):
+                found.append(t.device)
+    return found
+
+
+def _get_rng(devices: list[torch.device]) -> _RngState:
+    """Return the current state of the CPU generator and of the default generator of each of `devices`."""
+    return _RngState(torch.get_rng_state(),
+                     [(d, torch.get_device_module(d).get_rng_state(d)) for d in devices])
+
+
+def _set_rng(state: _RngState) -> None:
+    """Make `state` the current state of the generators it holds; returns None."""
+    torch.set_rng_state(state.cpu)
+    for d, s in state.devices:
+        torch.get_device_module(d).set_rng_state(s, d)
+
+
 class _Plan:
     """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
 
     def __init__(self, f: Callable[..., Any], leaves: list[Any], spec: Any, diff_pos: list[int],
-                 policy: Policy):
+                 policy: Policy, rng_devices: list[torch.device] | None):
         self.f, self.leaves, self.spec, self.diff_pos, self.policy = f, leaves, spec, diff_pos, policy
+        self.rng_devices = rng_devices  # None: do not preserve the random state
+        self.rng: _RngState | None = None
         self.out_spec: Any = None
         self.out_static: list[Any] = []
         self.out_tensor_pos: list[int] = []
@@ -120,6 +158,8 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(plan: _Plan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan.record = _Record(plan.policy)
+        if plan.rng_devices is not None:
+            plan.rng = _get_rng(plan.rng_devices)
         _RECORDS.append(plan.record)
         try:
             outs = plan.call(xs)
@@ -140,6 +180,11 @@ class _Remat(torch.autograd.Function):
         xs = ctx.saved_tensors
         record = plan.record
         record.replay, record.cursor = True, {}
+        rng, caller_rng = plan.rng, None
+        if rng is not None:
+            # The recompute draws what the forward drew; the caller's stream resumes where it was.
+            caller_rng = _get_rng([d for d, _ in rng.devices])
+            _set_rng(rng)
         _RECORDS.append(record)
         try:
             with torch.enable_grad():
@@ -150,18 +195,23 @@ class _Remat(torch.autograd.Function):
                 outs, vjp_fn, _ = torch.func.vjp(float_outs, *xs, has_aux=True)
         finally:
             _RECORDS.pop()
+            if caller_rng is not None:
+                _set_rng(caller_rng)
         float_grads = [g for g, o in zip(grads, ctx.output_is_float) if o]
         cts = tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, float_grads))
         dxs = vjp_fn(cts, retain_graph=False)
         return (None, *dxs)
 
 
-def remat(f: Callable[..., Any], policy: Policy = nothing_saveable) -> Callable[..., Any]:
+def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
+          preserve_rng_state: bool = True) -> Callable[..., Any]:
     """Return g with g(*args) == f(*args) whose backward recomputes f's activations (see module doc).
 
     Differentiable inputs are the floating-point tensor leaves of args (pytrees allowed); other leaves
     are passed through. Outputs may be any pytree; its non-tensor leaves are returned as computed in
-    the forward.
+    the forward. `preserve_rng_state` (default True): the recompute replays the random state of the
+    forward (CPU generator, and the generators of the devices the inputs live on), so random ops such as
+    dropout give the gradients of f itself; False skips saving it (only for f that draws nothing).
     """
     if policy.save_all:
         return f
@@ -169,7 +219,7 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable) -> Callable[
     def rematted(*args: Any) -> Any:
         leaves, spec = tree_flatten(args)
         diff_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-        plan = _Plan(f, leaves, spec, diff_pos, policy)
+        plan = _Plan(f, leaves, spec, diff_pos, policy, _rng_devices(leaves) if preserve_rng_state else None)
         outs = _Remat.apply(plan, *[leaves[i] for i in diff_pos])
         return plan.rebuild(outs)
 

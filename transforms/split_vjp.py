@@ -8,19 +8,46 @@ Built on `torch.func.vjp`. During `vjp_dx` a `WeightGradTape` over the parameter
 weight-bearing primitives (`fmoe.ops.linear`, `grouped_linear`, ...) return dx only and record their
 weight-grad thunks there. Parameters that no such primitive consumes (norm scales, biases) get their
 gradients in the dx pass; `vjp_dw` returns them together with the deferred ones. Unused leaves get
-zeros; a weight used twice accumulates.
+zeros; a weight used twice accumulates. Every returned gradient is a real tensor (no stride-0 expanded
+one), safe to accumulate into in place.
+
+What is checked, so that deferred work never trusts what it captured without asking:
+- A tensor that a deferred thunk reads (an input, a param, the cotangent, an activation) modified in
+  place between `vjp_dx` and `vjp_dw` (a reused receive buffer): `vjp_dw` raises `CaptureModifiedError`
+  naming it (`argument 0`, `params['w']`, `the cotangent['y']`), from version counters, no copies.
+- The cotangent's structure, shapes and dtypes against the output, before `vjp_dx` is used up: a
+  mismatch raises ValueError naming the leaf, and `vjp_dx` can be called again with the right one.
+- One tensor under several keys (tied weights): each key gets its own gradient, as `torch.func.vjp`
+  gives it (the tape tells the keys apart by giving each repeat its own alias, a view: no copy).
+- `torch.func.vmap`: refused (RuntimeError), since the deferred thunks run outside it and would give
+  every sample the whole batch's weight gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, overload
 
 import torch
-from fmoe.transforms.tape import WeightGradTape, active_tape
 
-from fmoe._compat import tree_flatten, tree_unflatten
+from fmoe._compat import (
+    keystr,
+    tensor_version,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+    under_vmap,
+)
+from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, unwrapped
+
+VMAP_MESSAGE = (
+    "split_vjp does not support torch.func.vmap: its deferred weight gradients run outside the vmap, so "
+    "every sample would get the whole batch's weight gradient. Call split_vjp outside vmap on the batched "
+    "tensors (weight gradients summed over the batch), or use torch.func.vjp inside vmap for per-sample "
+    "gradients."
+)
 
 
 def _split_tensors(tree: Any, found: list[torch.Tensor]) -> Any:
@@ -66,6 +93,108 @@ def _is_diff(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
 
 
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Return `tensors` with every repeat of an object replaced by its own alias (a view, no copy).
+
+    The tape tells weights apart by object identity; a tensor under two keys (tied weights) would
+    otherwise give one key both keys' deferred gradients and the other none.
+    """
+    seen: set[int] = set()
+    out = list(tensors)
+    for k, t in enumerate(out):
+        if id(t) in seen:
+            out[k] = t.view_as(t)
+        else:
+            seen.add(id(t))
+    return out
+
+
+def _writable(g: Any) -> Any:
+    """Return `g`, materialised when it is an expanded tensor (stride 0 along a dim of size > 1).
+
+    torch.func.vjp can hand back expanded gradients (the backward of a sum, the tape's zero placeholder);
+    a caller that accumulates into a gradient in place needs one element per memory location.
+    """
+    if isinstance(g, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
+        return g.contiguous()
+    return g
+
+
+def _paths(spec: Any) -> list[tuple[Any, ...]] | None:
+    """Return the key path of every leaf of `spec`, in flattening order, or None when a node of it has no
+    key paths (a custom pytree node registered without them). For error messages only."""
+    try:
+        return [p for p, _ in tree_flatten_with_path(tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
+    except Exception:  # the message falls back to leaf numbers; never mask the error being reported
+        return None
+
+
+def _describe_leaf(x: Any) -> str:
+    """Return `x` in words for an error message: its dtype and shape, or its type."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return "None" if x is None else f"a {type(x).__name__}"
+
+
+class _Kind:
+    """A leaf of a structure sketch in an error message: prints as its kind (`Tensor`, `int`, ...)."""
+
+    def __init__(self, x: Any):
+        self.name = "Tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _check_cotangent(cotangent: Any, out_spec: Any, out_meta: Sequence[tuple[torch.Size, torch.dtype]]
+                     ) -> list[torch.Tensor]:
+    """Return the cotangent's leaves; raise ValueError naming the first leaf whose structure, shape or
+    dtype differs from the output's (torch.func.vjp would fail only after vjp_dx was used up, or cast)."""
+    leaves, spec = tree_flatten(cotangent)
+    if spec != out_spec:
+        expected = tree_unflatten([_Kind(torch.empty(()))] * out_spec.num_leaves, out_spec)
+        got = tree_unflatten([_Kind(x) for x in leaves], spec)
+        raise ValueError(
+            "split_vjp: vjp_dx: the cotangent must have the structure of the output: expected "
+            f"{expected!r}, got {got!r} "
+            "(vjp_dx was not used up: call it again with a matching cotangent)")
+    for k, (c, (shape, dtype)) in enumerate(zip(leaves, out_meta)):
+        if not isinstance(c, torch.Tensor) or c.shape != shape or c.dtype != dtype:
+            paths = _paths(out_spec)
+            path = keystr(paths[k]) if paths is not None else f" (leaf {k})"
+            raise ValueError(
+                f"split_vjp: vjp_dx: the cotangent{path} is {_describe_leaf(c)}, but the output{path} is a "
+                f"{dtype} tensor of shape {tuple(shape)} (vjp_dx was not used up: call it again with a "
+                "matching cotangent)")
+    return leaves
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Return the address of `t`'s storage (shared by its views and detaches), or None if it has none."""
+    try:
+        ptr = unwrapped(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptr or None
+
+
+def _modified_message(err: CaptureModifiedError, candidates: Sequence[tuple[str, torch.Tensor | None]],
+                      weight: str) -> str:
+    """Return split_vjp's message for `err`: which input (of `candidates`, label and tensor) was modified
+    in place (the one sharing the captured tensor's storage, preferring one at its current version)."""
+    ptr = _storage_ptr(err.tensor)
+    same = [(label, t) for label, t in candidates if t is not None and ptr is not None
+            and _storage_ptr(t) == ptr]
+    exact = [label for label, t in same if tensor_version(t) == err.current]
+    who = exact[0] if exact else same[0][0] if same else (
+        f"a tensor of shape {tuple(err.tensor.shape)} (no input or cotangent of this split_vjp shares its "
+        "memory; an activation the function kept?)")
+    return (f"split_vjp: {who} was modified in place after vjp_dx (version {err.recorded} -> {err.current}), "
+            f"but the deferred weight gradient of {weight} reads it and would silently use the new contents. "
+            "Call vjp_dw before writing to it, or hand split_vjp / vjp_dx a tensor nobody writes to (a "
+            "copy of a reused buffer).")
+
+
 class _Once:
     """Guards a pass that may run only once, in order."""
 
@@ -83,7 +212,10 @@ class DwFn(Protocol):
     """The weight-grad pass `vjp_dw() -> dparams` returned by a `DxFn`.
 
     `dparams` has the pytree structure of `params` (one gradient per float leaf, zeros for unused ones,
-    None for non-float leaves). Callable once; afterwards neither activations nor tape entries are held.
+    None for non-float leaves), every gradient a real (not expanded) tensor. Callable once; afterwards
+    neither activations nor tape entries are held. Raises `CaptureModifiedError`, naming the tensor and the
+    weight, when a tensor a deferred weight gradient reads was modified in place after `vjp_dx` (and
+    again on every call: it is not used up by the refusal).
     """
 
     def __call__(self) -> Any: ...
@@ -94,7 +226,8 @@ class DxFn(Protocol):
 
     `cotangent` has the structure of `out`; `dargs` is a tuple with one gradient pytree per positional
     arg of f after params (None for non-float leaves); `vjp_dw` is the deferred weight-grad pass. Callable
-    once.
+    once. A cotangent whose structure, a shape or a dtype differs from `out`'s raises ValueError naming the
+    leaf, and does not use the pass up; under `torch.func.vmap` it raises RuntimeError.
     """
 
     def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], DwFn]: ...
@@ -119,12 +252,16 @@ def split_vjp(
     unwrapped. `vjp_dx: DxFn` maps a cotangent of `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns
     `dparams` with the structure of `params`. Each may be called once; `vjp_dw` exists only after
     `vjp_dx`, so the order is enforced by construction. After `vjp_dw` returns, neither activations nor
-    tape entries are held.
+    tape entries are held; the inputs are not held by `vjp_dw` (only what its thunks read). A tensor
+    under several keys gets one gradient per key, as with `torch.func.vjp`. Raises RuntimeError under
+    `torch.func.vmap` (see `VMAP_MESSAGE`).
     """
+    if under_vmap():
+        raise RuntimeError(VMAP_MESSAGE)
     leaves, spec = tree_flatten((params, args))
-    n_param_leaves = len(tree_flatten(params)[0])
+    n_leaves, n_param_leaves = len(leaves), len(tree_flatten(params)[0])
     diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
-    diff_leaves = [leaves[i] for i in diff_pos]
+    diff_leaves = _distinct([leaves[i] for i in diff_pos])
     param_diff = [(k, i) for k, i in enumerate(diff_pos) if i < n_param_leaves]
 
     def flat_f(*xs: torch.Tensor) -> Any:
@@ -148,33 +285,64 @@ def split_vjp(
         aux = _fill_tensors(aux_skeleton[0], aux_tensors)
     else:
         out, vjp_fn = torch.func.vjp(flat_f, *diff_leaves)
+    out_leaves, out_spec = tree_flatten(out)
+    out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff])
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
 
     def vjp_dx(cotangent: Any) -> tuple[tuple[Any, ...], DwFn]:
+        if under_vmap():
+            raise RuntimeError(VMAP_MESSAGE)
+        ct_leaves = _check_cotangent(cotangent, out_spec, out_meta)
         dx_once.claim()
+        # Weak references, for naming an input in vjp_dw's error only: holding them must not keep memory.
+        arg_refs = [(i, weakref.ref(leaves[i])) for i in range(n_param_leaves, n_leaves)
+                    if isinstance(leaves[i], torch.Tensor)]
+        ct_refs = [weakref.ref(c) for c in ct_leaves]
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):
             grads = fn(cotangent, retain_graph=False)
         del fn
-        full: list[Any] = [None] * len(leaves)
+        full: list[Any] = [None] * n_leaves
         for i, g in zip(diff_pos, grads):
-            full[i] = g
+            full[i] = g if i < n_param_leaves else _writable(g)
         _, dargs = tree_unflatten(full, spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
         del grads, full
         dw_once = _Once("vjp_dw")
 
+        def modified_message(err: CaptureModifiedError) -> str:
+            paths, ct_paths = _paths(spec), _paths(out_spec)
+            labels = ([f"params{keystr(p[1:])}" if p[0].idx == 0 else f"argument {p[1].idx}{keystr(p[2:])}"
+                       for p in paths] if paths is not None else
+                      [f"params leaf {i}" if i < n_param_leaves else f"argument leaf {i - n_param_leaves}"
+                       for i in range(n_leaves)])
+            ct_labels = ([f"the cotangent{keystr(p)}" for p in ct_paths] if ct_paths is not None else
+                         [f"the cotangent (leaf {k})" for k in range(len(ct_refs))])
+            candidates = ([(labels[i], r()) for i, r in arg_refs]
+                          + [(lb, r()) for lb, r in zip(ct_labels, ct_refs)]
+                          + [(labels[i], p) for i, p in enumerate(tree_flatten(params)[0])
+                             if isinstance(p, torch.Tensor)])
+            return _modified_message(err, candidates, labels[param_diff[err.weight_index][1]])
+
         def vjp_dw() -> Any:
+            if not dw_once.done:
+                try:
+                    state["tape"].check()  # before claiming: the error repeats, never "already called"
+                except CaptureModifiedError as err:
+                    raise CaptureModifiedError(modified_message(err), tensor=err.tensor,
+                                               weight_index=err.weight_index, recorded=err.recorded,
+                                               current=err.current) from None
             dw_once.claim()
             tape = state.pop("tape")
             deferred = tape.run()
             tape.clear()
             flat_params: list[Any] = [None] * n_param_leaves
             for (_, i), now, later in zip(param_diff, dx_param_grads, deferred):
-                flat_params[i] = now if later is None else (later if now is None else later.add_(now))
+                g = now if later is None else (later if now is None else later.add_(now))
+                flat_params[i] = _writable(g)
             dx_param_grads.clear()
             return tree_unflatten(flat_params, tree_flatten(params)[1])
 

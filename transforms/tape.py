@@ -6,6 +6,12 @@ tape whether it defers that weight; if so its backward returns only dx and recor
 computes dw later from plain tensors. `WeightGradTape.run()` evaluates the thunks and sums them per
 parameter (a weight used twice accumulates).
 
+A thunk runs after the dx pass, on tensors it captured then. Each entry keeps the version counters of
+its captured tensors (`tensor_version`, bumped by every in-place write) as they were when it was
+recorded; `check()` (and so `run()`) raises `CaptureModifiedError` when one has moved, as tape autograd
+does for a saved tensor modified in place, instead of computing dw from the new contents. The check
+reads integers only: no copies.
+
 Identity matters: a tape defers exactly the tensors it was built with (the parameter leaves handed
 to `split_vjp`). A primitive sees the very same tensor objects in its `forward`, also under nested
 `torch.func` transforms, so deferral is decided by object identity. A weight that is an
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fmoe._compat import get_unwrapped, is_functorch_wrapped
+from fmoe._compat import get_unwrapped, is_functorch_wrapped, tensor_version
 
 # The active tape is process-wide, not a contextvar: the autograd engine may run a backward on its own
 # device threads (CUDA), where a contextvar set by the caller would be invisible. One dx pass runs at a
@@ -46,39 +52,84 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return unwrapped(t).detach()
 
 
+class CaptureModifiedError(RuntimeError):
+    """A tensor captured by a deferred weight-grad thunk was modified in place after the thunk was recorded.
+
+    `tensor` is the captured (plain) tensor, `weight_index` the tape position of the weight whose
+    gradient needs it, `recorded` / `current` its version counter then and now.
+    """
+
+    def __init__(self, message: str, *, tensor: torch.Tensor, weight_index: int, recorded: int,
+                 current: int):
+        super().__init__(message)
+        self.tensor, self.weight_index, self.recorded, self.current = tensor, weight_index, recorded, current
+
+
+# One queued thunk: (weight index, thunk, captured tensors, their versions when recorded).
+_Entry = tuple[int, Callable[[], torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]
+
+
 class WeightGradTape:
     """Deferred weight-gradient thunks for a fixed list of parameter tensors.
 
-    `defers(w)` is True when `w` is one of the tensors the tape was built with. `record(w, thunk)`
-    stores `thunk() -> dw` (same shape as `w`). `run()` returns one gradient (or None) per parameter,
-    in construction order, and empties the tape.
+    `defers(w)` is True when `w` is one of the tensors the tape was built with. `record(w, thunk,
+    captures)` stores `thunk() -> dw` (same shape as `w`) with the versions of the tensors it reads.
+    `check()` raises `CaptureModifiedError` if one of those was modified in place since; `run()` checks,
+    then returns one gradient (or None) per parameter, in construction order, and empties the tape.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor]):
         self._weights = list(weights)
         self._index = {id(w): i for i, w in enumerate(self._weights)}
-        self._entries: list[tuple[int, Callable[[], torch.Tensor]]] = []
+        self._entries: list[_Entry] = []
 
     def defers(self, w: torch.Tensor) -> bool:
         """True when the weight gradient of `w` goes on this tape instead of the dx pass."""
         return id(w) in self._index
 
-    def record(self, w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> None:
-        """Queue `thunk() -> dw` for weight `w` (which this tape must defer)."""
+    def record(self, w: torch.Tensor, thunk: Callable[[], torch.Tensor],
+               captures: Sequence[torch.Tensor] = ()) -> None:
+        """Queue `thunk() -> dw` for weight `w` (which this tape must defer); returns None.
+
+        `captures`: the tensors `thunk` reads; their version counters are kept, and `check()` / `run()`
+        refuse to run the thunk once one of them has been modified in place.
+        """
         if id(w) not in self._index:
             raise ValueError("record(): this tape does not defer that tensor; ask defers(w) first")
-        self._entries.append((self._index[id(w)], thunk))
+        caps = tuple(captures)
+        self._entries.append((self._index[id(w)], thunk, caps, tuple(tensor_version(t) for t in caps)))
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def check(self) -> None:
+        """Return None if every captured tensor is as it was when recorded; else raise CaptureModifiedError.
+
+        Reads the version counters only (no copies). Nothing is consumed, so the tape can still run
+        once the caller knows better.
+        """
+        for i, _, caps, versions in self._entries:
+            for t, v in zip(caps, versions):
+                now = tensor_version(t)
+                if now != v:
+                    raise CaptureModifiedError(
+                        f"a tensor of shape {tuple(t.shape)} captured by the deferred weight gradient of "
+                        f"weight {i} (shape {tuple(self._weights[i].shape)}) was modified in place after "
+                        f"it was recorded (version {v} -> {now}); the deferred gradient would use the new "
+                        "contents", tensor=t, weight_index=i, recorded=v, current=now)
+
     def run(self) -> list[torch.Tensor | None]:
-        """Evaluate all thunks, summing per weight; returns [dw or None] per weight. Empties the tape."""
+        """Evaluate all thunks, summing per weight; returns [dw or None] per weight. Empties the tape.
+
+        Raises CaptureModifiedError (before running any thunk, leaving the tape as it was) when `check()`
+        fails.
+        """
+        self.check()
         grads: list[torch.Tensor | None] = [None] * len(self._weights)
         entries, self._entries = self._entries, []
         with torch.no_grad():
             while entries:
-                i, thunk = entries.pop(0)
+                i, thunk, _, _ = entries.pop(0)
                 g = thunk()
                 if g.shape != self._weights[i].shape:
                     raise RuntimeError(
@@ -110,14 +161,34 @@ def current_tape() -> WeightGradTape | None:
     return _ACTIVE[-1]
 
 
-def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+def _closure_tensors(thunk: Callable[[], Any]) -> list[torch.Tensor]:
+    """Return the tensors `thunk` closes over: its closure cells' tensors and tensors in list/tuple cells."""
+    found: list[torch.Tensor] = []
+    for cell in getattr(thunk, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(x for x in v if isinstance(x, torch.Tensor))
+    return found
+
+
+def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor],
+                      captures: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
     """Record `thunk` on the active tape if it defers `w`; returns the placeholder gradient, else None.
 
     The low-level step (a primitive's backward calls `weight_grad_or_defer`, which wraps it):
 
-        dw = defer_weight_grad(w, lambda: x_keep.t() @ g_keep)
+        dw = defer_weight_grad(w, lambda: x_keep.t() @ g_keep, captures=(x_keep, g_keep))
         if dw is None:
             dw = x.t() @ g          # no tape, or not one of its weights: compute now
+
+    `captures`: the (plain) tensors the thunk reads; the tape refuses to run it once one of them was
+    modified in place (`CaptureModifiedError`). None (default) takes the tensors in the thunk's closure
+    cells (directly or in a list/tuple cell), which covers a lambda over plain tensors.
 
     The placeholder is a stride-0 zero of w's shape (no memory, no memset), so the dx pass does not
     materialise a zero gradient for every deferred weight as `torch.func.vjp` would for a None.
@@ -126,7 +197,7 @@ def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor]) -> tor
     w = unwrapped(w)
     if tape is None or not tape.defers(w):
         return None
-    tape.record(w, thunk)
+    tape.record(w, thunk, _closure_tensors(thunk) if captures is None else captures)
     return w.new_zeros(()).expand(w.shape)
 
 
@@ -138,9 +209,11 @@ def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], 
 
         dw = weight_grad_or_defer(ctx.w_plain, _weight_grad, x_ND, g_NF)
 
-    The queued thunk holds `plain` copies of the tensor args (they must outlive the vjp); other args pass
-    as they are. `compute` must return a tensor of w's shape.
+    The queued thunk holds `plain` aliases of the tensor args (detached, unwrapped, no data copied: they
+    must outlive the vjp), and the tape checks their version counters before running it: an arg modified
+    in place after the dx pass raises `CaptureModifiedError` at `run()`. Other args pass as they are.
+    `compute` must return a tensor of w's shape.
     """
     keep = [plain(a) if isinstance(a, torch.Tensor) else a for a in args]
-    dw = defer_weight_grad(w, lambda: compute(*keep))
+    dw = defer_weight_grad(w, lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)])
     return compute(*args) if dw is None else dw
