@@ -7,6 +7,8 @@ All losses take fp32 (fp64) router quantities and return a differentiable scalar
 full per-token score distribution (softmax scores, or sigmoid scores divided by their per-token sum)
 and `counts_E` the number of (token, slot) pairs routed to each expert before any capacity drop.
 With perfectly uniform routing (probs 1/E, counts T*K/E) both balance losses equal their coefficient.
+A loss whose coefficient is 0 is an exact 0 (`graph_zero`), not 0 * (a function of the data): a NaN or
+an infinity in one token must not turn a switched-off loss into NaN (0 * NaN = NaN).
 """
 
 from __future__ import annotations
@@ -14,9 +16,18 @@ from __future__ import annotations
 import torch
 
 
+def graph_zero(x_TX: torch.Tensor) -> torch.Tensor:
+    """Return an exact 0 scalar of x's dtype that is on x's autograd graph (its gradient w.r.t. x is 0)
+    without reading x's values: the sum of an empty slice. `x.sum() * 0` would be NaN for a NaN in x."""
+    return x_TX[:0].sum()
+
+
 def aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, coef: float) -> torch.Tensor:
-    """Return coef * E * sum_e f_e * P_e: f_e = counts_E[e] / (T*K), P_e = mean_t probs_TE[t, e]."""
+    """Return coef * E * sum_e f_e * P_e: f_e = counts_E[e] / (T*K), P_e = mean_t probs_TE[t, e]
+    (an exact 0 when coef is 0)."""
     T, E = probs_TE.shape
+    if not coef:
+        return graph_zero(probs_TE)
     f_E = counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
     P_E = probs_TE.mean(0) if T else probs_TE.sum(0)
     return coef * E * (f_E * P_E).sum()
@@ -27,11 +38,14 @@ def seq_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int, coe
 
     Per sequence: coef * sum_e f_e P_e with f_e = E / (K * S) * (tokens of the sequence choosing e) and
     P_e the mean over the sequence of probs_TE[:, e]. Tokens are sequence-major (t = b * S + s).
+    An exact 0 when coef is 0; ValueError unless seq_len is a positive int dividing T.
     """
     T, E = probs_TE.shape
     K = ids_TK.shape[1]
-    if T % seq_len:
+    if seq_len <= 0 or T % seq_len:
         raise ValueError(f"seq_aux_loss: {T} tokens are not a whole number of sequences of {seq_len}")
+    if not coef:
+        return graph_zero(probs_TE)
     B = T // seq_len
     ids_BN = ids_TK.reshape(B, seq_len * K)
     counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
@@ -42,9 +56,10 @@ def seq_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int, coe
 
 
 def z_loss(logits_TE: torch.Tensor, coef: float) -> torch.Tensor:
-    """Return coef * mean_t logsumexp(logits_TE[t])^2 (ST-MoE router z-loss)."""
-    if logits_TE.shape[0] == 0:
-        return logits_TE.sum() * 0
+    """Return coef * mean_t logsumexp(logits_TE[t])^2 (ST-MoE router z-loss); an exact 0 when coef is 0
+    or there are no tokens."""
+    if logits_TE.shape[0] == 0 or not coef:
+        return graph_zero(logits_TE)
     return coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 

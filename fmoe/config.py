@@ -3,6 +3,15 @@
 Both are frozen dataclasses validated at construction: a bad combination raises ValueError naming the
 field, so a typo fails at config time rather than as a shape error deep in a forward.
 
+One rule for every numeric and bool field (fmoe/_checks.py), applied at construction:
+- int fields take any integral number that is not a bool (numpy integers included) and store an int;
+  8.0, True and "8" are refused;
+- float fields take any finite real number that is not a bool (int, numpy floating, Fraction) and store
+  a Python float; NaN, infinities, bools and strings are refused, and each has its range (coefficients
+  >= 0, scales > 0, rope_theta > 0, ...);
+- bool fields must be exactly True or False ("False" is a truthy string, numpy.bool_ is not a bool).
+So after construction a config holds only Python ints, floats, bools, strings and None.
+
 Legend (the package's, docs/moe.md): D model width, F expert ffn width, E routed experts, K top-k slots,
 J expert groups, H query heads, G kv heads, d head dim.
 """
@@ -10,32 +19,41 @@ J expert groups, H query heads, G kv heads, d head dim.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from fmoe._checks import positive as _positive
+from fmoe._checks import choice as _choice
+from fmoe._checks import flag as _flag
+from fmoe._checks import integer as _integer
+from fmoe._checks import real as _real
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")
 DROP_POLICIES = ("probs", "position")
+BACKENDS = (None, "grouped_mm", "loop", "npu")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _normalise(cfg: object, ints: dict[str, int], reals: dict[str, tuple[float, bool]],
+               flags: tuple[str, ...]) -> None:
+    """Validate and normalise the numeric and bool fields of the frozen dataclass `cfg` in place.
 
-
-def _finite(name: str, value: object, lower: float, strict: bool) -> None:
-    """Require a finite real number (not a bool or a string) > lower (strict) or >= lower."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if (value <= lower) if strict else (value < lower):
-        raise ValueError(f"{name} must be {'>' if strict else '>='} {lower}, got {value!r}")
-
-
-def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
-    if value not in options:
-        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+    ints: field -> minimum (an integral number, not a bool, stored as int; None allowed for the fields
+    whose default is None); reals: field -> (lower bound, strict) (a finite real number, not a bool,
+    stored as float; None allowed likewise); flags: fields that must be Python bools. The rules are
+    those of fmoe/_checks.py; messages name the field as `ClassName.field`.
+    """
+    cls = type(cfg).__name__
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}  # type: ignore[arg-type]
+    for name, minimum in ints.items():
+        value = getattr(cfg, name)
+        if value is not None or defaults[name] is not None:
+            object.__setattr__(cfg, name, _integer(f"{cls}.{name}", value, minimum))
+    for name, (lower, strict) in reals.items():
+        value = getattr(cfg, name)
+        if value is not None or defaults[name] is not None:
+            object.__setattr__(cfg, name, _real(f"{cls}.{name}", value, lower, strict))
+    for name in flags:
+        _flag(f"{cls}.{name}", getattr(cfg, name))
 
 
 @dataclass(frozen=True)
@@ -102,17 +120,20 @@ class MoEConfig:
     remat_load_scale: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff", "num_experts", "top_k", "num_groups", "topk_groups"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ValueError(f"MoEConfig.{name} must be an int, got {value!r}")
-            _positive(f"MoEConfig.{name}", value)
+        _normalise(self,
+                   ints={"d_model": 1, "d_ff": 1, "num_experts": 1, "top_k": 1, "num_groups": 1,
+                         "topk_groups": 1, "dynamic_capacity_window": 0, "num_shared_experts": 0},
+                   reals={"topk_scale": (0.0, True), "aux_loss_coef": (0.0, False),
+                          "seq_aux_loss_coef": (0.0, False), "z_loss_coef": (0.0, False),
+                          "bias_update_rate": (0.0, False), "capacity_factor": (0.0, True),
+                          "dynamic_capacity_margin": (1.0, False), "remat_load_scale": (0.0, True)},
+                   flags=("pad_to_capacity", "shared_expert_gate", "probs_in_expert", "adaptive_remat"))
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         _choice("MoEConfig.score_func", self.score_func, SCORE_FUNCS)
         _choice("MoEConfig.topk_norm", self.topk_norm, TOPK_NORMS)
         _choice("MoEConfig.drop_policy", self.drop_policy, DROP_POLICIES)
-        _finite("MoEConfig.topk_scale", self.topk_scale, 0, strict=True)
+        _choice("MoEConfig.backend", self.backend, BACKENDS)
         if self.num_experts % self.num_groups:
             raise ValueError(f"MoEConfig.num_groups ({self.num_groups}) must divide num_experts "
                              f"({self.num_experts})")
@@ -122,27 +143,12 @@ class MoEConfig:
         if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
             raise ValueError(f"MoEConfig.top_k ({self.top_k}) exceeds the experts reachable in topk_groups "
                              f"({self.topk_groups} x {self.num_experts // self.num_groups})")
-        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            _finite(f"MoEConfig.{name}", getattr(self, name), 0, strict=False)
-        if self.capacity_factor is not None:
-            _finite("MoEConfig.capacity_factor", self.capacity_factor, 0, strict=True)
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("MoEConfig.pad_to_capacity needs a capacity_factor (drop-and-pad)")
-        if not _is_int(self.dynamic_capacity_window) or self.dynamic_capacity_window < 0:
-            raise ValueError(f"MoEConfig.dynamic_capacity_window must be an int >= 0, got "
-                             f"{self.dynamic_capacity_window!r}")
         if self.dynamic_capacity_window and self.capacity_factor is not None:
             raise ValueError("MoEConfig.dynamic_capacity_window is dropless: leave capacity_factor None")
-        _finite("MoEConfig.dynamic_capacity_margin", self.dynamic_capacity_margin, 1.0, strict=False)
-        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
-            raise ValueError(f"MoEConfig.num_shared_experts must be an int >= 0, got "
-                             f"{self.num_shared_experts!r}")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts > 0")
-        if self.backend not in (None, "grouped_mm", "loop", "npu"):
-            raise ValueError(f"MoEConfig.backend must be None, 'grouped_mm', 'loop' or 'npu', got "
-                             f"{self.backend!r}")
-        _finite("MoEConfig.remat_load_scale", self.remat_load_scale, 0, strict=True)
 
     def replace(self, **changes: Any) -> MoEConfig:
         """Return a copy with `changes` applied (validated again)."""
@@ -159,6 +165,9 @@ class GPTConfig:
     d_model // n_heads and 4 * d_model, so after it they are always ints (read cfg.head_dim etc.).
     mtp: add a DeepSeek-V3 multi-token-prediction module (depth 1, predicts token t+2), whose loss is
     added with weight mtp_loss_weight. The MoE layers use `moe` (its d_model must equal d_model).
+    Ranges: sizes are positive ints (num_dense_layers an int in [0, n_layers]); rope_theta a finite
+    float > 0 (0 or NaN make the rotary angles NaN: attention runs on, its gradients NaN); norm_eps and
+    mtp_loss_weight finite floats >= 0; mtp a bool.
     """
 
     vocab_size: int
@@ -176,10 +185,15 @@ class GPTConfig:
     mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
-            _positive(f"GPTConfig.{name}", getattr(self, name))
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"GPTConfig.moe must be a MoEConfig, got {self.moe!r}")
+        _normalise(self,
+                   ints={"vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
+                         "head_dim": 1, "d_ff_dense": 1, "num_dense_layers": 0},
+                   reals={"rope_theta": (0.0, True), "norm_eps": (0.0, False),
+                          "mtp_loss_weight": (0.0, False)},
+                   flags=("mtp",))
         kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-        _positive("GPTConfig.n_kv_heads", kv)
         if self.n_heads % kv:
             raise ValueError(f"GPTConfig.n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
         hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
@@ -192,9 +206,6 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.moe.d_model ({self.moe.d_model}) must equal d_model "
                              f"({self.d_model})")
         d_ff_dense = self.d_ff_dense if self.d_ff_dense is not None else 4 * self.d_model
-        _positive("GPTConfig.d_ff_dense", d_ff_dense)
-        if self.mtp_loss_weight < 0:
-            raise ValueError(f"GPTConfig.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
         # Resolve the defaults in place: one name per quantity (frozen, hence object.__setattr__).
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "head_dim", hd)

@@ -14,6 +14,9 @@ dispatch) and applied inside the expert. `route_tokens` returns both slots, exac
 
 The pieces (`route_tokens`, `expert_rows`, `combine_rows`) are what the block's stage functions call
 one by one; `moe` composes them. No residual and no norm here: that is the block's job.
+Every function here that takes params or state with a config checks their keys, shapes and dtypes
+against it first (fmoe/structure.py) unless given check=False; `moe` checks once and calls the pieces
+with check=False.
 Host syncs: grouped_linear reads the per-expert counts once; capacity modes and adaptive remat
 add the reads listed in fmoe/capacity.py and fmoe/remat_policy.py.
 """
@@ -34,7 +37,8 @@ from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import init_experts, init_shared, routed_experts, shared_experts
 from fmoe.ops import Layout, permute, permute_probs, unpermute
 from fmoe.remat_policy import expert_policy, overloaded
-from fmoe.router import init_router, route
+from fmoe.router import check_seq_len, init_router, route
+from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree, local_experts
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,11 @@ class MoEAux:
     capacity_missed: bool | None
 
 
+def _load_spec(cfg: MoEConfig) -> Leaf:
+    """The spec of one step's load tokens_per_expert_E: a real [E] tensor."""
+    return Leaf((("E", cfg.num_experts),), "number")
+
+
 def init_moe(cfg: MoEConfig, generator: torch.Generator | None = None,
              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Return the MoE parameter pytree (weights [in, out]):
@@ -109,7 +118,7 @@ def init_moe_state(cfg: MoEConfig, device: torch.device | str = "cpu") -> dict[s
 
 def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_expert_E: torch.Tensor,
                      max_load: torch.Tensor | int | None = None,
-                     missed: bool | None = None) -> dict[str, torch.Tensor]:
+                     missed: bool | None = None, *, check: bool = True) -> dict[str, torch.Tensor]:
     """Return the layer's next state after one step whose microbatches routed `tokens_per_expert_E`
     ([E], summed over the step's microbatches and, by the caller, over data-parallel ranks).
 
@@ -117,7 +126,11 @@ def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_
     window takes `max_load`, the step's largest per-expert load of one microbatch (capacity is sized per
     microbatch), and `missed` (did any microbatch exceed its forecast) counts once. With one microbatch
     this is the `new_state` that `moe` reports; a pipeline calls it once per step instead.
+    `check`: check `state` and the load's shape ([E]) against `cfg` first (False skips it).
     """
+    if check:
+        check_moe_state(state, cfg)
+        check_tree(tokens_per_expert_E, _load_spec(cfg), "update_moe_state: tokens_per_expert_E")
     new_state = dict(state)
     if cfg.bias_update_rate > 0:
         bias_E = state.get("expert_bias_E")
@@ -139,19 +152,23 @@ def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_
 
 def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                state: dict[str, Any] | None = None, seq_len: int | None = None,
-               remat: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
+               remat: bool | None = None, *,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
     """Route without moving rows: return (probs_TK, loss, route).
 
     probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
-    metadata (layout, next state, remat decision). `remat` overrides the adaptive rule.
+    metadata (layout, next state, remat decision). `remat` overrides the adaptive rule. `check`: check
+    params["router"] (the only entry read) and the state against `cfg` first.
     """
+    if check:
+        check_moe(params, cfg, state, paths=[("router",)])
     if state is None:
         state = init_moe_state(cfg, x_TD.device)
     elif cfg.bias_update_rate > 0 and "expert_bias_E" not in state:
         # A state without the bias (e.g. {}) starts it at zero rather than silently switching balancing off.
         zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=x_TD.device)
         state = {**state, "expert_bias_E": zeros_E}
-    r = route(params["router"], x_TD, cfg, state, seq_len)
+    r = route(params["router"], x_TD, cfg, state, seq_len, check=False)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state)
     new_state = dict(cap.new_state)
     if "expert_bias_E" in state:
@@ -167,16 +184,16 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
 
 def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                  state: dict[str, Any] | None = None, seq_len: int | None = None,
-                 remat: bool | None = None,
+                 remat: bool | None = None, *, check: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, MoERoute]:
     """Route and permute: return (x_RD, probs_TK, probs_R, loss, route).
 
     x_RD: token rows in the expert-sorted layout; probs_TK: gate weights [T, K] to apply at combine
     (None when cfg.probs_in_expert); probs_R: the gate weight of each layout row [R] when
     cfg.probs_in_expert (else None); loss: differentiable balancing loss; route: the `MoERoute`
-    metadata. `remat` overrides the adaptive-remat decision.
+    metadata. `remat` overrides the adaptive-remat decision. `check`: as in `plan_route`.
     """
-    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat)
+    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat, check=check)
     x_RD = permute(x_TD, meta.layout)
     if cfg.probs_in_expert:
         return x_RD, None, permute_probs(probs_TK, meta.layout), loss, meta
@@ -209,11 +226,14 @@ def dispatch_rows(x_RD: torch.Tensor, probs_R: torch.Tensor | None, route: MoERo
 
 
 def expert_rows(experts: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None,
-                counts_L: Any, cfg: MoEConfig, remat: bool = False) -> torch.Tensor:
+                counts_L: Any, cfg: MoEConfig, remat: bool = False, *, check: bool = True) -> torch.Tensor:
     """Run the routed experts on rows grouped by local expert: return y_MD [M, D].
 
     Under `fmoe.transforms.remat` with the policy `expert_policy(remat)` (nothing saved when `remat`).
+    `check`: check `experts` against `cfg` first ([L, D, F] with L = len(counts_L)).
     """
+    if check:
+        check_moe({"experts": experts}, cfg, num_local_experts=len(counts_L), paths=[("experts",)])
     def run(p: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None) -> torch.Tensor:
         return routed_experts(p, x_MD, counts_L, probs_M, cfg.backend)
 
@@ -236,28 +256,34 @@ def make_aux(loss: torch.Tensor, route: MoERoute) -> MoEAux:
 
 def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
         *, seq_len: int | None = None, dispatcher: Dispatcher | None = None,
-        remat: bool | None = None) -> tuple[torch.Tensor, MoEAux]:
+        remat: bool | None = None, check: bool = True) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_TD, aux): the MoE layer's output [T, D] (x's dtype) and its `MoEAux`.
 
     `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
-    `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major).
-    `dispatcher`: how rows reach the experts (default LocalDispatcher); one with `dispatch_tokens` gets
-    whole tokens when `uses_token_dispatch` says so. `remat`: force (True) or
-    forbid (False) rematerialising the expert activations; None = cfg.adaptive_remat rule.
-    aux.loss is differentiable: add it to the loss you differentiate.
+    `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major; a
+    positive int dividing T, None = one sequence). `dispatcher`: how rows reach the experts (default
+    LocalDispatcher); one with `dispatch_tokens` gets whole tokens when `uses_token_dispatch` says so.
+    `remat`: force (True) or forbid (False) rematerialising the expert activations; None =
+    cfg.adaptive_remat rule. `check`: check params and state against `cfg` first (keys, shapes, dtypes;
+    the routed experts are the dispatcher's num_local_experts; fmoe/structure.py); pass False only
+    for trees that already passed. aux.loss is differentiable: add it to the loss you differentiate.
     """
     if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
         raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
+    check_seq_len(seq_len, x_TD.shape[0])
     dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
+    if check:
+        check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
     if uses_token_dispatch(dispatcher, cfg):
-        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat)
+        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat, check=False)
         x_MD, counts_L, dmeta = dispatcher.dispatch_tokens(x_TD, meta.ids_TK, probs_TK)
-        y_MD = expert_rows(params["experts"], x_MD, None, counts_L, cfg, meta.remat)
+        y_MD = expert_rows(params["experts"], x_MD, None, counts_L, cfg, meta.remat, check=False)
         y_TD = dispatcher.combine_tokens(y_MD, dmeta).to(x_TD.dtype)
     else:
-        x_RD, probs_TK, probs_R, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, remat)
+        x_RD, probs_TK, probs_R, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, remat,
+                                                           check=False)
         x_MD, probs_M, (counts_L, dmeta) = dispatch_rows(x_RD, probs_R, meta, dispatcher)
-        y_MD = expert_rows(params["experts"], x_MD, probs_M, counts_L, cfg, meta.remat)
+        y_MD = expert_rows(params["experts"], x_MD, probs_M, counts_L, cfg, meta.remat, check=False)
         y_TD = combine_rows(dispatcher.combine(y_MD, dmeta), probs_TK, meta)
     if "shared" in params:
         y_TD = y_TD + shared_experts(params["shared"], x_TD)

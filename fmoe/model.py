@@ -33,6 +33,7 @@ from fmoe.dispatch.base import Dispatcher
 from fmoe.init import scaled_normal
 from fmoe.layer import MoEAux, init_moe_state
 from fmoe.ops import cross_entropy, embedding, linear, rms_norm
+from fmoe.structure import check_gpt, local_experts
 
 
 @dataclass(frozen=True)
@@ -89,21 +90,26 @@ def _logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tenso
 
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
              state: dict[str, Any] | None = None,
-             dispatcher: Dispatcher | None = None) -> tuple[torch.Tensor, GPTAux]:
+             dispatcher: Dispatcher | None = None, *, check: bool = True) -> tuple[torch.Tensor, GPTAux]:
     """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`.
 
     ids_BS: input token ids; targets_BS: the next tokens (targets[:, i] = token i + 1; -100 ignored).
+    `check`: check params and state against `cfg` first (every layer present, keys, shapes, dtypes; the
+    routed experts are the dispatcher's num_local_experts; fmoe/structure.py), then run the blocks
+    unchecked; False skips it, for trees that already passed (e.g. from a loop's second step on).
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
+    if check:
+        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
     x_BSD = embedding(ids_BS, params["embed"]["table"])
     moe_aux: list[MoEAux] = []
     new_layers: list[dict[str, Any]] = []
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
         if i < cfg.num_dense_layers:
-            x_BSD = dense_block(p, x_BSD, cfg)
+            x_BSD = dense_block(p, x_BSD, cfg, check=False)
             new_layers.append({})
         else:
-            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher)
+            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher, check=False)
             moe_aux.append(a)
             new_layers.append(a.new_state)
     main = _logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
@@ -115,7 +121,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
         next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), params["embed"]["table"])
         e_BSD = rms_norm(next_BSD, m["embed_norm"], cfg.norm_eps)
         z_BSD = linear(torch.cat([h_BSD, e_BSD], dim=-1), m["w_proj"])
-        z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher)
+        z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher, check=False)
         moe_aux.append(a)
         new_state["mtp"] = a.new_state
         mtp = _logits_loss(z_BSD, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg)

@@ -14,16 +14,18 @@ No host sync: shapes are static (T, K, E) and nothing is read back.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from einops import rearrange, repeat
 
-from fmoe.balance import aux_loss, seq_aux_loss, z_loss
+from fmoe.balance import aux_loss, graph_zero, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
 from fmoe.ops import compute_dtype, linear
+from fmoe.structure import check_router
 
 
 @dataclass(frozen=True)
@@ -73,15 +75,33 @@ def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     return repeat(mask_TJ, "t j -> t (j e)", e=E // J)
 
 
+def check_seq_len(seq_len: int | None, num_tokens: int) -> None:
+    """Raise ValueError unless `seq_len` is None (one sequence) or a positive int dividing `num_tokens`
+    (T = B * seq_len tokens, sequence-major); returns None."""
+    if seq_len is None:
+        return
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len <= 0 or (
+            num_tokens % seq_len):
+        raise ValueError(f"seq_len (tokens per sequence) must be a positive int that divides the "
+                         f"{num_tokens} tokens, or None for one sequence; got {seq_len!r}")
+
+
 def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
-          state: dict[str, Any] | None = None, seq_len: int | None = None) -> Routing:
+          state: dict[str, Any] | None = None, seq_len: int | None = None, *, check: bool = True) -> Routing:
     """Route T tokens to K of E experts; returns a `Routing` (see its field shapes).
 
     `params["w"]` is the [D, E] router weight. `state` may hold "expert_bias_E" (selection bias).
-    `seq_len` splits the T tokens into sequences for the sequence-wise loss (default: one sequence).
+    `seq_len` splits the T tokens into sequences for the sequence-wise loss (default: one sequence); it
+    must be a positive int dividing T (ValueError otherwise). `check`: check params and state against
+    `cfg` first (fmoe/structure.py; False skips it, for trees that already passed).
+    A balancing loss whose coefficient is 0 is an exact 0 (not computed from the data, so a NaN token
+    does not turn it NaN).
     """
-    ct = compute_dtype(x_TD.dtype)
     T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
+    check_seq_len(seq_len, T)
+    if check:
+        check_router(params, cfg, state)
+    ct = compute_dtype(x_TD.dtype)
     # The cast of w is the identity (same object, so its dw stays deferrable) when w is already ct.
     logits_TE = linear(x_TD.to(ct), params["w"].to(ct))
     if cfg.score_func == "softmax":
@@ -105,10 +125,10 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
     # Balance losses see a distribution over experts per token: sigmoid scores are normalised first.
     dist_TE = scores_TE if cfg.score_func == "softmax" else (
         scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny))
-    zero = logits_TE.sum() * 0  # a zero that keeps the graph (and dtype) of the router
+    zero = graph_zero(logits_TE)  # an exact zero on the router's graph (and dtype), whatever the logits
     losses = {
         "aux": aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef) if cfg.aux_loss_coef else zero,
-        "seq_aux": (seq_aux_loss(dist_TE, ids_TK, seq_len or T, cfg.seq_aux_loss_coef)
+        "seq_aux": (seq_aux_loss(dist_TE, ids_TK, T if seq_len is None else seq_len, cfg.seq_aux_loss_coef)
                     if cfg.seq_aux_loss_coef and T else zero),
         "z": z_loss(logits_TE, cfg.z_loss_coef) if cfg.z_loss_coef else zero,
     }

@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from fmoe.balance import aux_loss, seq_aux_loss, update_expert_bias, z_loss
 from fmoe.config import MoEConfig
@@ -101,3 +103,44 @@ def test_bias_state_starts_at_zero_when_missing(state) -> None:
     _, aux = moe(params, x, cfg, state)
     assert aux.tokens_per_expert_E.tolist() == [8, 0, 0, 0]
     assert aux.new_state["expert_bias_E"].tolist() == [-0.5, 0.5, 0.5, 0.5]
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 12), where=st.integers(0, 10**6), bad=st.sampled_from(["nan", "inf", "-inf"]),
+       coefs=st.tuples(*[st.sampled_from([0.0, 0.1])] * 3),
+       score_func=st.sampled_from(["softmax", "sigmoid"]))
+@example(T=6, where=0, bad="nan", coefs=(0.0, 0.0, 0.0), score_func="softmax")  # used to give aux.loss NaN
+@example(T=6, where=3, bad="nan", coefs=(0.1, 0.0, 0.0), score_func="sigmoid")
+def test_a_switched_off_loss_is_exactly_zero_whatever_the_tokens(T, where, bad, coefs, score_func) -> None:
+    # One non-finite token: a loss with coefficient 0 is an exact 0, not 0 * (a function of the data).
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, score_func=score_func,
+                    aux_loss_coef=coefs[0], seq_aux_loss_coef=coefs[1], z_loss_coef=coefs[2])
+    g = torch.Generator().manual_seed(T)
+    params = init_moe(cfg, g)
+    x = torch.randn(T, 8, generator=g)
+    x[where % T, where % 8] = float(bad)
+    _, aux = moe(params, x, cfg, seq_len=T)
+    for name, coef in zip(("aux", "seq_aux", "z"), coefs):
+        if not coef:
+            assert aux.losses[name].item() == 0.0, name
+    if not any(coefs):
+        assert aux.loss.item() == 0.0
+        w = params["router"]["w"].clone().requires_grad_()
+        loss = route({"w": w}, x, cfg, seq_len=T).loss
+        assert loss.requires_grad  # still on the router's graph (differentiable, gradient 0 for finite x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_balance_functions_with_coefficient_zero_do_not_read_the_data(bad) -> None:
+    probs = torch.full((4, 4), 0.25)
+    probs[1, 2] = bad
+    logits = torch.zeros(4, 4)
+    logits[0, 0] = bad
+    ids = torch.tensor([[0], [1], [2], [3]])
+    counts = torch.ones(4, dtype=torch.int64)
+    assert aux_loss(probs, counts, 1, 0.0).item() == 0.0
+    assert seq_aux_loss(probs, ids, 2, 0.0).item() == 0.0
+    assert z_loss(logits, 0.0).item() == 0.0
+    assert not math.isfinite(aux_loss(probs, counts, 1, 0.1).item())  # a coefficient > 0 does read it
+    with pytest.raises(ValueError, match="seq_aux_loss"):
+        seq_aux_loss(probs, ids, 0, 0.1)  # used to raise ZeroDivisionError

@@ -290,3 +290,29 @@ def test_zero_tokens(case) -> None:
     assert float(loss) == 0.0 and int(aux.dropped) == 0
     assert aux.tokens_per_expert_E.tolist() == [0] * cfg.num_experts
     assert_close(dparams, tree_map(torch.zeros_like, params))
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(0, 12), seq_len=st.integers(-2, 14), coef=st.sampled_from([0.0, 0.2]))
+@example(T=6, seq_len=0, coef=0.2)  # used to be read as one sequence of 6
+@example(T=6, seq_len=4, coef=0.0)  # used to pass unnoticed (the loss that reads it is off)
+@example(T=0, seq_len=3, coef=0.2)  # no tokens: zero sequences of 3
+def test_seq_len_must_be_a_positive_divisor_of_the_tokens(T: int, seq_len: int, coef: float) -> None:
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=2, seq_aux_loss_coef=coef)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    x_TD = torch.randn(T, 4, generator=torch.Generator().manual_seed(1))
+    if seq_len <= 0 or T % seq_len:
+        with pytest.raises(ValueError, match=f"seq_len .*must be a positive int that divides the {T} tokens"):
+            moe(params, x_TD, cfg, seq_len=seq_len)
+    else:
+        _, aux = moe(params, x_TD, cfg, seq_len=seq_len)
+        _, one = moe(params, x_TD, cfg, seq_len=T or None)
+        if seq_len == T:  # one sequence, spelled either way
+            assert torch.equal(aux.loss, one.loss)
+
+
+@pytest.mark.parametrize("seq_len", [True, 2.0, "3"])
+def test_seq_len_must_be_an_int(seq_len) -> None:
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=2, seq_aux_loss_coef=0.1)
+    with pytest.raises(ValueError, match="seq_len"):
+        moe(init_moe(cfg), torch.randn(6, 4), cfg, seq_len=seq_len)

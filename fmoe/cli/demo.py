@@ -17,6 +17,8 @@ from fmoe.dense import dense_stack, init_dense_stack
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
 
+SIZES = ("layers", "d_model", "d_ff", "tokens")  # options that must be positive ints
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's options on `parser`."""
@@ -25,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-ff", type=int, default=704)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def bad_argument(args: argparse.Namespace) -> str | None:
+    """Return one line naming the first size option that is not a positive int, or None if all are."""
+    for name in SIZES:
+        value = getattr(args, name)
+        if not value > 0:
+            return f"error: --{name.replace('_', '-')} must be a positive integer, got {value}"
+    return None
 
 
 def _flops(fn):
@@ -51,7 +62,12 @@ def _clock(fn):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo step and print the dx/dw split; returns 0."""
+    """Run the demo step and print the dx/dw split; returns 0, or 2 after printing one `error: ...` line
+    for a size option (--layers, --d-model, --d-ff, --tokens) that is not positive."""
+    error = bad_argument(args)
+    if error is not None:
+        print(error)
+        return 2
     gen = torch.Generator().manual_seed(args.seed)
     params = init_dense_stack(args.layers, args.d_model, args.d_ff, gen)
     x_TD = torch.randn(args.tokens, args.d_model, generator=gen)
