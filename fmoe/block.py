@@ -26,6 +26,11 @@ Parameter layout of a block:
  "moe": fmoe.init_moe params}; a dense block has "mlp": fmoe.dense.init_swiglu_mlp params instead
 of "mlp_norm" and "moe". `attention` reads the attention weights, "mlp_norm" and "moe"/"router" only;
 `experts` reads "moe"/"experts" (and "moe"/"shared").
+
+Each function that takes params (or state) and the config checks the entries it reads against it first
+(keys, shapes, dtypes: fmoe/structure.py) unless given check=False; `block` checks the whole block once
+and runs its phases with check=False, and so does a caller that checked the whole model (gpt_loss, the
+pipeline's gpt_programs).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ from fmoe.layer import (
 )
 from fmoe.ops import attention as attention_op
 from fmoe.ops import linear, rms_norm
+from fmoe.structure import check_block, check_moe, local_experts
+
+_ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",))
 
 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
@@ -79,9 +87,13 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
     return p
 
 
-def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
+                   check: bool = True) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
-    rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d])."""
+    rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]). `check`: check the attention
+    weights against `cfg` first."""
+    if check:
+        check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
     H, G = cfg.n_heads, cfg.n_kv_heads
     h_BSD = rms_norm(x_BSD, params["attn_norm"], cfg.norm_eps)
     q_BSHd = rearrange(linear(h_BSD, params["w_q"]), "b s (h d) -> b s h d", h=H)
@@ -93,7 +105,7 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig) 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
               state: dict[str, Any] | None = None, remat: bool | None = None, *,
-              permute_tokens: bool = True) -> tuple[dict[str, torch.Tensor], MoERoute]:
+              permute_tokens: bool = True, check: bool = True) -> tuple[dict[str, torch.Tensor], MoERoute]:
     """Phase 1: return (acts, route).
 
     acts: {"residual_BSD": x + attention, "normed_TD": rms_norm(residual) per token (the experts'
@@ -101,27 +113,34 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     [T, K] (applied by `finish`) or "probs_R": gate weight [R] of each layout row (cfg.moe.probs_in_expert),
     and "loss": the differentiable balancing loss (scalar)}. `permute_tokens` False (a token-level
     dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
-    route: the `MoERoute` (layout, load, drops, new state, remat decision).
+    route: the `MoERoute` (layout, load, drops, new state, remat decision). `check`: check the weights
+    it reads (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
     """
+    if check:
+        check_block(params, cfg, state, paths=(*_ATTENTION_PATHS, ("mlp_norm",), ("moe", "router")))
     S = x_BSD.shape[1]
-    r_BSD = self_attention(params, x_BSD, cfg)
+    seq_len = S or None  # S = 0: no tokens (T = 0), no sequence to split
+    r_BSD = self_attention(params, x_BSD, cfg, check=False)
     h_TD = rearrange(rms_norm(r_BSD, params["mlp_norm"], cfg.norm_eps), "b s d -> (b s) d")
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
     if permute_tokens:
-        x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, S, remat)
+        x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, seq_len,
+                                                            remat, check=False)
         acts["rows_RD"] = x_RD
         if probs_R is None:
             acts["probs_TK"] = probs_TK
         else:
             acts["probs_R"] = probs_R
     else:
-        acts["probs_TK"], loss, route = plan_route(params["moe"], h_TD, cfg.moe, state, S, remat)
+        acts["probs_TK"], loss, route = plan_route(params["moe"], h_TD, cfg.moe, state, seq_len, remat,
+                                                   check=False)
     acts["loss"] = loss
     return acts, route
 
 
 def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any, cfg: GPTConfig,
-            remat: bool = False, *, weight_outputs: bool = False) -> dict[str, torch.Tensor]:
+            remat: bool = False, *, weight_outputs: bool = False,
+            check: bool = True) -> dict[str, torch.Tensor]:
     """Phase 3: the routed experts (and the shared expert) of MoE params `params` ({"experts", "shared"?});
     return acts with "rows_MD" [M, D] replaced by the experts' outputs, "probs_M" and "normed_TD"
     consumed, "shared_TD" [T, D] added when there is a shared expert; other keys pass through.
@@ -129,13 +148,16 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     acts["rows_MD"]: rows grouped by local expert, counts_L[l] for local expert l. acts["probs_M"], if
     present, multiplies each row inside its expert (before w_down), or, with `weight_outputs`, its
     output (as a combine would). The routed experts run under `fmoe.transforms.remat` when `remat`.
+    `check`: check "experts" ([L, D, F], L = len(counts_L)) and "shared" against `cfg` first.
     """
+    if check:
+        check_moe(params, cfg.moe, num_local_experts=len(counts_L), paths=(("experts",), ("shared",)))
     probs_M = acts.get("probs_M")
     if weight_outputs:
-        y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, cfg.moe, remat)
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, cfg.moe, remat, check=False)
         y_MD = y_MD * probs_M.unsqueeze(-1).to(y_MD.dtype)
     else:
-        y_MD = expert_rows(params["experts"], acts["rows_MD"], probs_M, counts_L, cfg.moe, remat)
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], probs_M, counts_L, cfg.moe, remat, check=False)
     out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
     out["rows_MD"] = y_MD
     if "shared" in params:
@@ -161,23 +183,32 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Te
 
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
-          dispatcher: Dispatcher | None = None, remat: bool | None = None) -> tuple[torch.Tensor, MoEAux]:
+          dispatcher: Dispatcher | None = None, remat: bool | None = None, *,
+          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_BSD, aux): the phases composed, the exchanges through `dispatcher` (default local);
-    aux.loss is the differentiable balancing loss."""
+    aux.loss is the differentiable balancing loss. `check`: check the block params (routed experts: the
+    dispatcher's num_local_experts) and the state against `cfg` first; False skips it (for trees that
+    already passed)."""
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
-    acts, route = attention(params, x_BSD, cfg, state, remat)
+    if check:
+        check_block(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    acts, route = attention(params, x_BSD, cfg, state, remat, check=False)
     loss = acts.pop("loss")
     x_MD, probs_M, (counts_L, meta) = dispatch_rows(acts.pop("rows_RD"), acts.pop("probs_R", None), route,
                                                     dispatcher)
     acts["rows_MD"] = x_MD
     if probs_M is not None:
         acts["probs_M"] = probs_M
-    acts = experts(params["moe"], acts, counts_L, cfg, route.remat)
+    acts = experts(params["moe"], acts, counts_L, cfg, route.remat, check=False)
     acts["rows_RD"] = dispatcher.combine(acts.pop("rows_MD"), meta)
     return finish(acts, route)["h_BSD"], make_aux(loss, route)
 
 
-def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x))."""
-    r_BSD = self_attention(params, x_BSD, cfg)
+def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
+                check: bool = True) -> torch.Tensor:
+    """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x)). `check`: check
+    the params against `cfg` (a dense block) first; False skips it."""
+    if check:
+        check_block(params, cfg, dense=True)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False)
     return swiglu_mlp(params["mlp"], r_BSD, cfg.norm_eps)
