@@ -161,8 +161,14 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
     out["rows_MD"] = y_MD
     if "shared" in params:
-        out["shared_TD"] = shared_experts(params["shared"], acts["normed_TD"])
+        out["shared_TD"] = shared_expert(params["shared"], acts)
     return out
+
+
+def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Return s_TD [T, D]: the shared expert (params: its weights) on acts["normed_TD"]. It reads the
+    tokens only, so a pipeline runs it while the dispatch exchange travels."""
+    return shared_experts(params, acts["normed_TD"])
 
 
 def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Tensor]:

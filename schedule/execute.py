@@ -193,16 +193,31 @@ class _Executor:
                 else:
                     t = self._now()
                     pending = ph.start(acts, meta)
+                    side = None
+                    if ph.side is not None:  # runs while the exchange travels
+                        ts = self._now()
+                        side = self._side_forward(prog, ph.side, layer.name, acts, meta, stage, mb)
+                        self._event("compute", f"F {ph.side.name} s{stage} {layer.name} mb{mb}", "F", ts)
                     if _in_flight(pending):
                         yield
                     tw = self._now()
                     acts, meta = pending.wait()
                     self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
-                    rec.phases.append((ph, layer.name, None, meta))
+                    if side is not None:
+                        acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side[0]}
+                    rec.phases.append((ph, layer.name, side, meta))
         if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
+
+    def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta, stage: int,
+                      mb: int) -> tuple[Acts, Any, dict]:
+        """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns (its new acts, its dx
+        closure, their specs)."""
+        params = tuple(subtree(prog.params, p) for p in ph.param_paths)
+        out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True)
+        return out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record) -> tuple[Acts, Meta]:
@@ -237,7 +252,13 @@ class _Executor:
         ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, stage, rec.out_spec)
         queue: list[tuple[Phase, str, Callable[[], Any]]] = []
         kind = "B" if weights else "I"
+        # side phases whose backward has not run yet (index in rec.phases -> record), and the input
+        # cotangents of those that ran, to add where their exchange is transposed; a side runs early only
+        # at an exchange of its own layer (another layer's acts may have the same names)
+        sides = {k: r for k, r in enumerate(rec.phases) if r[0].kind == "comm" and r[2] is not None}
+        side_ct: dict[int, Acts] = {}
         while rec.phases:
+            at = len(rec.phases) - 1
             ph, layer, closure, info = rec.phases.pop()
             label = f"{ph.name} s{stage} {layer} mb{mb}"
             if ph.kind == "compute":
@@ -256,7 +277,18 @@ class _Executor:
                 self._event("compute", f"{kind} {label}", kind, t)
             else:
                 t = self._now()
+                # sides whose output cotangents are all here (or that ride on this exchange) run now
+                ready = [k for k, r in sides.items()
+                         if k == at or (r[1] == layer and set(r[2][2]) <= set(ct))]
+                side_in = {k: {name: ct.pop(name) if name in ct else torch.zeros(sh, dtype=dt, device=dev)
+                               for name, (sh, dt, dev) in sides[k][2][2].items()} for k in ready}
                 pending = ph.start_transpose(ct, info)
+                for k in ready:  # the side's backward hides this exchange
+                    side_ph, side_layer, side_dx = sides[k][0].side, sides[k][1], sides.pop(k)[2][1]
+                    ts = self._now()
+                    (side_ct[k],), vjp_dw = side_dx(side_in[k])
+                    queue.append((side_ph, side_layer, vjp_dw))
+                    self._event("compute", f"{kind} {side_ph.name} s{stage} {side_layer} mb{mb}", kind, ts)
                 if _in_flight(pending):
                     if weights and self.overlap and not paired:
                         # a lone B: the dw of the phases already differentiated (the routed experts')
@@ -266,6 +298,10 @@ class _Executor:
                 tw = self._now()
                 ct = pending.wait()
                 self._comm_events(pending, f"{ph.name}-B {label[len(ph.name) + 1:]}", t, tw)
+                if at in side_ct:  # this exchange carried a side: add the side's input cotangents
+                    for name, g in side_ct.pop(at).items():
+                        if g is not None:
+                            ct[name] = g if name not in ct else ct[name] + g
         self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct)
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)

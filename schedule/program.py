@@ -13,6 +13,13 @@ never differentiated. A compute phase runs under `split_vjp`: its dx closure run
 A comm phase is linear, so it runs outside any vjp: its backward is `start_transpose` (the same exchange
 with the splits swapped), issued and waited by the executor like the forward.
 
+A comm phase may carry a `side`: a compute phase that reads only acts passing through the exchange
+(never what it delivers), so the executor runs it while the exchange travels (the shared expert beside
+the dispatch). Its outputs (new keys) join the acts after the wait, and the keys in `side_consumes` leave
+them. In the backward the side runs at the first exchange whose cotangents include all of its outputs
+(the combine's, for the shared expert), and its input cotangents are added where the exchange it rides
+on is transposed.
+
 A compute phase may name some of its outputs `losses`: scalars that end there (the cross-entropy, a
 balancing loss). The executor takes them out of `acts`, adds them to the step's loss and gives them the
 cotangent 1 / microbatches in the backward. `meta["stats"]` after a phase, when present, is collected into
@@ -63,8 +70,13 @@ class Phase:
     losses: tuple[str, ...] = ()
     start: Callable[[Acts, Meta], Pending] | None = None
     start_transpose: Callable[[Acts, Meta], Pending] | None = None
+    side: Phase | None = None
+    side_consumes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.side is not None and (self.kind != "comm" or self.side.kind != "compute" or self.side.losses):
+            raise ValueError(f"phase {self.name!r}: a side phase is a compute phase without losses, "
+                             "carried by a comm phase")
         if self.kind == "compute" and (self.fn is None or self.start is not None):
             raise ValueError(f"compute phase {self.name!r} needs fn and no start")
         if self.kind == "comm" and (self.start is None or self.start_transpose is None or self.fn is not None

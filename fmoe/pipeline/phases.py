@@ -7,7 +7,8 @@ An MoE layer is the four phases of seed 000, plus the small compute tail of comb
   attention (compute): norm, attention, residual, norm, router, permute-1  -> rows_RD (+ probs)
   counts    (comm):    the count exchange (host sync), issued as soon as routing is known
   dispatch  (comm):    rows to the experts' ranks                          -> rows_MD
-  mlp       (compute): permute-2, routed experts, inverse permute-2, shared expert
+            + shared  (compute, a side phase run while the dispatch travels): the shared expert
+  mlp       (compute): permute-2, routed experts, inverse permute-2
   combine   (comm):    rows back                                            -> rows_RD
   unpermute (compute): unpermute-1 with the gate weights, + shared, + residual  -> h_BSD
 Dense layers, the embedding and the head + loss are one compute phase each. Phases without weights take
@@ -60,8 +61,9 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     ex = phased(dispatcher, token_level)
     attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
     attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
-    mlp_keys = tuple(k for k in block_params["moe"] if k != "router")  # routed (and shared) experts
-    mlp_paths = tuple((*path, "moe", k) for k in mlp_keys)
+    mlp_paths = ((*path, "moe", "experts"),)
+    shared_path = (*path, "moe", "shared")
+    has_shared = "shared" in block_params["moe"]
     balance = f"balance:{name}"
 
     def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
@@ -82,10 +84,13 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         grouped = {**acts, "rows_MD": plan.to_experts(acts["rows_MD"])}  # permute-2
         if "probs_M" in acts:
             grouped["probs_M"] = plan.to_experts(acts["probs_M"])
-        out = block.experts(dict(zip(mlp_keys, p)), grouped, plan.counts_L, cfg, meta[route_key].remat,
+        out = block.experts({"experts": p[0]}, grouped, plan.counts_L, cfg, meta[route_key].remat,
                             weight_outputs=token_level, check=False)
         out["rows_MD"] = plan.from_experts(out["rows_MD"])
         return out, meta
+
+    def shared(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {"shared_TD": block.shared_expert(p[0], acts)}, meta
 
     def finish(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         out = block.finish(acts, meta[route_key])
@@ -95,7 +100,10 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
         Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct)),
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
-              start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct)),
+              start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct),
+              # the shared expert reads the tokens only: it runs while the dispatch travels
+              side=Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None,
+              side_consumes=("normed_TD",) if has_shared else ()),
         Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct)),
