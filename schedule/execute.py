@@ -125,11 +125,12 @@ class _Executor:
         self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
         self.local: dict[Dep, Acts] = {}
         self.posted: dict[Dep, tuple[list, Acts, float]] = {}
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.stats: list[tuple[int, int, str, str, Any]] = []
         self.live, self.queued = _Counter(), _Counter()
+        self.step = ""  # "pair" / "lone" while an Overlap / a single op runs: tags the trace events
 
     # ---- driver ---------------------------------------------------------------------------------------
 
@@ -147,14 +148,18 @@ class _Executor:
             if isinstance(a, Send):
                 self._send(a)
             elif isinstance(a, Op):
+                self.step = "lone"
                 _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
+                self.step = "pair"
                 _interleave(self.op(a.f), self.op(a.b, paired=True))
             elif isinstance(a, Overlap):
+                self.step = "pair"
                 _drain(self.op(a.f))
                 _drain(self.op(a.b, paired=True))
-        for work, _ in self.sends:
-            self._wait_work(work, "a send (to the next or previous pipeline rank)")
+            self.step = ""
+        for work, _, what in self.sends:
+            self._wait_work(work, what)
         self.sends.clear()
         if self.records or self.deferred:
             left = sorted(set(self.records) | set(self.deferred))
@@ -378,9 +383,10 @@ class _Executor:
         t = self._now()
         for k, name in enumerate(sorted(acts)):
             buf = acts[name].detach().contiguous()
-            with self._peer_failure(f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"):
+            what = f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"
+            with self._peer_failure(what):
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
-            self.sends.append((work, buf))
+            self.sends.append((work, buf, what))
         self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
 
     def _post_recv(self, a: Recv) -> None:
@@ -433,7 +439,8 @@ class _Executor:
         return time.perf_counter() - self.t0
 
     def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None) -> None:
-        self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end))
+        self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end,
+                                      self.step))
 
     def _comm_events(self, pending: Any, label: str, issued: float, wait_start: float) -> None:
         wait_end = self._now()

@@ -25,7 +25,8 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "F&B":
 @dataclass(frozen=True)
 class TraceEvent:
     """One interval on `rank`'s `lane` ("compute" or "comm"): `name`, category `cat` (a key of COLORS),
-    `start` and `end` in the timeline's unit (simulator time units, or seconds when measured)."""
+    `start` and `end` in the timeline's unit (simulator time units, or seconds when measured); `step`
+    says whether it ran inside an F&B pair ("pair") or a single op ("lone"), when known."""
 
     rank: int
     lane: str
@@ -33,6 +34,7 @@ class TraceEvent:
     cat: str
     start: float
     end: float
+    step: str = ""  # measured: "pair" inside an F&B pair, "lone" in a single op (warmup, cooldown)
 
 
 def _kind(action: object) -> str:
@@ -73,8 +75,11 @@ def write_trace(source: Report | Sequence[TraceEvent], path: str | Path, us_per_
         for tid, lane in enumerate(LANES):
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": lane}})
     for e in events:
-        ev.append({"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank, "tid": LANES.index(e.lane),
-                   "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit})
+        x = {"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank, "tid": LANES.index(e.lane),
+             "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit}
+        if e.step:
+            x["args"] = {"step": e.step}
+        ev.append(x)
     makespan = max((e.end for e in events), default=0.0) - min((e.start for e in events), default=0.0)
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms",
