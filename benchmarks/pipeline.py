@@ -1,0 +1,679 @@
+"""Pipeline schedules on 2 gloo ranks, side by side in one run: fmoe's executor, the simulator's prediction
+from costs calibrated on the same run, and torch.distributed.pipelining on the same model and weights.
+
+    .venv/bin/python benchmarks/pipeline.py              # the measurement (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/pipeline.py --quick      # tiny model, 2 repetitions: a smoke test
+
+Model: one MoE GPT (fmoe.GPTConfig, every layer MoE: dropless softmax top-k router, no balancing loss,
+no shared expert, no MTP), fp32, cut into equal layer chunks (2 chunks for one stage per rank, 4 for
+the V and interleaved placements); 8 microbatches per step, the same microbatches every step (no
+optimizer step, so every step computes the same loss and gradients).
+
+For every 2-rank schedule of fmoe.schedule.registry.NAMES, through fmoe.pipeline.gpt_pipeline_step:
+- step: wall time of one gpt_pipeline_step (max over the ranks, both started by a barrier);
+- the executor's timeline (step.result.events): busy = compute-lane events of category F/B/I/W, idle =
+  "wait" events; makespan = the latest compute-lane event end over both ranks (each rank's clock starts
+  when its executor does, right after the barrier); measured bubble per rank = 1 - busy / makespan.
+  What is neither busy nor wait counts as bubble too: the time after a rank's last event, and the "gap"
+  (printed) before its first event and between events (executor bookkeeping, receive posting);
+- predicted: fmoe.schedule.simulate on Costs calibrated from this run's events: per stage, the median
+  over microbatches and repetitions of F (sum of the F events of one (stage, microbatch)), I (the dx
+  part: events of category I, or B, whose W part is the events named "W ...") and W; p2p = the one-way
+  time of a [B, S, D] gloo send measured by ping-pong in the same processes.
+torch.distributed.pipelining runs the same model written as plain nn.Modules (tape autograd, same
+weights copied from the fmoe params), paired like with like (same cut, same placement):
+    gpipe ~ ScheduleGPipe, 1f1b ~ Schedule1F1B, interleaved ~ ScheduleInterleaved1F1B (2 stages per rank),
+    zb_h1 ~ ScheduleInterleavedZeroBubble with one stage per rank (ZB-H1: F, I, W on the 1F1B cut),
+    zbv ~ ScheduleZBVZeroBubble, dualpipev+dw_detach and dualpipev ~ ScheduleDualPipeV (torch's DualPipeV
+    ends with split I / W backwards, as fmoe's dualpipev+dw_detach does; fmoe's dualpipev ends with B).
+For the multi-stage torch schedules the script checks that the action lists torch executes equal fmoe's,
+rank by rank ("order"). The first step's loss and gradients of each torch schedule are compared with
+those of its fmoe pair.
+
+Order: one warm-up step of every variant, then --reps rounds running every variant once, each round
+starting --rotate variants later (medians). Peak memory comes from a second pair of processes in the
+same run (glibc malloc set to mmap every block >= 64 KiB, so freed tensors go back to the OS at once):
+per rank, the RSS high-water mark during one step minus the RSS before it (/proc/self/clear_refs resets
+the mark), after one warm-up step: activations, gradients, buffers and temporaries of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import os
+import queue
+import re
+import resource
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import pipelining as tpp
+
+from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
+from fmoe import schedule as S
+from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
+
+WORLD = 2
+BUSY = ("F", "B", "I", "W")
+# torch.distributed.pipelining schedule -> (the fmoe schedule it runs after, its stages per rank)
+TORCH = {"ScheduleGPipe": ("gpipe", 1), "Schedule1F1B": ("1f1b", 1),
+         "ScheduleInterleaved1F1B": ("interleaved", 2), "ScheduleInterleavedZeroBubble": ("zb_h1", 1),
+         "ScheduleZBVZeroBubble": ("zbv", 2), "ScheduleDualPipeV": ("dualpipev+dw_detach", 2)}
+# the comparison table: (fmoe schedule, torch schedule)
+PAIRS = [("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B"),
+         ("zb_h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
+         ("dualpipev", "ScheduleDualPipeV"), ("dualpipev+dw_detach", "ScheduleDualPipeV")]
+
+
+# ---- the model ------------------------------------------------------------------------------------------
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """Returns the benchmark's GPT: every layer MoE, dropless, no balancing loss, no shared expert."""
+    moe = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
+    return GPTConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                     moe=moe)
+
+
+def even_chunks(cfg: GPTConfig, n: int) -> tuple[ChunkSpec, ...]:
+    """Returns n chunks of n_layers / n consecutive layers (embedding on the first, head on the last)."""
+    k = cfg.n_layers // n
+    return tuple(ChunkSpec(c, tuple(range(c * k, (c + 1) * k)), first=c == 0, last=c == n - 1)
+                 for c in range(n))
+
+
+def batches(cfg: GPTConfig, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(args.microbatches):
+        seq = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), generator=g)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _leaf(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """fmoe.ops.rms_norm's math (fp32 in, fp32 out)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x_BSHd: torch.Tensor, theta: float) -> torch.Tensor:
+    """fmoe.ops.rope's math: half-split rotation, angle pos * theta^(-2i/d)."""
+    S_, d = x_BSHd.shape[-3], x_BSHd.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d // 2, dtype=torch.float32) * 2 / d)
+    ang = torch.arange(S_).to(torch.float32).unsqueeze(-1) * inv_freq
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)
+    x1, x2 = x_BSHd[..., : d // 2], x_BSHd[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class TorchMoEBlock(nn.Module):
+    """fmoe.block.block (MoE block) as an nn.Module under tape autograd: RMSNorm, causal attention with
+    RoPE, residual, RMSNorm, softmax top-k router (stable sort, renormalised gates), dropless experts on
+    torch._grouped_mm over expert-sorted rows, gate-weighted combine, residual. Weights [in, out]."""
+
+    KEYS = {"attn_norm": ("attn_norm",), "w_q": ("w_q",), "w_k": ("w_k",), "w_v": ("w_v",),
+            "w_o": ("w_o",), "mlp_norm": ("mlp_norm",), "w_router": ("moe", "router", "w"),
+            "w_gate": ("moe", "experts", "w_gate"), "w_up": ("moe", "experts", "w_up"),
+            "w_down": ("moe", "experts", "w_down")}
+
+    def __init__(self, p: dict[str, Any], cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        for name, path in self.KEYS.items():
+            setattr(self, name, nn.Parameter(_leaf(p, path).detach().clone()))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, S_, D = x_BSD.shape
+        H, G, d, E, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.moe.num_experts, cfg.moe.top_k
+        h = _rms_norm(x_BSD, self.attn_norm, cfg.norm_eps)
+        q = _rope((h @ self.w_q).view(B, S_, H, d), cfg.rope_theta).transpose(1, 2)
+        k = _rope((h @ self.w_k).view(B, S_, G, d), cfg.rope_theta).transpose(1, 2)
+        v = (h @ self.w_v).view(B, S_, G, d).transpose(1, 2)
+        if G != H:
+            k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S_, H * d)
+        r_BSD = x_BSD + o @ self.w_o
+        t_TD = _rms_norm(r_BSD, self.mlp_norm, cfg.norm_eps).reshape(B * S_, D)
+        scores_TE = torch.softmax(t_TD @ self.w_router, dim=-1)
+        ids_TK = torch.sort(scores_TE.detach(), dim=-1, descending=True, stable=True).indices[:, :K]
+        probs_TK = scores_TE.gather(1, ids_TK)
+        probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        ids_N = ids_TK.reshape(-1)
+        order_N = torch.sort(ids_N, stable=True).indices  # expert-sorted (token, slot) pairs
+        offs_E = torch.bincount(ids_N, minlength=E).cumsum(0).to(torch.int32)
+        x_ND = t_TD.index_select(0, order_N // K)
+        g_NF = torch._grouped_mm(x_ND, self.w_gate, offs=offs_E)
+        u_NF = torch._grouped_mm(x_ND, self.w_up, offs=offs_E)
+        y_ND = torch._grouped_mm(F.silu(g_NF) * u_NF, self.w_down, offs=offs_E)
+        inverse_N = torch.empty_like(order_N)
+        inverse_N[order_N] = torch.arange(order_N.numel())
+        y_TKD = y_ND.index_select(0, inverse_N).view(B * S_, K, D)
+        y_TD = torch.bmm(probs_TK.unsqueeze(1), y_TKD).squeeze(1)
+        return r_BSD + y_TD.view(B, S_, D)
+
+
+class TorchStage(nn.Module):
+    """One model chunk as an nn.Module: embedding (first), MoE blocks, final norm + head (last, returns
+    logits). `paths[name]` is the fmoe parameter path each parameter was copied from."""
+
+    def __init__(self, cfg: GPTConfig, params: dict[str, Any], chunk: ChunkSpec):
+        super().__init__()
+        self.cfg, self.first, self.last = cfg, chunk.first, chunk.last
+        self.paths: dict[str, tuple] = {}
+        if chunk.first:
+            self.embed = nn.Parameter(params["embed"]["table"].detach().clone())
+            self.paths["embed"] = ("embed", "table")
+        self.blocks = nn.ModuleList(TorchMoEBlock(params["layers"][i], cfg) for i in chunk.layers)
+        for j, i in enumerate(chunk.layers):
+            for name, path in TorchMoEBlock.KEYS.items():
+                self.paths[f"blocks.{j}.{name}"] = ("layers", i, *path)
+        if chunk.last:
+            self.norm = nn.Parameter(params["norm"].detach().clone())
+            self.head = nn.Parameter(params["head"]["w"].detach().clone())
+            self.paths.update(norm=("norm",), head=("head", "w"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(x, self.embed) if self.first else x
+        for blk in self.blocks:
+            h = blk(h)
+        if self.last:
+            h = _rms_norm(h, self.norm, self.cfg.norm_eps) @ self.head
+        return h
+
+
+def _ce(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
+
+
+# ---- variants -------------------------------------------------------------------------------------------
+
+@dataclass
+class Variant:
+    name: str  # fmoe schedule name, or "torch:<class>"
+    run: Any  # () -> PipelineStep (fmoe), or (loss or None, stage modules) (torch)
+    fmoe: bool
+    order: dict[int, list[str]] | None = None  # torch: its compute actions per rank
+    reset: Any = None  # called before each (timed or measured) step: torch drops the last step's grads
+
+
+def _fmoe_variant(cfg, name, m, rank, params, state, data) -> Variant:
+    s = S.build(name, WORLD, m)
+    chunks = even_chunks(cfg, len(set(s.placement.layer_chunk)))
+    shared = SharedGrads(holders(cfg, s.placement, chunks), None)  # built once: it creates process groups
+
+    def run():
+        return gpt_pipeline_step(cfg, s, rank, params, state, data, chunks=chunks, shared=shared)
+
+    return Variant(name, run, True)
+
+
+def _torch_variant(cfg, cls_name, per_rank, m, rank, params, data) -> Variant:
+    n = WORLD * per_rank
+    chunks = even_chunks(cfg, n)
+    if per_rank == 1:
+        mine = [rank]
+    elif cls_name == "ScheduleInterleaved1F1B":
+        mine = [rank, rank + WORLD]  # loop placement, like fmoe's interleaved
+    else:
+        mine = [rank, n - 1 - rank]  # V placement
+    mods = [TorchStage(cfg, params, chunks[i]) for i in mine]
+    stages = [tpp.PipelineStage(mod, i, n, torch.device("cpu")) for mod, i in zip(mods, mine)]
+    cls = getattr(tpp, cls_name)
+    sched = cls(stages[0] if per_rank == 1 and cls_name in ("ScheduleGPipe", "Schedule1F1B") else stages,
+                n_microbatches=m, loss_fn=_ce, scale_grads=True)
+    ids = torch.cat([i for i, _ in data])
+    tgt = torch.cat([t for _, t in data])
+    first = any(mod.first for mod in mods)
+    last = any(mod.last for mod in mods)
+
+    def reset():
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+
+    def run():
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"return_outputs": False}  # a training step needs no merged logits
+        if last:
+            kwargs.update(target=tgt, losses=losses)
+        sched.step(*((ids,) if first else ()), **kwargs)
+        loss = torch.stack(losses).detach().mean() if last else None
+        return loss, mods
+
+    return Variant(f"torch:{cls_name}", run, False, torch_order(sched), reset)
+
+
+def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
+    """Returns every variant, each torch schedule right after its fmoe pair (noise hits both alike)."""
+    out = []
+    for name in S.registry.NAMES:
+        out.append(_fmoe_variant(cfg, name, args.microbatches, rank, params, state, data))
+        for cls_name, (after, per_rank) in TORCH.items():
+            if after == name and not args.no_torch:
+                out.append(_torch_variant(cfg, cls_name, per_rank, args.microbatches, rank, params, data))
+    return out
+
+
+def torch_order(sched: Any) -> dict[int, list[str]] | None:
+    """Returns a multi-stage torch schedule's compute actions per rank (the list its runtime executes),
+    written as fmoe prints them (F3.1, F0.3&B3.1); None for a single-stage schedule."""
+    def fmt(a: Any) -> str:
+        if a.sub_actions:
+            return "&".join(fmt(x) for x in a.sub_actions)
+        return f"{a.computation_type.value}{a.stage_index}.{a.microbatch_index}"
+
+    if isinstance(sched, tpp.schedules.PipelineScheduleSingle):
+        # its loop runs the textbook order; pipeline_order is only a picture (and torch 2.13's 1F1B one is
+        # off by one on the last rank: F1.1 ... F1.8 for 8 microbatches)
+        return None
+    return {r: [fmt(a) for a in acts if a is not None and (a.sub_actions or a.computation_type.value in BUSY)]
+            for r, acts in (sched.pipeline_order or {}).items()}
+
+
+# ---- measurements in a rank ----------------------------------------------------------------------------
+
+_EVENT = re.compile(r" s(\d+) .* mb(\d+)$")
+
+
+def timeline_stats(events) -> dict[str, Any]:
+    """One rank's step timeline -> busy, wait, gap (time before the first compute-lane event and between
+    consecutive ones: executor bookkeeping) and end (seconds), and compute time per (kind, stage, mb)."""
+    busy = wait = gap = end = 0.0
+    phase: dict[tuple[str, int, int], float] = {}
+    for e in sorted((e for e in events if e.lane == "compute"), key=lambda e: e.start):
+        gap += max(0.0, e.start - end)
+        end = max(end, e.end)
+        if e.cat == "wait":
+            wait += e.end - e.start
+        elif e.cat in BUSY:
+            busy += e.end - e.start
+            st, mb = (int(g) for g in _EVENT.search(e.name).groups())
+            kind = {"B": "I"}.get(e.cat, e.cat)  # the dx part of a B; its W part is the "W ..." events
+            phase[(kind, st, mb)] = phase.get((kind, st, mb), 0.0) + e.end - e.start
+    return {"busy": busy, "wait": wait, "gap": gap, "end": end, "phase": phase}
+
+
+def _p2p_one_way(args: argparse.Namespace, rank: int, n: int = 30) -> float:
+    """Median one-way time of a [B, S, D] fp32 gloo send (half a ping-pong round trip)."""
+    x = torch.randn(args.micro_batch, args.seq, args.d_model)
+    times = []
+    for it in range(n + 3):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        if it >= 3:
+            times.append((time.perf_counter() - t) / 2)
+    return statistics.median(times)
+
+
+def _grad_diff(step, mods) -> float:
+    """Max |torch grad - fmoe grad| / max |fmoe grad| over the parameters this rank holds."""
+    worst = 0.0
+    for mod in mods:
+        for name, p in mod.named_parameters():
+            want = _leaf(step.grads, mod.paths[name])
+            err = (p.grad - want).abs().max() / want.abs().max().clamp(min=1e-30)
+            worst = max(worst, float(err))
+    return worst
+
+
+def _reset(v: Variant) -> None:
+    """Frees what the variant's last step left (torch: parameter grads; fmoe returns them and the caller
+    has dropped them), then collects garbage: every step starts from the same state."""
+    if v.reset is not None:
+        v.reset()
+    gc.collect()
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
+
+
+def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = model_config(args)
+    params = init_gpt(cfg, torch.Generator().manual_seed(0))
+    state, data = init_gpt_state(cfg), batches(cfg, args)
+    variants = build_variants(cfg, args, rank, params, state, data)
+    out: dict[str, Any] = {"p2p": _p2p_one_way(args, rank), "loss": {}, "grad_diff": {}, "peak_acts": {},
+                           "order": {v.name: v.order for v in variants if not v.fmoe},
+                           "wall": {v.name: [] for v in variants}, "timeline": {v.name: [] for v in variants}}
+    last_fmoe = None  # the fmoe step right before (a torch variant follows its fmoe pair)
+    for v in variants:  # warm-up; its losses and gradients are the first step's
+        _reset(v)
+        dist.barrier()
+        res = v.run()
+        if v.fmoe:
+            last_fmoe = res
+            out["loss"][v.name] = float(res.loss)
+            out["peak_acts"][v.name] = res.result.peak_activations
+        else:
+            loss, mods = res
+            out["loss"][v.name] = None if loss is None else float(loss)
+            out["grad_diff"][v.name] = _grad_diff(last_fmoe, mods)
+        del res
+    del last_fmoe
+    n = len(variants)
+    for rep in range(args.reps):
+        k = (rep * args.rotate) % n
+        for v in variants[k:] + variants[:k]:
+            _reset(v)
+            dist.barrier()
+            t = time.perf_counter()
+            res = v.run()
+            out["wall"][v.name].append(time.perf_counter() - t)
+            if v.fmoe:
+                out["timeline"][v.name].append(timeline_stats(res.result.events))
+            del res
+    return out
+
+
+def _memory(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, returned on free
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    cfg = model_config(args)
+    params = init_gpt(cfg, torch.Generator().manual_seed(0))
+    state, data = init_gpt_state(cfg), batches(cfg, args)
+    out = {}
+    for v in build_variants(cfg, args, rank, params, state, data):
+        _reset(v)
+        dist.barrier()
+        res = v.run()  # warm-up
+        del res
+        _reset(v)
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        base = _rss_kib("VmRSS")
+        res = v.run()
+        out[v.name] = (_rss_kib("VmHWM") - base) / 1024
+        del res
+    return out
+
+
+def _worker(rank: int, mode: str, args: argparse.Namespace, store: str, q: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=args.pg_timeout))
+        q.put((rank, (_timing if mode == "timing" else _memory)(rank, args), None))
+    except BaseException:
+        q.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(mode: str, args: argparse.Namespace, timeout_s: float) -> list[Any]:
+    """Runs `mode` on WORLD spawned gloo ranks (file-store rendezvous); returns each rank's result. Raises
+    RuntimeError with the tracebacks when a rank fails, and kills the ranks after `timeout_s`."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    fd, store = tempfile.mkstemp(prefix="fmoe_pipeline_")
+    os.close(fd)
+    os.unlink(store)
+    procs = [ctx.Process(target=_worker, args=(r, mode, args, store, q), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) + len(errors) < WORLD and time.monotonic() < deadline:
+        try:
+            rank, value, err = q.get(timeout=0.5)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break
+            continue
+        if err is None:
+            got[rank] = value
+        else:
+            errors.append(f"--- rank {rank} ---\n{err}")
+            break  # the others would wait for it until the gloo timeout: stop them now
+    for p in procs:
+        p.join(timeout=0 if errors else 10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if os.path.exists(store):
+        os.unlink(store)
+    if errors or len(got) < WORLD:
+        missing = sorted(set(range(WORLD)) - set(got))
+        raise RuntimeError(f"{mode} pass failed (ranks without a result: {missing}, limit "
+                           f"{timeout_s:.0f} s)\n" + "\n".join(errors))
+    return [got[r] for r in range(WORLD)]
+
+
+# ---- analysis in the parent ----------------------------------------------------------------------------
+
+def calibrated_costs(s: S.Schedule, reps: list[list[dict]], p2p: float,
+                     stat: Any = statistics.median) -> S.Costs:
+    """Costs with per-stage F, I, W: `stat` (median) over microbatches and repetitions of the run's events."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for rep in reps:
+        for rank_stats in rep:
+            for (kind, st, _mb), t in rank_stats["phase"].items():
+                samples.setdefault((kind, st), []).append(t)
+    n = s.placement.num_stages
+
+    def per_stage(kind: str) -> tuple[float, ...]:
+        return tuple(stat(samples[(kind, st)]) if (kind, st) in samples else 0.0
+                     for st in range(n))
+
+    return S.Costs(f=per_stage("F"), i=per_stage("I"), w=per_stage("W"), p2p=p2p)
+
+
+@dataclass(frozen=True)
+class ReplayCosts(S.Costs):
+    """Costs giving every op the time it took in one measured step (`table[(kind, stage, mb)]`, B = I + W):
+    a replay of that step through the simulator, which tests the simulator's dependency and P2P model
+    without the per-stage constant-cost assumption. A diagnostic next to the calibrated prediction."""
+
+    table: Any = None
+
+    def compute(self, op: S.Op) -> float:
+        if op.kind == "B":
+            return self.table[("I", op.stage, op.mb)] + self.table.get(("W", op.stage, op.mb), 0.0)
+        return self.table.get((op.kind, op.stage, op.mb), 0.0)
+
+
+def analyse(name: str, m: int, timing: list[dict], mem: list[dict] | None) -> dict[str, Any]:
+    """One fmoe schedule: measured medians and the simulator's predictions. Each repetition's prediction
+    uses costs calibrated on that repetition's events and is compared with that repetition's makespan
+    (so load from other processes during one step moves both); ratios are medians over repetitions."""
+    s = S.build(name, WORLD, m)
+    n_reps = len(timing[0]["wall"][name])
+    reps = [[timing[r]["timeline"][name][k] for r in range(WORLD)] for k in range(n_reps)]
+    makespans = [max(x["end"] for x in rep) for rep in reps]
+    med = statistics.median
+
+    def per_rank(key: str) -> list[float]:
+        return [med(rep[r][key] / ms for rep, ms in zip(reps, makespans)) for r in range(WORLD)]
+
+    def ratio(predicted: list[float]) -> float:
+        return med(p / ms for p, ms in zip(predicted, makespans))
+
+    p2p = med(t["p2p"] for t in timing)
+    sims = [S.simulate(s, calibrated_costs(s, [rep], p2p)) for rep in reps]
+    means = [S.simulate(s, calibrated_costs(s, [rep], p2p, statistics.fmean)).makespan for rep in reps]
+    replays = [S.simulate(s, ReplayCosts(p2p=p2p, table={k: v for x in rep for k, v in x["phase"].items()}))
+               .makespan for rep in reps]
+    return {"name": name, "wall": _wall(timing, name), "spread": _spread(timing, name),
+            "makespan": med(makespans), "bubble": [1 - b for b in per_rank("busy")], "gap": per_rank("gap"),
+            "sim_ms": med(x.makespan for x in sims), "sim_ratio": ratio([x.makespan for x in sims]),
+            "sim_bubble": [med(x.bubble_fraction[r] for x in sims) for r in range(WORLD)],
+            "mean_ratio": ratio(means), "replay": ratio(replays), "costs": calibrated_costs(s, reps, p2p),
+            "mem": None if mem is None else [mem[r][name] for r in range(WORLD)],
+            "peak_acts": [timing[r]["peak_acts"][name] for r in range(WORLD)],
+            "sim_acts": list(sims[0].peak_activations), "loss": timing[0]["loss"][name]}
+
+
+def _spread(timing: list[dict], name: str) -> float:
+    """(max - min) / median of the step's wall times over repetitions (max over ranks)."""
+    walls = [max(t["wall"][name][k] for t in timing) for k in range(len(timing[0]["wall"][name]))]
+    return (max(walls) - min(walls)) / statistics.median(walls)
+
+
+def _wall(timing: list[dict], name: str) -> float:
+    """Median over repetitions of the step's wall time, max over ranks."""
+    n = len(timing[0]["wall"][name])
+    return statistics.median(max(t["wall"][name][k] for t in timing) for k in range(n))
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.0f}"
+
+
+def _pair(xs: list[float], fmt: str = "{:.0f}", scale: float = 1.0) -> str:
+    return "/".join(fmt.format(scale * x) for x in xs)
+
+
+def _param_count(cfg: GPTConfig) -> tuple[int, int]:
+    """Returns (total parameters, parameters active per token)."""
+    p = init_gpt(cfg, torch.Generator().manual_seed(0))
+    total = sum(t.numel() for t in torch.utils._pytree.tree_leaves(p))
+    experts = sum(t.numel() for layer in p["layers"] for t in layer["moe"]["experts"].values())
+    return total, total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
+
+
+def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None, seconds: float) -> None:
+    """Prints the configuration, the fmoe / simulator table and the fmoe / torch table."""
+    cfg = model_config(args)
+    total, active = _param_count(cfg)
+    m = args.microbatches
+    print(f"pipeline benchmark: 2 gloo ranks, 1 thread each, {os.cpu_count()} CPUs; fp32; {m} microbatches "
+          f"of B={args.micro_batch} x S={args.seq} tokens; 1 warm-up + {args.reps} reps (medians), rotating "
+          f"by {args.rotate}")
+    print(f"model: MoE GPT, {cfg.n_layers} MoE layers, D={cfg.d_model}, heads {cfg.n_heads}, "
+          f"E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.d_ff}, V={cfg.vocab_size}: "
+          f"{total / 1e6:.1f} M parameters "
+          f"({active / 1e6:.1f} M active per token); p2p one-way {1e3 * timing[0]['p2p']:.2f} ms")
+    rows = [analyse(name, m, timing, mem) for name in S.registry.NAMES]
+    for r in rows:
+        if r["name"] in ("1f1b", "zbv"):
+            c = r["costs"]
+            per = ", ".join(f"s{st} {_ms(c.f[st])}/{_ms(c.i[st])}/{_ms(c.w[st])}" for st in range(len(c.f)))
+            print(f"calibrated F/I/W per stage (ms), {r['name']}: {per}")
+    print()
+    print("fmoe executor vs simulator (costs: per-stage medians of F/I/W, per repetition). span: timeline "
+          "makespan;\nbubble = 1 - busy/span (%, r0/r1); gap: its part before and between events (executor "
+          "bookkeeping);\nmean/span: simulated with per-stage means instead of medians; replay/span: "
+          "simulated with every op's own measured time (median over reps);\nspread: (max - min) / median "
+          "step time over reps; acts: peak live forwards, measured and simulated")
+    print(f"{'schedule':<20} {'step ms':>7} {'spread':>6} {'span ms':>7} {'sim ms':>7} {'sim/span':>8} "
+          f"{'mean/span':>9} {'replay/span':>11}  "
+          f"{'bubble meas':>11} {'bubble sim':>10} {'gap':>7}  {'peak MiB':>9} {'acts':>5} {'sim':>5}")
+    for r in rows:
+        print(f"{r['name']:<20} {_ms(r['wall']):>7} {100 * r['spread']:>5.0f}% {_ms(r['makespan']):>7} "
+              f"{_ms(r['sim_ms']):>7} {r['sim_ratio']:>8.3f} {r['mean_ratio']:>9.3f} {r['replay']:>11.3f}  "
+              f"{_pair(r['bubble'], '{:.1f}', 100):>11} {_pair(r['sim_bubble'], '{:.1f}', 100):>10} "
+              f"{_pair(r['gap'], '{:.1f}', 100):>7}  {'-' if r['mem'] is None else _pair(r['mem']):>9} "
+              f"{_pair(r['peak_acts']):>5} {_pair(r['sim_acts']):>5}")
+    off = [r["name"] for r in rows if abs(r["sim_ratio"] - 1) > 0.10]
+    print(f"predicted makespan within 10% of the measured one: {len(rows) - len(off)}/{len(rows)}"
+          + (f" (outside: {', '.join(off)})" if off else ""))
+    if not args.no_torch:
+        print()
+        print("fmoe vs torch.distributed.pipelining on the same model and weights (torch: nn.Modules, tape "
+              "autograd);\norder: the torch schedule's compute actions equal fmoe's, rank by rank; |dloss|: "
+              "first step; grad: max relative gradient difference")
+        print(f"{'fmoe':<20} {'torch':<30} {'order':>5} {'fmoe ms':>7} {'torch ms':>8} {'spread':>6} "
+              f"{'fmoe/torch':>10}  "
+              f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
+        by = {r["name"]: r for r in rows}
+        for name, cls_name in PAIRS:
+            tn = f"torch:{cls_name}"
+            tloss = next(t["loss"][tn] for t in timing if t["loss"][tn] is not None)
+            ours = S.without_comms(S.build(name, WORLD, m)).ranks
+            order = timing[0]["order"][tn]
+            same = all([str(a) for a in ours[rk]] == order.get(rk) for rk in range(WORLD)) if order else None
+            tw = _wall(timing, tn)
+            print(f"{name:<20} {cls_name:<30} {'-' if same is None else 'same' if same else 'diff':>5} "
+                  f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
+                  f"{by[name]['wall'] / tw:>10.3f}  "
+                  f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
+                  f"{'-' if mem is None else _pair([x[name] for x in mem]):>9} "
+                  f"{'-' if mem is None else _pair([x[tn] for x in mem]):>9}")
+        print(f"first-step loss {by['1f1b']['loss']:.6f} (fmoe 1f1b)")
+    print(f"total {seconds:.0f} s (both passes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny model and 2 repetitions (smoke test)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--d-ff", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+    p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="seconds per pass before the ranks are killed")
+    p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout (seconds)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.d_model, args.heads, args.layers, args.experts, args.d_ff = 64, 2, 4, 4, 64
+        args.vocab, args.seq, args.reps = 128, 32, 2
+    if args.d_model % 4 or args.d_ff % 4:
+        p.error("--d-model and --d-ff must be multiples of 4 (torch._grouped_mm needs 16-byte row strides)")
+    if args.layers % 4:
+        p.error("--layers must be a multiple of 4 (4 equal chunks for the V and interleaved placements)")
+    t0, busy0 = time.perf_counter(), _machine_busy_s()
+    timing = spawn("timing", args, args.timeout)
+    mem = None if args.no_memory else spawn("memory", args, args.timeout)
+    seconds = time.perf_counter() - t0
+    report(args, timing, mem, seconds)
+    others = max(0.0, _machine_busy_s() - busy0 - _own_cpu_s())
+    print(f"CPU time of other processes on this machine during the run: {others:.0f} s "
+          f"({100 * others / (seconds * (os.cpu_count() or 1)):.0f}% of its {os.cpu_count()} CPUs)")
+    return 0
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all processes; /proc/stat, not idle or iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the ranks)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
