@@ -100,24 +100,28 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
             group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
-            timeout: timedelta = timedelta(seconds=120), overlap: bool = True) -> StepResult:
+            timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
+            engine: str = "autograd") -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
     pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `overlap`
     (default on): an Overlap pair interleaves its two ops phase by phase, and a lone B runs the dw of the
-    phases it has differentiated while its exchanges travel; off: pairs run one op after the other."""
+    phases it has differentiated while its exchanges travel; off: pairs run one op after the other.
+    `engine`: how compute phases are differentiated (`split_vjp`'s engine; "autograd", the default, has
+    less per-op overhead and frees a phase's activations as its dx pass runs; "func": torch.func.vjp)."""
     actions = verify(s).ranks[rank]
     check_programs(s, rank, programs)
-    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap).run(actions)
+    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine).run(actions)
 
 
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
-                 timeout: timedelta, overlap: bool):
+                 timeout: timedelta, overlap: bool, engine: str):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
+        self.engine = engine
         self.scale = 1.0 / s.m
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
@@ -221,7 +225,8 @@ class _Executor:
         """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns (its new acts, its dx
         closure, their specs)."""
         params = tuple(subtree(prog.params, p) for p in ph.param_paths)
-        out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True)
+        out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True,
+                                   engine=self.engine)
         return out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
@@ -236,7 +241,7 @@ class _Executor:
                                         "tensor; put non-differentiable values in meta")
             return out, meta_out
 
-        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True)
+        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
         rec.phases.append((ph, layer, vjp_dx, spec))
         stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None

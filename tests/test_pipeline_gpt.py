@@ -55,28 +55,30 @@ def _oracle(cfg: GPTConfig, m: int) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss), _flat(vjp(torch.ones((), dtype=DT))[0])
 
 
-def _rank(rank: int, world: int, runs: list[tuple[str, int, bool]], m: int) -> dict:
+def _rank(rank: int, world: int, runs: list[tuple], m: int) -> dict:
     out = {}
-    for name, n_layers, mtp in runs:
+    for name, n_layers, mtp, *engine in runs:
         cfg = _cfg(n_layers, mtp)
         s = S.build(name, world, m)
         params = init_gpt(cfg, torch.Generator().manual_seed(0), DT)
-        step = gpt_pipeline_step(cfg, s, rank, params, init_gpt_state(cfg), _batches(cfg, s.m))
-        out[(name, mtp)] = (float(step.loss), {k: v.tolist() for k, v in _flat(step.grads).items()},
+        step = gpt_pipeline_step(cfg, s, rank, params, init_gpt_state(cfg), _batches(cfg, s.m),
+                                 engine=engine[0] if engine else "autograd")
+        out[(name, mtp, *engine)] = (float(step.loss), {k: v.tolist() for k, v in _flat(step.grads).items()},
                             step.result.peak_activations, S.simulate(s, S.Costs()).peak_activations[rank])
     return out
 
 
-def _check(results, runs: list[tuple[str, int, bool]], m: int) -> None:
-    for name, n_layers, mtp in runs:
+def _check(results, runs: list[tuple], m: int) -> None:
+    for name, n_layers, mtp, *engine in runs:
+        key = (name, mtp, *engine)
         want_loss, want = _oracle(_cfg(n_layers, mtp), m)
         for r in results:
-            loss, grads, peak, sim_peak = r.value[(name, mtp)]
+            loss, grads, peak, sim_peak = r.value[key]
             assert loss == pytest.approx(want_loss, rel=1e-12), (name, mtp, r.rank)
             assert peak == sim_peak, (name, mtp, r.rank)
         held: dict[str, torch.Tensor] = {}
         for r in results:
-            for k, v in r.value[(name, mtp)][1].items():
+            for k, v in r.value[key][1].items():
                 v = torch.tensor(v, dtype=DT)
                 if k in held:  # a weight held by two ranks: its (summed) gradient is the same on both
                     torch.testing.assert_close(v, held[k], rtol=0, atol=0, msg=f"{name} {k}")
@@ -86,8 +88,10 @@ def _check(results, runs: list[tuple[str, int, bool]], m: int) -> None:
             torch.testing.assert_close(held[k], want[k], rtol=1e-9, atol=1e-12, msg=f"{name} mtp={mtp} {k}")
 
 
-RUNS_PP2 = [(n, 4, mtp) for n in S.registry.NAMES for mtp in (False, True)]
-RUNS_PP4 = [(n, 8, mtp) for n in ("1f1b", "interleaved", "dualpipev") for mtp in (False, True)]
+# the executor's default engine is tape autograd; one run per pp also goes through torch.func.vjp
+RUNS_PP2 = [(n, 4, mtp) for n in S.registry.NAMES for mtp in (False, True)] + [("dualpipev", 4, True, "func")]
+RUNS_PP4 = [(n, 8, mtp) for n in ("1f1b", "interleaved", "dualpipev") for mtp in (False, True)] + [
+    ("interleaved", 8, True, "func")]
 
 
 @pytest.mark.parametrize("pp,runs,m", [(2, RUNS_PP2, 4), (4, RUNS_PP4, 8)], ids=["pp2", "pp4"])

@@ -8,6 +8,7 @@ Legend: N rows, D model width, F hidden width, L depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import weakref
 
@@ -17,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from fmoe._compat import get_unwrapped, is_functorch_wrapped, tree_flatten
+from fmoe._compat import is_functorch_wrapped, tree_flatten
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, moe
 from fmoe.ops import linear
@@ -29,6 +30,8 @@ from fmoe.transforms import (
     defer_weight_grad,
     split_vjp,
 )
+from fmoe.transforms.split_vjp import ENGINES
+from fmoe.transforms.tape import unwrapped
 from fmoe.transforms.testing import assert_close, float_dtypes
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -58,9 +61,9 @@ def stack(params: dict, x_ND: torch.Tensor) -> torch.Tensor:
     return x_ND
 
 
-def split_as_vjp(f, *primals):
+def split_as_vjp(f, *primals, engine="func"):
     """Adapter: split_vjp as a plain vjp (params first), for check_vjp and comparisons."""
-    out, vjp_dx = split_vjp(f, *primals)
+    out, vjp_dx = split_vjp(f, *primals, engine=engine)
 
     def fn(ct):
         dargs, vjp_dw = vjp_dx(ct)
@@ -71,13 +74,14 @@ def split_as_vjp(f, *primals):
 
 @SETTINGS
 @given(depth=st.integers(1, 3), n=st.integers(1, 9), d=st.integers(1, 8), f=st.integers(1, 12),
-       dtype=float_dtypes, seed=st.integers(0, 2**16))
-@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0)
-def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed):
+       dtype=float_dtypes, seed=st.integers(0, 2**16), engine=st.sampled_from(ENGINES))
+@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="func")
+@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="autograd")
+def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed, engine):
     params = make_params(depth, d, f, dtype, seed)
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
     ct = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64).to(dtype)
-    out, vjp_dx = split_vjp(stack, params, x)
+    out, vjp_dx = split_vjp(stack, params, x, engine=engine)
     (dx,), vjp_dw = vjp_dx(ct)
     dparams = vjp_dw()
     ref_out, ref_fn = torch.func.vjp(stack, params, x)
@@ -91,11 +95,12 @@ def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed):
 
 @settings(max_examples=15, deadline=None)
 @given(depth=st.integers(1, 3), n=st.integers(1, 6), d=st.integers(1, 6), f=st.integers(1, 6),
-       seed=st.integers(0, 2**16))
-def test_split_vjp_passes_finite_differences(depth, n, d, f, seed):
+       seed=st.integers(0, 2**16), engine=st.sampled_from(ENGINES))
+def test_split_vjp_passes_finite_differences(depth, n, d, f, seed, engine):
     params = make_params(depth, d, f, torch.float64, seed)
     x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    check_vjp(stack, params, x, vjp=split_as_vjp, generator=torch.Generator().manual_seed(seed))
+    check_vjp(stack, params, x, vjp=functools.partial(split_as_vjp, engine=engine),
+              generator=torch.Generator().manual_seed(seed))
 
 
 def flops(fn) -> int:
@@ -106,15 +111,15 @@ def flops(fn) -> int:
 
 @settings(max_examples=15, deadline=None)
 @given(depth=st.integers(1, 3), n=st.integers(1, 16), d=st.integers(1, 16), f=st.integers(1, 16),
-       seed=st.integers(0, 2**16))
-@example(depth=1, n=1, d=1, f=1, seed=0)
-def test_flops_of_dx_plus_dw_equal_full_backward(depth, n, d, f, seed):
+       seed=st.integers(0, 2**16), engine=st.sampled_from(ENGINES))
+@example(depth=1, n=1, d=1, f=1, seed=0, engine="autograd")
+def test_flops_of_dx_plus_dw_equal_full_backward(depth, n, d, f, seed, engine):
     params = make_params(depth, d, f, torch.float32, seed)
     x = torch.randn(n, d).requires_grad_(False)
     ct = torch.ones(n, d)
     _, full_fn = torch.func.vjp(stack, params, x)
     full = flops(lambda: full_fn(ct))
-    _, vjp_dx = split_vjp(stack, params, x)
+    _, vjp_dx = split_vjp(stack, params, x, engine=engine)
     box = {}
     dx_flops = flops(lambda: box.setdefault("dw", vjp_dx(ct)[1]))
     dw_flops = flops(lambda: box["dw"]())
@@ -122,10 +127,11 @@ def test_flops_of_dx_plus_dw_equal_full_backward(depth, n, d, f, seed):
     assert dw_flops > 0
 
 
-def test_each_pass_runs_once_and_in_order():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_pass_runs_once_and_in_order(engine):
     params = make_params(1, 3, 4, torch.float64, 0)
     x = torch.randn(2, 3, dtype=torch.float64)
-    _, vjp_dx = split_vjp(stack, params, x)
+    _, vjp_dx = split_vjp(stack, params, x, engine=engine)
     _, vjp_dw = vjp_dx(torch.ones(2, 3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="vjp_dx was already called"):
         vjp_dx(torch.ones(2, 3, dtype=torch.float64))
@@ -134,7 +140,8 @@ def test_each_pass_runs_once_and_in_order():
         vjp_dw()
 
 
-def test_nothing_is_held_after_dw():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nothing_is_held_after_dw(engine):
     """The activations of the forward die with the passes: a weakref to one must be dead after vjp_dw."""
     params = make_params(2, 4, 5, torch.float64, 0)
     x = torch.randn(3, 4, dtype=torch.float64)
@@ -142,10 +149,10 @@ def test_nothing_is_held_after_dw():
 
     def f(p, x):
         h = torch.tanh(linear(x, p["blocks"][0]["w_in"]))
-        refs.append(weakref.ref(get_unwrapped(h)))
+        refs.append(weakref.ref(unwrapped(h)))
         return linear(h, p["blocks"][0]["w_out"])
 
-    _, vjp_dx = split_vjp(f, params, x)
+    _, vjp_dx = split_vjp(f, params, x, engine=engine)
     _, vjp_dw = vjp_dx(torch.ones(3, 4, dtype=torch.float64))
     del vjp_dx
     vjp_dw()
@@ -154,7 +161,8 @@ def test_nothing_is_held_after_dw():
     assert refs and refs[0]() is None
 
 
-def test_weight_used_twice_accumulates_and_int_args_pass_through():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_weight_used_twice_accumulates_and_int_args_pass_through(engine):
     w = torch.randn(3, 3, dtype=torch.float64)
     ids = torch.tensor([0, 2, 1])
 
@@ -163,7 +171,7 @@ def test_weight_used_twice_accumulates_and_int_args_pass_through():
 
     x = torch.randn(3, 3, dtype=torch.float64)
     ct = torch.randn(3, 3, dtype=torch.float64)
-    _, vjp_dx = split_vjp(f, {"w": w}, x, ids)
+    _, vjp_dx = split_vjp(f, {"w": w}, x, ids, engine=engine)
     (dx, dids), vjp_dw = vjp_dx(ct)
     assert dids is None
     _, ref_fn = torch.func.vjp(lambda p, x: f(p, x, ids), {"w": w}, x)

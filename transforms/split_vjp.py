@@ -109,6 +109,11 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _zeros(meta: tuple[torch.Size, torch.dtype, torch.device]) -> torch.Tensor:
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _writable(g: Any) -> Any:
     """Return `g`, materialised when it is an expanded tensor (stride 0 along a dim of size > 1).
 
@@ -233,18 +238,51 @@ class DxFn(Protocol):
     def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], DwFn]: ...
 
 
-@overload
-def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
-              has_aux: Literal[False] = False) -> tuple[Any, DxFn]: ...
+ENGINES = ("func", "autograd")
 
 
 @overload
 def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
-              has_aux: Literal[True]) -> tuple[Any, DxFn, Any]: ...
+              has_aux: Literal[False] = False, engine: str = "func") -> tuple[Any, DxFn]: ...
+
+
+@overload
+def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
+              has_aux: Literal[True], engine: str = "func") -> tuple[Any, DxFn, Any]: ...
+
+
+def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor],
+                  has_aux: bool) -> tuple[Any, Callable[..., tuple], Any, list[torch.Tensor]]:
+    """Returns (out, vjp_fn, aux, leaves): the torch.func.vjp contract on tape autograd. f runs once on
+    `leaves`, fresh leaves that alias `xs` (detached views, no copy), with grad enabled; vjp_fn(ct) is
+    torch.autograd.grad to them (None for a leaf the output does not depend on), the graph freed as the
+    backward passes it. `out` (and aux) come back detached: the graph stays inside vjp_fn."""
+    leaves = [x.detach().requires_grad_() for x in xs]
+    with torch.enable_grad():
+        res = flat_f(*leaves)
+    out_g, aux = res if has_aux else (res, None)
+    out_leaves, out_spec = tree_flatten(out_g)
+    differentiable = [k for k, o in enumerate(out_leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
+    graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
+
+    def vjp_fn(cotangent: Any, retain_graph: bool = False) -> tuple:
+        ct_leaves = tree_flatten(cotangent)[0]
+        outs, ins = graph.pop("outs"), graph.pop("leaves")
+        if not outs:
+            return tuple(None for _ in ins)
+        return torch.autograd.grad(outs, ins, [ct_leaves[k] for k in differentiable],
+                                   retain_graph=retain_graph, allow_unused=True)
+
+    detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
+    out = tree_unflatten(detach, out_spec)
+    if has_aux:
+        aux = tree_unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in tree_flatten(aux)[0]],
+                             tree_flatten(aux)[1])
+    return out, vjp_fn, aux, leaves
 
 
 def split_vjp(
-    f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False
+    f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, engine: str = "func"
 ) -> tuple[Any, DxFn] | tuple[Any, DxFn, Any]:
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
@@ -255,9 +293,16 @@ def split_vjp(
     tape entries are held; the inputs are not held by `vjp_dw` (only what its thunks read). A tensor
     under several keys gets one gradient per key, as with `torch.func.vjp`. Raises RuntimeError under
     `torch.func.vmap` (see `VMAP_MESSAGE`).
+
+    `engine`: "func" runs f under `torch.func.vjp`; "autograd" runs it once on tape autograd (fresh
+    leaves, `torch.autograd.grad` for dx): the same contract and gradients, less per-op overhead, and the
+    forward's activations freed as the dx pass passes them. Both need f's weight-bearing ops to be
+    setup_context Functions (fmoe.ops); "autograd" does not compose with an outer torch.func transform.
     """
     if under_vmap():
         raise RuntimeError(VMAP_MESSAGE)
+    if engine not in ENGINES:
+        raise ValueError(f"split_vjp: engine must be one of {ENGINES}, got {engine!r}")
     leaves, spec = tree_flatten((params, args))
     n_leaves, n_param_leaves = len(leaves), len(tree_flatten(params)[0])
     diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
@@ -271,7 +316,9 @@ def split_vjp(
         p, a = tree_unflatten(full, spec)
         return f(p, *a)
 
-    if has_aux:
+    if engine == "autograd":
+        out, vjp_fn, aux, diff_leaves = _autograd_vjp(flat_f, diff_leaves, has_aux)
+    elif has_aux:
         # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
         aux_skeleton: list[Any] = []
 
@@ -287,6 +334,7 @@ def split_vjp(
         out, vjp_fn = torch.func.vjp(flat_f, *diff_leaves)
     out_leaves, out_spec = tree_flatten(out)
     out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
+    leaf_meta = [(t.shape, t.dtype, t.device) for t in diff_leaves]  # for zero gradients of unused leaves
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff])
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
@@ -305,7 +353,9 @@ def split_vjp(
             grads = fn(cotangent, retain_graph=False)
         del fn
         full: list[Any] = [None] * n_leaves
-        for i, g in zip(diff_pos, grads):
+        for k, (i, g) in enumerate(zip(diff_pos, grads)):
+            if g is None and i >= n_param_leaves:  # autograd: an argument the output does not depend on
+                g = _zeros(leaf_meta[k])
             full[i] = g if i < n_param_leaves else _writable(g)
         _, dargs = tree_unflatten(full, spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
@@ -340,9 +390,9 @@ def split_vjp(
             deferred = tape.run()
             tape.clear()
             flat_params: list[Any] = [None] * n_param_leaves
-            for (_, i), now, later in zip(param_diff, dx_param_grads, deferred):
+            for (k, i), now, later in zip(param_diff, dx_param_grads, deferred):
                 g = now if later is None else (later if now is None else later.add_(now))
-                flat_params[i] = _writable(g)
+                flat_params[i] = _writable(g) if g is not None else _zeros(leaf_meta[k])
             dx_param_grads.clear()
             return tree_unflatten(flat_params, tree_flatten(params)[1])
 

@@ -101,13 +101,13 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       batches: list[tuple[torch.Tensor, torch.Tensor]], *,
                       group: dist.ProcessGroup | None = None,
                       chunks: tuple[ChunkSpec, ...] | None = None, dispatcher: Any = None,
-                      shared: SharedGrads | None = None, overlap: bool = True,
+                      shared: SharedGrads | None = None, overlap: bool = True, engine: str = "autograd",
                       check: bool = True) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
     pairs and of lone backward steps (fmoe.schedule.execute); off runs pairs one op after the other.
-    `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
+    `engine`: how the compute phases are differentiated (split_vjp's "autograd" or "func"). `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
     it, for trees that already passed."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
@@ -120,7 +120,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
                             dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
-    result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap)
+    result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
+                     engine=engine)
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
