@@ -192,3 +192,24 @@ def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list) -
             for k in grads_on:
                 torch.testing.assert_close(torch.tensor(grads_on[k]), torch.tensor(grads_off[k]), rtol=1e-12,
                                            atol=1e-14, msg=f"{kind} {name} {k}")
+
+
+def _chain_completion(rank: int, world: int) -> tuple[float, float]:
+    import time
+
+    from fmoe.parallel import LinkModel, all_to_all_async
+    from fmoe.parallel.phased import Chain
+
+    comm = CommGroup(torch.distributed.group.WORLD, link_model=LinkModel(intra_latency_s=0.05))
+    t0 = time.perf_counter()
+    out, h = all_to_all_async(torch.ones(2, 3), comm)
+    chain = Chain((out, [h]), lambda r: (r, []))  # a last step that issues nothing, as every exchange has
+    time.sleep(0.2)
+    chain.wait()
+    return h.not_before - t0, chain.completed_at - t0
+
+
+def test_an_exchange_completes_when_the_link_model_says_not_when_waited() -> None:
+    for r in spawn(_chain_completion, 2, timeout_s=60):
+        modelled, completed = r.value
+        assert completed == pytest.approx(modelled) and completed < 0.15, r.value

@@ -83,12 +83,14 @@ class Chain:
 
     def wait(self) -> Any:
         """Runs the chain to the end; returns its result."""
+        modelled = 0.0  # the latest link-model completion of the exchanges waited (0: no link model)
         while True:
             for h in self.handles:
                 h.wait()
-            nb = max((h.not_before for h in self.handles), default=0.0)
+            modelled = max([modelled] + [h.not_before for h in self.handles])
             if not self.later:
-                self.completed_at = nb if nb > 0 else time.perf_counter()
+                # steps that issue nothing (a rename, a slice) do not end the exchange
+                self.completed_at = modelled if modelled > 0 else time.perf_counter()
                 return self.result
             self.result, self.handles = self.later.pop(0)(self.result)
 
