@@ -316,17 +316,22 @@ class _Executor:
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)
         if weights:
-            yield from self._weights(stage, mb)
+            yield from self._weights(stage, mb, interleaved=paired and self.overlap)
 
-    def _weights(self, stage: int, mb: int) -> Iterator[None]:
+    def _weights(self, stage: int, mb: int, interleaved: bool = False) -> Iterator[None]:
+        """Runs the dw thunks of (stage, mb). `interleaved` (the B of an overlapped pair): one thunk per
+        turn, so the pair's forward, which the backward would otherwise leave alone with its last
+        exchanges, runs while they travel and the dw fills the waits."""
         queue = self.deferred.pop((stage, mb), None)
         if queue is None:
             raise ScheduleError(f"rank {self.rank}: W of stage {stage} mb {mb} before its I")
-        self._run_dw(stage, mb, queue)
+        while queue:
+            self._run_dw(stage, mb, queue[:1])
+            queue.pop(0)
+            if interleaved and queue:
+                yield
         self.queued.add(-1)
         self.live.add(-1)
-        return
-        yield  # a generator like the other ops
 
     def _run_dw(self, stage: int, mb: int, queue: list[tuple[Phase, str, Callable[[], Any]]]) -> None:
         """Runs (and empties) `queue`'s dw thunks in order, adding their gradients into the step's."""
