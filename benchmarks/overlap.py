@@ -53,19 +53,17 @@ import gc
 import json
 import os
 import pickle
-import queue
 import re
 import resource
 import statistics
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import _ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -373,43 +371,8 @@ def _worker(rank: int, world: int, job: tuple, store: str, q: Any) -> None:
 
 
 def spawn(world: int, job: tuple, timeout_s: float) -> list[Any]:
-    """Runs `job` on `world` spawned gloo ranks (file-store rendezvous); returns each rank's result. Raises
-    RuntimeError with the tracebacks when a rank fails, and kills the ranks after `timeout_s`."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, store = tempfile.mkstemp(prefix="fmoe_overlap_")
-    os.close(fd)
-    os.unlink(store)
-    procs = [ctx.Process(target=_worker, args=(r, world, job, store, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    errors = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) + len(errors) < world and time.monotonic() < deadline:
-        try:
-            rank, value, err = q.get(timeout=0.5)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-            continue
-        if err is None:
-            got[rank] = value
-        else:
-            errors.append(f"--- rank {rank} ---\n{err}")
-            break  # the others would wait for it until the gloo timeout: stop them now
-    for p in procs:
-        p.join(timeout=0 if errors else 10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    if os.path.exists(store):
-        os.unlink(store)
-    if errors or len(got) < world:
-        missing = sorted(set(range(world)) - set(got))
-        raise RuntimeError(f"{job[0]} {job[2]} failed (ranks without a result: {missing}, limit "
-                           f"{timeout_s:.0f} s)\n" + "\n".join(errors))
-    return [got[r] for r in range(world)]
+    """Runs `job` on `world` spawned gloo ranks (benchmarks/_ranks.py); returns each rank's result."""
+    return _ranks.spawn(_worker, world, (world, job), timeout_s, f"{job[0]} {job[2]}")
 
 
 # ---- analysis in the parent ----------------------------------------------------------------------------

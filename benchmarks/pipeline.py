@@ -44,19 +44,17 @@ import ctypes
 import datetime
 import gc
 import os
-import queue
 import re
 import resource
 import statistics
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import _ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining as tpp
@@ -429,43 +427,8 @@ def _worker(rank: int, mode: str, args: argparse.Namespace, store: str, q: Any) 
 
 
 def spawn(mode: str, args: argparse.Namespace, timeout_s: float) -> list[Any]:
-    """Runs `mode` on WORLD spawned gloo ranks (file-store rendezvous); returns each rank's result. Raises
-    RuntimeError with the tracebacks when a rank fails, and kills the ranks after `timeout_s`."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, store = tempfile.mkstemp(prefix="fmoe_pipeline_")
-    os.close(fd)
-    os.unlink(store)
-    procs = [ctx.Process(target=_worker, args=(r, mode, args, store, q), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    errors = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) + len(errors) < WORLD and time.monotonic() < deadline:
-        try:
-            rank, value, err = q.get(timeout=0.5)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-            continue
-        if err is None:
-            got[rank] = value
-        else:
-            errors.append(f"--- rank {rank} ---\n{err}")
-            break  # the others would wait for it until the gloo timeout: stop them now
-    for p in procs:
-        p.join(timeout=0 if errors else 10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    if os.path.exists(store):
-        os.unlink(store)
-    if errors or len(got) < WORLD:
-        missing = sorted(set(range(WORLD)) - set(got))
-        raise RuntimeError(f"{mode} pass failed (ranks without a result: {missing}, limit "
-                           f"{timeout_s:.0f} s)\n" + "\n".join(errors))
-    return [got[r] for r in range(WORLD)]
+    """Runs `mode` on WORLD spawned gloo ranks (benchmarks/_ranks.py); returns each rank's result."""
+    return _ranks.spawn(_worker, WORLD, (mode, args), timeout_s, f"{mode} pass")
 
 
 # ---- analysis in the parent ----------------------------------------------------------------------------
