@@ -1,4 +1,5 @@
-"""Spawned gloo ranks for the benchmarks: one launcher, so every script fails the same bounded way.
+"""What the multi-rank benchmarks share: one launcher for spawned gloo ranks (so every script fails the
+same bounded way), the machine-load probes, and the model shape options.
 
     results = spawn(worker, world, worker_args, timeout_s, label)
 
@@ -8,14 +9,21 @@ rendezvouses through the file store `store` and puts `(rank, value, error_or_Non
 
 from __future__ import annotations
 
+import argparse
 import os
 import queue
+import resource
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+
+from fmoe import GPTConfig, init_gpt
+from fmoe._compat import tree_flatten
+from fmoe.pipeline import ChunkSpec
 
 
 def spawn(worker: Callable[..., None], world: int, worker_args: tuple, timeout_s: float,
@@ -58,3 +66,53 @@ def spawn(worker: Callable[..., None], world: int, worker_args: tuple, timeout_s
         raise RuntimeError(f"{label} failed (ranks without a result: {missing}, limit {timeout_s:.0f} s)\n"
                            + "\n".join(errors))
     return [got[r] for r in range(world)]
+
+
+def machine_busy_s() -> float:
+    """Returns the CPU seconds the whole machine has spent busy (all processes; /proc/stat, not idle or
+    iowait): with `own_cpu_s`, how much other processes loaded the machine during a run."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """Returns the CPU seconds of this process and its finished children (the ranks)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the MoE GPT and batch shape options the pipeline benchmarks share (and --no-memory)."""
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--d-ff", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+
+
+def per_rank(xs: list[float], fmt: str = "{:.0f}", scale: float = 1.0) -> str:
+    """Returns the values of `xs` (one per rank) formatted and joined by "/" (e.g. "12/13")."""
+    return "/".join(fmt.format(scale * x) for x in xs)
+
+
+def param_count(cfg: GPTConfig) -> tuple[int, int]:
+    """Returns (total parameters, parameters active per token) of the GPT `cfg`."""
+    p = init_gpt(cfg, torch.Generator().manual_seed(0))
+    total = sum(t.numel() for t in tree_flatten(p)[0])
+    experts = sum(t.numel() for layer in p["layers"] for t in layer["moe"]["experts"].values())
+    return total, total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
+
+
+def even_chunks(cfg: GPTConfig, n: int) -> tuple[ChunkSpec, ...]:
+    """Returns n chunks of n_layers / n consecutive layers (embedding on the first, head on the last)."""
+    k = cfg.n_layers // n
+    return tuple(ChunkSpec(c, tuple(range(c * k, (c + 1) * k)), first=c == 0, last=c == n - 1)
+                 for c in range(n))

@@ -54,7 +54,6 @@ import json
 import os
 import pickle
 import re
-import resource
 import statistics
 import time
 import traceback
@@ -64,13 +63,14 @@ from typing import Any
 import _ranks
 import torch
 import torch.distributed as dist
+from _ranks import per_rank
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
+from fmoe.pipeline import gpt_pipeline_step, holders
 from fmoe.schedule.timeline import TraceEvent
 
 EP = 2
@@ -90,13 +90,6 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
                     num_shared_experts=1)
     return GPTConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                      moe=moe)
-
-
-def even_chunks(cfg: GPTConfig, n: int) -> tuple[ChunkSpec, ...]:
-    """Returns n chunks of n_layers / n consecutive layers (embedding on the first, head on the last)."""
-    k = cfg.n_layers // n
-    return tuple(ChunkSpec(c, tuple(range(c * k, (c + 1) * k)), first=c == 0, last=c == n - 1)
-                 for c in range(n))
 
 
 def batches(cfg: GPTConfig, args: argparse.Namespace,
@@ -149,7 +142,7 @@ class Rank:
         self.ep_rank, self.stage_rank = dist.get_rank(self.ep_group), dist.get_rank(self.pp_group)
         self.cfg = model_config(args)
         self.s = schedule_of(name, args.microbatches)
-        self.chunks = even_chunks(self.cfg, self.s.placement.num_stages)
+        self.chunks = _ranks.even_chunks(self.cfg, self.s.placement.num_stages)
         self.params = local_params(self.cfg, self.ep_rank)
         self.state = init_gpt_state(self.cfg)
         self.data = batches(self.cfg, args, self.ep_rank)
@@ -504,7 +497,7 @@ def analyse(name: str, args: argparse.Namespace, timing: list[dict],
     world = len(timing)
     s = schedule_of(name, args.microbatches)
     n_stage_layers = args.layers // s.placement.num_stages
-    chunks = even_chunks(model_config(args), s.placement.num_stages)
+    chunks = _ranks.even_chunks(model_config(args), s.placement.num_stages)
     stage_layers = {st: chunks[s.placement.layer_chunk[st]].layers for st in range(s.placement.num_stages)}
     med = statistics.median
     row: dict[str, Any] = {"name": name, "world": world, "cal": timing[0]["cal"], "p2p": med(t["p2p"] for t in
@@ -565,22 +558,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _pair(xs: list[float], fmt: str = "{:.0f}", scale: float = 1.0) -> str:
-    return "/".join(fmt.format(scale * x) for x in xs)
-
-
-def _param_count(cfg: GPTConfig) -> tuple[int, int]:
-    """Returns (total parameters, parameters active per token)."""
-    p = init_gpt(cfg, torch.Generator().manual_seed(0))
-    total = sum(t.numel() for t in torch.utils._pytree.tree_leaves(p))
-    experts = sum(t.numel() for layer in p["layers"] for t in layer["moe"]["experts"].values())
-    return total, total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
-
-
 def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
     med = statistics.median
     cfg = model_config(args)
-    total, active = _param_count(cfg)
+    total, active = _ranks.param_count(cfg)
     print(f"fb overlap benchmark: gloo ranks, 1 thread each, {os.cpu_count()} CPUs; fp32; "
           f"{args.microbatches} microbatches of B={args.micro_batch} x S={args.seq} tokens per EP rank; "
           f"1 warm-up per mode + "
@@ -623,8 +604,8 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
             print(f"{r['name']:<14} {mode:<4} {1e3 * x['step']:7.0f} {100 * x['spread']:5.0f}% "
                   f"{1e3 * x['span']:7.0f} {ratio:>7} {_pct(x['pair_exec']):>9} {_pct(x['pair_model']):>10} "
                   f"{_pct(x['lone_exec']):>9} {_pct(x['lone_model']):>10} {sim}  "
-                  f"{_pair(x['wait_ms']):>15} {'-' if x['mem'] is None else _pair(x['mem']):>15} "
-                  f"{_pair(x['peak_acts']):>7}")
+                  f"{per_rank(x['wait_ms']):>15} {'-' if x['mem'] is None else per_rank(x['mem']):>15} "
+                  f"{per_rank(x['peak_acts']):>7}")
     print("(on/off: ratio of the median steps; on the off row in brackets: median of the per-round ratios)")
     print("(sim/step on the off rows: the simulator with pair_overlap=False, lone_hide = the off steps' "
           "hidden share of dispatch + combine, on the off steps' costs)")
@@ -658,10 +639,11 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
         for mode in MODES:
             x = r[mode]
             print(f"  {r['name']:<14} {mode:<3} per rank, % of the span: "
-                  f"busy {_pair(x['busy'], '{:.0f}', 100)}, "
-                  f"wait counts {_pair(x['w_counts'], '{:.1f}', 100)}, wait dispatch+combine "
-                  f"{_pair(x['w_dc'], '{:.1f}', 100)}, wait p2p {_pair(x['w_p2p'], '{:.1f}', 100)}, gap "
-                  f"{_pair(x['gap'], '{:.1f}', 100)}")
+                  f"busy {per_rank(x['busy'], '{:.0f}', 100)}, "
+                  f"wait counts {per_rank(x['w_counts'], '{:.1f}', 100)}, wait dispatch+combine "
+                  f"{per_rank(x['w_dc'], '{:.1f}', 100)}, "
+                  f"wait p2p {per_rank(x['w_p2p'], '{:.1f}', 100)}, gap "
+                  f"{per_rank(x['gap'], '{:.1f}', 100)}")
         print(f"  {r['name']:<14} lone hidden, dispatch+combine only: {_pct(on['lone_dc'])}; sim/step with "
               f"attn_frac 0.5: {r['sim_half_ratio']:.3f}; sim/span: {r['sim_span_ratio']:.3f}; "
               f"link-model log matched: {on['matched'] and r['off']['matched']}; loss on {on['loss']:.6f} "
@@ -715,17 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="calibration rounds with the link model in place (one step per mode each)")
     p.add_argument("--ratio", type=float, default=1.0, help="one dispatch = this many mlp phases")
     p.add_argument("--latency-us", type=float, default=20.0)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+    _ranks.add_model_arguments(p)
     p.add_argument("--png", help="write the timeline of one overlapped dualpipev step here")
     p.add_argument("--trace", help="write its Chrome trace JSON here")
     p.add_argument("--dump", help="pickle each configuration's raw per-rank results to DUMP.<config>.pkl")
@@ -742,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     others = _other_benchmarks()
     if others:
         print(f"note: other benchmark processes running: {others}")
-    t0, busy0 = time.perf_counter(), _machine_busy_s()
+    t0, busy0 = time.perf_counter(), _ranks.machine_busy_s()
     rows = []
     for name in names:
         world = CONFIGS[name] * EP
@@ -754,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
                 pickle.dump({"timing": timing, "mem": mem}, f)
     seconds = time.perf_counter() - t0
     report(args, rows, seconds)
-    others_s = _machine_busy_s() - busy0 - _own_cpu_s()
+    others_s = _ranks.machine_busy_s() - busy0 - _ranks.own_cpu_s()
     print(f"CPU time of other processes on this machine during the run: {others_s:.0f} s "
           f"({100 * others_s / (seconds * (os.cpu_count() or 1)):.0f}% of its {os.cpu_count()} CPUs)")
     if args.png or args.trace:
@@ -777,20 +749,6 @@ def _other_benchmarks() -> list[str]:
         if "benchmarks/" in cmd and "benchmarks/overlap.py" not in cmd and "multiprocessing" not in cmd:
             out.append(f"{pid}: {cmd}")
     return out
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all processes; /proc/stat, not idle or iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children (the ranks)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import datetime
 import gc
 import os
 import re
-import resource
 import statistics
 import time
 import traceback
@@ -56,6 +55,7 @@ import _ranks
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import per_rank
 from torch import nn
 from torch.distributed import pipelining as tpp
 
@@ -83,13 +83,6 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     moe = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
     return GPTConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                      moe=moe)
-
-
-def even_chunks(cfg: GPTConfig, n: int) -> tuple[ChunkSpec, ...]:
-    """Returns n chunks of n_layers / n consecutive layers (embedding on the first, head on the last)."""
-    k = cfg.n_layers // n
-    return tuple(ChunkSpec(c, tuple(range(c * k, (c + 1) * k)), first=c == 0, last=c == n - 1)
-                 for c in range(n))
 
 
 def batches(cfg: GPTConfig, args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -215,7 +208,7 @@ class Variant:
 
 def _fmoe_variant(cfg, name, m, rank, params, state, data) -> Variant:
     s = S.build(name, WORLD, m)
-    chunks = even_chunks(cfg, len(set(s.placement.layer_chunk)))
+    chunks = _ranks.even_chunks(cfg, len(set(s.placement.layer_chunk)))
     shared = SharedGrads(holders(cfg, s.placement, chunks), None)  # built once: it creates process groups
 
     def run():
@@ -226,7 +219,7 @@ def _fmoe_variant(cfg, name, m, rank, params, state, data) -> Variant:
 
 def _torch_variant(cfg, cls_name, per_rank, m, rank, params, data) -> Variant:
     n = WORLD * per_rank
-    chunks = even_chunks(cfg, n)
+    chunks = _ranks.even_chunks(cfg, n)
     if per_rank == 1:
         mine = [rank]
     elif cls_name == "ScheduleInterleaved1F1B":
@@ -264,9 +257,10 @@ def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
     out = []
     for name in S.registry.NAMES:
         out.append(_fmoe_variant(cfg, name, args.microbatches, rank, params, state, data))
-        for cls_name, (after, per_rank) in TORCH.items():
+        for cls_name, (after, stages_per_rank) in TORCH.items():
             if after == name and not args.no_torch:
-                out.append(_torch_variant(cfg, cls_name, per_rank, args.microbatches, rank, params, data))
+                out.append(_torch_variant(cfg, cls_name, stages_per_rank, args.microbatches, rank, params,
+                                          data))
     return out
 
 
@@ -511,22 +505,10 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:.0f}"
 
 
-def _pair(xs: list[float], fmt: str = "{:.0f}", scale: float = 1.0) -> str:
-    return "/".join(fmt.format(scale * x) for x in xs)
-
-
-def _param_count(cfg: GPTConfig) -> tuple[int, int]:
-    """Returns (total parameters, parameters active per token)."""
-    p = init_gpt(cfg, torch.Generator().manual_seed(0))
-    total = sum(t.numel() for t in torch.utils._pytree.tree_leaves(p))
-    experts = sum(t.numel() for layer in p["layers"] for t in layer["moe"]["experts"].values())
-    return total, total - experts + experts * cfg.moe.top_k // cfg.moe.num_experts
-
-
 def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None, seconds: float) -> None:
     """Prints the configuration, the fmoe / simulator table and the fmoe / torch table."""
     cfg = model_config(args)
-    total, active = _param_count(cfg)
+    total, active = _ranks.param_count(cfg)
     m = args.microbatches
     print(f"pipeline benchmark: 2 gloo ranks, 1 thread each, {os.cpu_count()} CPUs; fp32; {m} microbatches "
           f"of B={args.micro_batch} x S={args.seq} tokens; 1 warm-up + {args.reps} reps (medians), rotating "
@@ -553,9 +535,9 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
     for r in rows:
         print(f"{r['name']:<20} {_ms(r['wall']):>7} {100 * r['spread']:>5.0f}% {_ms(r['makespan']):>7} "
               f"{_ms(r['sim_ms']):>7} {r['sim_ratio']:>8.3f} {r['mean_ratio']:>9.3f} {r['replay']:>11.3f}  "
-              f"{_pair(r['bubble'], '{:.1f}', 100):>11} {_pair(r['sim_bubble'], '{:.1f}', 100):>10} "
-              f"{_pair(r['gap'], '{:.1f}', 100):>7}  {'-' if r['mem'] is None else _pair(r['mem']):>9} "
-              f"{_pair(r['peak_acts']):>5} {_pair(r['sim_acts']):>5}")
+              f"{per_rank(r['bubble'], '{:.1f}', 100):>11} {per_rank(r['sim_bubble'], '{:.1f}', 100):>10} "
+              f"{per_rank(r['gap'], '{:.1f}', 100):>7}  {'-' if r['mem'] is None else per_rank(r['mem']):>9} "
+              f"{per_rank(r['peak_acts']):>5} {per_rank(r['sim_acts']):>5}")
     off = [r["name"] for r in rows if abs(r["sim_ratio"] - 1) > 0.10]
     print(f"predicted makespan within 10% of the measured one: {len(rows) - len(off)}/{len(rows)}"
           + (f" (outside: {', '.join(off)})" if off else ""))
@@ -579,8 +561,8 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
                   f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
                   f"{by[name]['wall'] / tw:>10.3f}  "
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
-                  f"{'-' if mem is None else _pair([x[name] for x in mem]):>9} "
-                  f"{'-' if mem is None else _pair([x[tn] for x in mem]):>9}")
+                  f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
+                  f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
         print(f"first-step loss {by['1f1b']['loss']:.6f} (fmoe 1f1b)")
     print(f"total {seconds:.0f} s (both passes)")
 
@@ -590,17 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model and 2 repetitions (smoke test)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+    _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds per pass before the ranks are killed")
@@ -613,29 +585,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--d-model and --d-ff must be multiples of 4 (torch._grouped_mm needs 16-byte row strides)")
     if args.layers % 4:
         p.error("--layers must be a multiple of 4 (4 equal chunks for the V and interleaved placements)")
-    t0, busy0 = time.perf_counter(), _machine_busy_s()
+    t0, busy0 = time.perf_counter(), _ranks.machine_busy_s()
     timing = spawn("timing", args, args.timeout)
     mem = None if args.no_memory else spawn("memory", args, args.timeout)
     seconds = time.perf_counter() - t0
     report(args, timing, mem, seconds)
-    others = max(0.0, _machine_busy_s() - busy0 - _own_cpu_s())
+    others = max(0.0, _ranks.machine_busy_s() - busy0 - _ranks.own_cpu_s())
     print(f"CPU time of other processes on this machine during the run: {others:.0f} s "
           f"({100 * others / (seconds * (os.cpu_count() or 1)):.0f}% of its {os.cpu_count()} CPUs)")
     return 0
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all processes; /proc/stat, not idle or iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    """CPU seconds of this process and its finished children (the ranks)."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 if __name__ == "__main__":

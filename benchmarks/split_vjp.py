@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
-from fmoe.transforms import split_vjp
 from torch import nn
 
 from fmoe.dense import dense_stack, init_dense_stack
+from fmoe.transforms import split_vjp
 
 
 class ModuleMLP(nn.Module):
