@@ -61,6 +61,7 @@ from torch.distributed import pipelining as tpp
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
+from fmoe._compat import grouped_mm
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
 
@@ -152,9 +153,9 @@ class TorchMoEBlock(nn.Module):
         order_N = torch.sort(ids_N, stable=True).indices  # expert-sorted (token, slot) pairs
         offs_E = torch.bincount(ids_N, minlength=E).cumsum(0).to(torch.int32)
         x_ND = t_TD.index_select(0, order_N // K)
-        g_NF = torch._grouped_mm(x_ND, self.w_gate, offs=offs_E)
-        u_NF = torch._grouped_mm(x_ND, self.w_up, offs=offs_E)
-        y_ND = torch._grouped_mm(F.silu(g_NF) * u_NF, self.w_down, offs=offs_E)
+        g_NF = grouped_mm(x_ND, self.w_gate, offs=offs_E)
+        u_NF = grouped_mm(x_ND, self.w_up, offs=offs_E)
+        y_ND = grouped_mm(F.silu(g_NF) * u_NF, self.w_down, offs=offs_E)
         inverse_N = torch.empty_like(order_N)
         inverse_N[order_N] = torch.arange(order_N.numel())
         y_TKD = y_ND.index_select(0, inverse_N).view(B * S_, K, D)
