@@ -84,7 +84,11 @@ def own_cpu_s() -> float:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds the MoE GPT and batch shape options the pipeline benchmarks share (and --no-memory)."""
+    """Adds the options the pipeline benchmarks share: MoE GPT and batch shapes, --no-memory, and the
+    launcher's --timeout / --pg-timeout."""
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="seconds per pass before the ranks are killed")
+    p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout (seconds)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=8)
@@ -116,3 +120,10 @@ def even_chunks(cfg: GPTConfig, n: int) -> tuple[ChunkSpec, ...]:
     k = cfg.n_layers // n
     return tuple(ChunkSpec(c, tuple(range(c * k, (c + 1) * k)), first=c == 0, last=c == n - 1)
                  for c in range(n))
+
+
+def quick_shapes(args: argparse.Namespace) -> None:
+    """Sets the tiny model of a --quick smoke run on `args` (in place): D 64, 2 heads, 4 layers of 4
+    experts, F 64, V 128, S 32, 2 repetitions."""
+    args.d_model, args.heads, args.layers, args.experts, args.d_ff = 64, 2, 4, 4, 64
+    args.vocab, args.seq, args.reps = 128, 32, 2

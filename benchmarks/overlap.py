@@ -701,13 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", help="write the timeline of one overlapped dualpipev step here")
     p.add_argument("--trace", help="write its Chrome trace JSON here")
     p.add_argument("--dump", help="pickle each configuration's raw per-rank results to DUMP.<config>.pkl")
-    p.add_argument("--timeout", type=float, default=1200.0,
-                   help="seconds per pass before the ranks are killed")
-    p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout (seconds)")
     args = p.parse_args(argv)
     if args.quick:
-        args.d_model, args.heads, args.layers, args.experts, args.d_ff = 64, 2, 4, 4, 64
-        args.vocab, args.seq, args.reps, args.calib, args.refine = 128, 32, 2, 1, 1
+        _ranks.quick_shapes(args)
+        args.calib, args.refine = 1, 1
     names = [n for n in args.configs.split(",") if n]
     if any(n not in CONFIGS for n in names) or args.layers % 4:
         p.error("--configs names dualpipev / combined_1f1b; --layers must be a multiple of 4")

@@ -575,13 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
-    p.add_argument("--timeout", type=float, default=1200.0,
-                   help="seconds per pass before the ranks are killed")
-    p.add_argument("--pg-timeout", type=float, default=300.0, help="gloo timeout (seconds)")
     args = p.parse_args(argv)
     if args.quick:
-        args.d_model, args.heads, args.layers, args.experts, args.d_ff = 64, 2, 4, 4, 64
-        args.vocab, args.seq, args.reps = 128, 32, 2
+        _ranks.quick_shapes(args)
     if args.d_model % 4 or args.d_ff % 4:
         p.error("--d-model and --d-ff must be multiples of 4 (torch._grouped_mm needs 16-byte row strides)")
     if args.layers % 4:

@@ -326,8 +326,7 @@ class _Executor:
         if queue is None:
             raise ScheduleError(f"rank {self.rank}: W of stage {stage} mb {mb} before its I")
         while queue:
-            self._run_dw(stage, mb, queue[:1])
-            queue.pop(0)
+            self._run_dw(stage, mb, [queue.pop(0)])
             if interleaved and queue:
                 yield
         self.queued.add(-1)

@@ -276,8 +276,8 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor],
     detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     out = tree_unflatten(detach, out_spec)
     if has_aux:
-        aux = tree_unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in tree_flatten(aux)[0]],
-                             tree_flatten(aux)[1])
+        aux_leaves, aux_spec = tree_flatten(aux)
+        aux = tree_unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
     return out, vjp_fn, aux, leaves
 
 

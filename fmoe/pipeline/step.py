@@ -107,7 +107,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
     pairs and of lone backward steps (fmoe.schedule.execute); off runs pairs one op after the other.
-    `engine`: how the compute phases are differentiated (split_vjp's "autograd" or "func"). `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
+    `engine`: how the compute phases are differentiated (split_vjp's "autograd" or "func").
+    `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
     it, for trees that already passed."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
