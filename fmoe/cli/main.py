@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmoe.cli import demo, simulate
+from fmoe.cli import demo, simulate, train
 
-COMMANDS = {"demo": demo, "simulate": simulate}
+COMMANDS = {"demo": demo, "simulate": simulate, "train": train}
 
 
 def main(argv: list[str] | None = None) -> int:

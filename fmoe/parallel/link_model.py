@@ -37,3 +37,30 @@ class LinkModel:
             else:
                 raise ValueError(f"unknown link class {link!r}")
         return t
+
+
+_LINK_FIELDS = {"intra": "intra_bytes_per_s", "inter": "inter_bytes_per_s",
+                "intra_latency": "intra_latency_s", "inter_latency": "inter_latency_s"}
+
+
+def parse_link_model(text: str) -> LinkModel:
+    """Returns the LinkModel of "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"
+    (fields left out keep LinkModel's defaults). Raises ValueError naming a bad field or value."""
+    values: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in _LINK_FIELDS:
+            names = ", ".join(f"{k}=..." for k in _LINK_FIELDS)
+            raise ValueError(f"--link-model: {item!r} is not one of {names}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"--link-model: {key}={value!r} is not a number") from None
+        latency = key.strip().endswith("latency")
+        if not (number >= 0 if latency else number > 0) or number != number or number == float("inf"):
+            raise ValueError(f"--link-model: {key} must be {'>= 0' if latency else '> 0'} and finite, "
+                             f"got {value}")
+        values[_LINK_FIELDS[key.strip()]] = number
+    if not values:
+        raise ValueError("--link-model: give at least one of intra=, inter=, intra_latency=, inter_latency=")
+    return LinkModel(**values)

@@ -61,12 +61,35 @@ class Topology:
         return cls(ws, int(os.environ.get("LOCAL_WORLD_SIZE", ws)))
 
 
+def check_layout(world_size: int, *, tp: int, ep: int, pp: int, dp: int, ranks_per_node: int) -> int:
+    """Returns ep_intra, the expert-parallel ranks inside one node, after checking the layout rules that
+    need no process group: tp x ep x pp x dp == world size, and the expert group (ep x tp consecutive
+    ranks) either fits a node evenly or spans whole nodes with tp inside a node. Raises ValueError."""
+    if min(tp, ep, pp, dp, ranks_per_node) < 1:
+        raise ValueError(f"ParallelLayout: sizes must be positive, got tp {tp} ep {ep} pp {pp} dp {dp} "
+                         f"ranks_per_node {ranks_per_node}")
+    if tp * ep * pp * dp != world_size:
+        raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {world_size}")
+    Topology(world_size, ranks_per_node)  # ranks_per_node divides the world
+    rpn = ranks_per_node
+    if ep * tp <= rpn:
+        if rpn % (ep * tp):
+            raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} does not divide ranks per node {rpn}")
+        return ep
+    if (ep * tp) % rpn or rpn % tp:
+        raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} must span whole nodes of {rpn} ranks "
+                         f"with tp {tp} inside a node")
+    return rpn // tp
+
+
 class ParallelLayout:
-    """Process groups by name ("dp", "pp", "tp", "ep", "expert", "expert_intra", "expert_inter").
+    """Process groups by name ("dp", "pp", "tp", "ep", "expert", "expert_intra", "expert_inter", "data").
 
     `expert` is ep x tp flattened (the group dispatchers exchange tokens over); `expert_intra` and
     `expert_inter` split it into the ranks of this node and the ranks with the same node-local position
-    on the other nodes (the two stages of hierarchical dispatch). Must be built by every rank, after
+    on the other nodes (the two stages of hierarchical dispatch). `data` is dp x ep: the ranks that hold
+    the same non-expert weights of one pipeline stage and read different data (their gradients are
+    all-reduced; expert gradients only over `dp`). Must be built by every rank, after
     `init_process_group`, with the same arguments.
 
     `agree_on`: None (default) checks nothing. A mapping (`{}` for the layout alone, or e.g.
@@ -94,20 +117,8 @@ class ParallelLayout:
 
             self.topology = topology or Topology.from_env(ws)
             agree(None, layout=self, **agree_on)
-        if tp * ep * pp * dp != ws:
-            raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {ws}")
         self.topology = topology or Topology.from_env(ws)
-        rpn = self.topology.ranks_per_node
-        # The expert group (ep x tp, contiguous ranks) either fits in a node or spans whole nodes.
-        if ep * tp <= rpn:
-            if rpn % (ep * tp):
-                raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} does not divide ranks per node {rpn}")
-            ep_intra = ep
-        else:
-            if (ep * tp) % rpn or rpn % tp:
-                raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} must span whole nodes of {rpn} ranks "
-                                 f"with tp {tp} inside a node")
-            ep_intra = rpn // tp
+        ep_intra = check_layout(ws, tp=tp, ep=ep, pp=pp, dp=dp, ranks_per_node=self.topology.ranks_per_node)
         shape = (pp, dp, ep // ep_intra, ep_intra, tp)
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
         self._meshes: dict[str, DeviceMesh] = {
@@ -116,6 +127,7 @@ class ParallelLayout:
             "expert": flatten_mesh(self.mesh["ep_inter", "ep_intra", "tp"], "expert"),
             "expert_intra": flatten_mesh(self.mesh["ep_intra", "tp"], "expert_intra"),
             "expert_inter": self.mesh["ep_inter"],
+            "data": flatten_mesh(self.mesh["dp", "ep_inter", "ep_intra"], "data"),
         }
 
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""Train an MoE GPT: spawns the local ranks its layout needs, or runs under torchrun.
+
+Examples:
+  fmoe train                                    # the tiny preset: pp 2 x ep 2, DualPipeV, fb overlap
+  fmoe train --pp 1 --ep 1 --steps 50           # one process
+  fmoe train --config run.toml --save ckpt --save-interval 50
+  fmoe train --save ckpt --resume               # continue from the latest checkpoint in ckpt
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m fmoe.cli.main train --pp 4 --ep 4 --dp 1 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fmoe.schedule.registry import ALL_NAMES
+from fmoe.train.config import ACCUMULATE, DATA_KINDS, DISPATCHERS, DTYPES, PRESETS, TrainConfig
+
+# flag -> help; the flag's type and field come from TrainConfig (--hidden-size -> hidden_size)
+HELP = {
+    "num_layers": "transformer layers", "hidden_size": "model width",
+    "ffn_hidden_size": "dense-layer ffn width",
+    "moe_ffn_hidden_size": "expert ffn width", "num_experts": "routed experts",
+    "moe_router_topk": "experts per token", "num_attention_heads": "query heads",
+    "num_query_groups": "kv heads (GQA)", "first_k_dense": "leading dense layers",
+    "moe_shared_experts": "shared experts", "vocab_size": "vocabulary (the Markov corpus uses it too)",
+    "mtp": "DeepSeek-V3 multi-token prediction (depth 1)", "mtp_loss_scaling_factor": "MTP loss weight",
+    "moe_router_score_function": "softmax or sigmoid", "moe_aux_loss_coeff": "load-balancing loss",
+    "moe_z_loss_coeff": "router z-loss", "moe_router_bias_update_rate": "aux-loss-free expert bias rate",
+    "moe_expert_capacity_factor": "capacity factor (default dropless)",
+    "moe_pad_expert_input_to_capacity": "pad every expert to capacity",
+    "moe_token_drop_policy": "probs or position", "seq_length": "tokens per sequence",
+    "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
+    "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
+    "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "
+                "pp 1 with ep > 1, accumulate otherwise)",
+    "dualpipev_dw_detach": "DualPipeV's cooldown splits B into I and W",
+    "overlap": "fb overlap of F&B pairs (default on)", "dispatcher": ", ".join(DISPATCHERS),
+    "ranks_per_node": "treat this many consecutive local ranks as one node",
+    "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
+    "lr": "peak learning rate", "min_lr": "final learning rate (cosine)", "warmup": "linear warmup steps",
+    "clip_grad": "global gradient-norm clip (0: off)", "weight_decay": "AdamW weight decay",
+    "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW eps",
+    "steps": "training steps",
+    "seed": "weights and data order", "dtype": ", ".join(DTYPES),
+    "data": "'markov' (embedded corpus with a known floor) or a file", "data_kind": ", ".join(DATA_KINDS[1:]),
+    "markov_sequences": "sequences in the Markov corpus", "save": "checkpoint directory",
+    "save_interval": "steps between checkpoints (and one at the end)",
+    "load": "checkpoint directory (or a --save directory: its latest) to start from",
+    "resume": "continue from the latest checkpoint in --save", "metrics": "JSON line per step to this file",
+    "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
+    "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
+    "timeout": "seconds a collective may wait before the run fails",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers `fmoe train`'s options on `parser`: --preset, --config and one flag per TrainConfig field
+    (given flags override the config file, which overrides the preset)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--config", help="TOML file setting the same fields (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).split("|")[0].strip()
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=HELP[f.name])
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
+                                default=argparse.SUPPRESS, help=HELP[f.name])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Builds the TrainConfig from the preset, --config and the given flags, and launches the job;
+    returns its exit code (2 with one `fmoe train: error: ...` line for a bad option or layout)."""
+    from fmoe.train.launch import launch
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "preset", "config")}
+    try:
+        tc = TrainConfig.from_sources(args.preset, args.config, given)
+    except ValueError as exc:
+        print(f"fmoe train: error: {exc}")
+        return 2
+    return launch(tc)

@@ -1,0 +1,322 @@
+"""What one training run is: `TrainConfig` (Megatron's vocabulary, snake-cased), its presets, a TOML file
+that sets the same fields, and the checks that run before any process starts.
+
+    tc = TrainConfig.from_sources(preset="tiny", toml_path=None, overrides={"pp": 1})
+    problem = tc.problem(world_size=None)      # None, or one line saying what is wrong
+    cfg = tc.model()                           # the GPTConfig
+
+Precedence: the preset's values, then the TOML file's, then the flags'. Every field of the TOML file must
+be a TrainConfig field (a typo fails instead of being ignored).
+
+Layout: world = pp x ep x dp ranks. Expert parallelism is carved out of data parallelism (as in
+Megatron): the pp-stage replicas of one stage are dp x ep ranks that each read their own data, so a
+global batch of G sequences is G / (micro_batch x dp x ep) microbatches per rank and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fmoe.config import GPTConfig, MoEConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DISPATCHERS = ("alltoall", "allgather", "hierarchical")
+DATA_KINDS = ("markov", "bin16", "bin32", "text")
+ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every option of `fmoe train`. Sizes follow Megatron's flags (--hidden-size -> hidden_size, ...).
+
+    Model: num_layers, hidden_size, ffn_hidden_size (dense layers), moe_ffn_hidden_size, num_experts,
+    moe_router_topk, num_attention_heads, num_query_groups (kv heads; None = num_attention_heads),
+    first_k_dense (leading dense layers), moe_shared_experts, vocab_size, mtp (+ mtp_loss_scaling_factor).
+    Routing and balancing: moe_router_score_function, moe_aux_loss_coeff, moe_z_loss_coeff,
+    moe_router_bias_update_rate (aux-loss-free), moe_expert_capacity_factor (None = dropless),
+    moe_pad_expert_input_to_capacity, moe_token_drop_policy.
+    Batch: seq_length, micro_batch_size, global_batch_size (sequences per step over all ranks).
+    Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
+    "accumulate" otherwise), dualpipev_dw_detach, overlap, dispatcher, ranks_per_node, link_model
+    ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]").
+    Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
+    (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps.
+    Run: steps, seed, dtype, data ("markov" or a file path), data_kind (for files: bin16, bin32, text),
+    markov_sequences, save, save_interval, load, resume, metrics, trace, trace_step, loss_curve,
+    progress, timeout (seconds a collective may wait before the run fails).
+    """
+
+    # model
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    moe_ffn_hidden_size: int = 64
+    num_experts: int = 8
+    moe_router_topk: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    first_k_dense: int = 1
+    moe_shared_experts: int = 1
+    vocab_size: int = 64
+    mtp: bool = False
+    mtp_loss_scaling_factor: float = 0.3
+    # routing and balancing
+    moe_router_score_function: str = "softmax"
+    moe_aux_loss_coeff: float = 1e-2
+    moe_z_loss_coeff: float = 0.0
+    moe_router_bias_update_rate: float = 0.0
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    # batch
+    seq_length: int = 64
+    micro_batch_size: int = 4
+    global_batch_size: int = 32
+    # layout
+    pp: int = 2
+    ep: int = 2
+    dp: int = 1
+    schedule: str | None = None
+    dualpipev_dw_detach: bool = False
+    overlap: bool = True
+    dispatcher: str = "alltoall"
+    ranks_per_node: int | None = None
+    link_model: str | None = None
+    # optimizer
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    clip_grad: float = 1.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    # run
+    steps: int = 150
+    seed: int = 1234
+    dtype: str = "float32"
+    data: str = "markov"
+    data_kind: str = "bin16"
+    markov_sequences: int = 16384
+    save: str | None = None
+    save_interval: int = 0
+    load: str | None = None
+    resume: bool = False
+    metrics: str | None = None
+    trace: str | None = None
+    trace_step: int = 3
+    loss_curve: str | None = None
+    progress: bool = True
+    timeout: float = 300.0
+    # schedule generators' extras, not flags
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- sources ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_sources(cls, preset: str = "tiny", toml_path: str | None = None,
+                     overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Returns the preset's config updated by the TOML file's fields, then by `overrides` (the flags
+        given). Raises ValueError naming an unknown preset, an unknown field or a field of the wrong type."""
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        values = dict(PRESETS[preset])
+        if toml_path is not None:
+            values.update(read_toml(toml_path))
+        values.update(overrides or {})
+        return cls.build(values)
+
+    @classmethod
+    def build(cls, values: dict[str, Any]) -> TrainConfig:
+        """Returns the config with `values` (field -> value) over the defaults, types checked."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}")
+        for name, value in values.items():
+            _check_type(name, value, fields[name].type)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """Returns a copy with `changes` applied (types checked)."""
+        return TrainConfig.build({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Returns the fields as a plain dict (what checkpoints record)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+
+    # ---- derived ----------------------------------------------------------------------------------------
+
+    def model(self) -> GPTConfig:
+        """Returns the GPTConfig of this run (ValueError from the config classes on bad sizes)."""
+        moe = MoEConfig(d_model=self.hidden_size, d_ff=self.moe_ffn_hidden_size, num_experts=self.num_experts,
+                        top_k=self.moe_router_topk, score_func=self.moe_router_score_function,
+                        aux_loss_coef=self.moe_aux_loss_coeff, z_loss_coef=self.moe_z_loss_coeff,
+                        bias_update_rate=self.moe_router_bias_update_rate,
+                        capacity_factor=self.moe_expert_capacity_factor,
+                        pad_to_capacity=self.moe_pad_expert_input_to_capacity,
+                        drop_policy=self.moe_token_drop_policy, num_shared_experts=self.moe_shared_experts)
+        return GPTConfig(vocab_size=self.vocab_size, d_model=self.hidden_size, n_layers=self.num_layers,
+                         n_heads=self.num_attention_heads, n_kv_heads=self.num_query_groups,
+                         d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
+                         moe=moe, mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor)
+
+    @property
+    def world_size(self) -> int:
+        """pp x ep x dp."""
+        return self.pp * self.ep * self.dp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: dp x ep (expert parallelism is carved out of data parallelism)."""
+        return self.dp * self.ep
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per rank and step: global_batch_size / (micro_batch_size x dp x ep)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_ranks)
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule this run uses (the default filled in)."""
+        if self.schedule is not None:
+            name = self.schedule
+        elif self.pp > 1:
+            name = "dualpipev"
+        else:
+            name = "combined_1f1b" if self.ep > 1 else ACCUMULATE
+        if name == "dualpipev" and self.dualpipev_dw_detach:
+            name = "dualpipev+dw_detach"
+        return name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The parameter dtype."""
+        return DTYPES[self.dtype]
+
+    def problem(self, world_size: int | None = None) -> str | None:
+        """Returns one line saying what is wrong with this run before any process starts, or None.
+        `world_size`: the ranks a launcher gives (torchrun); None when `fmoe train` spawns them itself."""
+        try:
+            self._check(world_size)
+        except (ValueError, TypeError) as exc:
+            return str(exc).splitlines()[0]
+        return None
+
+    def _check(self, world_size: int | None) -> None:
+        from fmoe import schedule as S
+        from fmoe.parallel.link_model import parse_link_model
+        from fmoe.parallel.mesh import check_layout
+        from fmoe.pipeline.cut import cut_gpt
+
+        for name in ("pp", "ep", "dp", "steps", "seq_length", "micro_batch_size", "global_batch_size",
+                     "markov_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        for name in ("save_interval", "warmup", "trace_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("min_lr", "clip_grad", "weight_decay", "adam_eps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
+        if self.data != "markov" and self.data_kind not in DATA_KINDS[1:]:
+            kinds = ", ".join(DATA_KINDS[1:])
+            raise ValueError(f"--data-kind must be one of {kinds}, got {self.data_kind!r}")
+        if self.data != "markov" and not Path(self.data).is_file():
+            raise ValueError(f"--data: no such file {self.data}")
+        if self.data != "markov" and self.data_kind == "text" and self.vocab_size < 256:
+            raise ValueError("--data-kind text is byte level: --vocab-size must be >= 256, got "
+                             f"{self.vocab_size}")
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
+                             f"--dp {self.dp} = {self.world_size}")
+        if self.num_experts % self.ep:
+            raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by --ep ({self.ep})")
+        if self.global_batch_size % (self.micro_batch_size * self.data_ranks):
+            raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
+                             f"--micro-batch-size ({self.micro_batch_size}) x dp ({self.dp}) x ep "
+                             f"({self.ep})")
+        if self.save_interval and not self.save:
+            raise ValueError("--save-interval needs --save DIR")
+        if self.resume and not self.save:
+            raise ValueError("--resume reads the latest checkpoint in --save DIR: give --save")
+        if self.resume and self.load:
+            raise ValueError("give --resume or --load, not both")
+        if self.load and not Path(self.load).is_dir():
+            raise ValueError(f"--load: no checkpoint directory {self.load}")
+        if self.link_model is not None:
+            parse_link_model(self.link_model)
+        rpn = self.ranks_per_node or self.world_size
+        check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
+        cfg = self.model()
+        name = self.schedule_name
+        if name == ACCUMULATE:
+            if self.pp != 1 or self.ep != 1:
+                raise ValueError("--schedule accumulate runs one process alone (pp 1, ep 1, data parallel "
+                                 f"allowed); got pp {self.pp}, ep {self.ep}")
+            return
+        try:
+            s = S.build(name, self.pp, self.microbatches)
+            cut_gpt(cfg, s.placement)
+        except S.ScheduleError as exc:
+            raise ValueError(f"--schedule {name} with pp {self.pp} and {self.microbatches} microbatches per "
+                             f"rank: {exc}") from None
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Raises ValueError unless `value` fits the field's annotation (a string like "int | None")."""
+    kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+    text = str(annotation)
+    if value is None and "None" in text:
+        return
+    base = text.split("|")[0].strip()
+    if base.startswith("dict"):
+        return
+    ok = isinstance(value, kinds[base]) and (base == "bool" or not isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"option {_flag(name)} must be {text}, got {value!r}")
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Returns the fields a TOML config file sets (flat keys, Megatron's names with - or _)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config: no such file {path}")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    return {k.replace("-", "_"): v for k, v in raw.items()}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # pp 2 x ep 2 = 4 ranks, DualPipeV with fb overlap, on CPU, about a minute on 2 cores
+    "tiny": {},
+    "small": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 384, "moe_ffn_hidden_size": 128,
+              "num_experts": 16, "moe_router_topk": 4, "num_attention_heads": 8, "num_query_groups": 4,
+              "vocab_size": 256, "seq_length": 128, "global_batch_size": 64, "steps": 300},
+}

@@ -1,0 +1,307 @@
+"""One rank of `fmoe train`: build this rank's part of the model, then train step by step.
+
+    trainer = Trainer(tc, world)       # world: this rank's process groups (fmoe.train.launch.World)
+    for _ in range(n): metrics = trainer.step()
+
+A step: the microbatches of this rank's data position (fmoe/train/data.py); the schedule's step through
+the executor (`gpt_pipeline_step`), or for pp 1 x ep 1 ("accumulate") each microbatch through `gpt_loss`
+and autograd, one after the other; MoE loads summed over the data group and one state update; gradients
+reduced (fmoe/train/shards.py), clipped by the global norm, AdamW.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fmoe import init_gpt, init_gpt_state
+from fmoe.model import gpt_loss
+from fmoe.parallel import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    CommGroup,
+    HierarchicalDispatcher,
+    ParallelLayout,
+)
+from fmoe.parallel.link_model import parse_link_model
+from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline.cut import cut_gpt, holders
+from fmoe.pipeline.step import LayerLoad, update_gpt_state
+from fmoe.schedule.registry import build as build_schedule
+from fmoe.train import checkpoint
+from fmoe.train.config import ACCUMULATE, TrainConfig
+from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
+from fmoe.train.optim import build_optimizer, clip_factor, init_adam_state, lr_at
+from fmoe.train.shards import Leaf, get, global_grad_norm, local_expert_rows, rank_leaves, reduce_gradients
+
+
+@dataclass
+class World:
+    """This rank's place: global `rank` of `size`, its `layout` (process groups; None when alone) and
+    the `device` its tensors live on."""
+
+    rank: int
+    size: int
+    layout: ParallelLayout | None
+    device: torch.device
+
+
+def build_dataset(tc: TrainConfig) -> Dataset:
+    """Returns the run's dataset: the embedded Markov corpus, or a token / text file."""
+    if tc.data == "markov":
+        return markov_dataset(tc.vocab_size, tc.seq_length, tc.markov_sequences, tc.seed)
+    return file_dataset(tc.data, tc.data_kind, tc.seq_length, tc.vocab_size)
+
+
+class Trainer:
+    """The training state of one rank (weights, AdamW, MoE state, data position) and its step."""
+
+    def __init__(self, tc: TrainConfig, world: World):
+        self.tc, self.world = tc, world
+        self.cfg = cfg = tc.model()
+        layout = world.layout
+        self.pp_rank = layout.local_rank("pp") if layout else 0
+        self.ep_rank = layout.local_rank("ep") if layout else 0
+        self.dp_rank = layout.local_rank("dp") if layout else 0
+        self.data_rank = layout.local_rank("data") if layout else 0
+        self.pp_group = layout.group("pp") if layout and tc.pp > 1 else None
+        self.data_group = layout.group("data") if layout and tc.data_ranks > 1 else None
+        self.dp_group = layout.group("dp") if layout and tc.dp > 1 else None
+        self.world_group = dist.group.WORLD if world.size > 1 else None
+        self.timeout = timedelta(seconds=tc.timeout)
+
+        full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), tc.torch_dtype)
+        self.params = _to(local_expert_rows(full, cfg, self.ep_rank, tc.ep), world.device)
+        self.state = _to(init_gpt_state(cfg), world.device)
+        self.accumulate = tc.schedule_name == ACCUMULATE
+        if self.accumulate:
+            self.schedule, self.chunks, self.holders = None, None, None
+            paths = _all_paths(cfg)
+        else:
+            self.schedule = build_schedule(tc.schedule_name, tc.pp, tc.microbatches)
+            self.chunks = cut_gpt(cfg, self.schedule.placement)
+            self.holders = holders(cfg, self.schedule.placement, self.chunks)
+            paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
+                     for p in self.chunks[self.schedule.placement.layer_chunk[st]].param_paths(cfg)]
+        L = cfg.moe.num_experts // tc.ep
+        self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
+                                              ep_rank=self.ep_rank, num_local_experts=L,
+                                              counts_dense=self.data_rank == 0,
+                                              counts_expert=self.dp_rank == 0)
+        self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
+        self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
+        self.opt = build_optimizer(tc, self.leaves, self.tensors)
+        init_adam_state(self.opt)
+        self.dispatcher = self._dispatcher() if tc.ep > 1 else None
+        self.shared = (SharedGrads(self.holders, self.pp_group) if self.pp_group is not None else None)
+        self.dataset = build_dataset(tc)
+        self.step_done = 0
+        self._checked = False
+        self.last_result: Any = None
+
+    def _dispatcher(self) -> Any:
+        tc, layout = self.tc, self.world.layout
+        link = parse_link_model(tc.link_model) if tc.link_model else None
+        def comm(name: str) -> CommGroup:
+            return CommGroup(layout.group(name), topology=layout.topology, link_model=link)
+        E = self.cfg.moe.num_experts
+        if tc.dispatcher == "alltoall":
+            return AllToAllDispatcher(comm("expert"), E)
+        if tc.dispatcher == "allgather":
+            return AllGatherDispatcher(comm("expert"), E)
+        return HierarchicalDispatcher(comm("expert_inter"), comm("expert_intra"), E)
+
+    # ---- one step ---------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any]:
+        """Runs one training step; returns its metrics (the same on every rank): step (1-based), loss,
+        main_loss, balance_loss, mtp_loss, lr, grad_norm, tokens_per_s, step_s, exposed_comm_frac,
+        max_over_mean_load, dropped."""
+        tc = self.tc
+        t0 = time.perf_counter()
+        lr = lr_at(tc, self.step_done)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        batches = [(ids.to(self.world.device), t.to(self.world.device)) for ids, t in microbatches(
+            self.dataset, self.step_done, global_batch=tc.global_batch_size, micro_batch=tc.micro_batch_size,
+            data_rank=self.data_rank, data_ranks=tc.data_ranks, seed=tc.seed)]
+        if self.accumulate:
+            grads, losses, loads, dropped, waited = self._accumulate(batches)
+        else:
+            grads, losses, loads, dropped, waited = self._pipeline(batches)
+        missing = [lf.key for lf in self.leaves if lf.key not in grads]
+        if missing:
+            raise RuntimeError(f"rank {self.world.rank}: the step produced no gradient for {missing[:3]}")
+        loads = self._reduce_loads(loads)
+        self.state = update_gpt_state(self.cfg, self.state, loads, check=not self._checked)
+        reduce_gradients(self.leaves, grads, data_group=self.data_group, dp_group=self.dp_group,
+                         data_ranks=tc.data_ranks)
+        norm = global_grad_norm(self.leaves, grads, self.world_group)
+        scale = clip_factor(norm, tc.clip_grad)
+        for lf in self.leaves:
+            g = grads[lf.key]
+            self.tensors[lf.key].grad = g.mul_(scale) if scale != 1.0 else g
+        self.opt.step()
+        for t in self.tensors.values():
+            t.grad = None
+        self._checked = True
+        self.step_done += 1
+        step_s = time.perf_counter() - t0
+        return self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
+
+    def _accumulate(self, batches: list) -> tuple:
+        cfg, m = self.cfg, len(batches)
+        for t in self.tensors.values():
+            t.requires_grad_(True)
+        sums = torch.zeros(3, dtype=torch.float64)
+        loads: dict[tuple[str, ...], LayerLoad] = {}
+        dropped = 0
+        try:
+            for ids, targets in batches:
+                loss, aux = gpt_loss(self.params, ids, targets, cfg, self.state, check=not self._checked)
+                (loss / m).backward()
+                sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
+                for path, a in zip(_moe_paths(cfg), aux.layers):
+                    tokens_E = a.tokens_per_expert_E
+                    load = LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed))
+                    loads[path] = load if path not in loads else loads[path].merge(load)
+                    dropped += int(a.dropped)
+        finally:
+            for t in self.tensors.values():
+                t.requires_grad_(False)
+        grads = {k: t.grad for k, t in self.tensors.items() if t.grad is not None}
+        for t in self.tensors.values():
+            t.grad = None
+        losses = sums / m
+        return grads, losses, loads, dropped, 0.0
+
+    def _pipeline(self, batches: list) -> tuple:
+        out = gpt_pipeline_step(self.cfg, self.schedule, self.pp_rank, self.params, self.state, batches,
+                                group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
+                                shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
+                                timeout=self.timeout)
+        self.last_result = out.result
+        flat = {}
+        for lf in self.leaves:
+            g = get(out.grads, lf.where) if _has(out.grads, lf.where) else None
+            if g is not None:
+                flat[lf.key] = g
+        r = out.result
+        mtp = r.losses.get("mtp", r.loss.new_zeros(()))
+        w = self.cfg.mtp_loss_weight
+        losses = torch.stack([r.loss, r.losses.get("ce", r.loss.new_zeros(())),
+                              mtp / w if w else mtp]).double().cpu()
+        dropped = sum(int(stats["route"].dropped) for *_, stats in r.stats)
+        waited = sum(e.end - e.start for e in r.events if e.cat == "wait")
+        return flat, losses, out.loads, dropped, waited
+
+    def _reduce_loads(self, loads: dict) -> dict:
+        if self.data_group is None or not loads:
+            return loads
+        out = {}
+        for path in sorted(loads):
+            load = loads[path]
+            tokens = load.tokens_per_expert_E.clone()
+            peak = torch.stack([load.max_load.to(torch.float64), torch.tensor(float(load.missed))])
+            dist.all_reduce(tokens, group=self.data_group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.data_group)
+            out[path] = LayerLoad(tokens, peak[0].to(load.max_load.dtype), bool(peak[1]))
+        return out
+
+    def _metrics(self, losses: torch.Tensor, loads: dict, dropped: int, waited: float, norm: float, lr: float,
+                 step_s: float) -> dict[str, Any]:
+        tc = self.tc
+        ratios = [float(ld.tokens_per_expert_E.max()) / max(float(ld.tokens_per_expert_E.double().mean()),
+                                                              1e-9) for ld in loads.values()]
+        # [loss, main, mtp] summed over the pipeline ranks (each holds part of the loss) and averaged over
+        # the data ranks; waits and step times averaged over all ranks; loads: the largest ratio.
+        vec = torch.cat([losses, torch.tensor([float(dropped), waited / step_s, step_s, 0.0],
+                                              dtype=torch.float64)])
+        vec[-1] = max(ratios, default=0.0)
+        if self.world_group is not None:
+            peak = vec[-1:].clone()
+            dist.all_reduce(vec, group=self.world_group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.world_group)
+            vec[-1] = peak[0]
+        n = self.world.size
+        loss, main, mtp = (vec[:3] / tc.data_ranks).tolist()
+        # each MoE layer's drops are counted on every pipeline rank holding it once per data rank
+        return {"step": self.step_done, "loss": loss, "main_loss": main, "balance_loss": loss - main - (
+                    tc.mtp_loss_scaling_factor * mtp), "mtp_loss": mtp, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": tc.global_batch_size * tc.seq_length / (float(vec[5]) / n),
+                "step_s": float(vec[5]) / n, "exposed_comm_frac": float(vec[4]) / n,
+                "max_over_mean_load": float(vec[6]), "dropped": int(vec[3])}
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+
+    def _items(self, with_rng: bool) -> dict[str, torch.Tensor]:
+        moe_state = {}
+        for layer in self.moe_layers:
+            node = self.state["mtp"] if layer == "mtp" else self.state["layers"][int(layer.split(".")[1])]
+            moe_state[layer] = node
+        return checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
+                                      self.world.rank, with_rng)
+
+    def save(self, directory: str) -> str:
+        """Writes a checkpoint of the current step into `directory` (collective); returns its path."""
+        meta = {"config": self.tc.as_dict(), "world_size": self.world.size,
+                "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp,
+                           "schedule": self.tc.schedule_name}}
+        return str(checkpoint.save(directory, self.step_done, self._items(with_rng=True), meta))
+
+    def load(self, path: str) -> None:
+        """Restores weights, AdamW state, MoE state, data position and (same layout) RNG from checkpoint
+        directory `path` (collective). Raises CheckpointError for a different model."""
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(meta, self.tc.as_dict(), path)
+        saved = meta.get("layout", {})
+        same = meta.get("world_size") == self.world.size and all(
+            saved.get(k) == getattr(self.tc, k) for k in ("pp", "ep", "dp"))
+        items = self._items(with_rng=same)
+        checkpoint.load(path, items)
+        self.step_done = int(items["train/step"])
+        self._checked = False
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to(v, device) for v in tree]
+    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
+
+
+def _has(tree: Any, where: tuple) -> bool:
+    for k in where:
+        if isinstance(tree, dict) and k in tree:
+            tree = tree[k]
+        elif isinstance(tree, list) and isinstance(k, int) and k < len(tree) and tree[k] is not None:
+            tree = tree[k]
+        else:
+            return False
+    return tree is not None
+
+
+def _all_paths(cfg: Any) -> list[tuple[str, ...]]:
+    paths = [("embed",)] + [("layers", str(i)) for i in range(cfg.n_layers)]
+    return paths + ([("mtp",)] if cfg.mtp else []) + [("norm",), ("head",)]
+
+
+def _moe_paths(cfg: Any) -> list[tuple[str, ...]]:
+    """The MoE layers in `gpt_loss`'s aux.layers order, as `gpt_pipeline_step` keys them."""
+    out = [("layers", str(i)) for i in range(cfg.num_dense_layers, cfg.n_layers)]
+    return out + ([("mtp", "block")] if cfg.mtp else [])
+
+
+def _is_moe(cfg: Any, path: tuple[str, ...]) -> bool:
+    return (path[0] == "layers" and int(path[1]) >= cfg.num_dense_layers) or (path[0] == "mtp")
+
+
+def _layer_key(path: tuple[str, ...]) -> str:
+    return "mtp" if path[0] == "mtp" else ".".join(path)

@@ -1,0 +1,120 @@
+"""What a run shows: a progress bar, one JSON line per step, a summary, the loss-curve PNG and the
+measured trace of one step. Rank 0 reports; the other ranks stay quiet."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, TextIO
+
+from fmoe.schedule.timeline import TraceEvent, write_png, write_trace
+
+METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s",
+               "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
+
+
+class Reporter:
+    """Rank 0's view of the run: `start(first_step)`, `step(metrics)` per step, `close() -> summary`."""
+
+    def __init__(self, total_steps: int, *, metrics_path: str | None, progress: bool, floor: float | None,
+                 describe: str):
+        self.total, self.floor, self.describe = total_steps, floor, describe
+        self.history: list[dict[str, Any]] = []
+        self._file: TextIO | None = open(metrics_path, "a") if metrics_path else None  # noqa: SIM115
+        self._progress = progress
+        self._bar: Any = None
+
+    def start(self, first_step: int) -> None:
+        """Opens the progress bar at `first_step` (0 for a fresh run, the checkpoint's step on resume)."""
+        if self._progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, initial=first_step, unit="step", dynamic_ncols=True,
+                             desc="fmoe train")
+
+    def step(self, m: dict[str, Any]) -> None:
+        """Records one step's metrics: a JSON line, the bar's postfix."""
+        self.history.append(m)
+        if self._file is not None:
+            self._file.write(json.dumps({k: m[k] for k in METRIC_KEYS}) + "\n")
+            self._file.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(
+                f"loss {m['main_loss']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s'] * 1e3:.0f}ms "
+                f"exposed {100 * m['exposed_comm_frac']:.0f}% load {m['max_over_mean_load']:.2f} "
+                f"drop {m['dropped']}", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> str:
+        """Closes the bar and the metrics file; returns the summary text (also what `fmoe train` prints)."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if not self.history:
+            return "fmoe train: no step ran (the checkpoint is already at --steps)"
+        last = self.history[-1]
+        tail = self.history[-min(10, len(self.history)):]
+        main = sum(m["main_loss"] for m in tail) / len(tail)
+        first = self.history[0]
+        lines = [f"fmoe train: {self.describe}",
+                 f"  steps {first['step']}-{last['step']}: main loss {first['main_loss']:.4f}"
+                 f" -> {last['main_loss']:.4f} (mean of the last {len(tail)}: {main:.4f})"]
+        if self.floor is not None:
+            lines.append(f"  corpus floor (entropy rate) {self.floor:.4f} nats/token: the last-{len(tail)} "
+                         f"mean is {main - self.floor:+.4f} above it")
+        steady = self.history[1:] or self.history
+        def median(key: str) -> float:
+            return sorted(m[key] for m in steady)[len(steady) // 2]
+
+        exposed = 100 * sum(m["exposed_comm_frac"] for m in steady) / len(steady)
+        lines.append(f"  median {median('tokens_per_s'):.0f} tokens/s, step {median('step_s'):.3f} s, "
+                     f"exposed comm {exposed:.1f}% (steps after the first)")
+        return "\n".join(lines)
+
+
+def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: float | None,
+                     title: str) -> Path | None:
+    """Draws main loss (and total loss) against step, with the corpus floor, to `path`; returns it, or
+    None when matplotlib is not installed (pip install 'fmoe[viz]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [m["step"] for m in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [m["main_loss"] for m in history], label="main loss (cross-entropy)")
+    ax.plot(steps, [m["loss"] for m in history], label="training loss", alpha=0.5)
+    if floor is not None:
+        ax.axhline(floor, color="black", linestyle="--", label=f"floor {floor:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    top = max(m["main_loss"] for m in history)
+    ax.set_ylim(bottom=0 if floor is None else max(0.0, floor - 0.5),
+                top=top * 1.05 if math.isfinite(top) else None)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path) -> list[Path]:
+    """Writes the measured Chrome trace of one step (every rank's events, re-numbered by global rank,
+    times from the earliest event) to `path`, and its timeline PNG next to it when matplotlib is there;
+    returns the paths written."""
+    events = [TraceEvent(rank, e.lane, e.name, e.cat, e.start, e.end, e.step)
+              for rank, evs in enumerate(events_by_rank) for e in evs]
+    path = Path(path)
+    out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step")]
+    try:
+        out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step"))
+    except ImportError:
+        pass
+    return out

@@ -1,0 +1,161 @@
+"""Which weights one rank holds, under global names, and how their gradients are reduced.
+
+Every rank builds the whole model from the seed (so every layout starts from the same weights), keeps
+the experts of its expert-parallel rank (rows [e0, e0 + L) of each [E, ...] expert tensor) and trains the
+leaves of its pipeline stages. A leaf's key is its path in `init_gpt`'s tree joined by dots
+("layers.3.moe.experts.w_up"): the same name in every layout, which is what checkpoints store.
+
+Gradient reduction (expert parallelism is carved out of data parallelism): a stage's non-expert
+gradients are summed over the "data" group (dp x ep ranks, each with its own microbatches), a rank's
+expert gradients over "dp" only (its experts already received every EP rank's tokens); both are then
+divided by dp x ep, so the step's gradient is that of the mean loss over all microbatches. The global
+gradient norm counts every weight once: a leaf counts on the lowest pipeline rank that holds it, on data
+rank 0 (dense) or on dp rank 0 (experts, whose EP ranks hold different rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fmoe.config import GPTConfig
+
+Path = tuple[str, ...]
+BUCKET_BYTES = 16 * 2**20  # gradient all-reduce bucket size
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One trained tensor of this rank: `key` (global name), `where` (its position in the params tree:
+    keys and list indices), `expert` (sharded by EP along dim 0; row 0 is global expert `expert_offset`),
+    `counts` (this rank counts it in the global gradient norm) and `decay` (weight decay applies)."""
+
+    key: str
+    where: tuple[str | int, ...]
+    expert: bool
+    expert_offset: int
+    counts: bool
+    decay: bool
+
+
+def _walk(node: Any, where: tuple[str | int, ...]) -> Iterable[tuple[tuple[str | int, ...], torch.Tensor]]:
+    if isinstance(node, dict):
+        for k in node:
+            yield from _walk(node[k], (*where, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, (*where, i))
+    elif isinstance(node, torch.Tensor):
+        yield where, node
+
+
+def get(tree: Any, where: tuple[str | int, ...]) -> Any:
+    """Returns the node of `tree` at `where` (dict keys and list indices)."""
+    for k in where:
+        tree = tree[k]
+    return tree
+
+
+def key_of(where: tuple[str | int, ...]) -> str:
+    """Returns the global name of a tree position: its parts joined by dots."""
+    return ".".join(str(k) for k in where)
+
+
+def _tree_where(path: Path) -> tuple[str | int, ...]:
+    return tuple(int(k) if i == 1 and path[0] == "layers" else k for i, k in enumerate(path))
+
+
+def _decays(where: tuple[str | int, ...]) -> bool:
+    # Norm gains and biases are not decayed (Megatron's rule): "norm", "attn_norm", "mlp.norm",
+    # "mtp.hidden_norm", ... The router's expert bias is state, not a parameter: it never gets here.
+    name = str(where[-1])
+    named_norm = name.endswith("norm") or (len(where) > 1 and str(where[-2]).endswith("norm"))
+    return not (named_norm or name.startswith("b_") or name == "bias")
+
+
+def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
+                holders: dict[Path, tuple[int, ...]] | None, *, pp_rank: int, ep_rank: int,
+                num_local_experts: int, counts_dense: bool, counts_expert: bool) -> list[Leaf]:
+    """Returns the leaves of `params` under the parameter paths `paths` (those of this rank's stages), in
+    order, each once. `holders` (path -> pipeline ranks; None: one pipeline rank) decides which pipeline
+    rank counts a shared leaf in the norm; `counts_dense` / `counts_expert`: whether this rank is the data
+    rank (dense) / dp rank (experts) that counts its leaves."""
+    out: dict[str, Leaf] = {}
+    for path in paths:
+        first_holder = holders is None or min(holders[path]) == pp_rank
+        for where, _ in _walk(get(params, _tree_where(path)), _tree_where(path)):
+            key = key_of(where)
+            expert = "experts" in where and "moe" in where
+            counts = first_holder and (counts_expert if expert else counts_dense)
+            out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
+                                     counts, _decays(where)))
+    return list(out.values())
+
+
+def local_expert_rows(params: dict[str, Any], cfg: GPTConfig, ep_rank: int, ep: int) -> dict[str, Any]:
+    """Returns `params` (the whole model, all E experts) with every routed-expert tensor cut to the rows
+    of EP rank `ep_rank` of `ep` (cloned, so the slices own their memory); other tensors are shared."""
+    if ep == 1:
+        return params
+    L = cfg.moe.num_experts // ep
+    blocks = list(params["layers"][cfg.num_dense_layers:]) + ([params["mtp"]["block"]] if cfg.mtp else [])
+    for b in blocks:
+        rows = slice(ep_rank * L, (ep_rank + 1) * L)
+        b["moe"]["experts"] = {k: v[rows].clone() for k, v in b["moe"]["experts"].items()}
+    return params
+
+
+def reduce_gradients(leaves: list[Leaf], grads: dict[str, torch.Tensor], *, data_group: Any, dp_group: Any,
+                     data_ranks: int) -> None:
+    """Sums, in place, each leaf's gradient over the ranks holding the same weight and reading other data
+    (dense: `data_group`; experts: `dp_group`; None: no reduction), then divides by `data_ranks`.
+    Gradients go in buckets of BUCKET_BYTES, all issued before any is waited on."""
+    for group, members in ((data_group, [lf for lf in leaves if not lf.expert]),
+                           (dp_group, [lf for lf in leaves if lf.expert])):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        works = []
+        for bucket in _buckets([grads[lf.key] for lf in members]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            works.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        for bucket, flat, work in works:
+            work.wait()
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+    if data_ranks > 1:
+        for lf in leaves:
+            grads[lf.key].div_(data_ranks)
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    """Groups consecutive tensors of one dtype into lists of at most BUCKET_BYTES (one tensor alone may
+    exceed it)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def global_grad_norm(leaves: list[Leaf], grads: dict[str, torch.Tensor], group: Any) -> torch.Tensor:
+    """Returns the L2 norm (float64 0-dim) of the whole model's gradient: each rank sums the squares of
+    the leaves it counts, and the sums are added over `group` (the world; None: this process alone)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for lf in leaves:
+        if lf.counts:
+            total += grads[lf.key].double().square().sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
