@@ -1,0 +1,182 @@
+"""`fmoe train` end to end, as a user runs it (the command in a subprocess, its spawned gloo ranks).
+
+Oracles: the one-process run (pp 1 x ep 1, microbatches through autograd, no executor) for every other
+layout; the uninterrupted run for a run killed (SIGKILL of one rank) and resumed, bitwise for the same
+layout and to fp32 tolerance when resumed into another layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fmoe.train import checkpoint
+from fmoe.train.config import TrainConfig
+from fmoe.train.launch import launch
+from fmoe.train.optim import lr_at
+
+STEPS = 5
+RUN_TIMEOUT_S = 240
+NUMERIC = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "max_over_mean_load",
+           "dropped")  # the metrics that are not timings
+
+
+def _numbers(metrics: list[dict]) -> list[tuple]:
+    return [tuple(m[k] for k in NUMERIC) for m in metrics]
+
+
+def _cmd(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", *flags]
+
+
+def _train(tmp: Path, name: str, *flags: str) -> list[dict]:
+    """Runs `fmoe train` with `flags` (and --metrics); returns its metric lines."""
+    metrics = tmp / f"{name}.jsonl"
+    done = subprocess.run(_cmd("--metrics", str(metrics), *flags), cwd=tmp, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+LAYOUTS = {
+    "pp2_ep2_dualpipev_overlap": ("--pp", "2", "--ep", "2"),
+    "pp2_ep2_1f1b": ("--pp", "2", "--ep", "2", "--schedule", "1f1b"),
+    "pp1_ep2_combined": ("--pp", "1", "--ep", "2"),
+    "pp2_ep1_dp2": ("--pp", "2", "--ep", "1", "--dp", "2"),
+}
+
+
+def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
+    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", "--steps", str(STEPS))
+    assert [m["step"] for m in ref] == list(range(1, STEPS + 1))
+    assert ref[-1]["main_loss"] < ref[0]["main_loss"]
+    for name, flags in LAYOUTS.items():
+        got = _train(tmp_path, name, *flags, "--steps", str(STEPS))
+        for want, have in zip(ref, got, strict=True):
+            for key in ("loss", "main_loss", "balance_loss", "grad_norm", "lr"):
+                assert have[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), (name, want["step"], key)
+            assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The spawned rank processes of the launcher (children running multiprocessing's spawn_main)."""
+    kids = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_killed_run_resumes_bitwise_and_into_another_layout(tmp_path: Path) -> None:
+    steps = ("--steps", "8")
+    ref = _train(tmp_path, "ref", *steps)
+    # Same seed, same layout: a second run, killed after step 5 (SIGKILL of one rank).
+    ckpt = tmp_path / "ckpt"
+    metrics = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(_cmd("--metrics", str(metrics), "--save", str(ckpt), "--save-interval", "2", *steps),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not reach step 5"
+            time.sleep(0.05)
+        os.kill(_rank_pids(proc.pid)[-1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "exited" in err, (proc.returncode, err)
+    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert _numbers(killed) == _numbers(ref[:len(killed)])  # two runs with the same seed: bitwise equal
+    last = checkpoint.latest(ckpt)
+    assert last is not None and checkpoint.read_meta(last)["step"] in (4, 6)
+    assert not list(ckpt.glob("*.partial")) or last.name < sorted(ckpt.glob("*.partial"))[0].name
+
+    resumed = _train(tmp_path, "resumed", "--save", str(ckpt), "--resume", *steps)
+    start = checkpoint.read_meta(last)["step"]
+    assert [m["step"] for m in resumed] == list(range(start + 1, 9))
+    assert _numbers(resumed) == _numbers(ref[start:])  # bitwise: weights, AdamW state, MoE state, data position restored
+
+    other = _train(tmp_path, "other", "--load", str(ckpt / "step_00000004"), "--pp", "1", "--ep", "1", *steps)
+    assert [m["step"] for m in other] == [5, 6, 7, 8]
+    for want, have in zip(ref[4:], other, strict=True):
+        for key in ("loss", "main_loss", "grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=2e-5), (want["step"], key)
+
+
+def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from fmoe.cli.main import main
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr("torch.multiprocessing.start_processes", no_spawn)
+    monkeypatch.setattr("torch.distributed.init_process_group", no_spawn)
+    cases = [(("--num-experts", "6", "--ep", "4", "--pp", "1"), "divisible by --ep"),
+             (("--global-batch-size", "30"), "multiple of --micro-batch-size"),
+             (("--schedule", "combined_1f1b"), "pp"),
+             (("--num-layers", "3"), "layer"),
+             (("--hidden-size", "0"), "d_model"),
+             (("--link-model", "intra=fast"), "not a number"),
+             (("--resume",), "--save"),
+             (("--data", str(tmp_path / "missing.bin")), "no such file"),
+             (("--bogus",), "unrecognized")]
+    for flags, needle in cases:
+        try:
+            code = main(["train", "--no-progress", *flags])
+        except SystemExit as exc:  # argparse
+            code = exc.code
+        out = capsys.readouterr()
+        text = (out.out + out.err).strip()
+        assert code == 2, (flags, text)
+        assert needle in text, (flags, text)
+        lines = [ln for ln in text.splitlines() if not ln.startswith(("usage:", " "))]
+        assert len(lines) == 1, (flags, text)  # one line (argparse also prints its usage)
+
+
+def test_torchrun_world_size_must_match_the_layout(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert launch(TrainConfig()) == 2  # returns before init_process_group (which would hang on port 1)
+    err = capsys.readouterr().err.strip()
+    assert err == "fmoe train: error: the launcher gives 3 ranks but --pp 2 x --ep 2 x --dp 1 = 4"
+
+
+def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('hidden-size = 32\nmoe_ffn_hidden_size = 16\nlr = 1e-3\nschedule = "1f1b"\n')
+    tc = TrainConfig.from_sources("small", str(toml), {"lr": 2e-3})
+    assert (tc.hidden_size, tc.moe_ffn_hidden_size, tc.lr, tc.schedule, tc.num_layers) == (32, 16, 2e-3, "1f1b", 8)
+    toml.write_text("hiden_size = 32\n")
+    with pytest.raises(ValueError, match="unknown option.*hiden_size"):
+        TrainConfig.from_sources("tiny", str(toml))
+    toml.write_text('steps = "ten"\n')
+    with pytest.raises(ValueError, match="steps must be int"):
+        TrainConfig.from_sources("tiny", str(toml))
+
+
+def test_learning_rate_warms_up_linearly_then_follows_the_cosine_to_min_lr() -> None:
+    import math
+
+    tc = TrainConfig(lr=1.0, min_lr=0.1, warmup=4, steps=14)
+    assert [lr_at(tc, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    for s in range(4, 14):  # independent closed form: cosine over the steps after warmup
+        want = 0.1 + 0.45 * (1 + math.cos(math.pi * (s - 4) / 9))
+        assert lr_at(tc, s) == pytest.approx(want)
+    assert lr_at(tc, 13) == pytest.approx(0.1)
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
+    done = tmp_path / "step_00000004"
+    done.mkdir()
+    (done / checkpoint.META).write_text(json.dumps({"step": 4}))
+    (tmp_path / checkpoint.LATEST).write_text("step_00000004\n")
+    (tmp_path / "step_00000006.partial").mkdir()  # the save of step 6 died before its rename
+    assert checkpoint.latest(tmp_path) == done
+    (tmp_path / checkpoint.LATEST).unlink()  # even without the pointer file
+    assert checkpoint.latest(tmp_path) == done
