@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The tiny preset: pp 2 x ep 2 = 4 local gloo ranks, DualPipeV with fb overlap, on the embedded corpus.
 run: $(STAMP)
-	$(BIN)/fmoe demo
+	$(BIN)/fmoe train --metrics runs/tiny/metrics.jsonl --loss-curve runs/tiny/loss-curve.png \
+		--trace runs/tiny/trace.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -77,8 +77,9 @@ def test_killed_run_resumes_bitwise_and_into_another_layout(tmp_path: Path) -> N
     # Same seed, same layout: a second run, killed after step 5 (SIGKILL of one rank).
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(_cmd("--metrics", str(metrics), "--save", str(ckpt), "--save-interval", "2", *steps),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    flags = ("--metrics", str(metrics), "--save", str(ckpt), "--save-interval", "2", *steps)
+    proc = subprocess.Popen(_cmd(*flags), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
@@ -99,9 +100,11 @@ def test_killed_run_resumes_bitwise_and_into_another_layout(tmp_path: Path) -> N
     resumed = _train(tmp_path, "resumed", "--save", str(ckpt), "--resume", *steps)
     start = checkpoint.read_meta(last)["step"]
     assert [m["step"] for m in resumed] == list(range(start + 1, 9))
-    assert _numbers(resumed) == _numbers(ref[start:])  # bitwise: weights, AdamW state, MoE state, data position restored
+    # bitwise: weights, AdamW state, MoE state and data position restored
+    assert _numbers(resumed) == _numbers(ref[start:])
 
-    other = _train(tmp_path, "other", "--load", str(ckpt / "step_00000004"), "--pp", "1", "--ep", "1", *steps)
+    other = _train(tmp_path, "other", "--load", str(ckpt / "step_00000004"), "--pp", "1", "--ep", "1",
+                   *steps)
     assert [m["step"] for m in other] == [5, 6, 7, 8]
     for want, have in zip(ref[4:], other, strict=True):
         for key in ("loss", "main_loss", "grad_norm"):
@@ -151,7 +154,8 @@ def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text('hidden-size = 32\nmoe_ffn_hidden_size = 16\nlr = 1e-3\nschedule = "1f1b"\n')
     tc = TrainConfig.from_sources("small", str(toml), {"lr": 2e-3})
-    assert (tc.hidden_size, tc.moe_ffn_hidden_size, tc.lr, tc.schedule, tc.num_layers) == (32, 16, 2e-3, "1f1b", 8)
+    got = (tc.hidden_size, tc.moe_ffn_hidden_size, tc.lr, tc.schedule, tc.num_layers)
+    assert got == (32, 16, 2e-3, "1f1b", 8)
     toml.write_text("hiden_size = 32\n")
     with pytest.raises(ValueError, match="unknown option.*hiden_size"):
         TrainConfig.from_sources("tiny", str(toml))

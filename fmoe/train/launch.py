@@ -64,6 +64,10 @@ def train_rank(tc: TrainConfig, world: World) -> str | None:
     rank 0's summary (None on the other ranks)."""
     trainer = Trainer(tc, world)
     lead = world.rank == 0
+    if lead:
+        for out in (tc.metrics, tc.loss_curve, tc.trace):
+            if out:
+                os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     start = None
     if tc.resume:
         start = checkpoint.latest(tc.save)

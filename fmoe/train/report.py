@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -93,7 +94,7 @@ def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: flo
         ax.axhline(floor, color="black", linestyle="--", label=f"floor {floor:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
     ax.legend()
     top = max(m["main_loss"] for m in history)
     ax.set_ylim(bottom=0 if floor is None else max(0.0, floor - 0.5),
