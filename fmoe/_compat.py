@@ -24,6 +24,14 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `tensor_version`: `Tensor._version`, the counter every in-place write bumps (shared by views and
   `detach()`), which tape autograd checks on its saved tensors. Used by transforms/tape.py: a deferred
   weight-grad thunk checks that the tensors it captured were not modified in place before it runs.
+- `Function`: a `torch.autograd.Function` whose `apply` skips the `inspect.signature` binding torch's
+  `Function.apply` does on every call of a Function with `setup_context` (about 60 us, more than a small
+  op's kernel): when every forward argument is given positionally there is nothing to bind. It then
+  does what torch's `apply` does next, through `torch._functorch.utils.unwrap_dead_wrappers` and
+  `torch._functorch.autograd_function.custom_function_call` (inside torch.func transforms). Used by
+  every primitive in fmoe/ops, the differentiable collectives and remat.
+- `functorch_active`: `torch._C._are_functorch_transforms_active()`, whether any torch.func transform is
+  active. Used by fmoe/ops/_attention.py to pick sdpa's own backward under tape autograd.
 - `under_vmap`: `torch._C._functorch.get_interpreter_stack()` and `TransformType.Vmap`, telling whether a
   `torch.func.vmap` is active. Used by transforms/split_vjp.py, which refuses to run under vmap.
 
@@ -45,7 +53,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh", "get_unwrapped",
+    "Function", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
+    "functorch_active", "get_unwrapped",
     "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "tensor_version", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
@@ -111,3 +120,47 @@ def abort_process_group(group: dist.ProcessGroup | None = None) -> bool:
         return False
     abort(group) if group is not None else abort()
     return True
+
+
+class Function(torch.autograd.Function):
+    """`torch.autograd.Function` without the per-call signature binding (see the module docstring).
+
+    Subclasses define `forward(*args)` (no ctx), `setup_context` and `backward` as usual. A call with
+    keywords, or with fewer positional arguments than forward takes (defaults to fill in), goes through
+    torch's own `apply`."""
+
+    _forward_arity: int | None = None
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        """Returns forward's outputs, recorded for autograd (and torch.func) exactly as torch's apply."""
+        arity = cls.__dict__.get("_forward_arity")
+        if arity is None:
+            import inspect
+
+            arity = len(inspect.signature(cls.forward).parameters)
+            cls._forward_arity = arity
+        if kwargs or len(args) != arity:
+            return super().apply(*args, **kwargs)
+        if not functorch_active():
+            args = _functorch_utils().unwrap_dead_wrappers(args)
+            return super(torch.autograd.Function, cls).apply(*args)  # what torch's apply calls here
+        return _custom_function_call()(cls, *args)
+
+
+def functorch_active() -> bool:
+    """True while any torch.func transform (vjp, grad, vmap, ...) is active:
+    `torch._C._are_functorch_transforms_active()`."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def _functorch_utils() -> Any:
+    import torch._functorch.utils as utils
+
+    return utils
+
+
+def _custom_function_call() -> Any:
+    from torch._functorch.autograd_function import custom_function_call
+
+    return custom_function_call

@@ -155,3 +155,36 @@ def test_tree_flatten_with_path_and_keystr() -> None:
     assert [_compat.keystr(p) for p, _ in leaves] == ["[0]['w']", "[0]['blocks'][0]", "[1][0]"]
     assert leaves[2][1] is tree[1][0] and spec == _compat.tree_flatten(tree)[1]
     assert leaves[1][0][0].idx == 0 and leaves[2][0][1].idx == 0  # SequenceKey.idx: the position
+
+
+class _Scale(_compat.Function):
+    @staticmethod
+    def forward(x, factor=2.0):
+        return x * factor
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def test_function_skips_signature_binding_and_still_works_under_torch_func(monkeypatch) -> None:
+    x = torch.randn(3, requires_grad=True)
+    _Scale.apply(x, 3.0)  # first call: the arity is looked up once
+    import inspect
+
+    def no_signature(*args, **kwargs):
+        raise AssertionError("inspect.signature on the hot path")
+
+    monkeypatch.setattr(inspect, "signature", no_signature)
+    y = _Scale.apply(x, 3.0)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, torch.full((3,), 3.0))
+    out, vjp = torch.func.vjp(lambda t: _Scale.apply(t, 3.0), x.detach())
+    assert torch.equal(vjp(torch.ones(3))[0], torch.full((3,), 3.0)) and torch.equal(out, x.detach() * 3)
+    monkeypatch.undo()
+    assert torch.equal(_Scale.apply(x.detach()), x.detach() * 2)  # a default filled in: torch's own apply
+    assert torch.equal(_Scale.apply(x.detach(), factor=4.0), x.detach() * 4)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fmoe._compat import tree_flatten, tree_unflatten
+from fmoe._compat import Function, tree_flatten, tree_unflatten
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class _Plan:
         return tree_unflatten(full, self.out_spec)
 
 
-class _Remat(torch.autograd.Function):
+class _Remat(Function):
     @staticmethod
     def forward(plan: _Plan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan.record = _Record(plan.policy)

@@ -6,17 +6,22 @@ Legend (the package's, docs/moe.md): B sequences, S positions (queries and keys 
 G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs.
 RoPE is the half-split ("rotate_half") form: for i < d/2, the pair (x[i], x[i + d/2]) is rotated by
 angle pos * theta^(-2i/d), with angles computed in fp32 (fp64 for fp64 input).
-The autograd Function saves only q, k, v and recomputes the forward inside its backward with
-`torch.func.vjp` (works under an outer vjp, tape autograd and vmap), so no [S, S] probabilities are
-kept between forward and backward.
+Under torch.func transforms an autograd Function saves only q, k, v and recomputes the forward inside its
+backward with `torch.func.vjp` (works under an outer vjp and vmap), so no [S, S] probabilities are kept
+between forward and backward. Under tape autograd alone (no transform active) the same math runs as
+plain ops and sdpa's own backward applies: flash attention keeps its output and log-sum-exp, and
+nothing is recomputed. The RoPE tables of the default positions are built once per shape.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -32,15 +37,28 @@ def rope(x_BSHd: torch.Tensor, positions_S: torch.Tensor | None = None,
         raise ValueError(f"rope: head dim must be even, got {d}")
     ct = compute_dtype(x_BSHd.dtype)
     if positions_S is None:
-        positions_S = torch.arange(S, device=x_BSHd.device)
-    if positions_S.shape != (S,):
-        raise ValueError(f"rope: positions must have shape ({S},), got {tuple(positions_S.shape)}")
-    inv_freq_h = theta ** (-torch.arange(0, d // 2, device=x_BSHd.device, dtype=ct) * 2 / d)
-    ang_Sh = positions_S.to(ct).unsqueeze(-1) * inv_freq_h  # [S, h]
-    cos_S1h, sin_S1h = ang_Sh.cos().unsqueeze(-2), ang_Sh.sin().unsqueeze(-2)  # broadcast over heads
+        cos_S1h, sin_S1h = _default_tables(S, d, float(theta), ct, x_BSHd.device)
+    else:
+        if positions_S.shape != (S,):
+            raise ValueError(f"rope: positions must have shape ({S},), got {tuple(positions_S.shape)}")
+        cos_S1h, sin_S1h = _tables(positions_S, d, theta, ct)
     xf = x_BSHd.to(ct)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     return torch.cat([x1 * cos_S1h - x2 * sin_S1h, x2 * cos_S1h + x1 * sin_S1h], dim=-1).to(x_BSHd.dtype)
+
+
+def _tables(positions_S: torch.Tensor, d: int, theta: float, ct: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Returns (cos, sin) [S, 1, d/2] of the rotation angles pos * theta^(-2i/d), in dtype ct."""
+    inv_freq_h = theta ** (-torch.arange(0, d // 2, device=positions_S.device, dtype=ct) * 2 / d)
+    ang_Sh = positions_S.to(ct).unsqueeze(-1) * inv_freq_h  # [S, h]
+    return ang_Sh.cos().unsqueeze(-2), ang_Sh.sin().unsqueeze(-2)  # broadcast over heads
+
+
+@functools.lru_cache(maxsize=16)
+def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, ...]:
+    # Positions arange(S): the same tables for every call of a model, so they are built once.
+    return _tables(torch.arange(S, device=device), d, theta, ct)
 
 
 def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
@@ -56,7 +74,7 @@ def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: b
     return rearrange(o_BHSd, "... h s d -> ... s h d")
 
 
-class _Attention(torch.autograd.Function):
+class _Attention(Function):
     generate_vmap_rule = True
 
     @staticmethod
@@ -106,8 +124,12 @@ def attention(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, 
         raise ValueError(f"attention: q, k, v must share one floating dtype, got "
                          f"{q_BSHd.dtype}, {k_BSGd.dtype}, {v_BSGd.dtype}")
     S = q_BSHd.shape[-3]
+    if positions_S is not None and positions_S.shape != (S,):
+        raise ValueError(f"attention: positions must have shape ({S},), got {tuple(positions_S.shape)}")
+    if not functorch_active():
+        # Tape autograd: sdpa's own backward (flash on CPU keeps the output and log-sum-exp, not the
+        # [S, S] probabilities), no recompute. Under torch.func the Function below recomputes instead.
+        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))
     if positions_S is None:
         positions_S = torch.arange(S, device=q_BSHd.device)
-    elif positions_S.shape != (S,):
-        raise ValueError(f"attention: positions must have shape ({S},), got {tuple(positions_S.shape)}")
     return _Attention.apply(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from fmoe._compat import Function
 from fmoe.ops._dtypes import compute_dtype
 
 
-class _CrossEntropy(torch.autograd.Function):
+class _CrossEntropy(Function):
     generate_vmap_rule = True
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fmoe._compat import Function
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.tape import weight_grad_or_defer
 
@@ -24,7 +25,7 @@ def _table_grad(ids_X: torch.Tensor, g_XD: torch.Tensor, V: int, dtype: torch.dt
     return dt_VD.to(dtype)
 
 
-class _Embedding(torch.autograd.Function):
+class _Embedding(Function):
     generate_vmap_rule = True
 
     @staticmethod

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from fmoe._compat import HAS_GROUPED_MM, grouped_mm
+from fmoe._compat import HAS_GROUPED_MM, Function, grouped_mm
 from fmoe.transforms.tape import weight_grad_or_defer
 
 BACKENDS = ("grouped_mm", "loop", "npu")
@@ -121,7 +121,7 @@ def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...]
     return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(counts))])
 
 
-class _GroupedLinear(torch.autograd.Function):
+class _GroupedLinear(Function):
     generate_vmap_rule = True
 
     @staticmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from fmoe._compat import Function
 from fmoe.transforms.tape import weight_grad_or_defer
 
 
@@ -14,7 +15,7 @@ def _weight_grad(x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
     return x_XD.reshape(-1, x_XD.shape[-1]).t() @ g_XF.reshape(-1, g_XF.shape[-1])
 
 
-class _Linear(torch.autograd.Function):
+class _Linear(Function):
     generate_vmap_rule = True
 
     @staticmethod

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
+from fmoe._compat import Function
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -80,7 +81,7 @@ def _rows(x_XD: torch.Tensor, index_Y: torch.Tensor, full: bool) -> torch.Tensor
     return x_XD.index_select(0, index_Y) if full else _zero_row(x_XD).index_select(0, index_Y)
 
 
-class _Permute(torch.autograd.Function):
+class _Permute(Function):
     """x_RD = x_TD[src_R] (a zero row where src_R = T); backward: the inverse permutation, summed over K.
 
     permute_probs runs it with the N pairs as source rows (T -> N, K = 1).
@@ -109,7 +110,7 @@ class _Permute(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-class _Unpermute(torch.autograd.Function):
+class _Unpermute(Function):
     """y_TD = sum_k probs_TK[t, k] * y_RD[row_dst_N[t * K + k]]; backward: the forward permutation."""
 
     @staticmethod

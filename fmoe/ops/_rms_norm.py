@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from fmoe._compat import Function
 from fmoe.ops._dtypes import compute_dtype
 
 
-class _RMSNorm(torch.autograd.Function):
+class _RMSNorm(Function):
     generate_vmap_rule = True
 
     @staticmethod

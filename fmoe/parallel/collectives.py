@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fmoe._compat import Function
 from fmoe.parallel.async_comm import CommHandle, CommStream
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
@@ -167,7 +168,7 @@ def _finish(out: torch.Tensor, handle: CommHandle, box: _Box | None) -> torch.Te
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAll(Function):
     @staticmethod
     def forward(x_XD, out_splits, in_splits, comm, op, box):
         out, h = _a2a(x_XD, out_splits, in_splits, comm, op)
@@ -183,7 +184,7 @@ class _AllToAll(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
-class _AllGather(torch.autograd.Function):
+class _AllGather(Function):
     @staticmethod
     def forward(x_XD, comm, op, box):
         out, h = _ag(x_XD, comm, op)
@@ -198,7 +199,7 @@ class _AllGather(torch.autograd.Function):
         return _ReduceScatter.apply(g_PND, ctx.comm, ctx.op + ".bwd", None), None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(Function):
     @staticmethod
     def forward(x_PND, comm, op, box):
         out, h = _rs(x_PND, comm, op)
@@ -213,7 +214,7 @@ class _ReduceScatter(torch.autograd.Function):
         return _AllGather.apply(g_XD, ctx.comm, ctx.op + ".bwd", None), None, None, None
 
 
-class _AllReduce(torch.autograd.Function):
+class _AllReduce(Function):
     @staticmethod
     def forward(x, comm, op, box):
         out, h = _ar(x, comm, op)
