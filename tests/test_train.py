@@ -50,6 +50,7 @@ LAYOUTS = {
     "pp2_ep2_1f1b": ("--pp", "2", "--ep", "2", "--schedule", "1f1b"),
     "pp1_ep2_combined": ("--pp", "1", "--ep", "2"),
     "pp2_ep1_dp2": ("--pp", "2", "--ep", "1", "--dp", "2"),
+    "pp1_ep1_dp2_accumulate": ("--pp", "1", "--ep", "1", "--dp", "2"),  # all-reduce inside the backward
 }
 
 
@@ -72,7 +73,8 @@ def _rank_pids(launcher: int) -> list[int]:
 
 
 def test_killed_run_resumes_bitwise_and_into_another_layout(tmp_path: Path) -> None:
-    steps = ("--steps", "8")
+    # The expert bias (aux-loss-free balancing) is MoE state that the checkpoint must restore too.
+    steps = ("--steps", "8", "--moe-router-bias-update-rate", "1e-2")
     ref = _train(tmp_path, "ref", *steps)
     # Same seed, same layout: a second run, killed after step 5 (SIGKILL of one rank).
     ckpt = tmp_path / "ckpt"

@@ -38,7 +38,7 @@ from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
 from fmoe.train.optim import build_optimizer, clip_factor, init_adam_state, lr_at
-from fmoe.train.shards import Leaf, get, global_grad_norm, local_expert_rows, rank_leaves, reduce_gradients
+from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, local_expert_rows, rank_leaves
 
 
 @dataclass
@@ -96,6 +96,8 @@ class Trainer:
                                               counts_expert=self.dp_rank == 0)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
+        self.reducer = GradientReducer(self.leaves, data_group=self.data_group, dp_group=self.dp_group,
+                                       data_ranks=tc.data_ranks)
         self.opt = build_optimizer(tc, self.leaves, self.tensors)
         init_adam_state(self.opt)
         self.dispatcher = self._dispatcher() if tc.ep > 1 else None
@@ -140,8 +142,7 @@ class Trainer:
             raise RuntimeError(f"rank {self.world.rank}: the step produced no gradient for {missing[:3]}")
         loads = self._reduce_loads(loads)
         self.state = update_gpt_state(self.cfg, self.state, loads, check=not self._checked)
-        reduce_gradients(self.leaves, grads, data_group=self.data_group, dp_group=self.dp_group,
-                         data_ranks=tc.data_ranks)
+        self.reducer.finish(grads)
         norm = global_grad_norm(self.leaves, grads, self.world_group)
         scale = clip_factor(norm, tc.clip_grad)
         for lf in self.leaves:
@@ -162,9 +163,12 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64)
         loads: dict[tuple[str, ...], LayerLoad] = {}
         dropped = 0
+        hooks: list = []
         try:
-            for ids, targets in batches:
+            for j, (ids, targets) in enumerate(batches):
                 loss, aux = gpt_loss(self.params, ids, targets, cfg, self.state, check=not self._checked)
+                if j == m - 1:  # the data-parallel all-reduce overlaps the last microbatch's backward
+                    hooks = self.reducer.watch(self.tensors)
                 (loss / m).backward()
                 sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
                 for path, a in zip(_moe_paths(cfg), aux.layers):
@@ -173,6 +177,8 @@ class Trainer:
                     loads[path] = load if path not in loads else loads[path].merge(load)
                     dropped += int(a.dropped)
         finally:
+            for h in hooks:
+                h.remove()
             for t in self.tensors.values():
                 t.requires_grad_(False)
         grads = {k: t.grad for k, t in self.tensors.items() if t.grad is not None}

@@ -40,6 +40,7 @@ class Leaf:
     expert_offset: int
     counts: bool
     decay: bool
+    nbytes: int
 
 
 def _walk(node: Any, where: tuple[str | int, ...]) -> Iterable[tuple[tuple[str | int, ...], torch.Tensor]]:
@@ -87,12 +88,12 @@ def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
     out: dict[str, Leaf] = {}
     for path in paths:
         first_holder = holders is None or min(holders[path]) == pp_rank
-        for where, _ in _walk(get(params, _tree_where(path)), _tree_where(path)):
+        for where, t in _walk(get(params, _tree_where(path)), _tree_where(path)):
             key = key_of(where)
             expert = "experts" in where and "moe" in where
             counts = first_holder and (counts_expert if expert else counts_dense)
             out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
-                                     counts, _decays(where)))
+                                     counts, _decays(where), t.numel() * t.element_size()))
     return list(out.values())
 
 
@@ -109,38 +110,76 @@ def local_expert_rows(params: dict[str, Any], cfg: GPTConfig, ep_rank: int, ep: 
     return params
 
 
-def reduce_gradients(leaves: list[Leaf], grads: dict[str, torch.Tensor], *, data_group: Any, dp_group: Any,
-                     data_ranks: int) -> None:
-    """Sums, in place, each leaf's gradient over the ranks holding the same weight and reading other data
-    (dense: `data_group`; experts: `dp_group`; None: no reduction), then divides by `data_ranks`.
-    Gradients go in buckets of BUCKET_BYTES, all issued before any is waited on."""
-    for group, members in ((data_group, [lf for lf in leaves if not lf.expert]),
-                           (dp_group, [lf for lf in leaves if lf.expert])):
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        works = []
-        for bucket in _buckets([grads[lf.key] for lf in members]):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            works.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-        for bucket, flat, work in works:
+class GradientReducer:
+    """Sums this rank's gradients over the ranks holding the same weights and reading other data (dense
+    leaves over `data_group`, experts over `dp_group`; None: no reduction), then divides by `data_ranks`.
+
+    Buckets of at most BUCKET_BYTES are fixed at construction, leaves in reverse order (the order a
+    backward produces them). They are issued strictly in bucket order, so every rank of a group issues
+    the same all-reduces in the same order: `watch` issues each bucket as soon as it and every earlier
+    one is complete (hooks on the tensors' gradient accumulation, as DDP overlaps its all-reduce with the
+    backward of the last microbatch); `finish` issues the rest, waits, and writes the sums back."""
+
+    def __init__(self, leaves: list[Leaf], *, data_group: Any, dp_group: Any, data_ranks: int):
+        self.data_ranks = data_ranks
+        self.leaves = leaves
+        self.buckets: list[tuple[Any, list[str]]] = []
+        for group, expert in ((data_group, False), (dp_group, True)):
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            members = [lf for lf in reversed(leaves) if lf.expert == expert]
+            for bucket in _buckets(members):
+                self.buckets.append((group, [lf.key for lf in bucket]))
+        self._works: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+
+    def _issue(self, grads: dict[str, torch.Tensor]) -> None:
+        group, keys = self.buckets[len(self._works)]
+        bucket = [grads[k] for k in keys]
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        self._works.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def watch(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
+        """Hooks `tensors` (key -> leaf requiring grad) so that the coming backward issues each bucket
+        once its gradients are accumulated; returns the hook handles (remove them after the backward)."""
+        self._works = []
+        done: set[str] = set()
+        grads: dict[str, torch.Tensor] = {}
+
+        def ready(key: str, t: torch.Tensor) -> None:
+            done.add(key)
+            grads[key] = t.grad
+            while len(self._works) < len(self.buckets) and all(
+                    k in done for k in self.buckets[len(self._works)][1]):
+                self._issue(grads)
+
+        return [tensors[k].register_post_accumulate_grad_hook(lambda t, k=k: ready(k, t))
+                for _, keys in self.buckets for k in keys]
+
+    def finish(self, grads: dict[str, torch.Tensor]) -> None:
+        """Issues the buckets not issued yet, waits for all and writes the sums into `grads` (key ->
+        gradient, in place), then divides every leaf's gradient by data_ranks."""
+        while len(self._works) < len(self.buckets):
+            self._issue(grads)
+        for bucket, flat, work in self._works:
             work.wait()
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-    if data_ranks > 1:
-        for lf in leaves:
-            grads[lf.key].div_(data_ranks)
+        self._works = []
+        if self.data_ranks > 1:
+            for lf in self.leaves:
+                grads[lf.key].div_(self.data_ranks)
 
 
-def _buckets(tensors: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-    """Groups consecutive tensors of one dtype into lists of at most BUCKET_BYTES (one tensor alone may
-    exceed it)."""
-    bucket: list[torch.Tensor] = []
+def _buckets(leaves: list[Leaf]) -> Iterable[list[Leaf]]:
+    """Groups consecutive leaves into lists of at most BUCKET_BYTES of gradient (one leaf alone may
+    exceed it); the sizes come from the leaves' shapes and dtypes."""
+    bucket: list[Leaf] = []
     size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or t.dtype != bucket[0].dtype):
+    for t in leaves:
+        nbytes = t.nbytes
+        if bucket and size + nbytes > BUCKET_BYTES:
             yield bucket
             bucket, size = [], 0
         bucket.append(t)
