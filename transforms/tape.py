@@ -214,6 +214,9 @@ def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], 
     in place after the dx pass raises `CaptureModifiedError` at `run()`. Other args pass as they are.
     `compute` must return a tensor of w's shape.
     """
+    tape = _ACTIVE[-1]
+    if tape is None or not tape.defers(unwrapped(w)):  # the common case first: no aliases to build
+        return compute(*args)
     keep = [plain(a) if isinstance(a, torch.Tensor) else a for a in args]
     dw = defer_weight_grad(w, lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)])
     return compute(*args) if dw is None else dw
