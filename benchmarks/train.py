@@ -144,11 +144,15 @@ def main() -> None:
     print(f"fmoe train vs nn.Module loop: preset {args.preset} at pp 1 x ep 1 ({tc.num_layers} layers, "
           f"D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}, {tc.microbatches} "
           f"microbatches of {tc.micro_batch_size} x {tc.seq_length}), fp32, {args.threads} thread(s); "
-          f"losses agree over {args.check_steps} steps; {args.rounds} rounds x {args.steps_per_round} steps, medians")
+          f"losses agree over {args.check_steps} steps; {args.rounds} rounds x {args.steps_per_round} steps, "
+          "medians")
     print(f"{'side':<8} {'step ms':>8} {'tokens/s':>9} {'peak RSS MiB':>13} {'rise in step MiB':>17}")
     for s in SIDES:
         print(f"{s:<8} {med[s] * 1e3:8.1f} {tokens / med[s]:9.0f} {mem[s]['peak_mib']:13.1f} "
               f"{mem[s]['rise_mib']:17.1f}")
+    best = {s: min(times[s]) for s in SIDES}
+    print(f"fastest step: fmoe {best['fmoe'] * 1e3:.1f} ms, module {best['module'] * 1e3:.1f} ms "
+          f"(ratio {best['module'] / best['fmoe']:.3f})")
     print(f"fmoe / module: tokens/s {med['module'] / med['fmoe']:.3f} (target >= 0.95), step-memory rise "
           f"{mem['fmoe']['rise_mib'] / max(mem['module']['rise_mib'], 1e-9):.3f}")
 

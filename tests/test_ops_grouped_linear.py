@@ -119,6 +119,25 @@ def test_vjp_matches_loop_oracle(case: Case) -> None:
 @settings(max_examples=20, deadline=None)
 @with_examples
 @given(case=cases())
+def test_tape_autograd_path_matches_loop_oracle(case: Case) -> None:
+    """Outside split_vjp, tapes and torch.func the products run as aten ops with their own backward."""
+    x_ND, w_EDF, g_NF, counts_E = make(case)
+    backend = resolve_backend(case, x_ND, w_EDF, counts_E)
+    x, w = x_ND.clone().requires_grad_(), w_EDF.clone().requires_grad_()
+    y = grouped_linear(x, w, counts_E, backend)
+    assert "_GroupedLinear" not in type(y.grad_fn).__name__
+    dx, dw = torch.autograd.grad(y, (x, w), g_NF, allow_unused=True)
+    dx = torch.zeros_like(x) if dx is None else dx
+    dw = torch.zeros_like(w) if dw is None else dw
+    y_ref, dx_ref, dw_ref = oracle_grads(x_ND, w_EDF, g_NF, case.counts)
+    assert_close(y.detach(), y_ref, dtype=case.dtype, msg="y")
+    assert_close(dx, dx_ref, dtype=case.dtype, msg="dx")
+    assert_close(dw, dw_ref, dtype=case.dtype, scale=2.0, msg="dw")
+
+
+@settings(max_examples=20, deadline=None)
+@with_examples
+@given(case=cases())
 def test_split_vjp_defers_weight_grad(case: Case) -> None:
     x_ND, w_EDF, g_NF, counts_E = make(case)
     backend = resolve_backend(case, x_ND, w_EDF, counts_E)

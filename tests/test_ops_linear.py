@@ -61,6 +61,13 @@ def test_vjp_and_split_vjp_match_oracle(shape, dtype, seed) -> None:
         assert calls == [1]
     assert_close((y2, dx, dp["w"], dp["b"]), (y_ref, dx_ref, dw_ref, db_ref), dtype=dtype, scale=2.0)
 
+    # Plain tape autograd, no tape and no split: the native matmul path, the same gradients.
+    leaves = [t.clone().requires_grad_() for t in (x, w_DF, b_F)]
+    y3 = linear(*leaves)
+    assert y3.grad_fn is not None and "_Linear" not in type(y3.grad_fn).__name__
+    assert_close((y3.detach(), *torch.autograd.grad(y3, leaves, ct)), (y_ref, dx_ref, dw_ref, db_ref),
+                 dtype=dtype, scale=2.0)
+
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))

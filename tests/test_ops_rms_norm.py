@@ -50,6 +50,13 @@ def test_matches_oracle_vjp_and_split(shape, dtype, eps, seed) -> None:
     (dx,), vjp_dw = vjp_dx(ct)
     assert_close((y2, dx, vjp_dw()["scale"]), ref, dtype=dtype, scale=2.0 if dtype == torch.bfloat16 else 1.0)
 
+    leaves = [t.clone().requires_grad_() for t in (x, scale_D)]  # tape autograd: aten's fused rms_norm
+    y3 = rms_norm(*leaves, eps)
+    assert y3.dtype == dtype
+    grads = (torch.autograd.grad(y3, leaves, ct) if y3.numel()
+             else (torch.zeros_like(x), torch.zeros_like(scale_D)))
+    assert_close((y3.detach(), *grads), ref, dtype=dtype, scale=2.0 if dtype == torch.bfloat16 else 1.0)
+
 
 def test_scale_grad_not_deferred() -> None:
     from fmoe.transforms.tape import WeightGradTape, active_tape

@@ -37,6 +37,11 @@ def test_matches_oracle(shape, dtype, seed) -> None:
     y, vjp_fn = torch.func.vjp(swiglu, gate, up)
     assert y.dtype == dtype and y.shape == gate.shape
     assert_close((y, *vjp_fn(ct)), oracle(gate, up, ct), dtype=dtype, scale=2.0)
+    leaves = [t.clone().requires_grad_() for t in (gate, up)]  # tape autograd: the native ops
+    y2 = swiglu(*leaves)
+    grads = (torch.autograd.grad(y2, leaves, ct) if y2.numel()
+             else (torch.zeros_like(gate), torch.zeros_like(up)))
+    assert_close((y2.detach(), *grads), oracle(gate, up, ct), dtype=dtype, scale=2.0)
 
 
 def test_extreme_gate_values_finite() -> None:

@@ -40,7 +40,7 @@ from fmoe._compat import (
     tree_unflatten,
     under_vmap,
 )
-from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, unwrapped
+from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, recording, unwrapped
 
 VMAP_MESSAGE = (
     "split_vjp does not support torch.func.vmap: its deferred weight gradients run outside the vmap, so "
@@ -314,7 +314,8 @@ def split_vjp(
         for i, x in zip(diff_pos, xs):
             full[i] = x
         p, a = tree_unflatten(full, spec)
-        return f(p, *a)
+        with recording():  # the primitives in f keep their weight gradients deferrable
+            return f(p, *a)
 
     if engine == "autograd":
         out, vjp_fn, aux, diff_leaves = _autograd_vjp(flat_f, diff_leaves, has_aux)

@@ -34,6 +34,9 @@ from fmoe._compat import get_unwrapped, is_functorch_wrapped, tensor_version
 # device threads (CUDA), where a contextvar set by the caller would be invisible. One dx pass runs at a
 # time per process; `active_tape` nests like a stack.
 _ACTIVE: list[WeightGradTape | None] = [None]
+# Forwards whose weight gradients may be deferred: split_vjp runs f inside `recording()`. A primitive whose
+# plain form is a native op (linear) uses it outside recording, a tape and torch.func: nothing could defer.
+_RECORDING: list[int] = [0]
 
 
 def unwrapped(t: torch.Tensor) -> torch.Tensor:
@@ -154,6 +157,22 @@ def active_tape(tape: WeightGradTape | None) -> Iterator[WeightGradTape | None]:
         yield tape
     finally:
         _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """Marks a forward whose weight gradients a tape may defer later (split_vjp runs f inside it)."""
+    _RECORDING[0] += 1
+    try:
+        yield
+    finally:
+        _RECORDING[0] -= 1
+
+
+def may_defer() -> bool:
+    """Whether a primitive running now may have its weight gradient deferred: inside `recording()` (a
+    split_vjp forward) or while a tape is active (a dx pass, where remat replays its forward)."""
+    return _RECORDING[0] > 0 or _ACTIVE[-1] is not None
 
 
 def current_tape() -> WeightGradTape | None:

@@ -24,8 +24,8 @@ import functools
 
 import torch
 
-from fmoe._compat import HAS_GROUPED_MM, Function, grouped_mm
-from fmoe.transforms.tape import weight_grad_or_defer
+from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm
+from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 BACKENDS = ("grouped_mm", "loop", "npu")
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,4 +204,9 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
         raise ValueError(f"grouped_linear: counts must be non-negative, got {list(counts)}")
     if sum(counts) != x_MD.shape[0]:
         raise ValueError(f"grouped_linear: sum(counts) = {sum(counts)} but x has {x_MD.shape[0]} rows")
-    return _GroupedLinear.apply(x_MD, w_EDF, counts, _choose_backend(x_MD, w_EDF, backend))
+    backend = _choose_backend(x_MD, w_EDF, backend)
+    if backend != "npu" and not (may_defer() or functorch_active()):
+        # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
+        # ops (torch._grouped_mm has its own backward) with no Python backward per call.
+        return _fwd(x_MD, w_EDF, counts, backend)
+    return _GroupedLinear.apply(x_MD, w_EDF, counts, backend)

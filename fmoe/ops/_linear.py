@@ -1,5 +1,9 @@
 """linear: y = x @ w (+ b), with weights stored [in, out] and a deferrable weight gradient.
 
+Under split_vjp (its forward runs inside `fmoe.transforms.tape.recording`), a tape, or a torch.func
+transform, the product is an autograd Function whose backward may defer dw to the tape; otherwise it is
+the native matmul, whose backward is autograd's own (the same gradients, no Python per call).
+
 Legend (the package's, docs/moe.md): X rows (any leading dims flattened), D input features, F output features.
 """
 
@@ -7,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function
-from fmoe.transforms.tape import weight_grad_or_defer
+from fmoe._compat import Function, functorch_active
+from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
 def _weight_grad(x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
@@ -42,5 +46,8 @@ def linear(x_XD: torch.Tensor, w_DF: torch.Tensor, b_F: torch.Tensor | None = No
     """Return y_XF = x_XD @ w_DF (+ b_F); leading dims of x are kept. The dw is deferrable."""
     if x_XD.shape[-1] != w_DF.shape[0]:
         raise ValueError(f"linear: x has {x_XD.shape[-1]} features, w is {tuple(w_DF.shape)} ([in, out])")
-    y = _Linear.apply(x_XD, w_DF)
+    if may_defer() or functorch_active():
+        y = _Linear.apply(x_XD, w_DF)
+    else:  # plain autograd and no tape: nothing can defer dw, so the native matmul (no Python backward)
+        y = x_XD @ w_DF
     return y if b_F is None else y + b_F

@@ -2,13 +2,15 @@
 
 Legend (the package's, docs/moe.md): X rows (any leading dims), D features.
 The scale gradient is produced in the dx pass (it is small: a D-vector), never deferred on the tape.
+Under torch.func transforms an autograd Function (recomputing rstd in its backward); under tape
+autograd aten's fused rms_norm on the fp32 copy, with its own backward (no Python per call).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -61,4 +63,10 @@ def rms_norm(x_XD: torch.Tensor, scale_D: torch.Tensor, eps: float = 1e-6) -> to
         raise ValueError(f"rms_norm: scale must be floating point, got {scale_D.dtype}")
     if not eps >= 0:
         raise ValueError(f"rms_norm: eps must be >= 0, got {eps}")
+    if not functorch_active():
+        # Tape autograd: aten's fused rms_norm on the fp32 copy (its own backward; the scale gradient is
+        # never deferred, so nothing needs the Function's Python backward here).
+        ct = compute_dtype(x_XD.dtype)
+        return torch.nn.functional.rms_norm(x_XD.to(ct), (x_XD.shape[-1],), scale_D.to(ct),
+                                            float(eps)).to(x_XD.dtype)
     return _RMSNorm.apply(x_XD, scale_D, float(eps))

@@ -2,13 +2,15 @@
 
 Legend (the package's, docs/moe.md): X rows (any leading dims), F hidden features.
 Math in fp32 for half-precision inputs (fp64 stays fp64); the output has the input dtype.
+Under torch.func transforms an autograd Function with a hand-written backward; under tape autograd the
+same math as native ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -50,4 +52,7 @@ def swiglu(gate_XF: torch.Tensor, up_XF: torch.Tensor) -> torch.Tensor:
     if gate_XF.dtype != up_XF.dtype or not gate_XF.is_floating_point():
         raise ValueError("swiglu: gate and up must share one floating dtype, "
                          f"got {gate_XF.dtype}, {up_XF.dtype}")
+    if not functorch_active():  # tape autograd: native ops, autograd's own backward
+        ct = compute_dtype(gate_XF.dtype)
+        return (torch.nn.functional.silu(gate_XF.to(ct)) * up_XF.to(ct)).to(gate_XF.dtype)
     return _SwiGLU.apply(gate_XF, up_XF)[0]
