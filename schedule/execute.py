@@ -101,7 +101,8 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
             group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
-            engine: str = "autograd") -> StepResult:
+            engine: str = "autograd",
+            on_stage_done: Callable[[int, dict[str, Any]], None] | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -109,19 +110,27 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     (default on): an Overlap pair interleaves its two ops phase by phase, and a lone B runs the dw of the
     phases it has differentiated while its exchanges travel; off: pairs run one op after the other.
     `engine`: how compute phases are differentiated (`split_vjp`'s engine; "autograd", the default, has
-    less per-op overhead and frees a phase's activations as its dx pass runs; "func": torch.func.vjp)."""
+    less per-op overhead and frees a phase's activations as its dx pass runs; "func": torch.func.vjp).
+    `on_stage_done(stage, grads)`: called once per stage of this rank, right after the last weight
+    gradient of its last microbatch was added into `grads` (the step's gradient dict, as returned):
+    from then on the gradients of the params only that stage reads on this rank no longer change, so a
+    caller may start reducing them while the rest of the schedule runs."""
     actions = verify(s).ranks[rank]
     check_programs(s, rank, programs)
-    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine).run(actions)
+    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
+                     on_stage_done).run(actions)
 
 
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
-                 timeout: timedelta, overlap: bool, engine: str):
+                 timeout: timedelta, overlap: bool, engine: str,
+                 on_stage_done: Callable[[int, dict[str, Any]], None] | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.engine = engine
+        self.on_stage_done = on_stage_done
+        self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
         self.scale = 1.0 / s.m
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
@@ -331,6 +340,9 @@ class _Executor:
                 yield
         self.queued.add(-1)
         self.live.add(-1)
+        self.weights_done[stage] = self.weights_done.get(stage, 0) + 1
+        if self.weights_done[stage] == self.s.m and self.on_stage_done is not None:
+            self.on_stage_done(stage, self.grads)
 
     def _run_dw(self, stage: int, mb: int, queue: list[tuple[Phase, str, Callable[[], Any]]]) -> None:
         """Runs (and empties) `queue`'s dw thunks in order, adding their gradients into the step's."""

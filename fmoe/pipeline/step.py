@@ -103,14 +103,17 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       group: dist.ProcessGroup | None = None,
                       chunks: tuple[ChunkSpec, ...] | None = None, dispatcher: Any = None,
                       shared: SharedGrads | None = None, overlap: bool = True, engine: str = "autograd",
-                      check: bool = True, timeout: timedelta = timedelta(seconds=120)) -> PipelineStep:
+                      check: bool = True, timeout: timedelta = timedelta(seconds=120),
+                      on_stage_done: Any = None) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
     pairs and of lone backward steps (fmoe.schedule.execute); off runs pairs one op after the other.
     `engine`: how the compute phases are differentiated (split_vjp's "autograd" or "func").
     `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
-    it, for trees that already passed. `timeout` bounds every P2P wait of the executor."""
+    it, for trees that already passed. `timeout` bounds every P2P wait of the executor;
+    `on_stage_done(stage, grads)` is the executor's hook (fmoe.schedule.execute): grads are stage-keyed
+    ("layers" a dict by index string), before the shared-weight sum."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -123,7 +126,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                             dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
-                     engine=engine, timeout=timeout)
+                     engine=engine, timeout=timeout, on_stage_done=on_stage_done)
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)

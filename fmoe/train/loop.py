@@ -33,7 +33,9 @@ from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.cut import cut_gpt, holders
 from fmoe.pipeline.step import LayerLoad, update_gpt_state
+from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.registry import build as build_schedule
+from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
@@ -96,8 +98,7 @@ class Trainer:
                                               counts_expert=self.dp_rank == 0)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
-        self.reducer = GradientReducer(self.leaves, data_group=self.data_group, dp_group=self.dp_group,
-                                       data_ranks=tc.data_ranks)
+        self._plan_reduction()
         self.opt = build_optimizer(tc, self.leaves, self.tensors)
         init_adam_state(self.opt)
         self.dispatcher = self._dispatcher() if tc.ep > 1 else None
@@ -106,6 +107,39 @@ class Trainer:
         self.step_done = 0
         self._checked = False
         self.last_result: Any = None
+
+    def _plan_reduction(self) -> None:
+        """The data-parallel reducer, its bucket order, and (pipeline) which leaves each finished stage
+        makes final: a leaf read by this rank's stages only, once they all ran their last dw; leaves
+        shared with other pipeline ranks wait for the shared-weight sum after the step."""
+        self._stage_leaves: dict[int, list[Leaf]] = {}
+        if self.accumulate:
+            order = None  # reversed leaves: the order the last microbatch's backward produces them
+        else:
+            placement = self.schedule.placement
+            stages = placement.stages_of(self.pp_rank)
+            held_by: dict[tuple[str, ...], set[int]] = {}
+            for st in stages:
+                for p in self.chunks[placement.layer_chunk[st]].param_paths(self.cfg):
+                    held_by.setdefault(p, set()).add(st)
+            last = {st: k for k, a in enumerate(verify(self.schedule).ranks[self.pp_rank])
+                    for op in ops_of(a) if op.kind in (B, W) for st in [op.stage]}
+            finished: set[int] = set()
+            order = []
+            for st in sorted(stages, key=lambda x: last.get(x, -1)):
+                finished.add(st)
+                now = [lf for lf in reversed(self.leaves) if lf.key not in order
+                       and len(self.holders[_top(lf.where)]) == 1 and held_by[_top(lf.where)] <= finished]
+                self._stage_leaves[st] = now
+                order += [lf.key for lf in now]
+            order += [lf.key for lf in reversed(self.leaves) if lf.key not in order]
+        self.reducer = GradientReducer(self.leaves, data_group=self.data_group, dp_group=self.dp_group,
+                                       data_ranks=self.tc.data_ranks, order=order)
+
+    def _stage_done(self, stage: int, grads: dict[str, Any]) -> None:
+        leaves = self._stage_leaves.get(stage, [])
+        if leaves and self.reducer.buckets:
+            self.reducer.ready({lf.key: get(grads, tuple(str(k) for k in lf.where)) for lf in leaves})
 
     def _dispatcher(self) -> Any:
         tc, layout = self.tc, self.world.layout
@@ -191,7 +225,7 @@ class Trainer:
         out = gpt_pipeline_step(self.cfg, self.schedule, self.pp_rank, self.params, self.state, batches,
                                 group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
                                 shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
-                                timeout=self.timeout)
+                                timeout=self.timeout, on_stage_done=self._stage_done)
         self.last_result = out.result
         flat = {}
         for lf in self.leaves:
@@ -214,7 +248,8 @@ class Trainer:
         for path in sorted(loads):
             load = loads[path]
             tokens = load.tokens_per_expert_E.clone()
-            peak = torch.stack([load.max_load.to(torch.float64), torch.tensor(float(load.missed))])
+            peak = torch.stack([load.max_load.to(torch.float64),
+                                torch.tensor(float(load.missed), dtype=torch.float64, device=tokens.device)])
             dist.all_reduce(tokens, group=self.data_group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.data_group)
             out[path] = LayerLoad(tokens, peak[0].to(load.max_load.dtype), bool(peak[1]))
@@ -230,11 +265,13 @@ class Trainer:
         vec = torch.cat([losses, torch.tensor([float(dropped), waited / step_s, step_s, 0.0],
                                               dtype=torch.float64)])
         vec[-1] = max(ratios, default=0.0)
-        if self.world_group is not None:
+        if self.world_group is not None:  # on the collective's device (NCCL / HCCL reduce device tensors)
+            vec = vec.to(self.world.device)
             peak = vec[-1:].clone()
             dist.all_reduce(vec, group=self.world_group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.world_group)
             vec[-1] = peak[0]
+            vec = vec.cpu()
         n = self.world.size
         loss, main, mtp = (vec[:3] / tc.data_ranks).tolist()
         # each MoE layer's drops are counted on every pipeline rank holding it once per data rank
@@ -307,6 +344,11 @@ def _moe_paths(cfg: Any) -> list[tuple[str, ...]]:
 
 def _is_moe(cfg: Any, path: tuple[str, ...]) -> bool:
     return (path[0] == "layers" and int(path[1]) >= cfg.num_dense_layers) or (path[0] == "mtp")
+
+
+def _top(where: tuple) -> tuple[str, ...]:
+    """The parameter path (a key of `holders`) a leaf lives under: ("layers", "3") or ("embed",)."""
+    return (where[0], str(where[1])) if where[0] == "layers" else (where[0],)
 
 
 def _layer_key(path: tuple[str, ...]) -> str:

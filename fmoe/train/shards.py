@@ -114,59 +114,70 @@ class GradientReducer:
     """Sums this rank's gradients over the ranks holding the same weights and reading other data (dense
     leaves over `data_group`, experts over `dp_group`; None: no reduction), then divides by `data_ranks`.
 
-    Buckets of at most BUCKET_BYTES are fixed at construction, leaves in reverse order (the order a
-    backward produces them). They are issued strictly in bucket order, so every rank of a group issues
-    the same all-reduces in the same order: `watch` issues each bucket as soon as it and every earlier
-    one is complete (hooks on the tensors' gradient accumulation, as DDP overlaps its all-reduce with the
-    backward of the last microbatch); `finish` issues the rest, waits, and writes the sums back."""
+    Buckets of at most BUCKET_BYTES are fixed at construction from `order` (leaf keys, the order their
+    gradients become final; default: reversed, the order a backward produces them) and issued strictly
+    in bucket order, so every rank of a group issues the same all-reduces in the same order. `ready`
+    marks gradients final and issues every complete bucket whose predecessors are issued (`watch` does
+    it from gradient-accumulation hooks, as DDP overlaps its all-reduce with the last backward; a
+    pipeline calls it as stages finish their last weight gradient); `finish` issues the rest, waits, and
+    writes the sums back. `early` counts the buckets issued before `finish`."""
 
-    def __init__(self, leaves: list[Leaf], *, data_group: Any, dp_group: Any, data_ranks: int):
+    def __init__(self, leaves: list[Leaf], *, data_group: Any, dp_group: Any, data_ranks: int,
+                 order: list[str] | None = None):
         self.data_ranks = data_ranks
         self.leaves = leaves
+        by_key = {lf.key: lf for lf in leaves}
+        ordered = [by_key[k] for k in order] if order is not None else list(reversed(leaves))
+        if len(ordered) != len(leaves) or {lf.key for lf in ordered} != set(by_key):
+            raise ValueError("GradientReducer: `order` must list every leaf key once")
         self.buckets: list[tuple[Any, list[str]]] = []
         for group, expert in ((data_group, False), (dp_group, True)):
             if group is None or dist.get_world_size(group) == 1:
                 continue
-            members = [lf for lf in reversed(leaves) if lf.expert == expert]
-            for bucket in _buckets(members):
+            for bucket in _buckets([lf for lf in ordered if lf.expert == expert]):
                 self.buckets.append((group, [lf.key for lf in bucket]))
         self._works: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        self._grads: dict[str, torch.Tensor] = {}
+        self.early = 0
 
-    def _issue(self, grads: dict[str, torch.Tensor]) -> None:
+    def ready(self, grads: dict[str, torch.Tensor]) -> None:
+        """Marks `grads` (key -> final gradient) ready and issues the buckets that are now complete."""
+        self._grads.update(grads)
+        while len(self._works) < len(self.buckets) and all(
+                k in self._grads for k in self.buckets[len(self._works)][1]):
+            self._issue()
+            self.early += 1
+
+    def _issue(self) -> None:
         group, keys = self.buckets[len(self._works)]
-        bucket = [grads[k] for k in keys]
+        bucket = [self._grads[k] for k in keys]
         flat = torch.cat([g.reshape(-1) for g in bucket])
         self._works.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
 
     def watch(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
-        """Hooks `tensors` (key -> leaf requiring grad) so that the coming backward issues each bucket
-        once its gradients are accumulated; returns the hook handles (remove them after the backward)."""
-        self._works = []
-        done: set[str] = set()
-        grads: dict[str, torch.Tensor] = {}
-
-        def ready(key: str, t: torch.Tensor) -> None:
-            done.add(key)
-            grads[key] = t.grad
-            while len(self._works) < len(self.buckets) and all(
-                    k in done for k in self.buckets[len(self._works)][1]):
-                self._issue(grads)
-
-        return [tensors[k].register_post_accumulate_grad_hook(lambda t, k=k: ready(k, t))
-                for _, keys in self.buckets for k in keys]
+        """Hooks `tensors` (key -> leaf requiring grad) so that the coming backward marks each gradient
+        ready once accumulated; returns the hook handles (remove them after the backward)."""
+        keys = {k for _, ks in self.buckets for k in ks}
+        return [tensors[k].register_post_accumulate_grad_hook(lambda t, k=k: self.ready({k: t.grad}))
+                for k in keys]
 
     def finish(self, grads: dict[str, torch.Tensor]) -> None:
-        """Issues the buckets not issued yet, waits for all and writes the sums into `grads` (key ->
-        gradient, in place), then divides every leaf's gradient by data_ranks."""
+        """Issues the buckets not issued yet (from `grads`, key -> gradient), waits for all and writes
+        the sums into the gradients in place, then divides every leaf's gradient by data_ranks. Resets
+        for the next step."""
+        for k, g in grads.items():
+            if k in self._grads and self._grads[k] is not g:
+                raise RuntimeError(f"GradientReducer: the gradient of {k} changed after it was marked ready")
+        self._grads.update(grads)
         while len(self._works) < len(self.buckets):
-            self._issue(grads)
+            self._issue()
         for bucket, flat, work in self._works:
             work.wait()
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        self._works = []
+        self._works, self._grads = [], {}
         if self.data_ranks > 1:
             for lf in self.leaves:
                 grads[lf.key].div_(self.data_ranks)
@@ -191,7 +202,8 @@ def _buckets(leaves: list[Leaf]) -> Iterable[list[Leaf]]:
 def global_grad_norm(leaves: list[Leaf], grads: dict[str, torch.Tensor], group: Any) -> torch.Tensor:
     """Returns the L2 norm (float64 0-dim) of the whole model's gradient: each rank sums the squares of
     the leaves it counts, and the sums are added over `group` (the world; None: this process alone)."""
-    total = torch.zeros((), dtype=torch.float64)
+    device = next(iter(grads.values())).device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for lf in leaves:
         if lf.counts:
             total += grads[lf.key].double().square().sum()
