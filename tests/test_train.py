@@ -24,7 +24,7 @@ from dist_utils import spawn
 from fmoe.parallel import ParallelLayout
 from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
-from fmoe.train.launch import _world, launch
+from fmoe.train.launch import _free_port, _world, launch
 from fmoe.train.loop import Trainer, World
 from fmoe.train.optim import lr_at
 
@@ -218,3 +218,16 @@ def test_data_parallel_all_reduce_starts_before_the_step_ends(flags: dict) -> No
         early, buckets, grad_norm = r.value
         assert buckets >= 1 and early >= 1, (flags, r.rank, early, buckets)
         assert grad_norm == pytest.approx(want, rel=1e-5), (flags, r.rank)
+
+
+def test_under_torchrun_it_uses_the_given_ranks_and_matches_the_spawned_run(tmp_path: Path) -> None:
+    flags = ("--pp", "1", "--ep", "2", "--steps", "2", "--no-progress")
+    spawned = _train(tmp_path, "spawned", *flags)
+    metrics = tmp_path / "torchrun.jsonl"
+    port = str(_free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+                "-m", "fmoe.cli.main", "train", "--metrics", str(metrics), *flags]
+    done = subprocess.run(torchrun, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert _numbers(got) == _numbers(spawned)

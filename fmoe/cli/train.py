@@ -62,8 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--config", help="TOML file setting the same fields (flags override it)")
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type).split("|")[0].strip()
         if kind == "bool":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +119,6 @@ class TrainConfig:
     loss_curve: str | None = None
     progress: bool = True
     timeout: float = 300.0
-    # schedule generators' extras, not flags
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- sources ----------------------------------------------------------------------------------------
 
@@ -140,7 +138,7 @@ class TrainConfig:
     @classmethod
     def build(cls, values: dict[str, Any]) -> TrainConfig:
         """Returns the config with `values` (field -> value) over the defaults, types checked."""
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
@@ -154,7 +152,7 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Returns the fields as a plain dict (what checkpoints record)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     # ---- derived ----------------------------------------------------------------------------------------
 
@@ -274,6 +272,9 @@ class TrainConfig:
             if self.pp != 1 or self.ep != 1:
                 raise ValueError("--schedule accumulate runs one process alone (pp 1, ep 1, data parallel "
                                  f"allowed); got pp {self.pp}, ep {self.ep}")
+            if self.trace:
+                raise ValueError("--trace records the executor's timeline: give a schedule (e.g. --schedule "
+                                 "1f1b); accumulate runs without the executor")
             return
         try:
             s = S.build(name, self.pp, self.microbatches)
