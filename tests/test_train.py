@@ -231,3 +231,22 @@ def test_under_torchrun_it_uses_the_given_ranks_and_matches_the_spawned_run(tmp_
     assert done.returncode == 0, done.stdout + done.stderr
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert _numbers(got) == _numbers(spawned)
+
+
+def test_sharded_optimizer_state_trains_the_same_and_its_checkpoints_load_anywhere(tmp_path: Path) -> None:
+    """ZeRO-1 (--use-distributed-optimizer): each data-parallel rank keeps and saves the AdamW state of its
+    share. Same losses as the unsharded optimizer (bitwise); a checkpoint resumes bitwise in its layout
+    and loads into one process without sharding."""
+    layout = ("--pp", "2", "--ep", "1", "--dp", "2", "--steps", "4")
+    plain = _train(tmp_path, "plain", *layout)
+    ckpt = tmp_path / "ckpt"
+    zero = _train(tmp_path, "zero", *layout, "--use-distributed-optimizer", "--save", str(ckpt),
+                  "--save-interval", "2")
+    assert _numbers(zero) == _numbers(plain)
+    again = _train(tmp_path, "again", *layout, "--use-distributed-optimizer", "--load",
+                   str(ckpt / "step_00000002"))
+    assert _numbers(again) == _numbers(plain[2:])
+    alone = _train(tmp_path, "alone", "--pp", "1", "--ep", "1", "--steps", "4", "--load",
+                   str(ckpt / "step_00000002"))
+    for want, have in zip(plain[2:], alone, strict=True):
+        assert have["loss"] == pytest.approx(want["loss"], rel=2e-5), want["step"]

@@ -40,6 +40,7 @@ HELP = {
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
     "lr": "peak learning rate", "min_lr": "final learning rate (cosine)", "warmup": "linear warmup steps",
     "clip_grad": "global gradient-norm clip (0: off)", "weight_decay": "AdamW weight decay",
+    "use_distributed_optimizer": "ZeRO-1: shard the AdamW state over the ranks replicating each weight",
     "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW eps",
     "steps": "training steps",
     "seed": "weights and data order", "dtype": ", ".join(DTYPES),

@@ -72,7 +72,7 @@ def available_backends(dtype: torch.dtype, device: torch.device | str = "cpu") -
 
 
 def _aligned_for_grouped_mm(D: int, F: int, dtype: torch.dtype) -> bool:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return (D * itemsize) % 16 == 0 and (F * itemsize) % 16 == 0
 
 

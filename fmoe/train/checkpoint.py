@@ -51,16 +51,19 @@ def _named(leaves: list[Leaf], tensors: dict[str, torch.Tensor]) -> list[tuple[s
     return out
 
 
-def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: Any,
                 moe_state: dict[str, dict[str, torch.Tensor]], step: int, rank: int,
                 with_rng: bool) -> dict[str, torch.Tensor]:
-    """Returns {checkpoint key: tensor} for this rank: views of the live tensors (weights, AdamW state,
-    MoE states), the step, and the RNG state when `with_rng`. Loading writes into these same tensors."""
+    """Returns {checkpoint key: tensor} for this rank: views of the live tensors (weights, the AdamW state
+    `opt.state_of` gives for the leaves this rank keeps it for, MoE states), the step, and the RNG state
+    when `with_rng`. Loading writes into these same tensors."""
     items: dict[str, torch.Tensor] = {}
     for name, t in _named(leaves, params):
         items[f"model/{name}"] = t
     for lf in leaves:
-        st = opt.state[params[lf.key]]
+        st = opt.state_of(lf.key)
+        if st is None:  # ZeRO-1: another rank of the group keeps this leaf's AdamW state and writes it
+            continue
         for field in ("exp_avg", "exp_avg_sq"):
             for name, t in (_expert_rows(lf, st[field]) if lf.expert else [(lf.key, st[field])]):
                 items[f"optim/{name}/{field}"] = t

@@ -51,7 +51,8 @@ class TrainConfig:
     "accumulate" otherwise), dualpipev_dw_detach, overlap, dispatcher, ranks_per_node, link_model
     ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]").
     Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
-    (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps.
+    (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
+    AdamW state sharded over the data-parallel ranks that replicate each weight).
     Run: steps, seed, dtype, data ("markov" or a file path), data_kind (for files: bin16, bin32, text),
     markov_sequences, save, save_interval, load, resume, metrics, trace, trace_step, loss_curve,
     progress, timeout (seconds a collective may wait before the run fails).
@@ -99,6 +100,7 @@ class TrainConfig:
     warmup: int = 20
     clip_grad: float = 1.0
     weight_decay: float = 0.1
+    use_distributed_optimizer: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8

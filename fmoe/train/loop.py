@@ -39,7 +39,7 @@ from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
-from fmoe.train.optim import build_optimizer, clip_factor, init_adam_state, lr_at
+from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, local_expert_rows, rank_leaves
 
 
@@ -99,8 +99,8 @@ class Trainer:
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
         self._plan_reduction()
-        self.opt = build_optimizer(tc, self.leaves, self.tensors)
-        init_adam_state(self.opt)
+        self.opt = LeafOptimizer(tc, self.leaves, self.tensors, data_group=self.data_group,
+                                 dp_group=self.dp_group)
         self.dispatcher = self._dispatcher() if tc.ep > 1 else None
         self.shared = (SharedGrads(self.holders, self.pp_group) if self.pp_group is not None else None)
         self.dataset = build_dataset(tc)
@@ -162,8 +162,7 @@ class Trainer:
         tc = self.tc
         t0 = time.perf_counter()
         lr = lr_at(tc, self.step_done)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        self.opt.set_lr(lr)
         batches = [(ids.to(self.world.device), t.to(self.world.device)) for ids, t in microbatches(
             self.dataset, self.step_done, global_batch=tc.global_batch_size, micro_batch=tc.micro_batch_size,
             data_rank=self.data_rank, data_ranks=tc.data_ranks, seed=tc.seed)]

@@ -1,5 +1,5 @@
-"""The optimizer of `fmoe train`: torch.optim.AdamW over this rank's leaves, weight-decay exclusions,
-linear warmup then cosine, and clipping by the global norm.
+"""The optimizer of `fmoe train`: torch.optim.AdamW over this rank's leaves (optionally ZeRO-1 sharded),
+weight-decay exclusions, linear warmup then cosine, and clipping by the global norm.
 
 The learning rate is a function of the step alone (`lr_at`), so a resumed run needs no scheduler state.
 """
@@ -7,8 +7,10 @@ The learning rate is a function of the step alone (`lr_at`), so a resumed run ne
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fmoe.train.config import TrainConfig
 from fmoe.train.shards import Leaf
@@ -24,28 +26,77 @@ def lr_at(tc: TrainConfig, step: int) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(tc: TrainConfig, leaves: list[Leaf],
-                    tensors: dict[str, torch.Tensor]) -> torch.optim.AdamW:
-    """Returns torch.optim.AdamW over `tensors[leaf.key]` for each leaf, two groups (decayed, and norms
-    and biases without decay); fused on accelerators, foreach on CPU."""
+def _groups(tc: TrainConfig, leaves: list[Leaf], tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """AdamW's two parameter groups: decayed, and norms and biases without decay (empty ones left out)."""
     decay = [tensors[lf.key] for lf in leaves if lf.decay]
     rest = [tensors[lf.key] for lf in leaves if not lf.decay]
-    groups = [g for g in ({"params": decay, "weight_decay": tc.weight_decay},
-                          {"params": rest, "weight_decay": 0.0}) if g["params"]]
-    device = next(iter(tensors.values())).device
-    fast = {"fused": True} if device.type != "cpu" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr_at(tc, 0), betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
-                             **fast)
+    return [g for g in ({"params": decay, "weight_decay": tc.weight_decay},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
-def init_adam_state(opt: torch.optim.AdamW) -> None:
-    """Creates AdamW's per-parameter state (step 0, zero moments) now rather than at the first step, so
-    a checkpoint can be loaded into it in place."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if not opt.state[p]:
-                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+class LeafOptimizer:
+    """torch.optim.AdamW over this rank's leaves: one plain AdamW, or with `--use-distributed-optimizer`
+    (ZeRO-1) torch's ZeroRedundancyOptimizer, one over the dense leaves sharded across the data group and
+    one over the expert leaves sharded across dp, so each rank keeps the AdamW state of its share only
+    and broadcasts its updated weights. Fused on accelerators, foreach on CPU.
+
+    `state_of(key)`: the AdamW state of a leaf kept on this rank (None where another rank keeps it),
+    created up front (step 0, zero moments) so a checkpoint loads into it in place."""
+
+    def __init__(self, tc: TrainConfig, leaves: list[Leaf], tensors: dict[str, torch.Tensor], *,
+                 data_group: Any = None, dp_group: Any = None):
+        device = next(iter(tensors.values())).device
+        kw = {"lr": lr_at(tc, 0), "betas": (tc.adam_beta1, tc.adam_beta2), "eps": tc.adam_eps,
+              **({"fused": True} if device.type != "cpu" else {"foreach": True})}
+        self.tensors = tensors
+        self.optimizers: list[Any] = []
+        parts = [(leaves, None)]
+        if tc.use_distributed_optimizer:
+            parts = [([lf for lf in leaves if not lf.expert], data_group),
+                     ([lf for lf in leaves if lf.expert], dp_group)]
+        for part, group in parts:
+            if not part:
+                continue
+            groups = _groups(tc, part, tensors)
+            if group is not None and dist.get_world_size(group) > 1:
+                # imported here: torch.distributed.optim imports torch.jit helpers that warn on import
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                zero = ZeroRedundancyOptimizer(groups[0]["params"], torch.optim.AdamW, process_group=group,
+                                               **{**kw, "weight_decay": groups[0]["weight_decay"]})
+                for g in groups[1:]:
+                    zero.add_param_group(g)
+                self.optimizers.append(zero)
+            else:
+                self.optimizers.append(torch.optim.AdamW(groups, **kw))
+        for local in self._locals():
+            for group in local.param_groups:
+                for p in group["params"]:
+                    if not local.state[p]:
+                        local.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                          "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def _locals(self) -> list[torch.optim.Optimizer]:
+        return [getattr(o, "optim", o) for o in self.optimizers]  # a ZeRO's own shard is its .optim
+
+    def set_lr(self, lr: float) -> None:
+        """Sets the learning rate of every parameter group."""
+        for o in self.optimizers:
+            for g in o.param_groups:
+                g["lr"] = lr
+
+    def step(self) -> None:
+        """One AdamW step from the leaves' .grad (and, sharded, the broadcast of the updated shares)."""
+        for o in self.optimizers:
+            o.step()
+
+    def state_of(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The AdamW state of leaf `key` if this rank keeps it, else None."""
+        t = self.tensors[key]
+        for local in self._locals():
+            if t in local.state:
+                return local.state[t]
+        return None
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float) -> float:
