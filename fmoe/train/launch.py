@@ -125,14 +125,22 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    world = _world(tc, local_rank, init_method, local_rank, size)
+    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size))
+    if summary is not None:
+        with open(out_path, "w") as f:
+            f.write(summary)
+
+
+def _train_and_close(tc: TrainConfig, world: World) -> str | None:
+    """`train_rank`, then the process group closed: after a barrier when the run succeeded, so no rank
+    tears its connections down while a peer still talks to it (gloo aborts the process then)."""
     try:
         summary = train_rank(tc, world)
-        if summary is not None:
-            with open(out_path, "w") as f:
-                f.write(summary)
+        if world.size > 1:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
+    return summary
 
 
 def _free_port() -> int:
@@ -149,11 +157,7 @@ def launch(tc: TrainConfig) -> int:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2
     if torchrun:
-        world = _world(tc, int(os.environ.get("LOCAL_RANK", 0)), None, 0, 0)
-        try:
-            summary = train_rank(tc, world)
-        finally:
-            dist.destroy_process_group()
+        summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0)), None, 0, 0))
         if summary:
             print(summary)
         return 0
@@ -162,12 +166,7 @@ def launch(tc: TrainConfig) -> int:
     try:
         if tc.world_size == 1:
             store = tempfile.mktemp(prefix="fmoe_train_store_")
-            world = _world(tc, 0, f"file://{store}", 0, 1)
-            try:
-                summary = train_rank(tc, world)
-            finally:
-                dist.destroy_process_group()
-            print(summary)
+            print(_train_and_close(tc, _world(tc, 0, f"file://{store}", 0, 1)))
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:

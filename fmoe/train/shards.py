@@ -203,10 +203,10 @@ def global_grad_norm(leaves: list[Leaf], grads: dict[str, torch.Tensor], group: 
     """Returns the L2 norm (float64 0-dim) of the whole model's gradient: each rank sums the squares of
     the leaves it counts, and the sums are added over `group` (the world; None: this process alone)."""
     device = next(iter(grads.values())).device if grads else torch.device("cpu")
+    counted = [grads[lf.key] for lf in leaves if lf.counts]
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for lf in leaves:
-        if lf.counts:
-            total += grads[lf.key].double().square().sum()
+    if counted:  # one fused (foreach) norm over the leaves, squared: the sums add over ranks
+        total += torch.nn.utils.get_total_norm(counted, 2.0, foreach=True).double().square()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
