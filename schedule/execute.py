@@ -102,7 +102,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
             engine: str = "autograd",
-            on_stage_done: Callable[[int, dict[str, Any]], None] | None = None) -> StepResult:
+            on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
+            grad_dtype: torch.dtype | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -114,22 +115,26 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     `on_stage_done(stage, grads)`: called once per stage of this rank, right after the last weight
     gradient of its last microbatch was added into `grads` (the step's gradient dict, as returned):
     from then on the gradients of the params only that stage reads on this rank no longer change, so a
-    caller may start reducing them while the rest of the schedule runs."""
+    caller may start reducing them while the rest of the schedule runs. `grad_dtype`: the dtype the
+    weight gradients are summed in over microbatches (None: as each dw pass produces them); a mixed-
+    precision step passes fp32 so that bf16 dw results are added in fp32."""
     actions = verify(s).ranks[rank]
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done).run(actions)
+                     on_stage_done, grad_dtype).run(actions)
 
 
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
                  timeout: timedelta, overlap: bool, engine: str,
-                 on_stage_done: Callable[[int, dict[str, Any]], None] | None = None):
+                 on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
+                 grad_dtype: torch.dtype | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.engine = engine
         self.on_stage_done = on_stage_done
+        self.grad_dtype = grad_dtype
         self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
         self.scale = 1.0 / s.m
         self.t0 = time.perf_counter()
@@ -350,7 +355,7 @@ class _Executor:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
             for path, g in zip(ph.param_paths, vjp_dw()):
-                _add_at(self.grads, path, g)
+                _add_at(self.grads, path, g, self.grad_dtype)
             del vjp_dw
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
@@ -495,18 +500,22 @@ def _in_flight(pending: Any) -> bool:
     return bool(getattr(pending, "in_flight", True))
 
 
-def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any) -> None:
-    """Adds gradient subtree `grads` into nested dict `tree` at `path` (creating the path)."""
+def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any,
+            dtype: torch.dtype | None = None) -> None:
+    """Adds gradient subtree `grads` into nested dict `tree` at `path` (creating the path), summing in
+    `dtype` (None: the gradients' own)."""
     node = tree
     for k in path[:-1]:
         node = node.setdefault(k, {})
-    _add_tree(node, path[-1], grads)
+    _add_tree(node, path[-1], grads, dtype)
 
 
-def _add_tree(node: dict[str, Any], key: str, g: Any) -> None:
+def _add_tree(node: dict[str, Any], key: str, g: Any, dtype: torch.dtype | None) -> None:
     if isinstance(g, Mapping):
         child = node.setdefault(key, {})
         for k, v in g.items():
-            _add_tree(child, k, v)
+            _add_tree(child, k, v, dtype)
     elif g is not None:
+        if dtype is not None and g.dtype != dtype:
+            g = g.to(dtype)
         node[key] = g if key not in node else node[key] + g

@@ -250,3 +250,15 @@ def test_sharded_optimizer_state_trains_the_same_and_its_checkpoints_load_anywhe
                    str(ckpt / "step_00000002"))
     for want, have in zip(plain[2:], alone, strict=True):
         assert have["loss"] == pytest.approx(want["loss"], rel=2e-5), want["step"]
+
+
+def test_bf16_mixed_precision_trains_like_fp32_in_every_layout(tmp_path: Path) -> None:
+    """--bf16: fp32 master weights, bf16 compute, fp32 gradient sums. The losses follow the fp32 run to
+    bf16 rounding, in one process and through the pipeline executor with EP (bf16 on the wire)."""
+    steps = ("--steps", "3")
+    fp32 = _train(tmp_path, "fp32", "--pp", "1", "--ep", "1", *steps)
+    for name, flags in {"pp1": ("--pp", "1", "--ep", "1"), "pp2_ep2": ("--pp", "2", "--ep", "2")}.items():
+        mixed = _train(tmp_path, f"bf16_{name}", *flags, "--bf16", *steps)
+        for want, have in zip(fp32, mixed, strict=True):
+            assert have["loss"] == pytest.approx(want["loss"], rel=3e-3), (name, want["step"])
+            assert have["loss"] != want["loss"]  # it did compute in bf16

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fmoe.config import GPTConfig, MoEConfig
+from fmoe.precision import POLICIES, Policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,9 +54,11 @@ class TrainConfig:
     Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
-    Run: steps, seed, dtype, data ("markov" or a file path), data_kind (for files: bin16, bin32, text),
-    markov_sequences, save, save_interval, load, resume, metrics, trace, trace_step, loss_curve,
-    progress, timeout (seconds a collective may wait before the run fails).
+    Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
+    master weights, optimizer state and gradient sums, bf16 compute), data ("markov" or a file path),
+    data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
+    metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
+    run fails).
     """
 
     # model
@@ -108,6 +111,7 @@ class TrainConfig:
     steps: int = 150
     seed: int = 1234
     dtype: str = "float32"
+    bf16: bool = False
     data: str = "markov"
     data_kind: str = "bin16"
     markov_sequences: int = 16384
@@ -201,9 +205,13 @@ class TrainConfig:
         return name
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        """The parameter dtype."""
-        return DTYPES[self.dtype]
+    def policy(self) -> Policy:
+        """The precision policy: --bf16 is mixed precision (fp32 master weights and gradients, bf16
+        compute, as Megatron's --bf16); otherwise everything in --dtype."""
+        if self.bf16:
+            return POLICIES["bf16-mixed"]
+        d = DTYPES[self.dtype]
+        return Policy(d, d, d)
 
     def problem(self, world_size: int | None = None) -> str | None:
         """Returns one line saying what is wrong with this run before any process starts, or None.
@@ -237,6 +245,9 @@ class TrainConfig:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.bf16 and self.dtype != "float32":
+            raise ValueError(f"--bf16 keeps fp32 master weights and computes in bf16: leave --dtype at "
+                             f"float32 (got {self.dtype})")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.data != "markov" and self.data_kind not in DATA_KINDS[1:]:

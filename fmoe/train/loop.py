@@ -33,6 +33,7 @@ from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.cut import cut_gpt, holders
 from fmoe.pipeline.step import LayerLoad, update_gpt_state
+from fmoe.precision import accumulate, cast_to_compute
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.registry import build as build_schedule
 from fmoe.schedule.verify import verify
@@ -78,7 +79,8 @@ class Trainer:
         self.world_group = dist.group.WORLD if world.size > 1 else None
         self.timeout = timedelta(seconds=tc.timeout)
 
-        full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), tc.torch_dtype)
+        self.policy = tc.policy
+        full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), self.policy.param_dtype)
         self.params = _to(local_expert_rows(full, cfg, self.ep_rank, tc.ep), world.device)
         self.state = _to(init_gpt_state(cfg), world.device)
         self.accumulate = tc.schedule_name == ACCUMULATE
@@ -190,18 +192,33 @@ class Trainer:
         return self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
 
     def _accumulate(self, batches: list) -> tuple:
-        cfg, m = self.cfg, len(batches)
-        for t in self.tensors.values():
+        cfg, m, policy = self.cfg, len(batches), self.policy
+        params = cast_to_compute(self.params, policy) if policy.mixed else self.params
+        leaves = {lf.key: get(params, lf.where) for lf in self.leaves}
+        grads: dict[str, torch.Tensor] = {}
+        last = [False]
+
+        def hook(key: str):
+            def after_accumulation(t: torch.Tensor) -> None:
+                if policy.mixed:  # each microbatch's bf16 gradient is summed in fp32, never in bf16
+                    grads[key] = accumulate(grads.get(key), t.grad, policy)
+                    t.grad = None
+                else:
+                    grads[key] = t.grad
+                if last[0]:  # the data-parallel all-reduce overlaps the last microbatch's backward
+                    self.reducer.ready({key: grads[key]})
+            return after_accumulation
+
+        for t in leaves.values():
             t.requires_grad_(True)
+        hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
         sums = torch.zeros(3, dtype=torch.float64)
         loads: dict[tuple[str, ...], LayerLoad] = {}
         dropped = 0
-        hooks: list = []
         try:
             for j, (ids, targets) in enumerate(batches):
-                loss, aux = gpt_loss(self.params, ids, targets, cfg, self.state, check=not self._checked)
-                if j == m - 1:  # the data-parallel all-reduce overlaps the last microbatch's backward
-                    hooks = self.reducer.watch(self.tensors)
+                last[0] = j == m - 1
+                loss, aux = gpt_loss(params, ids, targets, cfg, self.state, check=not self._checked)
                 (loss / m).backward()
                 sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
                 for path, a in zip(_moe_paths(cfg), aux.layers):
@@ -212,19 +229,19 @@ class Trainer:
         finally:
             for h in hooks:
                 h.remove()
-            for t in self.tensors.values():
+            for t in leaves.values():
                 t.requires_grad_(False)
-        grads = {k: t.grad for k, t in self.tensors.items() if t.grad is not None}
-        for t in self.tensors.values():
-            t.grad = None
-        losses = sums / m
-        return grads, losses, loads, dropped, 0.0
+                t.grad = None
+        return grads, sums / m, loads, dropped, 0.0
 
     def _pipeline(self, batches: list) -> tuple:
-        out = gpt_pipeline_step(self.cfg, self.schedule, self.pp_rank, self.params, self.state, batches,
+        policy = self.policy
+        params = cast_to_compute(self.params, policy) if policy.mixed else self.params
+        out = gpt_pipeline_step(self.cfg, self.schedule, self.pp_rank, params, self.state, batches,
                                 group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
                                 shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
-                                timeout=self.timeout, on_stage_done=self._stage_done)
+                                timeout=self.timeout, on_stage_done=self._stage_done,
+                                grad_dtype=policy.grad_dtype if policy.mixed else None)
         self.last_result = out.result
         flat = {}
         for lf in self.leaves:

@@ -117,10 +117,10 @@ class GradientReducer:
     Buckets of at most BUCKET_BYTES are fixed at construction from `order` (leaf keys, the order their
     gradients become final; default: reversed, the order a backward produces them) and issued strictly
     in bucket order, so every rank of a group issues the same all-reduces in the same order. `ready`
-    marks gradients final and issues every complete bucket whose predecessors are issued (`watch` does
-    it from gradient-accumulation hooks, as DDP overlaps its all-reduce with the last backward; a
-    pipeline calls it as stages finish their last weight gradient); `finish` issues the rest, waits, and
-    writes the sums back. `early` counts the buckets issued before `finish`."""
+    marks gradients final and issues every complete bucket whose predecessors are issued (the training
+    loop calls it from gradient-accumulation hooks during the last microbatch's backward, as DDP
+    overlaps its all-reduce with it, or as pipeline stages finish their last weight gradient); `finish`
+    issues the rest, waits, and writes the sums back. `early` counts the buckets issued before `finish`."""
 
     def __init__(self, leaves: list[Leaf], *, data_group: Any, dp_group: Any, data_ranks: int,
                  order: list[str] | None = None):
@@ -153,13 +153,6 @@ class GradientReducer:
         bucket = [self._grads[k] for k in keys]
         flat = torch.cat([g.reshape(-1) for g in bucket])
         self._works.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-
-    def watch(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
-        """Hooks `tensors` (key -> leaf requiring grad) so that the coming backward marks each gradient
-        ready once accumulated; returns the hook handles (remove them after the backward)."""
-        keys = {k for _, ks in self.buckets for k in ks}
-        return [tensors[k].register_post_accumulate_grad_hook(lambda t, k=k: self.ready({k: t.grad}))
-                for k in keys]
 
     def finish(self, grads: dict[str, torch.Tensor]) -> None:
         """Issues the buckets not issued yet (from `grads`, key -> gradient), waits for all and writes
