@@ -211,13 +211,18 @@ class Trainer:
 
         for t in leaves.values():
             t.requires_grad_(True)
-        hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
+        # Mixed precision needs the hooks on every microbatch (the fp32 sums); otherwise only the last
+        # microbatch's backward has work for them (issuing the all-reduce buckets).
+        hooks = ([leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
+                 if policy.mixed else [])
         sums = torch.zeros(3, dtype=torch.float64)
         loads: dict[tuple[str, ...], LayerLoad] = {}
         dropped = 0
         try:
             for j, (ids, targets) in enumerate(batches):
                 last[0] = j == m - 1
+                if last[0] and not policy.mixed and self.reducer.buckets:
+                    hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                 loss, aux = gpt_loss(params, ids, targets, cfg, self.state, check=not self._checked)
                 (loss / m).backward()
                 sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
@@ -229,6 +234,8 @@ class Trainer:
         finally:
             for h in hooks:
                 h.remove()
+            if not policy.mixed:
+                grads = {k: t.grad for k, t in leaves.items() if t.grad is not None}
             for t in leaves.values():
                 t.requires_grad_(False)
                 t.grad = None
