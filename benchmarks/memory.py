@@ -1,0 +1,110 @@
+"""Peak memory of one MoE layer's forward + backward, per way of differentiating it, side by side.
+
+    .venv/bin/python benchmarks/memory.py            # D 1024, F 1024, E 16, K 4, T 4096, fp32
+    .venv/bin/python benchmarks/memory.py --tokens 512
+
+Each mode runs in a fresh process: one warm-up step, then the RSS high-water mark (Linux VmHWM, reset
+through /proc/self/clear_refs) of one forward + full backward, minus the RSS before it. Modes:
+- autograd: `fmoe.moe` on leaves that require grad, `loss.backward()` (tape autograd: the reference);
+- func.vjp: `torch.func.vjp` of the same function;
+- split_vjp(func) / split_vjp(autograd): fmoe.transforms.split_vjp with each engine, dx then dw.
+The gradients of every mode are checked against the autograd mode's (printed max relative difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import torch
+
+from fmoe import MoEConfig, init_moe, init_moe_state, moe
+from fmoe._compat import tree_flatten, tree_unflatten
+from fmoe.transforms import split_vjp
+
+MODES = ("autograd", "func.vjp", "split_vjp(func)", "split_vjp(autograd)")
+
+
+def _setup(args: argparse.Namespace):
+    cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x_TD = torch.randn(args.tokens, args.d_model, generator=g)
+    ct_TD = torch.randn(args.tokens, args.d_model, generator=g)
+    return cfg, params, init_moe_state(cfg), x_TD, ct_TD
+
+
+def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
+    """One forward + backward; returns the gradients (params leaves, then x) in tree order."""
+    def f(p, x):
+        return moe(p, x, cfg, state, check=False)[0]
+
+    if mode == "autograd":
+        leaves, spec = tree_flatten(params)
+        leaves = [t.detach().requires_grad_() for t in leaves]
+        x = x_TD.detach().requires_grad_()
+        f(tree_unflatten(leaves, spec), x).backward(ct_TD)
+        return [t.grad for t in leaves] + [x.grad]
+    if mode == "func.vjp":
+        _, vjp = torch.func.vjp(f, params, x_TD)
+        dp, dx = vjp(ct_TD)
+        return tree_flatten(dp)[0] + [dx]
+    engine = "func" if mode == "split_vjp(func)" else "autograd"
+    _, vjp_dx = split_vjp(f, params, x_TD, engine=engine)
+    (dx,), vjp_dw = vjp_dx(ct_TD)
+    return tree_flatten(vjp_dw())[0] + [dx]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+
+
+def _child(args: argparse.Namespace) -> None:
+    setup = _setup(args)
+    ref = _step("autograd", *setup)
+    grads = _step(args.child, *setup)  # warm-up (and the gradients to compare)
+    diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, ref))
+    del grads, ref
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _status_kib("VmRSS")
+    _step(args.child, *setup)
+    rise = (_status_kib("VmHWM") - before) / 1024
+    print(json.dumps({"rise_mib": rise, "grad_rel_diff": diff}))
+
+
+def main() -> None:
+    """Measures every mode in its own process; prints the table and the ratios to tape autograd."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--d-ff", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        _child(args)
+        return
+    flags = ["--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--experts", str(args.experts),
+             "--top-k", str(args.top_k), "--tokens", str(args.tokens)]
+    out = {}
+    for mode in MODES:
+        done = subprocess.run([sys.executable, __file__, "--child", mode, *flags], check=True,
+                              capture_output=True, text=True)
+        out[mode] = json.loads(done.stdout)
+    print(f"one MoE layer: D {args.d_model}, F {args.d_ff}, E {args.experts}, K {args.top_k}, "
+          f"T {args.tokens}, fp32, forward + backward; peak RSS rise of one step (fresh process each)")
+    print(f"{'mode':<22} {'rise MiB':>9} {'/ autograd':>11} {'grad rel diff':>14}")
+    for mode in MODES:
+        r = out[mode]
+        print(f"{mode:<22} {r['rise_mib']:9.1f} {r['rise_mib'] / out['autograd']['rise_mib']:11.3f} "
+              f"{r['grad_rel_diff']:14.1e}")
+
+
+if __name__ == "__main__":
+    main()
