@@ -5,7 +5,8 @@ Examples:
   fmoe train --pp 1 --ep 1 --steps 50           # one process
   fmoe train --config run.toml --save ckpt --save-interval 50
   fmoe train --save ckpt --resume               # continue from the latest checkpoint in ckpt
-  torchrun --nnodes 2 --nproc-per-node 8 ... -m fmoe.cli.main train --pp 4 --ep 4 --dp 1 ...
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m fmoe.cli.main train --preset small --pp 2 --ep 8 \
+      --global-batch-size 256
 """
 
 from __future__ import annotations
