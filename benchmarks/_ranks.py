@@ -26,6 +26,23 @@ from fmoe._compat import tree_flatten
 from fmoe.pipeline import ChunkSpec
 
 
+def rss_kib(field: str) -> int:
+    """Returns `field` ("VmRSS", "VmHWM") of /proc/self/status in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure_rss(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """Runs fn() with the RSS high-water mark first reset to the current RSS (/proc/self/clear_refs);
+    returns (fn's result, the peak RSS during it, its rise over the RSS before it), both in MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = rss_kib("VmRSS")
+    out = fn()
+    peak = rss_kib("VmHWM")
+    return out, peak / 1024, (peak - before) / 1024
+
+
 def spawn(worker: Callable[..., None], world: int, worker_args: tuple, timeout_s: float,
           label: str) -> list[Any]:
     """Runs `worker` on `world` spawned ranks; returns each rank's value in rank order. Raises

@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from _ranks import measure_rss
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -41,23 +42,14 @@ def _step(setup, engine: str) -> tuple[float, float]:
     return time.perf_counter() - t0, float(out.loss)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _child(args: argparse.Namespace) -> None:
     """Two steps of `args.child` in this fresh process (a warm-up, then the measured one, with the RSS
     high-water mark reset in between through /proc/self/clear_refs); prints the measured step's peak RSS
     and its rise over the RSS before it (MiB), and the loss, as JSON."""
     setup = _setup(args)
     _step(setup, args.child)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
-    _, loss = _step(setup, args.child)
-    peak = _status_kib("VmHWM")
-    print(json.dumps({"peak_mib": peak / 1024, "step_rise_mib": (peak - before) / 1024, "loss": loss}))
+    (_, loss), peak, rise = measure_rss(lambda: _step(setup, args.child))
+    print(json.dumps({"peak_mib": peak, "step_rise_mib": rise, "loss": loss}))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import torch
+from _ranks import measure_rss
 
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
 from fmoe._compat import tree_flatten, tree_unflatten
@@ -57,22 +58,13 @@ def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
     return tree_flatten(vjp_dw())[0] + [dx]
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
-
-
 def _child(args: argparse.Namespace) -> None:
     setup = _setup(args)
     ref = _step("autograd", *setup)
     grads = _step(args.child, *setup)  # warm-up (and the gradients to compare)
     diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, ref))
     del grads, ref
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    before = _status_kib("VmRSS")
-    _step(args.child, *setup)
-    rise = (_status_kib("VmHWM") - before) / 1024
+    _, _, rise = measure_rss(lambda: _step(args.child, *setup))
     print(json.dumps({"rise_mib": rise, "grad_rel_diff": diff}))
 
 

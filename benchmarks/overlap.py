@@ -322,11 +322,6 @@ def _timing(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _rss_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field_name}:\s+(\d+)", f.read()).group(1))
-
-
 def _memory(name: str, args: argparse.Namespace, cal: dict[str, float]) -> dict[str, float]:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, returned on free
@@ -339,13 +334,9 @@ def _memory(name: str, args: argparse.Namespace, cal: dict[str, float]) -> dict[
         del res
         gc.collect()
         dist.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        base = _rss_kib("VmRSS")
-        res, _, _ = r.step(overlap=mode == "on")
-        out[mode] = (_rss_kib("VmHWM") - base) / 1024
+        (res, _, _), _, out[mode] = _ranks.measure_rss(lambda m=mode: r.step(overlap=m == "on"))
         del res
-    out["rss_mib"] = _rss_kib("VmRSS") / 1024
+    out["rss_mib"] = _ranks.rss_kib("VmRSS") / 1024
     return out
 
 

@@ -341,11 +341,6 @@ def _reset(v: Variant) -> None:
     gc.collect()
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1))
-
-
 def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args)
     params = init_gpt(cfg, torch.Generator().manual_seed(0))
@@ -399,11 +394,7 @@ def _memory(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         del res
         _reset(v)
         dist.barrier()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        base = _rss_kib("VmRSS")
-        res = v.run()
-        out[v.name] = (_rss_kib("VmHWM") - base) / 1024
+        res, _, out[v.name] = _ranks.measure_rss(v.run)
         del res
     return out
 

@@ -28,11 +28,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _module_gpt import ModuleGPT, module_from_params, param_leaves  # noqa: E402
+from _ranks import measure_rss  # noqa: E402
 
 from fmoe.train.config import TrainConfig  # noqa: E402
 from fmoe.train.data import microbatches  # noqa: E402
 from fmoe.train.loop import Trainer, World  # noqa: E402
 from fmoe.train.optim import lr_at  # noqa: E402
+from fmoe.train.shards import decays  # noqa: E402
 
 SIDES = ("fmoe", "module")
 
@@ -46,10 +48,8 @@ class ModuleLoop:
         self.autocast = tc.bf16
         self.model: ModuleGPT = module_from_params(tc.model(), trainer.params, trainer.state)
         decay, rest = [], []
-        for path, p, _ in param_leaves(self.model):
-            name = str(path[-1])
-            named_norm = name.endswith("norm") or (len(path) > 1 and str(path[-2]).endswith("norm"))
-            (rest if named_norm else decay).append(p)
+        for path, p, _ in param_leaves(self.model):  # fmoe's rule, on the same fmoe paths
+            (decay if decays(path) else rest).append(p)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}], lr=tc.lr,
                                      betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, foreach=True)
@@ -92,23 +92,14 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _child(args: argparse.Namespace) -> None:
     """One warm-up step then one measured step of `args.child` in this fresh process; prints JSON with
     the peak RSS and its rise over the RSS before the step (MiB)."""
     _, trainer, module = _setup(args)
     step = trainer.step if args.child == "fmoe" else module.step
     step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
-    step()
-    peak = _status_kib("VmHWM")
-    print(json.dumps({"peak_mib": peak / 1024, "rise_mib": (peak - before) / 1024}))
+    _, peak, rise = measure_rss(step)
+    print(json.dumps({"peak_mib": peak, "rise_mib": rise}))
 
 
 def main() -> None:

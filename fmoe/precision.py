@@ -16,7 +16,6 @@ docs/precision.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +59,8 @@ def cast_to_compute(params: Any, policy: Policy) -> Any:
 
 
 def accumulate(total: torch.Tensor | None, grad: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """Returns total + grad in policy.grad_dtype (grad alone, cast, when total is None)."""
-    g = grad.to(policy.grad_dtype)
-    return g.clone() if total is None and g is grad else (g if total is None else total.add_(g))
-
-
-def fp32_accumulating_hook(store: dict[str, torch.Tensor], key: str,
-                           policy: Policy) -> Callable[[torch.Tensor], None]:
-    """Returns a post-accumulate-grad hook for a compute leaf: it moves the leaf's .grad into
-    store[key] (summed in policy.grad_dtype) and clears .grad, so microbatches never add in bf16."""
-    def hook(t: torch.Tensor) -> None:
-        store[key] = accumulate(store.get(key), t.grad, policy)
-        t.grad = None
-
-    return hook
+    """Returns total + grad in policy.grad_dtype, summed into `total` in place; with total None a new
+    tensor (never `grad` itself, which autograd may still own)."""
+    if total is None:
+        return grad.to(policy.grad_dtype, copy=True)
+    return total.add_(grad.to(policy.grad_dtype))

@@ -152,10 +152,6 @@ class TrainConfig:
             _check_type(name, value, fields[name].type)
         return cls(**values)
 
-    def replace(self, **changes: Any) -> TrainConfig:
-        """Returns a copy with `changes` applied (types checked)."""
-        return TrainConfig.build({**self.as_dict(), **changes})
-
     def as_dict(self) -> dict[str, Any]:
         """Returns the fields as a plain dict (what checkpoints record)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

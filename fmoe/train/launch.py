@@ -42,7 +42,10 @@ def _backend_and_device(local_rank: int) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def _world(tc: TrainConfig, local_rank: int, init_method: str | None, rank: int, size: int) -> World:
+def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, rank: int = 0,
+           size: int = 1) -> World:
+    """Joins the process group (env:// under torchrun when `init_method` is None, else `init_method` as
+    rank `rank` of `size`, CPU gloo) and builds this rank's layout; returns its World."""
     spawned = init_method is not None  # spawned local ranks are CPU gloo ranks
     backend, device = ("gloo", torch.device("cpu")) if spawned else _backend_and_device(local_rank)
     timeout = timedelta(seconds=tc.timeout)
@@ -157,7 +160,7 @@ def launch(tc: TrainConfig) -> int:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2
     if torchrun:
-        summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0)), None, 0, 0))
+        summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
         if summary:
             print(summary)
         return 0

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe import init_gpt, init_gpt_state
+from fmoe._compat import tree_map
 from fmoe.model import gpt_loss
 from fmoe.parallel import (
     AllGatherDispatcher,
@@ -31,7 +32,7 @@ from fmoe.parallel import (
 from fmoe.parallel.link_model import parse_link_model
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
-from fmoe.pipeline.cut import cut_gpt, holders
+from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
 from fmoe.pipeline.step import LayerLoad, update_gpt_state
 from fmoe.precision import accumulate, cast_to_compute
 from fmoe.schedule.ir import B, W, ops_of
@@ -81,12 +82,15 @@ class Trainer:
 
         self.policy = tc.policy
         full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), self.policy.param_dtype)
-        self.params = _to(local_expert_rows(full, cfg, self.ep_rank, tc.ep), world.device)
-        self.state = _to(init_gpt_state(cfg), world.device)
+        def to_device(t: Any) -> Any:
+            return t.to(world.device) if isinstance(t, torch.Tensor) else t
+
+        self.params = tree_map(to_device, local_expert_rows(full, cfg, self.ep_rank, tc.ep))
+        self.state = tree_map(to_device, init_gpt_state(cfg))
         self.accumulate = tc.schedule_name == ACCUMULATE
         if self.accumulate:
             self.schedule, self.chunks, self.holders = None, None, None
-            paths = _all_paths(cfg)
+            paths = ChunkSpec(0, tuple(range(cfg.n_layers)), first=True, last=True).param_paths(cfg)
         else:
             self.schedule = build_schedule(tc.schedule_name, tc.pp, tc.microbatches)
             self.chunks = cut_gpt(cfg, self.schedule.placement)
@@ -250,11 +254,8 @@ class Trainer:
                                 timeout=self.timeout, on_stage_done=self._stage_done,
                                 grad_dtype=policy.grad_dtype if policy.mixed else None)
         self.last_result = out.result
-        flat = {}
-        for lf in self.leaves:
-            g = get(out.grads, lf.where) if _has(out.grads, lf.where) else None
-            if g is not None:
-                flat[lf.key] = g
+        found = {lf.key: _lookup(out.grads, lf.where) for lf in self.leaves}
+        flat = {k: g for k, g in found.items() if g is not None}
         r = out.result
         mtp = r.losses.get("mtp", r.loss.new_zeros(()))
         w = self.cfg.mtp_loss_weight
@@ -335,28 +336,12 @@ class Trainer:
         self._checked = False
 
 
-def _to(tree: Any, device: torch.device) -> Any:
-    if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to(v, device) for v in tree]
-    return tree.to(device) if isinstance(tree, torch.Tensor) else tree
-
-
-def _has(tree: Any, where: tuple) -> bool:
-    for k in where:
-        if isinstance(tree, dict) and k in tree:
-            tree = tree[k]
-        elif isinstance(tree, list) and isinstance(k, int) and k < len(tree) and tree[k] is not None:
-            tree = tree[k]
-        else:
-            return False
-    return tree is not None
-
-
-def _all_paths(cfg: Any) -> list[tuple[str, ...]]:
-    paths = [("embed",)] + [("layers", str(i)) for i in range(cfg.n_layers)]
-    return paths + ([("mtp",)] if cfg.mtp else []) + [("norm",), ("head",)]
+def _lookup(tree: Any, where: tuple) -> Any:
+    """The node of `tree` at `where`, or None where the path is absent (a layer this rank does not hold)."""
+    try:
+        return get(tree, where)
+    except (KeyError, IndexError, TypeError):
+        return None
 
 
 def _moe_paths(cfg: Any) -> list[tuple[str, ...]]:

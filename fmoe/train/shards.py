@@ -70,7 +70,8 @@ def _tree_where(path: Path) -> tuple[str | int, ...]:
     return tuple(int(k) if i == 1 and path[0] == "layers" else k for i, k in enumerate(path))
 
 
-def _decays(where: tuple[str | int, ...]) -> bool:
+def decays(where: tuple[str | int, ...]) -> bool:
+    """Whether weight decay applies to the leaf at `where` (not to norms and biases)."""
     # Norm gains and biases are not decayed (Megatron's rule): "norm", "attn_norm", "mlp.norm",
     # "mtp.hidden_norm", ... The router's expert bias is state, not a parameter: it never gets here.
     name = str(where[-1])
@@ -93,7 +94,7 @@ def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
             expert = "experts" in where and "moe" in where
             counts = first_holder and (counts_expert if expert else counts_dense)
             out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
-                                     counts, _decays(where), t.numel() * t.element_size()))
+                                     counts, decays(where), t.numel() * t.element_size()))
     return list(out.values())
 
 
