@@ -26,6 +26,14 @@ from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.mesh import ParallelLayout, Topology
 from fmoe.parallel.tp_extends_ep import experts_per_rank
+from fmoe.parallel.traffic import (
+    alltoall_combine_bytes,
+    alltoall_dispatch_bytes,
+    expected_alltoall_bytes,
+    expected_hierarchical_bytes,
+    hierarchical_combine_bytes,
+    hierarchical_dispatch_bytes,
+)
 
 __all__ = [
     "AgreementError",
@@ -47,9 +55,15 @@ __all__ = [
     "all_reduce_async",
     "all_to_all",
     "all_to_all_async",
+    "alltoall_combine_bytes",
+    "alltoall_dispatch_bytes",
     "check_peers",
+    "expected_alltoall_bytes",
+    "expected_hierarchical_bytes",
     "experts_per_rank",
     "fail_fast",
+    "hierarchical_combine_bytes",
+    "hierarchical_dispatch_bytes",
     "reduce_scatter",
     "reduce_scatter_async",
 ]

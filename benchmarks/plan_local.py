@@ -1,0 +1,126 @@
+"""The planner's predictions on this machine against measurement: `fmoe train` steps of one model under
+several layouts and schedules, each on 2 gloo ranks (one thread each), next to what `fmoe plan --cluster
+local` predicts for the same layout.
+
+    .venv/bin/python benchmarks/plan_local.py                 # tiny preset, 6 layouts, 2 rounds
+    .venv/bin/python benchmarks/plan_local.py --preset small --rounds 1
+
+Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up steps (max over the two
+ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
+every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
+`fmoe.plan.estimate.fastest_fitting` on the `local` cluster (calibrated once, from the tiny preset on
+one process: a different layout from every one measured here). Prints the ratio predicted / measured
+for step time and memory, and whether the ranking by predicted step time matches the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from fmoe.plan import estimate as E  # noqa: E402
+from fmoe.plan.layout import Layout  # noqa: E402
+from fmoe.plan.local import local_cluster  # noqa: E402
+from fmoe.plan.specs import load_model  # noqa: E402
+from fmoe.train.config import TrainConfig  # noqa: E402
+
+# (name, TrainConfig overrides, planner schedule, vpp)
+LAYOUTS = (
+    ("pp2 1f1b", {"pp": 2, "ep": 1, "dp": 1, "schedule": "1f1b"}, "1f1b", 1),
+    ("pp2 zb_h1", {"pp": 2, "ep": 1, "dp": 1, "schedule": "zb_h1"}, "zb_h1", 1),
+    ("pp2 interleaved", {"pp": 2, "ep": 1, "dp": 1, "schedule": "interleaved"}, "interleaved", 2),
+    ("pp2 dualpipev", {"pp": 2, "ep": 1, "dp": 1, "schedule": "dualpipev"}, "dualpipev", 2),
+    ("ep2 combined_1f1b", {"pp": 1, "ep": 2, "dp": 1, "schedule": "combined_1f1b"}, "combined_1f1b", 1),
+    ("dp2 1f1b", {"pp": 1, "ep": 1, "dp": 2, "schedule": "1f1b"}, "1f1b", 1),
+)
+
+
+def _rank(rank: int, tc: TrainConfig, steps: int, store: str, q: Any) -> None:
+    torch.set_num_threads(1)  # as fmoe train: the cores split between the ranks
+    from fmoe.train.launch import _world
+    from fmoe.train.loop import Trainer
+
+    try:
+        world = _world(tc, 0, f"file://{store}", rank, 2)
+        trainer = Trainer(tc, world)
+        times = [trainer.step()["step_s"] for _ in range(steps)]
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        q.put((rank, times, hwm / 2**20))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        q.put((rank, repr(exc), 0.0))
+
+
+def measure(tc: TrainConfig, steps: int) -> tuple[list[float], float]:
+    """Runs `steps` Trainer steps on 2 spawned ranks; returns (per-step max-over-ranks seconds, peak GiB)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = tempfile.mktemp(prefix="fmoe_plan_bench_")
+    procs = [ctx.Process(target=_rank, args=(r, tc, steps, store, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for rank, times, _ in got:
+        if isinstance(times, str):
+            raise RuntimeError(f"rank {rank}: {times}")
+    per_step = [max(vals) for vals in zip(*(t for _, t, _ in got))]
+    return per_step, max(m for _, _, m in got)
+
+
+def main() -> None:
+    """Measures every layout, predicts it, prints the comparison table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", choices=("tiny", "small"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first 2 are warm-up)")
+    args = ap.parse_args()
+    cluster = local_cluster()
+    model = load_model(args.preset)
+    base = {"progress": False, "steps": 10**6}
+    tcs = {name: TrainConfig.from_sources(args.preset, None, {**base, **over}) for name, over, _, _ in LAYOUTS}
+    step_times: dict[str, list[float]] = {name: [] for name in tcs}
+    peaks: dict[str, list[float]] = {name: [] for name in tcs}
+    names = list(tcs)
+    t0 = time.perf_counter()
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            per_step, peak = measure(tcs[name], args.steps)
+            step_times[name] += per_step[2:]
+            peaks[name].append(peak)
+    print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
+    rows = []
+    for name, over, sched, vpp in LAYOUTS:
+        tc = tcs[name]
+        ctx = E.Context(model, cluster, tc.world_size, tc.global_batch_size)
+        lay = Layout(tp=1, pp=tc.pp, ep=tc.ep, dp=tc.dp, vpp=vpp, schedule=sched,
+                     overlap=tc.overlap and sched != "1f1b" or sched == "combined_1f1b", micro_batch=tc.micro_batch_size)
+        pred = E.fastest_fitting(ctx, lay)
+        rows.append((name, pred.step_s, statistics.median(step_times[name]), pred.mem_gib, max(peaks[name])))
+    print(f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'pred GiB':>9} {'meas GiB':>9} "
+          f"{'ratio':>6}")
+    for name, ps, ms, pm, mm in rows:
+        print(f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {pm:9.3f} {mm:9.3f} {pm / mm:6.3f}")
+    by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
+    by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
+    within_t = sum(abs(r[1] / r[2] - 1) <= 0.10 for r in rows)
+    within_m = sum(abs(r[3] / r[4] - 1) <= 0.15 for r in rows)
+    print(f"step time within 10%: {within_t}/{len(rows)}; peak memory within 15%: {within_m}/{len(rows)}")
+    print(f"ranking predicted: {by_pred}\nranking measured:  {by_meas}\nsame ranking: {by_pred == by_meas}")
+
+
+if __name__ == "__main__":
+    main()

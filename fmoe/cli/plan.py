@@ -1,0 +1,162 @@
+"""Plan a parallel layout: rank every (tp, pp, ep, vpp, dp, schedule, overlap, ...) by simulated step time.
+
+Examples:
+    fmoe plan --model pangu-ultra-moe --cluster ascend-910b --devices 6144 --global-batch 3072
+    fmoe plan --model deepseek-v3 --cluster h800 --devices 2048 --global-batch 3840 --top 5 --json
+    fmoe plan --model tiny --cluster local --devices 2 --global-batch 32 --explain "tp1 pp2 ep1 vpp1 dp1 mb4"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+from fmoe.plan import estimate as E
+from fmoe.plan import layout as L
+from fmoe.plan import search as Q
+from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster, load_model, model_names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the model, cluster, batch and search options to `parser`; returns None."""
+    parser.add_argument("--model", required=True,
+                        help=f"a preset ({', '.join(model_names())}) or a TOML file (base = \"preset\", fields)")
+    parser.add_argument("--cluster", required=True,
+                        help=f"a preset ({', '.join((*CLUSTER_PRESETS, 'local'))}) or a TOML file")
+    parser.add_argument("--devices", type=int, required=True, help="devices in the job (a multiple of a node)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step (default: 1024, or the train preset's for tiny/small)")
+    parser.add_argument("--seq-length", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--micro-batches", default="1,2,4", help="micro batch sizes to search")
+    parser.add_argument("--vpp", default="2,4", help="chunks per rank to search for interleaved schedules")
+    parser.add_argument("--capacity-factors", default="none",
+                        help="'none' (dropless) and/or capacity factors, e.g. none,1.0,1.25")
+    parser.add_argument("--imbalance", type=float, default=1.2,
+                        help="expected max / mean expert load when dropless (time and memory headroom)")
+    parser.add_argument("--no-zero1", action="store_true", help="replicate the Adam state (no ZeRO-1)")
+    parser.add_argument("--simulate-top", type=int, default=32, help="candidates simulated after screening")
+    parser.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
+    parser.add_argument("--timeline", default="plan-timeline.png", help="PNG of the best layout's timeline "
+                        "('' for none)")
+    parser.add_argument("--explain", default=None, metavar="LAYOUT",
+                        help="break one layout down, e.g. 'tp8 pp16 ep4 vpp2 dp12 mb1' (with --schedule)")
+    parser.add_argument("--schedule", default=None, help="with --explain: the schedule (default: its best)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise PlanError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise PlanError(f"{flag}: give positive integers, got {text!r}")
+    return values
+
+
+def _caps(text: str) -> tuple[float | None, ...]:
+    out: list[float | None] = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        if word.lower() == "none":
+            out.append(None)
+            continue
+        try:
+            x = float(word)
+        except ValueError:
+            raise PlanError(f"--capacity-factors: {word!r} is not 'none' or a number") from None
+        if not x > 0:
+            raise PlanError(f"--capacity-factors: a capacity factor must be > 0, got {word}")
+        out.append(x)
+    if not out:
+        raise PlanError("--capacity-factors: give 'none' and/or numbers")
+    return tuple(out)
+
+
+def context(args: argparse.Namespace) -> E.Context:
+    """Returns the planning Context the arguments describe (PlanError on a bad spec)."""
+    model = load_model(args.model)
+    if args.seq_length is not None:
+        model = model.replace(seq=args.seq_length)
+    cluster = load_cluster(args.cluster)
+    gb = args.global_batch
+    if gb is None:
+        if args.model in ("tiny", "small"):
+            from fmoe.train.config import TrainConfig
+
+            gb = TrainConfig.from_sources(preset=args.model).global_batch_size
+        else:
+            gb = 1024
+    if not args.imbalance >= 1.0:
+        raise PlanError(f"--imbalance is max / mean load: must be >= 1, got {args.imbalance}")
+    return E.Context(model, cluster, args.devices, gb, args.imbalance)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plans and prints; returns 0, or 2 after one `fmoe plan: error: ...` line for an impossible request."""
+    try:
+        return _run(args)
+    except PlanError as exc:
+        print(f"fmoe plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    ctx = context(args)
+    t0 = time.perf_counter()
+    result = Q.plan(ctx, simulate_top=args.simulate_top, micro_batches=_ints(args.micro_batches, "--micro-batches"),
+                    vpps=_ints(args.vpp, "--vpp"), capacity_factors=_caps(args.capacity_factors),
+                    zero1=not args.no_zero1)
+    seconds = time.perf_counter() - t0
+    if args.explain is not None:
+        return _explain(ctx, args, result)
+    top = result.best[: max(args.top, 1)]
+    if args.json:
+        print(json.dumps([p.as_dict() for p in top], indent=1))
+        return 0
+    m = ctx.model
+    print(f"{m.name} ({m.dtype}, seq {m.seq}) on {ctx.devices} x {ctx.cluster.name}, global batch {ctx.global_batch}: "
+          f"{result.screened} candidates fit, {len(result.rejected)} rejected, {len(result.best)} simulated, "
+          f"in {seconds:.1f} s")
+    print(Q.format_table(top))
+    if len(result.best) > 1:
+        print("why: " + Q.why(result.best[0], result.best[1]))
+    if args.timeline:
+        from fmoe.schedule.timeline import write_png
+
+        write_png(E.timeline(result.best[0]), args.timeline)
+        print(f"timeline of the best: {args.timeline}")
+    return 0
+
+
+def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> int:
+    want = Q.parse_label(args.explain)
+    matches = [p for p in result.best if all(getattr(p.layout, k) == v for k, v in want.items())
+               and (args.schedule is None or p.layout.schedule == args.schedule)]
+    if matches:
+        pred = matches[0]
+    else:  # not among the simulated: evaluate it directly
+        base = {"vpp": 1, "micro_batch": 1, "dp": None, "overlap": True, "schedule": args.schedule}
+        fields = {**base, **want}
+        if fields["dp"] is None:
+            fields["dp"] = ctx.devices // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("ep", 1))
+        if fields["schedule"] is None:
+            fields["schedule"] = "1f1b"
+        lay = replace(L.Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=True, micro_batch=1),
+                      **fields)
+        why_not = L.problem(ctx.model, ctx.cluster, ctx.devices, lay, ctx.global_batch)
+        if why_not is not None:
+            raise PlanError(f"--explain {args.explain!r}: {why_not}")
+        pred = E.fastest_fitting(ctx, lay)
+    if args.json:
+        print(json.dumps(pred.as_dict(), indent=1))
+    else:
+        print(Q.explain(pred))
+        rank = next((k for k, p in enumerate(result.best, 1) if p.layout == pred.layout), None)
+        if rank is not None and rank > 1:
+            print("why the best beats it: " + Q.why(result.best[0], pred))
+        elif rank is None and not pred.fits:
+            print(f"does not fit: {pred.reason}")
+    return 0

@@ -1,0 +1,419 @@
+"""Predict one layout: per-stage F / I / W times, communication, memory per device; the step composed by
+`fmoe.schedule.simulate` so bubbles and overlap come from the schedule itself.
+
+Legend: T tokens of one microbatch (micro_batch x seq), m microbatches per rank and step, S stages,
+P ranks of a group. Times in seconds, memory in bytes (GiB in the Prediction).
+
+Time of one layer and phase (one rank, one microbatch): GEMM FLOPs / (peak x gemm efficiency), the
+efficiency falling for small GEMMs (ClusterSpec.gemm_half_dim); attention core / (peak x attn_eff); the
+routed experts scaled by the load factor (the capacity factor, or the expected max/mean load when
+dropless); TP collectives (sequence parallel: an all-gather and a reduce-scatter around attention and
+around each MLP that TP splits); a fixed host overhead. The MoE all-to-all (dispatch + combine, bytes per
+link class from fmoe.parallel.traffic, the dispatchers' own formulas) goes to the simulator as `a2a`, so
+fb overlap hides it where the schedule pairs F and B. P2P between stages, the data-parallel gradient
+reduce (issued when a rank's last backward ends) and the optimizer step (memory bound) complete the step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+from fmoe import schedule as S
+from fmoe.parallel import traffic
+from fmoe.plan import layout as L
+from fmoe.plan.layer_costs import LayerCost, block_cost, embed_cost, head_cost, totals
+from fmoe.plan.memory import peak_bytes
+from fmoe.plan.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
+from fmoe.schedule.ir import B, F, Op, W
+
+GIB = 2**30
+LONE_HIDE = 0.5  # share of a lone F/B's all-to-all fb overlap hides (seed 000: 50% in warmup/cooldown)
+SIM_CAP = 4  # simulate at most SIM_CAP x pp microbatches exactly; extrapolate linearly beyond
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step: `step_s`, tokens/s, MFU, `mem_gib` (max over ranks) with `memory`
+    (GiB per part on the fullest rank), `bubble` (idle share of the step, mean over ranks), `exposed_comm`
+    (share of the step spent waiting on communication), `times` (seconds per part), `fits` and `reason`
+    when it does not, `simulated` (False: closed-form estimate only)."""
+
+    layout: L.Layout
+    microbatches: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    mem_gib: float
+    bubble: float
+    exposed_comm: float
+    fits: bool
+    reason: str | None
+    simulated: bool
+    times: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    a2a_bytes: dict[str, float] = field(default_factory=dict)
+    costs: S.Costs | None = None  # what the simulator was given (per stage, seconds)
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain summary (for --json): the layout's fields, schedule, overlap and the predicted figures."""
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "vpp": lay.vpp, "dp": lay.dp,
+                "data_parallel": lay.data_ranks, "schedule": lay.schedule, "overlap": lay.overlap,
+                "micro_batch": lay.micro_batch, "microbatches": self.microbatches, "recompute": lay.recompute,
+                "tp_extends_ep": lay.tp_extends_ep, "hierarchical": lay.hierarchical,
+                "capacity_factor": lay.capacity_factor, "zero1": lay.zero1, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "mem_gib": self.mem_gib,
+                "bubble": self.bubble, "exposed_comm": self.exposed_comm, "fits": self.fits,
+                "reason": self.reason, "simulated": self.simulated, "times": self.times, "memory": self.memory}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every evaluation of one request shares: model, cluster, devices, global batch, the load
+    factor of dropless routing (`imbalance`, expected max / mean expert load)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    devices: int
+    global_batch: int
+    imbalance: float = 1.2
+
+    @property
+    def rpn(self) -> int:
+        """Devices per node (a request smaller than a node uses that many)."""
+        return min(self.cluster.devices_per_node, self.devices)
+
+
+def _eff(c: ClusterSpec, dim: float) -> float:
+    return c.gemm_eff * dim / (dim + c.gemm_half_dim) if c.gemm_half_dim else c.gemm_eff
+
+
+def _link(c: ClusterSpec, intra: bool) -> tuple[float, float]:
+    return (c.intra_bytes_per_s, c.intra_latency_s) if intra else (c.inter_bytes_per_s, c.inter_latency_s)
+
+
+def _collective_s(c: ClusterSpec, nbytes: float, intra: bool, steps: int = 1) -> float:
+    bw, lat = _link(c, intra)
+    return nbytes / bw + steps * lat + c.comm_overhead_s
+
+
+@dataclass(frozen=True)
+class _Phases:
+    f: float
+    i: float
+    w: float
+    recompute: float  # extra I time recompute costs
+    tp_comm: float  # TP collectives in each of F and I
+
+
+def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
+    """Seconds of F, I, W of one layer for one microbatch on one rank (all-to-all excluded)."""
+    m, c, tp = ctx.model, ctx.cluster, lay.tp
+    T = lay.micro_batch * m.seq
+    peak = c.flops(m.dtype)
+    dense = T * cost.dense_flops / tp / (peak * _eff(c, min(T, m.hidden)))
+    attn = T * cost.attn_flops / tp / (peak * c.attn_eff)
+    expert = 0.0
+    if cost.expert_flops:
+        load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
+        if lay.tp_extends_ep:  # each rank dispatches its own T / tp tokens to whole experts
+            rows = T / tp * m.top_k * lay.expert_group / m.routed_experts
+            dim = min(rows, m.expert_ffn)
+        else:  # the tp ranks share the gathered T tokens, each holding 1/tp of every local expert
+            rows = T * m.top_k * lay.ep / m.routed_experts
+            dim = min(rows, m.expert_ffn / tp)
+        expert = load * T * cost.expert_flops / tp / (peak * _eff(c, max(dim, 1.0)))
+    tp_comm = 0.0
+    if tp > 1:
+        # sequence parallel: all-gather + reduce-scatter of [T, h] around attention and around an MLP that
+        # TP splits (TP-extends-EP dispatches each rank's own tokens: no collective around the experts)
+        n = 2 + (2 if (not cost.moe or not lay.tp_extends_ep) else 0)
+        nbytes = (tp - 1) / tp * T * m.hidden * DTYPE_BYTES[m.dtype]
+        tp_comm = n * _collective_s(c, nbytes, True, tp - 1)
+    oh = c.op_overhead_s
+    f = dense + attn + expert + tp_comm + oh
+    i = dense + 2 * attn + expert + tp_comm + oh
+    w = dense + expert + oh
+    extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
+    return _Phases(f, i + extra, w, extra, tp_comm)
+
+
+def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
+    """Seconds of one dispatch (or one combine) of one MoE layer, and its bytes per link class."""
+    m, c = ctx.model, ctx.cluster
+    P = lay.expert_group
+    if P == 1:
+        return 0.0, {"intra": 0.0, "inter": 0.0}
+    T = lay.micro_batch * m.seq
+    group_per_node = min(P, ctx.rpn) if lay.tp_extends_ep else max(1, min(lay.ep, ctx.rpn // lay.tp))
+    tokens = T // lay.tp  # sequence parallel: each tp rank dispatches its own share
+    row = m.hidden * DTYPE_BYTES[m.dtype]
+    if lay.hierarchical:  # across nodes each token also carries its K ids (int64) and probs (fp32)
+        inter = traffic.expected_hierarchical_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node,
+                                                     row + 12 * m.top_k)["inter"]
+        intra = traffic.expected_hierarchical_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node, row)["intra"]
+        nbytes = {"intra": intra, "inter": inter}
+    else:
+        nbytes = traffic.expected_alltoall_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node, row)
+    load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
+    # the busiest rank sends `load` x the mean; one all-to-all's link classes run at once, the two levels
+    # of the hierarchical dispatch one after the other
+    times = [lat + load * n / bw for link, n in nbytes.items() if n > 0
+             for bw, lat in [_link(c, link == "intra")]]
+    t = (sum(times) if lay.hierarchical else max(times, default=0.0))
+    levels = 2 if lay.hierarchical else 1
+    return t + levels * c.comm_overhead_s, nbytes
+
+
+def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
+    """The model-chunk placement and the layers per chunk (the balanced cut, as the runtime's)."""
+    chunks = S.stages.loop(lay.pp) if s.placement.kind == "bidirectional" else s.placement
+    m = ctx.model
+    layer_f = _layer_phases(ctx, lay, block_cost(m, True)).f
+    first = _layer_phases(ctx, lay, embed_cost(m)).f / layer_f
+    last = _layer_phases(ctx, lay, head_cost(m)).f / layer_f
+    return chunks, _place(chunks, m.layers, round(first, 2), round(last, 2))
+
+
+@functools.lru_cache(maxsize=65536)
+def _place(chunks: S.Placement, layers: int, first: float, last: float) -> tuple[int, ...]:
+    return S.place_layers(chunks, layers, first, last, min_layers=1).layers
+
+
+def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None, int]:
+    """The schedule to simulate: all m microbatches, or (m1, m2) for a linear extrapolation to m."""
+    v = max(lay.vpp, 1)
+    cap = SIM_CAP * lay.pp
+    if m <= cap + lay.pp or lay.pp == 1 and m <= 16:
+        return L.build_schedule(lay.schedule, lay.pp, m, v), None, m
+    m1 = cap if lay.pp > 1 else 8
+    step = lay.pp if lay.pp > 1 else 4
+    return L.build_schedule(lay.schedule, lay.pp, m1, v), L.build_schedule(lay.schedule, lay.pp, m1 + step, v), m1
+
+
+def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: bool = False) -> Prediction:
+    """Returns the Prediction of `lay` (which must pass `layout.problem`): simulated, or with
+    `simulate=False` a closed-form estimate of the same parts (the search's first pass). `memory_first`:
+    a layout that does not fit returns before its time is computed (step_s = inf)."""
+    model, c = ctx.model, ctx.cluster
+    m = lay.microbatches(ctx.global_batch)
+    s_full = L.build_schedule(lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16),
+                              max(lay.vpp, 1))
+    chunks, layers_C = _chunks(ctx, lay, s_full)
+    dense_blk, moe_blk = block_cost(model, False), block_cost(model, True)
+    emb, head = embed_cost(model), head_cost(model)
+    ph_dense, ph_moe = _layer_phases(ctx, lay, dense_blk), _layer_phases(ctx, lay, moe_blk)
+    ph_emb, ph_head = _layer_phases(ctx, lay, emb), _layer_phases(ctx, lay, head)
+
+    # per chunk: phases, MoE layers, parameters, activations
+    chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb = ([] for _ in range(8))
+    T = lay.micro_batch * model.seq
+    b = DTYPE_BYTES[model.dtype]
+    load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
+    memo: dict[tuple[int, int, bool, bool], tuple[float, ...]] = {}  # most chunks are alike: price each kind once
+    start = 0
+    for k, n in enumerate(layers_C):
+        n_dense = max(0, min(n, model.dense_layers - start))
+        start += n
+        key = (n_dense, n - n_dense, k == 0, k == len(layers_C) - 1)
+        if key not in memo:
+            memo[key] = _chunk(model, lay, key, T, load, (ph_dense, dense_blk), (ph_moe, moe_blk), (ph_emb, emb),
+                               (ph_head, head))
+        f, i, w, n_moe, dp_, ep_, act, wb = memo[key]
+        for lst, x in zip((chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb),
+                          (f, i, w, n_moe, dp_, ep_, act, wb)):
+            lst.append(x)
+
+    a2a, a2a_bytes = _a2a_s(ctx, lay)
+    n_moe_total = sum(chunk_moe)
+    n_chunks = len(layers_C)
+    moe_per_chunk = max(1, round(n_moe_total / n_chunks)) if n_moe_total else 1
+    a2a_unit = a2a * n_moe_total / (n_chunks * moe_per_chunk) if n_moe_total else 0.0
+    p2p_bytes = T * model.hidden * b / lay.tp
+    p2p = _collective_s(c, p2p_bytes, lay.world <= ctx.rpn) if lay.pp > 1 else 0.0
+
+    stage_chunk = s_full.placement.layer_chunk
+    # parameters and their gradient / optimizer bytes per rank (a rank holds the chunks of its stages)
+    pp = lay.pp
+    rank_dense = [0.0] * pp
+    rank_exp = [0.0] * pp
+    for stage, k in enumerate(stage_chunk):
+        r = s_full.placement.stage_rank[stage]
+        rank_dense[r] += chunk_dense_p[k] / lay.tp
+        rank_exp[r] += chunk_exp_p[k] / (lay.ep * lay.tp)
+    mixed = model.dtype != "fp32"
+    w_bytes = (b + 4) if mixed else 4
+    dense_shard = lay.data_ranks if lay.zero1 else 1
+    exp_shard = lay.dp if lay.zero1 else 1
+    act_S = tuple(chunk_act[k] for k in stage_chunk)
+    wb_S = tuple(chunk_wb[k] for k in stage_chunk)
+    s_mem = s_full
+    act_peak = peak_bytes(s_mem, act_S, wb_S)
+    temp = 2 * T / lay.tp * model.top_k * model.hidden * b * load  # all-to-all send + receive buffers
+    if lay.recompute == "full":
+        temp += max(moe_blk.act_bytes, dense_blk.act_bytes) * T / lay.tp
+    mem_rank = []
+    for r in range(pp):
+        p = rank_dense[r] + rank_exp[r]
+        parts = {"weights": p * w_bytes, "grads": p * 4,
+                 "optimizer": 8 * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard),
+                 "activations": act_peak[r], "buffers": temp, "base": c.base_mem_gib * GIB}
+        mem_rank.append(parts)
+    worst = max(range(pp), key=lambda r: sum(mem_rank[r].values()))
+    mem = {k: v / GIB for k, v in mem_rank[worst].items()}
+    mem_gib = sum(mem.values())
+    fits = mem_gib <= c.mem_gib
+    reason = None if fits else f"needs {mem_gib:.1f} GiB per device, the device has {c.mem_gib:g}"
+    if memory_first and not fits:
+        inf = float("inf")
+        return Prediction(lay, m, inf, 0.0, 0.0, mem_gib, 0.0, 0.0, False, reason, False, {}, mem)
+
+    costs = S.Costs(f=tuple(chunk_f[k] for k in stage_chunk), i=tuple(chunk_i[k] for k in stage_chunk),
+                    w=tuple(chunk_w[k] for k in stage_chunk), p2p=p2p, a2a=a2a_unit, moe_layers=moe_per_chunk,
+                    attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk), lone_hide=LONE_HIDE if lay.overlap else 0.0,
+                    pair_overlap=lay.overlap)
+
+
+    # data-parallel gradient reduce and the optimizer step, per rank
+    def reduce_s(params: float, group: int) -> float:
+        if group == 1 or params == 0:
+            return 0.0
+        intra = lay.tp * group <= ctx.rpn
+        nbytes = 2 * (group - 1) / group * params * 4
+        return _collective_s(c, nbytes, intra, 2 * (group - 1))
+
+    dp_s = [reduce_s(rank_dense[r], lay.data_ranks) + reduce_s(rank_exp[r], lay.dp) for r in range(pp)]
+    opt_bytes = (28 + (6 if mixed else 0))
+    opt_s = [opt_bytes * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard) / c.hbm_bytes_per_s for r in range(pp)]
+
+    if simulate:
+        pipe, busy, exposed, last_end = _simulated(lay, m, costs)
+    else:
+        pipe, busy, exposed, last_end = _closed_form(lay, m, costs, s_full)
+    step = max(max(last_end[r] + dp_s[r] for r in range(pp)), pipe) + max(opt_s)
+    mean_busy = sum(busy) / pp
+    tokens = ctx.global_batch * model.seq
+    tps = tokens / step
+    mfu = totals(model).train_flops_per_token * tps / (ctx.devices * c.flops(model.dtype))
+    dp_exposed = step - max(opt_s) - pipe
+    comm_exposed = (sum(exposed) / pp + max(0.0, dp_exposed)) / step
+    times = {"pipeline": pipe, "busy_mean": mean_busy, "bubble": pipe - mean_busy,
+             "a2a_per_layer": a2a, "p2p": p2p, "dp_reduce": max(dp_s), "dp_exposed": max(0.0, dp_exposed),
+             "optimizer": max(opt_s), "f_chunk_max": max(chunk_f), "i_chunk_max": max(chunk_i),
+             "w_chunk_max": max(chunk_w), "recompute_per_layer": ph_moe.recompute,
+             "tp_comm_per_layer": ph_moe.tp_comm}
+    return Prediction(lay, m, step, tps, mfu, mem_gib, (pipe - mean_busy) / step, comm_exposed, fits, reason,
+                      simulate, times, mem, a2a_bytes, costs)
+
+
+def _chunk(model: ModelSpec, lay: L.Layout, key: tuple[int, int, bool, bool], T: int, load: float,
+           *priced: tuple[_Phases, LayerCost]) -> tuple[float, ...]:
+    """(F, I, W, MoE layers, dense params, expert params, activation bytes, W bytes) of one chunk with
+    n_dense dense and n_moe MoE layers, the embedding when first, the head (and MTP) when last."""
+    n_dense, n_moe, first, last = key
+    (dense, moe, emb, head), b = priced, DTYPE_BYTES[model.dtype]
+    parts = [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*head, 1)] if last else [])
+    act = wb = 0.0
+    for _, lc, q in parts:
+        keep = lc.act_bytes + (load - 1) * lc.expert_act_bytes  # headroom for the busiest expert rank
+        if lay.recompute == "full" and lc.kind in ("dense", "moe"):
+            keep = b * model.hidden  # only the layer input
+        elif lay.recompute == "adaptive":
+            keep -= load * lc.expert_act_bytes
+        act += q * keep * T / lay.tp
+        wb += q * min(lc.w_bytes, keep) * T / lay.tp
+    return (sum(p.f * q for p, _, q in parts), sum(p.i * q for p, _, q in parts), sum(p.w * q for p, _, q in parts),
+            n_moe + (model.mtp if last else 0), sum(lc.dense_params * q for _, lc, q in parts),
+            sum(lc.expert_params * q for _, lc, q in parts), act, wb)
+
+
+def _attn_share(ph: _Phases, ctx: Context, lay: L.Layout, moe_blk: LayerCost) -> float:
+    """Share of a MoE layer's F that is attention (what fb overlap hides the combine behind)."""
+    m, c = ctx.model, ctx.cluster
+    T = lay.micro_batch * m.seq
+    peak = c.flops(m.dtype)
+    attn_proj = T * (moe_blk.dense_flops - 2 * m.routed_experts * m.hidden - m.shared_experts * 6 * m.hidden * m.expert_ffn)
+    attn = (attn_proj / lay.tp / (peak * _eff(c, min(T, m.hidden))) + T * moe_blk.attn_flops / lay.tp / (peak * c.attn_eff))
+    return min(1.0, max(0.0, attn / ph.f)) if ph.f else 0.5
+
+
+def _simulated(lay: L.Layout, m: int, costs: S.Costs) -> tuple[float, list[float], list[float], list[float]]:
+    """(makespan, busy per rank, exposed comm per rank, end of each rank's last action), extrapolated
+    linearly in m beyond SIM_CAP x pp microbatches (the steady state repeats)."""
+    s1, s2, m1 = _sim_schedule(lay, m)
+    r1 = S.simulate(s1, costs)
+    ends1 = _last_ends(r1)
+    if s2 is None:
+        return r1.makespan, list(r1.busy), list(r1.exposed_comm), ends1
+    r2 = S.simulate(s2, costs)
+    k = (m - m1) / (s2.m - m1)
+
+    def ext(a: float, b: float) -> float:
+        return a + k * (b - a)
+
+    return (ext(r1.makespan, r2.makespan), [ext(a, b) for a, b in zip(r1.busy, r2.busy)],
+            [ext(a, b) for a, b in zip(r1.exposed_comm, r2.exposed_comm)],
+            [ext(a, b) for a, b in zip(ends1, _last_ends(r2))])
+
+
+def _last_ends(rep: S.Report) -> list[float]:
+    t0 = min(e.start for e in rep.events)
+    ends = [0.0] * len(rep.busy)
+    for e in rep.events:
+        ends[e.rank] = max(ends[e.rank], e.end - t0)
+    return ends
+
+
+def _closed_form(lay: L.Layout, m: int, costs: S.Costs, s: S.Schedule,
+                 ) -> tuple[float, list[float], list[float], list[float]]:
+    """A quick estimate of the simulated figures for screening: per rank m x its work, plus the
+    schedule's textbook bubble ((pp-1) x a stage's F + B, divided by the chunks per rank; zero-bubble
+    schedules keep W out of it)."""
+    pp, pl = lay.pp, s.placement
+    work = [0.0] * pp
+    exposed = [0.0] * pp
+    stage_fb = []
+    paired = lay.overlap and lay.schedule in ("interleaved+extra", "dualpipev", "dualpipe", "combined_1f1b")
+    for st in range(pl.num_stages):
+        r = pl.stage_rank[st]
+        fop, bop = Op(F, st, 0), Op(B, st, 0)
+        lone = costs.lone(fop) + costs.lone(bop)
+        t = costs.pair(fop, bop) if paired else lone
+        comp = costs.compute(fop) + costs.compute(bop)
+        work[r] += m * t
+        exposed[r] += m * (t - comp)
+        stage_fb.append((comp, costs.compute(Op(W, st, 0))))
+    per_rank_stages = pl.num_stages / pp
+    fb = max(x for x, _ in stage_fb) * per_rank_stages
+    w = max(y for _, y in stage_fb) * per_rank_stages
+    chunks = max(lay.vpp, 1) if lay.schedule.startswith("interleaved") else 1
+    if lay.schedule in ("zb_h1",):
+        bubble = (pp - 1) * (fb - w)
+    elif lay.schedule in ("zbv", "dualpipev"):
+        bubble = (pp - 1) * (fb - 2 * w) / 2
+    elif lay.schedule == "dualpipe":
+        bubble = (pp / 2 - 1) * (fb - 2 * w)
+    else:
+        bubble = (pp - 1) * fb / chunks
+    bubble = max(bubble, 0.0) + 2 * (pp - 1) * costs.p2p
+    pipe = max(work) + bubble
+    return pipe, work, exposed, [pipe] * pp
+
+
+def timeline(pred: Prediction) -> S.Report:
+    """Returns the simulator's Report of `pred`'s schedule (at most SIM_CAP x pp + pp microbatches: the
+    steady state repeats beyond), for a timeline picture."""
+    lay = pred.layout
+    m = min(pred.microbatches, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(pred.microbatches, 16)
+    return S.simulate(L.build_schedule(lay.schedule, lay.pp, m, max(lay.vpp, 1)), pred.costs)
+
+
+def fastest_fitting(ctx: Context, lay: L.Layout, simulate: bool = True) -> Prediction:
+    """Returns the Prediction of `lay` with the cheapest recompute that fits (none, adaptive, full),
+    or the full-recompute one (not fitting, with its reason) when none does."""
+    for rc in L.RECOMPUTE[:-1]:
+        pred = evaluate(ctx, replace(lay, recompute=rc), simulate, memory_first=True)
+        if pred.fits:
+            return pred
+    return evaluate(ctx, replace(lay, recompute=L.RECOMPUTE[-1]), simulate)

@@ -1,0 +1,167 @@
+"""A candidate layout (`Layout`), the rules it must satisfy, and the enumeration of every candidate.
+
+Legend: tp tensor parallel, pp pipeline ranks, ep expert parallel, dp data-parallel replicas beyond ep
+(world = tp x ep x pp x dp, the runtime's convention: expert parallelism is carved out of data
+parallelism, so dp x ep ranks read different data), vpp model chunks per pipeline rank, m microbatches
+per rank and step.
+
+The rules are the runtime's own: `fmoe.parallel.mesh.check_layout` (sizes, expert group against nodes),
+`fmoe.parallel.tp_extends_ep.experts_per_rank` (experts divisible by the expert group), the schedule
+generators (`fmoe.schedule.registry.build`: microbatch counts each schedule needs) and
+`fmoe.schedule.place_layers` (every chunk gets a layer). Nothing here needs a process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fmoe import schedule as S
+from fmoe.parallel.mesh import check_layout
+from fmoe.parallel.tp_extends_ep import experts_per_rank
+from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
+
+# schedule name -> (chunks per rank it needs; 0 = any vpp >= 2, "interleaved" style)
+SCHEDULES = {"1f1b": 1, "interleaved": 0, "interleaved+extra": 0, "zb_h1": 1, "zbv": 2, "dualpipev": 2,
+             "dualpipe": 1}
+SINGLE = ("1f1b", "combined_1f1b")  # pp = 1: microbatches in turn, or paired for fb overlap
+RECOMPUTE = ("none", "adaptive", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: sizes, schedule, fb overlap, microbatch size, recompute, TP-extends-EP,
+    hierarchical dispatch, capacity factor (None = dropless), ZeRO-1 (Adam state sharded)."""
+
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    vpp: int
+    schedule: str
+    overlap: bool
+    micro_batch: int
+    recompute: str = "none"
+    tp_extends_ep: bool = True
+    hierarchical: bool = False
+    capacity_factor: float | None = None
+    zero1: bool = True
+
+    @property
+    def world(self) -> int:
+        """tp x ep x pp x dp devices."""
+        return self.tp * self.ep * self.pp * self.dp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: dp x ep (Megatron's DP)."""
+        return self.dp * self.ep
+
+    @property
+    def expert_group(self) -> int:
+        """Ranks that split the routed experts: ep x tp with TP-extends-EP, else ep."""
+        return self.ep * self.tp if self.tp_extends_ep else self.ep
+
+    def microbatches(self, global_batch: int) -> int:
+        """Microbatches per rank and step for `global_batch` sequences."""
+        return global_batch // (self.micro_batch * self.data_ranks)
+
+    def label(self) -> str:
+        """Short name: "tp8 pp16 ep4 vpp2 dp12" plus the options that differ from the defaults."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"ep{self.ep}", f"vpp{self.vpp}", f"dp{self.dp}",
+                 f"mb{self.micro_batch}"]
+        if self.tp > 1 and not self.tp_extends_ep:
+            parts.append("tp-splits-experts")
+        if self.hierarchical:
+            parts.append("hier")
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        if self.capacity_factor is not None:
+            parts.append(f"cap{self.capacity_factor:g}")
+        if not self.zero1:
+            parts.append("no-zero1")
+        return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def build_schedule(name: str, pp: int, m: int, v: int) -> S.Schedule:
+    """Returns the schedule (cached); ScheduleError from the generator when (pp, m, v) does not suit it."""
+    return S.build(name, pp, m, v)
+
+
+def placement_of(layout: Layout, m: int) -> S.Placement:
+    """Returns the stage placement the layout's schedule uses."""
+    return build_schedule(layout.schedule, layout.pp, m, max(layout.vpp, 1)).placement
+
+
+def rule_microbatches(m: int, pp: int) -> int:
+    """Returns a microbatch count at most 4 pp + 2 pp that every generator accepts exactly when it accepts
+    m: their rules are lower bounds of at most 2 pp and m mod pp, m mod 2 (so m minus a multiple of 2 pp
+    keeps them), and building the whole schedule for thousands of microbatches would be slow."""
+    if m <= 6 * pp:
+        return m
+    return m - 2 * pp * ((m - 4 * pp) // (2 * pp))
+
+
+def problem(model: ModelSpec, cluster: ClusterSpec, devices: int, layout: Layout, global_batch: int) -> str | None:
+    """Returns why `layout` cannot run `model` on `devices` of `cluster` at `global_batch`, or None."""
+    try:
+        check_layout(devices, tp=layout.tp, ep=layout.ep, pp=layout.pp, dp=layout.dp,
+                     ranks_per_node=min(cluster.devices_per_node, devices))
+        experts_per_rank(model.routed_experts, layout.tp if layout.tp_extends_ep else 1, layout.ep)
+    except ValueError as exc:
+        return str(exc)
+    if layout.tp > 1 and model.heads % layout.tp:
+        return f"tp {layout.tp} does not divide {model.heads} attention heads"
+    if layout.tp > 1 and not layout.tp_extends_ep and model.expert_ffn % layout.tp:
+        return f"tp {layout.tp} does not divide the expert ffn {model.expert_ffn}"
+    if global_batch % (layout.micro_batch * layout.data_ranks):
+        return (f"global batch {global_batch} is not a multiple of micro batch {layout.micro_batch} x dp "
+                f"{layout.dp} x ep {layout.ep}")
+    if layout.recompute not in RECOMPUTE:
+        return f"recompute must be one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}"
+    m = layout.microbatches(global_batch)
+    try:
+        s = build_schedule(layout.schedule, layout.pp, rule_microbatches(m, layout.pp), max(layout.vpp, 1))
+        chunks = S.stages.loop(layout.pp) if s.placement.kind == "bidirectional" else s.placement
+        S.place_layers(chunks, model.layers, min_layers=1)
+    except S.ScheduleError as exc:
+        return f"{layout.schedule} with pp {layout.pp}, vpp {layout.vpp}, {m} microbatches: {exc}"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, global_batch: int, *,
+               micro_batches: tuple[int, ...] = (1, 2, 4), vpps: tuple[int, ...] = (2, 4),
+               capacity_factors: tuple[float | None, ...] = (None,), zero1: bool = True,
+               ) -> Iterator[tuple[Layout, str | None]]:
+    """Yields every (layout, problem or None) of the search space, recompute "none" only (the evaluator
+    picks the cheapest recompute that fits). Raises PlanError for a request no layout can meet."""
+    rpn = cluster.devices_per_node
+    if devices < 1 or (devices > rpn and devices % rpn):
+        raise PlanError(f"--devices {devices} is not a multiple of the {rpn} devices of a {cluster.name} node")
+    if model.routed_experts < 1:
+        raise PlanError("the model has no routed experts")
+    if global_batch < 1:
+        raise PlanError(f"--global-batch must be >= 1, got {global_batch}")
+    for tp, pp, ep in itertools.product(_divisors(min(rpn, devices)), _divisors(devices), _divisors(devices)):
+        if devices % (tp * pp * ep) or pp > model.layers or ep > model.routed_experts:
+            continue
+        dp = devices // (tp * pp * ep)
+        for mb, cap, extends in itertools.product(micro_batches, capacity_factors, (True, False) if tp > 1 else (True,)):
+            group = ep * tp if extends else ep
+            spans_nodes = group > min(rpn, devices)
+            names = SINGLE if pp == 1 else tuple(SCHEDULES)
+            for name, hier in itertools.product(names, (False, True) if spans_nodes else (False,)):
+                need = SCHEDULES.get(name, 1)
+                for v in (vpps if need == 0 else (need,)):
+                    for overlap in (True, False):
+                        if name == "combined_1f1b" and not overlap:
+                            continue  # that is plain 1f1b
+                        lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", extends, hier, cap, zero1)
+                        yield lay, problem(model, cluster, devices, lay, global_batch)

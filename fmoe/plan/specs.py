@@ -1,0 +1,301 @@
+"""What the planner plans for: a model (`ModelSpec`) and a cluster (`ClusterSpec`), their presets, and
+reading either from a TOML file.
+
+Every field is checked at construction; a bad value raises PlanError (a ValueError) naming the field, so
+`fmoe plan` can print one line and exit. Sizes follow the published configs of each model; where a paper
+leaves a size out, the preset's comment says what was assumed and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class PlanError(ValueError):
+    """An impossible model, cluster or layout request, with a one-line reason."""
+
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _positive_ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise PlanError(f"{type(obj).__name__}.{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _positive_reals(obj: object, names: tuple[str, ...], *, allow_zero: bool = False, upper: float | None = None,
+                    ) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (v >= 0 if allow_zero else v > 0) and (upper is None or v <= upper)
+        if not ok:
+            rng = f"in {'[' if allow_zero else '('}0, {upper:g}]" if upper else (">= 0" if allow_zero else "> 0")
+            raise PlanError(f"{type(obj).__name__}.{name} must be a finite number {rng}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only MoE transformer, as the planner sees it.
+
+    layers: transformer blocks (the first `dense_layers` with a SwiGLU of width `dense_ffn`, the rest MoE:
+    `routed_experts` SwiGLU experts of width `expert_ffn`, top `top_k`, plus `shared_experts` always-on
+    experts of the same width). Attention is GQA (`heads` query heads, `kv_heads` kv heads of
+    `head_dim`) unless `kv_lora_rank` > 0, then MLA (DeepSeek-V2/V3): queries through a `q_lora_rank`
+    bottleneck (0 = none), keys and values from a `kv_lora_rank` latent, `head_dim` the non-rotary qk
+    part, `qk_rope_dim` the rotary part, `v_head_dim` the value width. `mtp`: multi-token-prediction
+    modules (each one MoE block plus a 2h -> h projection; it shares the embedding and head).
+    `seq`: default sequence length; `dtype`: compute dtype ("bf16" = mixed precision with fp32 master
+    weights, gradients and Adam state; "fp32" = everything fp32).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    head_dim: int
+    vocab: int
+    seq: int
+    routed_experts: int
+    top_k: int
+    expert_ffn: int
+    kv_heads: int = 0  # 0 = heads (MHA)
+    dense_layers: int = 0
+    dense_ffn: int = 0  # 0 = 4 x hidden
+    shared_experts: int = 0
+    mtp: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0  # 0 = head_dim
+    tied_embeddings: bool = False
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("layers", "hidden", "heads", "head_dim", "vocab", "seq", "routed_experts", "top_k",
+                              "expert_ffn"))
+        _positive_ints(self, ("kv_heads", "dense_layers", "dense_ffn", "shared_experts", "mtp", "q_lora_rank",
+                              "kv_lora_rank", "qk_rope_dim", "v_head_dim"), minimum=0)
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.dense_ffn == 0:
+            object.__setattr__(self, "dense_ffn", 4 * self.hidden)
+        if self.v_head_dim == 0:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.heads % self.kv_heads:
+            raise PlanError(f"ModelSpec.kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.dense_layers > self.layers:
+            raise PlanError(f"ModelSpec.dense_layers ({self.dense_layers}) exceeds layers ({self.layers})")
+        if self.top_k > self.routed_experts:
+            raise PlanError(f"ModelSpec.top_k ({self.top_k}) exceeds routed_experts ({self.routed_experts})")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"ModelSpec.dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def mla(self) -> bool:
+        """True for multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Number of MoE blocks in the main model (MTP modules not counted)."""
+        return self.layers - self.dense_layers
+
+    def replace(self, **changes: Any) -> ModelSpec:
+        """Returns a copy with `changes` applied (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and links. FLOP/s are dense peaks per device for the model's compute dtype; `gemm_eff` and
+    `attn_eff` the shares of peak a large GEMM and the attention kernel reach; `gemm_half_dim` the GEMM
+    dimension at which a matmul reaches half of `gemm_eff` (small expert GEMMs run slower: the reason
+    TP-extends-EP keeps experts whole). `hbm_bytes_per_s` times the optimizer step (memory bound).
+    Links: per device, one direction, bytes/s and latency s, intra-node and inter-node.
+    `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU).
+    `base_mem_gib`: memory a process holds before the model (runtime context, libraries).
+    `comm_overhead_s`: fixed host cost per collective call on top of the link latency."""
+
+    name: str
+    devices_per_node: int
+    peak_flops: dict[str, float]
+    mem_gib: float
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 15e-6
+    gemm_eff: float = 0.7
+    attn_eff: float = 0.5
+    gemm_half_dim: int = 256
+    hbm_bytes_per_s: float = 2e12
+    op_overhead_s: float = 0.0
+    comm_overhead_s: float = 0.0
+    base_mem_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("devices_per_node",))
+        _positive_ints(self, ("gemm_half_dim",), minimum=0)
+        _positive_reals(self, ("mem_gib", "intra_bytes_per_s", "inter_bytes_per_s", "hbm_bytes_per_s"))
+        _positive_reals(self, ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s",
+                               "base_mem_gib"), allow_zero=True)
+        _positive_reals(self, ("gemm_eff", "attn_eff"), upper=1.0)
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            raise PlanError(f"ClusterSpec.peak_flops must map a dtype to FLOP/s, got {self.peak_flops!r}")
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPE_BYTES or not isinstance(flops, (int, float)) or not flops > 0:
+                raise PlanError(f"ClusterSpec.peak_flops[{dtype!r}] must be a dtype of {', '.join(DTYPE_BYTES)} "
+                                f"with FLOP/s > 0, got {flops!r}")
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype`; PlanError if this cluster gives none."""
+        if dtype not in self.peak_flops:
+            raise PlanError(f"cluster {self.name} gives no peak FLOP/s for {dtype} (has {', '.join(self.peak_flops)})")
+        return float(self.peak_flops[dtype])
+
+    def replace(self, **changes: Any) -> ClusterSpec:
+        """Returns a copy with `changes` applied (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _deepseek_like(name: str, hidden: int, **kw: Any) -> ModelSpec:
+    # DeepSeek-V3's MLA sizes: 128 heads, q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128
+    base = dict(name=name, layers=61, hidden=hidden, heads=128, head_dim=128, qk_rope_dim=64, v_head_dim=128,
+                q_lora_rank=1536, kv_lora_rank=512, dense_layers=3, dense_ffn=18432, routed_experts=256,
+                shared_experts=1, top_k=8, expert_ffn=2048, mtp=1, seq=4096)
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # DeepSeek-V3 technical report, Table/Sec. 4.2: 671B total (+14B MTP), 37B active, seq 4096
+    "deepseek-v3": _deepseek_like("deepseek-v3", 7168, vocab=129280),
+    # Pangu Ultra MoE (seed 003 and its report): 718B / 39B active, 61 layers, hidden 7680, MLA, MTP,
+    # 256 routed + 1 shared experts of ffn 2048, top-8. Not published here: the MLA sizes, dense layers
+    # and vocabulary; DeepSeek-V3's are assumed (they give 718B total within 1%), vocab of openPangu (153376).
+    "pangu-ultra-moe": _deepseek_like("pangu-ultra-moe", 7680, vocab=153376, seq=8192),
+    # Mixtral of Experts: 32 layers, hidden 4096, 32 heads / 8 kv, 8 experts of 14336, top-2; 46.7B / 12.9B
+    "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                              vocab=32000, seq=4096, routed_experts=8, top_k=2, expert_ffn=14336),
+    # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads / 4 kv of 128, 128 experts of 768, top-8; 30.5B / 3.3B
+    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                               vocab=151936, seq=4096, routed_experts=128, top_k=8, expert_ffn=768),
+}
+
+
+def train_preset_model(name: str) -> ModelSpec:
+    """Returns the ModelSpec of `fmoe train`'s preset `name` (tiny, small): fp32, GQA, no MTP."""
+    from fmoe.train.config import TrainConfig
+
+    tc = TrainConfig.from_sources(preset=name)
+    cfg = tc.model()
+    return ModelSpec(name=f"train-{name}", layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads,
+                     kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, seq=tc.seq_length,
+                     dense_layers=cfg.num_dense_layers, dense_ffn=cfg.d_ff_dense,
+                     routed_experts=cfg.moe.num_experts, shared_experts=cfg.moe.num_shared_experts,
+                     top_k=cfg.moe.top_k, expert_ffn=cfg.moe.d_ff, mtp=int(cfg.mtp), dtype="fp32")
+
+
+def _gbps(x: float) -> float:
+    return x * 1e9 / 8  # Gb/s -> bytes/s
+
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    # Atlas 800T A2: 8 x Ascend 910B (64 GB HBM, ~313 TFLOP/s fp16/bf16), HCCS ~56 GB/s per link inside
+    # a node (~196 GB/s per NPU over the full mesh, about half usable one way for all-to-all), 200 Gb/s
+    # RoCE per NPU across nodes.
+    "ascend-910b": ClusterSpec(name="ascend-910b", devices_per_node=8, peak_flops={"bf16": 313e12, "fp16": 313e12,
+                               "fp32": 78e12}, mem_gib=64, intra_bytes_per_s=90e9, inter_bytes_per_s=_gbps(200),
+                               intra_latency_s=10e-6, inter_latency_s=20e-6, gemm_eff=0.65, attn_eff=0.45,
+                               hbm_bytes_per_s=1.6e12, comm_overhead_s=20e-6, base_mem_gib=3.0),
+    # H800 SXM: 989 TFLOP/s bf16 dense, 80 GB, NVLink cut to 400 GB/s (160 GB/s achievable, DeepSeek-V3
+    # 3.2.2), 400 Gb/s InfiniBand per GPU (~40 GB/s achievable).
+    "h800": ClusterSpec(name="h800", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                        mem_gib=80, intra_bytes_per_s=160e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
+                        hbm_bytes_per_s=3.35e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+    # H100 SXM: NVLink 900 GB/s both ways (~370 GB/s one way achievable), 400 Gb/s IB per GPU
+    "h100": ClusterSpec(name="h100", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                        mem_gib=80, intra_bytes_per_s=370e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
+                        hbm_bytes_per_s=3.35e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+    # H200 SXM: H100's compute with 141 GB HBM3e at 4.8 TB/s
+    "h200": ClusterSpec(name="h200", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+                        mem_gib=141, intra_bytes_per_s=370e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
+                        hbm_bytes_per_s=4.8e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+}
+
+TRAIN_PRESETS = ("tiny", "small")
+
+
+def model_names() -> tuple[str, ...]:
+    """Names `load_model` accepts besides a TOML path."""
+    return tuple(MODEL_PRESETS) + TRAIN_PRESETS
+
+
+def _read_toml(path: str, what: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"--{what}: no preset or file {path!r} (presets: "
+                        f"{', '.join(model_names() if what == 'model' else (*CLUSTER_PRESETS, 'local'))})")
+    try:
+        return {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(f"--{what} {path}: {exc}") from None
+
+
+def _build(cls: type, values: dict[str, Any], what: str) -> Any:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise PlanError(f"--{what}: unknown field(s) {', '.join(unknown)}; fields are {', '.join(sorted(fields))}")
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a missing required field
+        raise PlanError(f"--{what}: {exc}") from None
+
+
+def load_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
+    """Returns the ModelSpec of a preset name (`model_names()`) or a TOML file (a preset's fields via
+    `base = "deepseek-v3"`, then any field), with `overrides` applied last. PlanError on a bad spec."""
+    if name_or_path in MODEL_PRESETS:
+        spec = MODEL_PRESETS[name_or_path]
+    elif name_or_path in TRAIN_PRESETS:
+        spec = train_preset_model(name_or_path)
+    else:
+        values = _read_toml(name_or_path, "model")
+        base = values.pop("base", None)
+        if base is not None:
+            spec = load_model(base).replace(**{"name": Path(name_or_path).stem, **values})
+        else:
+            spec = _build(ModelSpec, {"name": Path(name_or_path).stem, **values}, "model")
+    return spec.replace(**overrides) if overrides else spec
+
+
+def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None) -> ClusterSpec:
+    """Returns the ClusterSpec of a preset name (CLUSTER_PRESETS, or "local": this machine, from
+    `fmoe.plan.local.local_cluster`) or a TOML file (optionally `base = "h800"`), `overrides` last."""
+    if name_or_path in CLUSTER_PRESETS:
+        spec = CLUSTER_PRESETS[name_or_path]
+    elif name_or_path == "local":
+        from fmoe.plan.local import local_cluster
+
+        spec = local_cluster()
+    else:
+        values = _read_toml(name_or_path, "cluster")
+        base = values.pop("base", None)
+        if base is not None:
+            spec = load_cluster(base).replace(**{"name": Path(name_or_path).stem, **values})
+        else:
+            spec = _build(ClusterSpec, {"name": Path(name_or_path).stem, **values}, "cluster")
+    return spec.replace(**overrides) if overrides else spec
