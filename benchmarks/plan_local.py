@@ -91,29 +91,43 @@ def main() -> None:
     cluster = local_cluster()
     model = load_model(args.preset)
     base = {"progress": False, "steps": 10**6}
-    tcs = {name: TrainConfig.from_sources(args.preset, None, {**base, **over}) for name, over, _, _ in LAYOUTS}
+    tcs = {
+        name: TrainConfig.from_sources(args.preset, None, {**base, **over}) for name, over, _, _ in LAYOUTS
+    }
     step_times: dict[str, list[float]] = {name: [] for name in tcs}
     peaks: dict[str, list[float]] = {name: [] for name in tcs}
     names = list(tcs)
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
             peaks[name].append(peak)
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     rows = []
-    for name, over, sched, vpp in LAYOUTS:
+    for name, _, sched, vpp in LAYOUTS:
         tc = tcs[name]
         ctx = E.Context(model, cluster, tc.world_size, tc.global_batch_size)
-        lay = Layout(tp=1, pp=tc.pp, ep=tc.ep, dp=tc.dp, vpp=vpp, schedule=sched,
-                     overlap=tc.overlap and sched != "1f1b" or sched == "combined_1f1b", micro_batch=tc.micro_batch_size)
+        lay = Layout(
+            tp=1,
+            pp=tc.pp,
+            ep=tc.ep,
+            dp=tc.dp,
+            vpp=vpp,
+            schedule=sched,
+            overlap=tc.overlap and sched != "1f1b" or sched == "combined_1f1b",
+            micro_batch=tc.micro_batch_size,
+        )
         pred = E.fastest_fitting(ctx, lay)
         rows.append((name, pred.step_s, statistics.median(step_times[name]), pred.mem_gib, max(peaks[name])))
-    print(f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'pred GiB':>9} {'meas GiB':>9} "
-          f"{'ratio':>6}")
+    print(
+        f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'pred GiB':>9} "
+        f"{'meas GiB':>9} {'ratio':>6}"
+    )
     for name, ps, ms, pm, mm in rows:
-        print(f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {pm:9.3f} {mm:9.3f} {pm / mm:6.3f}")
+        print(
+            f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {pm:9.3f} {mm:9.3f} {pm / mm:6.3f}"
+        )
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
     within_t = sum(abs(r[1] / r[2] - 1) <= 0.10 for r in rows)

@@ -22,28 +22,50 @@ from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster, load_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the model, cluster, batch and search options to `parser`; returns None."""
-    parser.add_argument("--model", required=True,
-                        help=f"a preset ({', '.join(model_names())}) or a TOML file (base = \"preset\", fields)")
-    parser.add_argument("--cluster", required=True,
-                        help=f"a preset ({', '.join((*CLUSTER_PRESETS, 'local'))}) or a TOML file")
-    parser.add_argument("--devices", type=int, required=True, help="devices in the job (a multiple of a node)")
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="sequences per step (default: 1024, or the train preset's for tiny/small)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f'a preset ({", ".join(model_names())}) or a TOML file (base = "preset", fields)',
+    )
+    parser.add_argument(
+        "--cluster", required=True, help=f"a preset ({', '.join((*CLUSTER_PRESETS, 'local'))}) or a TOML file"
+    )
+    parser.add_argument(
+        "--devices", type=int, required=True, help="devices in the job (a multiple of a node)"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per step (default: 1024, or the train preset's for tiny/small)",
+    )
     parser.add_argument("--seq-length", type=int, default=None, help="sequence length (default: the model's)")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--micro-batches", default="1,2,4", help="micro batch sizes to search")
     parser.add_argument("--vpp", default="2,4", help="chunks per rank to search for interleaved schedules")
-    parser.add_argument("--capacity-factors", default="none",
-                        help="'none' (dropless) and/or capacity factors, e.g. none,1.0,1.25")
-    parser.add_argument("--imbalance", type=float, default=1.2,
-                        help="expected max / mean expert load when dropless (time and memory headroom)")
+    parser.add_argument(
+        "--capacity-factors",
+        default="none",
+        help="'none' (dropless) and/or capacity factors, e.g. none,1.0,1.25",
+    )
+    parser.add_argument(
+        "--imbalance",
+        type=float,
+        default=1.2,
+        help="expected max / mean expert load when dropless (time and memory headroom)",
+    )
     parser.add_argument("--no-zero1", action="store_true", help="replicate the Adam state (no ZeRO-1)")
     parser.add_argument("--simulate-top", type=int, default=32, help="candidates simulated after screening")
     parser.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
-    parser.add_argument("--timeline", default="plan-timeline.png", help="PNG of the best layout's timeline "
-                        "('' for none)")
-    parser.add_argument("--explain", default=None, metavar="LAYOUT",
-                        help="break one layout down, e.g. 'tp8 pp16 ep4 vpp2 dp12 mb1' (with --schedule)")
+    parser.add_argument(
+        "--timeline", default="plan-timeline.png", help="PNG of the best layout's timeline ('' for none)"
+    )
+    parser.add_argument(
+        "--explain",
+        default=None,
+        metavar="LAYOUT",
+        help="break one layout down, e.g. 'tp8 pp16 ep4 vpp2 dp12 mb1' (with --schedule)",
+    )
     parser.add_argument("--schedule", default=None, help="with --explain: the schedule (default: its best)")
 
 
@@ -106,9 +128,14 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     ctx = context(args)
     t0 = time.perf_counter()
-    result = Q.plan(ctx, simulate_top=args.simulate_top, micro_batches=_ints(args.micro_batches, "--micro-batches"),
-                    vpps=_ints(args.vpp, "--vpp"), capacity_factors=_caps(args.capacity_factors),
-                    zero1=not args.no_zero1)
+    result = Q.plan(
+        ctx,
+        simulate_top=args.simulate_top,
+        micro_batches=_ints(args.micro_batches, "--micro-batches"),
+        vpps=_ints(args.vpp, "--vpp"),
+        capacity_factors=_caps(args.capacity_factors),
+        zero1=not args.no_zero1,
+    )
     seconds = time.perf_counter() - t0
     if args.explain is not None:
         return _explain(ctx, args, result)
@@ -117,9 +144,12 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps([p.as_dict() for p in top], indent=1))
         return 0
     m = ctx.model
-    print(f"{m.name} ({m.dtype}, seq {m.seq}) on {ctx.devices} x {ctx.cluster.name}, global batch {ctx.global_batch}: "
-          f"{result.screened} candidates fit, {len(result.rejected)} rejected, {len(result.best)} simulated, "
-          f"in {seconds:.1f} s")
+    print(
+        f"{m.name} ({m.dtype}, seq {m.seq}) on {ctx.devices} x {ctx.cluster.name}, "
+        f"global batch {ctx.global_batch}: "
+        f"{result.screened} candidates fit, {len(result.rejected)} rejected, {len(result.best)} simulated, "
+        f"in {seconds:.1f} s"
+    )
     print(Q.format_table(top))
     if len(result.best) > 1:
         print("why: " + Q.why(result.best[0], result.best[1]))
@@ -133,8 +163,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> int:
     want = Q.parse_label(args.explain)
-    matches = [p for p in result.best if all(getattr(p.layout, k) == v for k, v in want.items())
-               and (args.schedule is None or p.layout.schedule == args.schedule)]
+    matches = [
+        p
+        for p in result.best
+        if all(getattr(p.layout, k) == v for k, v in want.items())
+        and (args.schedule is None or p.layout.schedule == args.schedule)
+    ]
     if matches:
         pred = matches[0]
     else:  # not among the simulated: evaluate it directly
@@ -144,8 +178,9 @@ def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> 
             fields["dp"] = ctx.devices // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("ep", 1))
         if fields["schedule"] is None:
             fields["schedule"] = "1f1b"
-        lay = replace(L.Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=True, micro_batch=1),
-                      **fields)
+        lay = replace(
+            L.Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=True, micro_batch=1), **fields
+        )
         why_not = L.problem(ctx.model, ctx.cluster, ctx.devices, lay, ctx.global_batch)
         if why_not is not None:
             raise PlanError(f"--explain {args.explain!r}: {why_not}")

@@ -58,14 +58,34 @@ class Prediction:
     def as_dict(self) -> dict[str, object]:
         """Plain summary (for --json): the layout's fields, schedule, overlap and the predicted figures."""
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "vpp": lay.vpp, "dp": lay.dp,
-                "data_parallel": lay.data_ranks, "schedule": lay.schedule, "overlap": lay.overlap,
-                "micro_batch": lay.micro_batch, "microbatches": self.microbatches, "recompute": lay.recompute,
-                "tp_extends_ep": lay.tp_extends_ep, "hierarchical": lay.hierarchical,
-                "capacity_factor": lay.capacity_factor, "zero1": lay.zero1, "step_s": self.step_s,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "mem_gib": self.mem_gib,
-                "bubble": self.bubble, "exposed_comm": self.exposed_comm, "fits": self.fits,
-                "reason": self.reason, "simulated": self.simulated, "times": self.times, "memory": self.memory}
+        return {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "ep": lay.ep,
+            "vpp": lay.vpp,
+            "dp": lay.dp,
+            "data_parallel": lay.data_ranks,
+            "schedule": lay.schedule,
+            "overlap": lay.overlap,
+            "micro_batch": lay.micro_batch,
+            "microbatches": self.microbatches,
+            "recompute": lay.recompute,
+            "tp_extends_ep": lay.tp_extends_ep,
+            "hierarchical": lay.hierarchical,
+            "capacity_factor": lay.capacity_factor,
+            "zero1": lay.zero1,
+            "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "mem_gib": self.mem_gib,
+            "bubble": self.bubble,
+            "exposed_comm": self.exposed_comm,
+            "fits": self.fits,
+            "reason": self.reason,
+            "simulated": self.simulated,
+            "times": self.times,
+            "memory": self.memory,
+        }
 
 
 @dataclass(frozen=True)
@@ -150,20 +170,24 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
     tokens = T // lay.tp  # sequence parallel: each tp rank dispatches its own share
     row = m.hidden * DTYPE_BYTES[m.dtype]
     if lay.hierarchical:  # across nodes each token also carries its K ids (int64) and probs (fp32)
-        inter = traffic.expected_hierarchical_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node,
-                                                     row + 12 * m.top_k)["inter"]
-        intra = traffic.expected_hierarchical_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node, row)["intra"]
+        inter = traffic.expected_hierarchical_bytes(
+            tokens, m.top_k, m.routed_experts, P, group_per_node, row + 12 * m.top_k
+        )["inter"]
+        intra = traffic.expected_hierarchical_bytes(
+            tokens, m.top_k, m.routed_experts, P, group_per_node, row
+        )["intra"]
         nbytes = {"intra": intra, "inter": inter}
     else:
         nbytes = traffic.expected_alltoall_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node, row)
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
     # the busiest rank sends `load` x the mean; one all-to-all's link classes run at once, the two levels
     # of the hierarchical dispatch one after the other
-    times = [lat + load * n / bw for link, n in nbytes.items() if n > 0
-             for bw, lat in [_link(c, link == "intra")]]
-    t = (sum(times) if lay.hierarchical else max(times, default=0.0))
-    levels = 2 if lay.hierarchical else 1
-    return t + levels * c.comm_overhead_s, nbytes
+    times = [
+        lat + load * n / bw for link, n in nbytes.items() if n > 0 for bw, lat in [_link(c, link == "intra")]
+    ]
+    t = sum(times) if lay.hierarchical else max(times, default=0.0)
+    calls = 4 if lay.hierarchical else 2  # each level: its count exchange, then the rows
+    return t + calls * c.comm_overhead_s, nbytes
 
 
 def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
@@ -189,7 +213,11 @@ def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None,
         return L.build_schedule(lay.schedule, lay.pp, m, v), None, m
     m1 = cap if lay.pp > 1 else 8
     step = lay.pp if lay.pp > 1 else 4
-    return L.build_schedule(lay.schedule, lay.pp, m1, v), L.build_schedule(lay.schedule, lay.pp, m1 + step, v), m1
+    return (
+        L.build_schedule(lay.schedule, lay.pp, m1, v),
+        L.build_schedule(lay.schedule, lay.pp, m1 + step, v),
+        m1,
+    )
 
 
 def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: bool = False) -> Prediction:
@@ -198,8 +226,9 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     a layout that does not fit returns before its time is computed (step_s = inf)."""
     model, c = ctx.model, ctx.cluster
     m = lay.microbatches(ctx.global_batch)
-    s_full = L.build_schedule(lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16),
-                              max(lay.vpp, 1))
+    s_full = L.build_schedule(
+        lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16), max(lay.vpp, 1)
+    )
     chunks, layers_C = _chunks(ctx, lay, s_full)
     dense_blk, moe_blk = block_cost(model, False), block_cost(model, True)
     emb, head = embed_cost(model), head_cost(model)
@@ -207,22 +236,37 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     ph_emb, ph_head = _layer_phases(ctx, lay, emb), _layer_phases(ctx, lay, head)
 
     # per chunk: phases, MoE layers, parameters, activations
-    chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb = ([] for _ in range(8))
+    chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb = (
+        [] for _ in range(8)
+    )
     T = lay.micro_batch * model.seq
     b = DTYPE_BYTES[model.dtype]
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
-    memo: dict[tuple[int, int, bool, bool], tuple[float, ...]] = {}  # most chunks are alike: price each kind once
+    memo: dict[
+        tuple[int, int, bool, bool], tuple[float, ...]
+    ] = {}  # most chunks are alike: price each kind once
     start = 0
     for k, n in enumerate(layers_C):
         n_dense = max(0, min(n, model.dense_layers - start))
         start += n
         key = (n_dense, n - n_dense, k == 0, k == len(layers_C) - 1)
         if key not in memo:
-            memo[key] = _chunk(model, lay, key, T, load, (ph_dense, dense_blk), (ph_moe, moe_blk), (ph_emb, emb),
-                               (ph_head, head))
+            memo[key] = _chunk(
+                model,
+                lay,
+                key,
+                T,
+                load,
+                (ph_dense, dense_blk),
+                (ph_moe, moe_blk),
+                (ph_emb, emb),
+                (ph_head, head),
+            )
         f, i, w, n_moe, dp_, ep_, act, wb = memo[key]
-        for lst, x in zip((chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb),
-                          (f, i, w, n_moe, dp_, ep_, act, wb)):
+        for lst, x in zip(
+            (chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb),
+            (f, i, w, n_moe, dp_, ep_, act, wb),
+        ):
             lst.append(x)
 
     a2a, a2a_bytes = _a2a_s(ctx, lay)
@@ -256,9 +300,14 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     mem_rank = []
     for r in range(pp):
         p = rank_dense[r] + rank_exp[r]
-        parts = {"weights": p * w_bytes, "grads": p * 4,
-                 "optimizer": 8 * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard),
-                 "activations": act_peak[r], "buffers": temp, "base": c.base_mem_gib * GIB}
+        parts = {
+            "weights": p * w_bytes,
+            "grads": p * 4,
+            "optimizer": 8 * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard),
+            "activations": act_peak[r],
+            "buffers": temp,
+            "base": c.base_mem_gib * GIB,
+        }
         mem_rank.append(parts)
     worst = max(range(pp), key=lambda r: sum(mem_rank[r].values()))
     mem = {k: v / GIB for k, v in mem_rank[worst].items()}
@@ -269,11 +318,17 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         inf = float("inf")
         return Prediction(lay, m, inf, 0.0, 0.0, mem_gib, 0.0, 0.0, False, reason, False, {}, mem)
 
-    costs = S.Costs(f=tuple(chunk_f[k] for k in stage_chunk), i=tuple(chunk_i[k] for k in stage_chunk),
-                    w=tuple(chunk_w[k] for k in stage_chunk), p2p=p2p, a2a=a2a_unit, moe_layers=moe_per_chunk,
-                    attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk), lone_hide=LONE_HIDE if lay.overlap else 0.0,
-                    pair_overlap=lay.overlap)
-
+    costs = S.Costs(
+        f=tuple(chunk_f[k] for k in stage_chunk),
+        i=tuple(chunk_i[k] for k in stage_chunk),
+        w=tuple(chunk_w[k] for k in stage_chunk),
+        p2p=p2p,
+        a2a=a2a_unit,
+        moe_layers=moe_per_chunk,
+        attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk),
+        lone_hide=LONE_HIDE if lay.overlap else 0.0,
+        pair_overlap=lay.overlap,
+    )
 
     # data-parallel gradient reduce and the optimizer step, per rank
     def reduce_s(params: float, group: int) -> float:
@@ -284,8 +339,11 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         return _collective_s(c, nbytes, intra, 2 * (group - 1))
 
     dp_s = [reduce_s(rank_dense[r], lay.data_ranks) + reduce_s(rank_exp[r], lay.dp) for r in range(pp)]
-    opt_bytes = (28 + (6 if mixed else 0))
-    opt_s = [opt_bytes * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard) / c.hbm_bytes_per_s for r in range(pp)]
+    opt_bytes = 28 + (6 if mixed else 0)
+    opt_s = [
+        opt_bytes * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard) / c.hbm_bytes_per_s
+        for r in range(pp)
+    ]
 
     if simulate:
         pipe, busy, exposed, last_end = _simulated(lay, m, costs)
@@ -298,22 +356,55 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     mfu = totals(model).train_flops_per_token * tps / (ctx.devices * c.flops(model.dtype))
     dp_exposed = step - max(opt_s) - pipe
     comm_exposed = (sum(exposed) / pp + max(0.0, dp_exposed)) / step
-    times = {"pipeline": pipe, "busy_mean": mean_busy, "bubble": pipe - mean_busy,
-             "a2a_per_layer": a2a, "p2p": p2p, "dp_reduce": max(dp_s), "dp_exposed": max(0.0, dp_exposed),
-             "optimizer": max(opt_s), "f_chunk_max": max(chunk_f), "i_chunk_max": max(chunk_i),
-             "w_chunk_max": max(chunk_w), "recompute_per_layer": ph_moe.recompute,
-             "tp_comm_per_layer": ph_moe.tp_comm}
-    return Prediction(lay, m, step, tps, mfu, mem_gib, (pipe - mean_busy) / step, comm_exposed, fits, reason,
-                      simulate, times, mem, a2a_bytes, costs)
+    times = {
+        "pipeline": pipe,
+        "busy_mean": mean_busy,
+        "bubble": pipe - mean_busy,
+        "a2a_per_layer": a2a,
+        "p2p": p2p,
+        "dp_reduce": max(dp_s),
+        "dp_exposed": max(0.0, dp_exposed),
+        "optimizer": max(opt_s),
+        "f_chunk_max": max(chunk_f),
+        "i_chunk_max": max(chunk_i),
+        "w_chunk_max": max(chunk_w),
+        "recompute_per_layer": ph_moe.recompute,
+        "tp_comm_per_layer": ph_moe.tp_comm,
+    }
+    return Prediction(
+        lay,
+        m,
+        step,
+        tps,
+        mfu,
+        mem_gib,
+        (pipe - mean_busy) / step,
+        comm_exposed,
+        fits,
+        reason,
+        simulate,
+        times,
+        mem,
+        a2a_bytes,
+        costs,
+    )
 
 
-def _chunk(model: ModelSpec, lay: L.Layout, key: tuple[int, int, bool, bool], T: int, load: float,
-           *priced: tuple[_Phases, LayerCost]) -> tuple[float, ...]:
+def _chunk(
+    model: ModelSpec,
+    lay: L.Layout,
+    key: tuple[int, int, bool, bool],
+    T: int,
+    load: float,
+    *priced: tuple[_Phases, LayerCost],
+) -> tuple[float, ...]:
     """(F, I, W, MoE layers, dense params, expert params, activation bytes, W bytes) of one chunk with
     n_dense dense and n_moe MoE layers, the embedding when first, the head (and MTP) when last."""
     n_dense, n_moe, first, last = key
     (dense, moe, emb, head), b = priced, DTYPE_BYTES[model.dtype]
-    parts = [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*head, 1)] if last else [])
+    parts = (
+        [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*head, 1)] if last else [])
+    )
     act = wb = 0.0
     for _, lc, q in parts:
         keep = lc.act_bytes + (load - 1) * lc.expert_act_bytes  # headroom for the busiest expert rank
@@ -323,9 +414,16 @@ def _chunk(model: ModelSpec, lay: L.Layout, key: tuple[int, int, bool, bool], T:
             keep -= load * lc.expert_act_bytes
         act += q * keep * T / lay.tp
         wb += q * min(lc.w_bytes, keep) * T / lay.tp
-    return (sum(p.f * q for p, _, q in parts), sum(p.i * q for p, _, q in parts), sum(p.w * q for p, _, q in parts),
-            n_moe + (model.mtp if last else 0), sum(lc.dense_params * q for _, lc, q in parts),
-            sum(lc.expert_params * q for _, lc, q in parts), act, wb)
+    return (
+        sum(p.f * q for p, _, q in parts),
+        sum(p.i * q for p, _, q in parts),
+        sum(p.w * q for p, _, q in parts),
+        n_moe + (model.mtp if last else 0),
+        sum(lc.dense_params * q for _, lc, q in parts),
+        sum(lc.expert_params * q for _, lc, q in parts),
+        act,
+        wb,
+    )
 
 
 def _attn_share(ph: _Phases, ctx: Context, lay: L.Layout, moe_blk: LayerCost) -> float:
@@ -333,8 +431,12 @@ def _attn_share(ph: _Phases, ctx: Context, lay: L.Layout, moe_blk: LayerCost) ->
     m, c = ctx.model, ctx.cluster
     T = lay.micro_batch * m.seq
     peak = c.flops(m.dtype)
-    attn_proj = T * (moe_blk.dense_flops - 2 * m.routed_experts * m.hidden - m.shared_experts * 6 * m.hidden * m.expert_ffn)
-    attn = (attn_proj / lay.tp / (peak * _eff(c, min(T, m.hidden))) + T * moe_blk.attn_flops / lay.tp / (peak * c.attn_eff))
+    attn_proj = T * (
+        moe_blk.dense_flops - 2 * m.routed_experts * m.hidden - m.shared_experts * 6 * m.hidden * m.expert_ffn
+    )
+    attn = attn_proj / lay.tp / (peak * _eff(c, min(T, m.hidden))) + T * moe_blk.attn_flops / lay.tp / (
+        peak * c.attn_eff
+    )
     return min(1.0, max(0.0, attn / ph.f)) if ph.f else 0.5
 
 
@@ -352,9 +454,12 @@ def _simulated(lay: L.Layout, m: int, costs: S.Costs) -> tuple[float, list[float
     def ext(a: float, b: float) -> float:
         return a + k * (b - a)
 
-    return (ext(r1.makespan, r2.makespan), [ext(a, b) for a, b in zip(r1.busy, r2.busy)],
-            [ext(a, b) for a, b in zip(r1.exposed_comm, r2.exposed_comm)],
-            [ext(a, b) for a, b in zip(ends1, _last_ends(r2))])
+    return (
+        ext(r1.makespan, r2.makespan),
+        [ext(a, b) for a, b in zip(r1.busy, r2.busy)],
+        [ext(a, b) for a, b in zip(r1.exposed_comm, r2.exposed_comm)],
+        [ext(a, b) for a, b in zip(ends1, _last_ends(r2))],
+    )
 
 
 def _last_ends(rep: S.Report) -> list[float]:
@@ -365,8 +470,12 @@ def _last_ends(rep: S.Report) -> list[float]:
     return ends
 
 
-def _closed_form(lay: L.Layout, m: int, costs: S.Costs, s: S.Schedule,
-                 ) -> tuple[float, list[float], list[float], list[float]]:
+def _closed_form(
+    lay: L.Layout,
+    m: int,
+    costs: S.Costs,
+    s: S.Schedule,
+) -> tuple[float, list[float], list[float], list[float]]:
     """A quick estimate of the simulated figures for screening: per rank m x its work, plus the
     schedule's textbook bubble ((pp-1) x a stage's F + B, divided by the chunks per rank; zero-bubble
     schedules keep W out of it)."""

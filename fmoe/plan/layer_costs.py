@@ -52,7 +52,11 @@ def _attention(m: ModelSpec) -> tuple[int, float, float, float]:
     if m.mla:
         qk = m.head_dim + m.qk_rope_dim
         q = (h * m.q_lora_rank + m.q_lora_rank * H * qk + m.q_lora_rank) if m.q_lora_rank else h * H * qk
-        kv = h * (m.kv_lora_rank + m.qk_rope_dim) + m.kv_lora_rank * H * (m.head_dim + m.v_head_dim) + m.kv_lora_rank
+        kv = (
+            h * (m.kv_lora_rank + m.qk_rope_dim)
+            + m.kv_lora_rank * H * (m.head_dim + m.v_head_dim)
+            + m.kv_lora_rank
+        )
         params = q + kv + H * m.v_head_dim * h + h
         proj = 2 * (params - h - m.q_lora_rank - m.kv_lora_rank)
         core = 2 * H * (qk + m.v_head_dim) * m.seq / 2
@@ -75,8 +79,18 @@ def block_cost(m: ModelSpec, moe: bool) -> LayerCost:
     a_w = b * (h + m.heads * m.v_head_dim)  # GEMM inputs: normed x, attention output
     if not moe:
         f = m.dense_ffn
-        return LayerCost("dense", a_params + 3 * h * f + h, 0, a_proj + 6 * h * f, 0.0, a_core,
-                         a_saved + b * (2 * h + 3 * f), a_w + b * (h + f), 0.0, False)
+        return LayerCost(
+            "dense",
+            a_params + 3 * h * f + h,
+            0,
+            a_proj + 6 * h * f,
+            0.0,
+            a_core,
+            a_saved + b * (2 * h + 3 * f),
+            a_w + b * (h + f),
+            0.0,
+            False,
+        )
     E, K, f, S = m.routed_experts, m.top_k, m.expert_ffn, m.shared_experts
     dense_params = a_params + E * h + h + S * 3 * h * f  # router, norm, shared experts
     dense_flops = a_proj + 2 * E * h + S * 6 * h * f
@@ -84,8 +98,9 @@ def block_cost(m: ModelSpec, moe: bool) -> LayerCost:
     expert_act = b * K * (2 * h + 3 * f)
     saved = a_saved + b * 2 * h + 4 * E + b * S * 3 * f + expert_act + 4 * K
     w = a_w + b * h + b * S * f + b * K * (h + f)
-    return LayerCost("moe", dense_params, E * 3 * h * f, dense_flops, K * 6 * h * f, a_core, saved, w, expert_act,
-                     True)
+    return LayerCost(
+        "moe", dense_params, E * 3 * h * f, dense_flops, K * 6 * h * f, a_core, saved, w, expert_act, True
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,10 +120,18 @@ def head_cost(m: ModelSpec) -> LayerCost:
         return cost
     blk = block_cost(m, moe=m.moe_layers > 0)
     per = m.mtp
-    return LayerCost("head", head_params + per * (blk.dense_params + 2 * h * h + 3 * h), per * blk.expert_params,
-                     cost.dense_flops + per * (blk.dense_flops + 4 * h * h + 2 * h * V), per * blk.expert_flops,
-                     per * blk.attn_flops, cost.act_bytes + per * (blk.act_bytes + b * 3 * h + 4 * V),
-                     cost.w_bytes + per * (blk.w_bytes + 2 * b * h), per * blk.expert_act_bytes, blk.moe)
+    return LayerCost(
+        "head",
+        head_params + per * (blk.dense_params + 2 * h * h + 3 * h),
+        per * blk.expert_params,
+        cost.dense_flops + per * (blk.dense_flops + 4 * h * h + 2 * h * V),
+        per * blk.expert_flops,
+        per * blk.attn_flops,
+        cost.act_bytes + per * (blk.act_bytes + b * 3 * h + 4 * V),
+        cost.w_bytes + per * (blk.w_bytes + 2 * b * h),
+        per * blk.expert_act_bytes,
+        blk.moe,
+    )
 
 
 @dataclass(frozen=True)

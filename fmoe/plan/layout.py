@@ -24,8 +24,15 @@ from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
 
 # schedule name -> (chunks per rank it needs; 0 = any vpp >= 2, "interleaved" style)
-SCHEDULES = {"1f1b": 1, "interleaved": 0, "interleaved+extra": 0, "zb_h1": 1, "zbv": 2, "dualpipev": 2,
-             "dualpipe": 1}
+SCHEDULES = {
+    "1f1b": 1,
+    "interleaved": 0,
+    "interleaved+extra": 0,
+    "zb_h1": 1,
+    "zbv": 2,
+    "dualpipev": 2,
+    "dualpipe": 1,
+}
 SINGLE = ("1f1b", "combined_1f1b")  # pp = 1: microbatches in turn, or paired for fb overlap
 RECOMPUTE = ("none", "adaptive", "full")
 
@@ -70,8 +77,14 @@ class Layout:
 
     def label(self) -> str:
         """Short name: "tp8 pp16 ep4 vpp2 dp12" plus the options that differ from the defaults."""
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"ep{self.ep}", f"vpp{self.vpp}", f"dp{self.dp}",
-                 f"mb{self.micro_batch}"]
+        parts = [
+            f"tp{self.tp}",
+            f"pp{self.pp}",
+            f"ep{self.ep}",
+            f"vpp{self.vpp}",
+            f"dp{self.dp}",
+            f"mb{self.micro_batch}",
+        ]
         if self.tp > 1 and not self.tp_extends_ep:
             parts.append("tp-splits-experts")
         if self.hierarchical:
@@ -105,11 +118,19 @@ def rule_microbatches(m: int, pp: int) -> int:
     return m - 2 * pp * ((m - 4 * pp) // (2 * pp))
 
 
-def problem(model: ModelSpec, cluster: ClusterSpec, devices: int, layout: Layout, global_batch: int) -> str | None:
+def problem(
+    model: ModelSpec, cluster: ClusterSpec, devices: int, layout: Layout, global_batch: int
+) -> str | None:
     """Returns why `layout` cannot run `model` on `devices` of `cluster` at `global_batch`, or None."""
     try:
-        check_layout(devices, tp=layout.tp, ep=layout.ep, pp=layout.pp, dp=layout.dp,
-                     ranks_per_node=min(cluster.devices_per_node, devices))
+        check_layout(
+            devices,
+            tp=layout.tp,
+            ep=layout.ep,
+            pp=layout.pp,
+            dp=layout.dp,
+            ranks_per_node=min(cluster.devices_per_node, devices),
+        )
         experts_per_rank(model.routed_experts, layout.tp if layout.tp_extends_ep else 1, layout.ep)
     except ValueError as exc:
         return str(exc)
@@ -118,8 +139,10 @@ def problem(model: ModelSpec, cluster: ClusterSpec, devices: int, layout: Layout
     if layout.tp > 1 and not layout.tp_extends_ep and model.expert_ffn % layout.tp:
         return f"tp {layout.tp} does not divide the expert ffn {model.expert_ffn}"
     if global_batch % (layout.micro_batch * layout.data_ranks):
-        return (f"global batch {global_batch} is not a multiple of micro batch {layout.micro_batch} x dp "
-                f"{layout.dp} x ep {layout.ep}")
+        return (
+            f"global batch {global_batch} is not a multiple of micro batch {layout.micro_batch} x dp "
+            f"{layout.dp} x ep {layout.ep}"
+        )
     if layout.recompute not in RECOMPUTE:
         return f"recompute must be one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}"
     m = layout.microbatches(global_batch)
@@ -136,15 +159,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, global_batch: int, *,
-               micro_batches: tuple[int, ...] = (1, 2, 4), vpps: tuple[int, ...] = (2, 4),
-               capacity_factors: tuple[float | None, ...] = (None,), zero1: bool = True,
-               ) -> Iterator[tuple[Layout, str | None]]:
+def candidates(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    devices: int,
+    global_batch: int,
+    *,
+    micro_batches: tuple[int, ...] = (1, 2, 4),
+    vpps: tuple[int, ...] = (2, 4),
+    capacity_factors: tuple[float | None, ...] = (None,),
+    zero1: bool = True,
+) -> Iterator[tuple[Layout, str | None]]:
     """Yields every (layout, problem or None) of the search space, recompute "none" only (the evaluator
     picks the cheapest recompute that fits). Raises PlanError for a request no layout can meet."""
     rpn = cluster.devices_per_node
     if devices < 1 or (devices > rpn and devices % rpn):
-        raise PlanError(f"--devices {devices} is not a multiple of the {rpn} devices of a {cluster.name} node")
+        raise PlanError(
+            f"--devices {devices} is not a multiple of the {rpn} devices of a {cluster.name} node"
+        )
     if model.routed_experts < 1:
         raise PlanError("the model has no routed experts")
     if global_batch < 1:
@@ -153,13 +185,15 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, devices: int, global_batc
         if devices % (tp * pp * ep) or pp > model.layers or ep > model.routed_experts:
             continue
         dp = devices // (tp * pp * ep)
-        for mb, cap, extends in itertools.product(micro_batches, capacity_factors, (True, False) if tp > 1 else (True,)):
+        for mb, cap, extends in itertools.product(
+            micro_batches, capacity_factors, (True, False) if tp > 1 else (True,)
+        ):
             group = ep * tp if extends else ep
             spans_nodes = group > min(rpn, devices)
             names = SINGLE if pp == 1 else tuple(SCHEDULES)
             for name, hier in itertools.product(names, (False, True) if spans_nodes else (False,)):
                 need = SCHEDULES.get(name, 1)
-                for v in (vpps if need == 0 else (need,)):
+                for v in vpps if need == 0 else (need,):
                     for overlap in (True, False):
                         if name == "combined_1f1b" and not overlap:
                             continue  # that is plain 1f1b

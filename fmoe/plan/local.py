@@ -7,8 +7,7 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - the causal attention kernel's FLOP/s at a small shape (attn_eff);
 - AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 8 B and 4 MiB; one
-  machine: intra = inter), its per-call host overhead, and a rank process's resident memory after the
-  process group and fmoe.train are up (base_mem_gib);
+  machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s);
 - op_overhead_s and base_mem_gib: `fmoe train`'s `tiny` preset through the executor on one process (1
   thread), minus what the planner predicts for it with no overhead, per layer and phase.
 """
@@ -107,6 +106,12 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
                 dist.recv(x, 0)
                 dist.send(x, 0)
         out[n] = (time.perf_counter() - t0) / (2 * reps)  # one way
+    x = torch.zeros(2)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        dist.all_to_all_single(x, x.clone())
+    out["a2a"] = (time.perf_counter() - t0) / 50
     with open("/proc/self/status") as f:
         rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
     dist.barrier()
@@ -116,7 +121,9 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
 
 
 def _links() -> tuple[float, float, float]:
-    """(latency s, bytes/s, resident GiB of a rank) between two spawned gloo processes."""
+    """(latency s, bytes/s, extra seconds per collective call) between two spawned gloo processes: the
+    one-way time of a 4-byte send, the bandwidth of a 4 MiB one, and what a tiny all-to-all costs beyond
+    that latency (its host-side overhead)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -130,7 +137,7 @@ def _links() -> tuple[float, float, float]:
         p.join(timeout=60)
     latency = out[1]
     bandwidth = 4 * 2**20 / max(out[2**20] - latency, 1e-9)
-    return latency, bandwidth, rss_kib / 2**20
+    return latency, bandwidth, max(0.0, out["a2a"] - latency)
 
 
 CALIBRATION_RUN = {"pp": 1, "ep": 1, "dp": 1, "schedule": "1f1b", "progress": False}  # tiny, one process
@@ -152,16 +159,22 @@ def _tiny_worker(store: str, q: Any) -> None:
 
 def _tiny_run() -> tuple[float, float]:
     """(median step seconds, peak resident GiB) of `fmoe train`'s tiny preset through the executor on one
-    spawned process with one thread (CALIBRATION_RUN)."""
+    process with one thread (CALIBRATION_RUN), run as one independent copy per core at once: a device of
+    a job that fills the machine shares its memory bandwidth, caches and the host with the others."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_tiny_worker, args=(tempfile.mktemp(prefix="fmoe_plan_"), q), daemon=True)
-    p.start()
-    out = q.get(timeout=600)
-    p.join(timeout=60)
-    return out
+    procs = [
+        ctx.Process(target=_tiny_worker, args=(tempfile.mktemp(prefix="fmoe_plan_"), q), daemon=True)
+        for _ in range(os.cpu_count() or 1)
+    ]
+    for p in procs:
+        p.start()
+    outs = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return statistics.median(o[0] for o in outs), max(o[1] for o in outs)
 
 
 def calibrate() -> ClusterSpec:
@@ -174,14 +187,27 @@ def calibrate() -> ClusterSpec:
         hbm = _adamw_bytes_per_s()
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth, _ = _links()
+    latency, bandwidth, per_call = _links()
     cores = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
         total_gib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) / 2**20
-    spec = ClusterSpec(name="local", devices_per_node=cores, peak_flops={"fp32": peak}, mem_gib=total_gib / cores,
-                       intra_bytes_per_s=bandwidth, inter_bytes_per_s=bandwidth, intra_latency_s=latency,
-                       inter_latency_s=latency, gemm_eff=1.0, attn_eff=attn_eff, gemm_half_dim=half,
-                       hbm_bytes_per_s=hbm, op_overhead_s=0.0, comm_overhead_s=0.0, base_mem_gib=0.0)
+    spec = ClusterSpec(
+        name="local",
+        devices_per_node=cores,
+        peak_flops={"fp32": peak},
+        mem_gib=total_gib / cores,
+        intra_bytes_per_s=bandwidth,
+        inter_bytes_per_s=bandwidth,
+        intra_latency_s=latency,
+        inter_latency_s=latency,
+        gemm_eff=1.0,
+        attn_eff=attn_eff,
+        gemm_half_dim=half,
+        hbm_bytes_per_s=hbm,
+        op_overhead_s=0.0,
+        comm_overhead_s=per_call,
+        base_mem_gib=0.0,
+    )
     step_s, peak_gib = _tiny_run()
     return _fit(spec, step_s, peak_gib)
 
@@ -197,7 +223,9 @@ def _fit(spec: ClusterSpec, measured_s: float, peak_gib: float) -> ClusterSpec:
 
     tc = TrainConfig.from_sources("tiny", None, CALIBRATION_RUN)
     model = load_model("tiny")
-    lay = Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=False, micro_batch=tc.micro_batch_size)
+    lay = Layout(
+        tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=False, micro_batch=tc.micro_batch_size
+    )
     p0 = evaluate(Context(model, spec, 1, tc.global_batch_size), lay)
     t1 = evaluate(Context(model, spec.replace(op_overhead_s=1e-3), 1, tc.global_batch_size), lay).step_s
     overhead = max(0.0, (measured_s - p0.step_s) / (t1 - p0.step_s) * 1e-3)

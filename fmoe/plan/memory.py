@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from fmoe.schedule.comms import without_comms
-from fmoe.schedule.ir import B, F, I, W, Schedule, ops_of
+from fmoe.schedule.ir import B, F, I, Schedule, W, ops_of
 
 
 def peak_bytes(s: Schedule, act_S: Sequence[float], w_S: Sequence[float]) -> tuple[float, ...]:
@@ -27,7 +27,9 @@ def peak_bytes(s: Schedule, act_S: Sequence[float], w_S: Sequence[float]) -> tup
     return tuple((counts_RPX @ bytes_X).amax(1).tolist())
 
 
-_POINTS: dict[int, tuple[Schedule, torch.Tensor]] = {}  # id -> (the schedule, kept alive so the id stays its own; points)
+_POINTS: dict[
+    int, tuple[Schedule, torch.Tensor]
+] = {}  # id -> (the schedule, kept alive so the id stays its own; points)
 
 
 def _candidate_points(s: Schedule) -> torch.Tensor:

@@ -30,15 +30,28 @@ class PlanResult:
     rejected: tuple[tuple[L.Layout, str], ...]
 
 
-def plan(ctx: Context, *, simulate_top: int = 32, micro_batches: tuple[int, ...] = (1, 2, 4),
-         vpps: tuple[int, ...] = (2, 4), capacity_factors: tuple[float | None, ...] = (None,),
-         zero1: bool = True) -> PlanResult:
+def plan(
+    ctx: Context,
+    *,
+    simulate_top: int = 32,
+    micro_batches: tuple[int, ...] = (1, 2, 4),
+    vpps: tuple[int, ...] = (2, 4),
+    capacity_factors: tuple[float | None, ...] = (None,),
+    zero1: bool = True,
+) -> PlanResult:
     """Returns the PlanResult of searching every layout for `ctx`. Raises PlanError when none can run."""
     rejected: list[tuple[L.Layout, str]] = []
     quick: list[Prediction] = []
-    for lay, why_not in L.candidates(ctx.model, ctx.cluster, ctx.devices, ctx.global_batch,
-                                     micro_batches=micro_batches, vpps=vpps, capacity_factors=capacity_factors,
-                                     zero1=zero1):
+    for lay, why_not in L.candidates(
+        ctx.model,
+        ctx.cluster,
+        ctx.devices,
+        ctx.global_batch,
+        micro_batches=micro_batches,
+        vpps=vpps,
+        capacity_factors=capacity_factors,
+        zero1=zero1,
+    ):
         if why_not is not None:
             rejected.append((lay, why_not))
             continue
@@ -49,8 +62,10 @@ def plan(ctx: Context, *, simulate_top: int = 32, micro_batches: tuple[int, ...]
             rejected.append((pred.layout, pred.reason or "does not fit"))
     if not quick:
         reasons = sorted({r for _, r in rejected})
-        raise PlanError(f"no layout of {ctx.model.name} fits {ctx.devices} x {ctx.cluster.name} at global batch "
-                        f"{ctx.global_batch}: " + "; ".join(reasons[:3]))
+        raise PlanError(
+            f"no layout of {ctx.model.name} fits {ctx.devices} x {ctx.cluster.name} at global batch "
+            f"{ctx.global_batch}: " + "; ".join(reasons[:3])
+        )
     quick.sort(key=lambda p: p.step_s)
     chosen = {p.layout: p for p in quick[:simulate_top]}
     for name in {p.layout.schedule for p in quick}:  # the best of each schedule, for the comparison
@@ -62,17 +77,21 @@ def plan(ctx: Context, *, simulate_top: int = 32, micro_batches: tuple[int, ...]
     return PlanResult(tuple(best), len(quick), tuple(rejected))
 
 
-HEADER = (f"{'#':>3} {'layout':<34} {'schedule':<18} {'ovl':<3} {'rc':<8} {'step s':>8} {'tok/s':>10} "
-          f"{'MFU':>6} {'mem GiB':>8} {'bubble':>7} {'comm':>6}")
+HEADER = (
+    f"{'#':>3} {'layout':<34} {'schedule':<18} {'ovl':<3} {'rc':<8} {'step s':>8} {'tok/s':>10} "
+    f"{'MFU':>6} {'mem GiB':>8} {'bubble':>7} {'comm':>6}"
+)
 
 
 def format_row(k: int, p: Prediction) -> str:
     """One table line of prediction `p` ranked `k`."""
     lay = p.layout
     label = " ".join(w for w in lay.label().split() if not w.startswith("rc-"))
-    return (f"{k:>3} {label:<34} {lay.schedule:<18} {'on' if lay.overlap else 'off':<3} {lay.recompute:<8} "
-            f"{p.step_s:8.3f} {p.tokens_per_s:10.4g} {100 * p.mfu:5.1f}% {p.mem_gib:8.2f} "
-            f"{100 * p.bubble:6.1f}% {100 * p.exposed_comm:5.1f}%")
+    return (
+        f"{k:>3} {label:<34} {lay.schedule:<18} {'on' if lay.overlap else 'off':<3} {lay.recompute:<8} "
+        f"{p.step_s:8.3f} {p.tokens_per_s:10.4g} {100 * p.mfu:5.1f}% {p.mem_gib:8.2f} "
+        f"{100 * p.bubble:6.1f}% {100 * p.exposed_comm:5.1f}%"
+    )
 
 
 def format_table(preds: tuple[Prediction, ...] | list[Prediction], start: int = 1) -> str:
@@ -83,8 +102,12 @@ def format_table(preds: tuple[Prediction, ...] | list[Prediction], start: int = 
 def _parts(p: Prediction) -> dict[str, float]:
     t = p.times
     compute = t["busy_mean"] - p.exposed_comm * p.step_s + t["dp_exposed"]
-    return {"compute": max(compute, 0.0), "bubble": t["bubble"], "exposed communication": p.exposed_comm * p.step_s,
-            "optimizer": t["optimizer"]}
+    return {
+        "compute": max(compute, 0.0),
+        "bubble": t["bubble"],
+        "exposed communication": p.exposed_comm * p.step_s,
+        "optimizer": t["optimizer"],
+    }
 
 
 def why(first: Prediction, second: Prediction) -> str:
@@ -94,9 +117,11 @@ def why(first: Prediction, second: Prediction) -> str:
     gain = second.step_s - first.step_s
     main = [f"{k} {a[k]:.3g} s vs {b[k]:.3g} s" for d, k in diffs if d > 0.05 * max(gain, 1e-12)][:2]
     lost = [f"{k} +{-d:.3g} s" for d, k in diffs if d < -0.05 * max(gain, 1e-12)][:1]
-    text = (f"{first.layout.label()} {first.layout.schedule} beats {second.layout.label()} "
-            f"{second.layout.schedule} by {gain:.3g} s/step ({100 * gain / second.step_s:.1f}%): "
-            + (", ".join(main) if main else "about equal in every part"))
+    text = (
+        f"{first.layout.label()} {first.layout.schedule} beats {second.layout.label()} "
+        f"{second.layout.schedule} by {gain:.3g} s/step ({100 * gain / second.step_s:.1f}%): "
+        + (", ".join(main) if main else "about equal in every part")
+    )
     if lost:
         text += f"; it pays {', '.join(lost)}"
     if first.mem_gib < second.mem_gib:
@@ -107,20 +132,22 @@ def why(first: Prediction, second: Prediction) -> str:
 def explain(p: Prediction) -> str:
     """A breakdown of one prediction: step parts, per-layer times, all-to-all bytes, memory per part."""
     lay, t = p.layout, p.times
-    lines = [f"layout {lay.label()}, schedule {lay.schedule} (vpp {lay.vpp}), fb overlap "
-             f"{'on' if lay.overlap else 'off'}, recompute {lay.recompute}, {p.microbatches} microbatches per rank",
-             f"  step {p.step_s:.4g} s = pipeline {t['pipeline']:.4g} s (busy {t['busy_mean']:.4g}, bubble "
-             f"{t['bubble']:.4g}) + exposed DP reduce {t['dp_exposed']:.4g} s + optimizer {t['optimizer']:.4g} s",
-             f"  {p.tokens_per_s:.4g} tokens/s, MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble:.1f}%, exposed "
-             f"communication {100 * p.exposed_comm:.1f}%",
-             f"  per chunk and microbatch (max): F {t['f_chunk_max']:.4g} s, I {t['i_chunk_max']:.4g} s, W "
-             f"{t['w_chunk_max']:.4g} s; recompute {t['recompute_per_layer']:.3g} s and TP collectives "
-             f"{t['tp_comm_per_layer']:.3g} s per MoE layer",
-             f"  all-to-all per MoE layer (one dispatch): {t['a2a_per_layer'] * 1e3:.3g} ms, bytes per rank "
-             + ", ".join(f"{k} {v / 2**20:.3g} MiB" for k, v in p.a2a_bytes.items()),
-             f"  P2P per microbatch {t['p2p'] * 1e3:.3g} ms; DP gradient reduce {t['dp_reduce']:.4g} s",
-             f"  memory per device {p.mem_gib:.2f} GiB: "
-             + ", ".join(f"{k} {v:.2f}" for k, v in p.memory.items())]
+    lines = [
+        f"layout {lay.label()}, schedule {lay.schedule} (vpp {lay.vpp}), fb overlap "
+        f"{'on' if lay.overlap else 'off'}, recompute {lay.recompute}, "
+        f"{p.microbatches} microbatches per rank",
+        f"  step {p.step_s:.4g} s = pipeline {t['pipeline']:.4g} s (busy {t['busy_mean']:.4g}, bubble "
+        f"{t['bubble']:.4g}) + exposed DP reduce {t['dp_exposed']:.4g} s + optimizer {t['optimizer']:.4g} s",
+        f"  {p.tokens_per_s:.4g} tokens/s, MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble:.1f}%, exposed "
+        f"communication {100 * p.exposed_comm:.1f}%",
+        f"  per chunk and microbatch (max): F {t['f_chunk_max']:.4g} s, I {t['i_chunk_max']:.4g} s, W "
+        f"{t['w_chunk_max']:.4g} s; recompute {t['recompute_per_layer']:.3g} s and TP collectives "
+        f"{t['tp_comm_per_layer']:.3g} s per MoE layer",
+        f"  all-to-all per MoE layer (one dispatch): {t['a2a_per_layer'] * 1e3:.3g} ms, bytes per rank "
+        + ", ".join(f"{k} {v / 2**20:.3g} MiB" for k, v in p.a2a_bytes.items()),
+        f"  P2P per microbatch {t['p2p'] * 1e3:.3g} ms; DP gradient reduce {t['dp_reduce']:.4g} s",
+        f"  memory per device {p.mem_gib:.2f} GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in p.memory.items()),
+    ]
     return "\n".join(lines)
 
 
@@ -130,8 +157,8 @@ def parse_label(text: str) -> dict[str, object]:
     keys = {"tp": "tp", "pp": "pp", "ep": "ep", "vpp": "vpp", "dp": "dp", "mb": "micro_batch"}
     for word in text.replace(",", " ").split():
         for prefix in sorted(keys, key=len, reverse=True):
-            if word.startswith(prefix) and word[len(prefix):].isdigit():
-                out[keys[prefix]] = int(word[len(prefix):])
+            if word.startswith(prefix) and word[len(prefix) :].isdigit():
+                out[keys[prefix]] = int(word[len(prefix) :])
                 break
         else:
             if word == "hier":

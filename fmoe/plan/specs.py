@@ -35,14 +35,23 @@ def _positive_ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> Non
             raise PlanError(f"{type(obj).__name__}.{name} must be an int >= {minimum}, got {v!r}")
 
 
-def _positive_reals(obj: object, names: tuple[str, ...], *, allow_zero: bool = False, upper: float | None = None,
-                    ) -> None:
+def _positive_reals(
+    obj: object,
+    names: tuple[str, ...],
+    *,
+    allow_zero: bool = False,
+    upper: float | None = None,
+) -> None:
     for name in names:
         v = getattr(obj, name)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         ok = ok and (v >= 0 if allow_zero else v > 0) and (upper is None or v <= upper)
         if not ok:
-            rng = f"in {'[' if allow_zero else '('}0, {upper:g}]" if upper else (">= 0" if allow_zero else "> 0")
+            rng = (
+                f"in {'[' if allow_zero else '('}0, {upper:g}]"
+                if upper
+                else (">= 0" if allow_zero else "> 0")
+            )
             raise PlanError(f"{type(obj).__name__}.{name} must be a finite number {rng}, got {v!r}")
 
 
@@ -84,10 +93,35 @@ class ModelSpec:
     dtype: str = "bf16"
 
     def __post_init__(self) -> None:
-        _positive_ints(self, ("layers", "hidden", "heads", "head_dim", "vocab", "seq", "routed_experts", "top_k",
-                              "expert_ffn"))
-        _positive_ints(self, ("kv_heads", "dense_layers", "dense_ffn", "shared_experts", "mtp", "q_lora_rank",
-                              "kv_lora_rank", "qk_rope_dim", "v_head_dim"), minimum=0)
+        _positive_ints(
+            self,
+            (
+                "layers",
+                "hidden",
+                "heads",
+                "head_dim",
+                "vocab",
+                "seq",
+                "routed_experts",
+                "top_k",
+                "expert_ffn",
+            ),
+        )
+        _positive_ints(
+            self,
+            (
+                "kv_heads",
+                "dense_layers",
+                "dense_ffn",
+                "shared_experts",
+                "mtp",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_rope_dim",
+                "v_head_dim",
+            ),
+            minimum=0,
+        )
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.dense_ffn == 0:
@@ -149,20 +183,27 @@ class ClusterSpec:
         _positive_ints(self, ("devices_per_node",))
         _positive_ints(self, ("gemm_half_dim",), minimum=0)
         _positive_reals(self, ("mem_gib", "intra_bytes_per_s", "inter_bytes_per_s", "hbm_bytes_per_s"))
-        _positive_reals(self, ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s",
-                               "base_mem_gib"), allow_zero=True)
+        _positive_reals(
+            self,
+            ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib"),
+            allow_zero=True,
+        )
         _positive_reals(self, ("gemm_eff", "attn_eff"), upper=1.0)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise PlanError(f"ClusterSpec.peak_flops must map a dtype to FLOP/s, got {self.peak_flops!r}")
         for dtype, flops in self.peak_flops.items():
             if dtype not in DTYPE_BYTES or not isinstance(flops, (int, float)) or not flops > 0:
-                raise PlanError(f"ClusterSpec.peak_flops[{dtype!r}] must be a dtype of {', '.join(DTYPE_BYTES)} "
-                                f"with FLOP/s > 0, got {flops!r}")
+                raise PlanError(
+                    f"ClusterSpec.peak_flops[{dtype!r}] must be a dtype of {', '.join(DTYPE_BYTES)} "
+                    f"with FLOP/s > 0, got {flops!r}"
+                )
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; PlanError if this cluster gives none."""
         if dtype not in self.peak_flops:
-            raise PlanError(f"cluster {self.name} gives no peak FLOP/s for {dtype} (has {', '.join(self.peak_flops)})")
+            raise PlanError(
+                f"cluster {self.name} gives no peak FLOP/s for {dtype} (has {', '.join(self.peak_flops)})"
+            )
         return float(self.peak_flops[dtype])
 
     def replace(self, **changes: Any) -> ClusterSpec:
@@ -172,9 +213,25 @@ class ClusterSpec:
 
 def _deepseek_like(name: str, hidden: int, **kw: Any) -> ModelSpec:
     # DeepSeek-V3's MLA sizes: 128 heads, q_lora 1536, kv_lora 512, qk 128 + rope 64, v 128
-    base = dict(name=name, layers=61, hidden=hidden, heads=128, head_dim=128, qk_rope_dim=64, v_head_dim=128,
-                q_lora_rank=1536, kv_lora_rank=512, dense_layers=3, dense_ffn=18432, routed_experts=256,
-                shared_experts=1, top_k=8, expert_ffn=2048, mtp=1, seq=4096)
+    base = dict(
+        name=name,
+        layers=61,
+        hidden=hidden,
+        heads=128,
+        head_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        dense_layers=3,
+        dense_ffn=18432,
+        routed_experts=256,
+        shared_experts=1,
+        top_k=8,
+        expert_ffn=2048,
+        mtp=1,
+        seq=4096,
+    )
     base.update(kw)
     return ModelSpec(**base)
 
@@ -187,11 +244,33 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # and vocabulary; DeepSeek-V3's are assumed (they give 718B total within 1%), vocab of openPangu (153376).
     "pangu-ultra-moe": _deepseek_like("pangu-ultra-moe", 7680, vocab=153376, seq=8192),
     # Mixtral of Experts: 32 layers, hidden 4096, 32 heads / 8 kv, 8 experts of 14336, top-2; 46.7B / 12.9B
-    "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-                              vocab=32000, seq=4096, routed_experts=8, top_k=2, expert_ffn=14336),
+    "mixtral-8x7b": ModelSpec(
+        name="mixtral-8x7b",
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=32000,
+        seq=4096,
+        routed_experts=8,
+        top_k=2,
+        expert_ffn=14336,
+    ),
     # Qwen3-30B-A3B: 48 layers, hidden 2048, 32 heads / 4 kv of 128, 128 experts of 768, top-8; 30.5B / 3.3B
-    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
-                               vocab=151936, seq=4096, routed_experts=128, top_k=8, expert_ffn=768),
+    "qwen3-30b-a3b": ModelSpec(
+        name="qwen3-30b-a3b",
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        seq=4096,
+        routed_experts=128,
+        top_k=8,
+        expert_ffn=768,
+    ),
 }
 
 
@@ -201,11 +280,24 @@ def train_preset_model(name: str) -> ModelSpec:
 
     tc = TrainConfig.from_sources(preset=name)
     cfg = tc.model()
-    return ModelSpec(name=f"train-{name}", layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads,
-                     kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size, seq=tc.seq_length,
-                     dense_layers=cfg.num_dense_layers, dense_ffn=cfg.d_ff_dense,
-                     routed_experts=cfg.moe.num_experts, shared_experts=cfg.moe.num_shared_experts,
-                     top_k=cfg.moe.top_k, expert_ffn=cfg.moe.d_ff, mtp=int(cfg.mtp), dtype="fp32")
+    return ModelSpec(
+        name=f"train-{name}",
+        layers=cfg.n_layers,
+        hidden=cfg.d_model,
+        heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab=cfg.vocab_size,
+        seq=tc.seq_length,
+        dense_layers=cfg.num_dense_layers,
+        dense_ffn=cfg.d_ff_dense,
+        routed_experts=cfg.moe.num_experts,
+        shared_experts=cfg.moe.num_shared_experts,
+        top_k=cfg.moe.top_k,
+        expert_ffn=cfg.moe.d_ff,
+        mtp=int(cfg.mtp),
+        dtype="fp32",
+    )
 
 
 def _gbps(x: float) -> float:
@@ -216,23 +308,64 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     # Atlas 800T A2: 8 x Ascend 910B (64 GB HBM, ~313 TFLOP/s fp16/bf16), HCCS ~56 GB/s per link inside
     # a node (~196 GB/s per NPU over the full mesh, about half usable one way for all-to-all), 200 Gb/s
     # RoCE per NPU across nodes.
-    "ascend-910b": ClusterSpec(name="ascend-910b", devices_per_node=8, peak_flops={"bf16": 313e12, "fp16": 313e12,
-                               "fp32": 78e12}, mem_gib=64, intra_bytes_per_s=90e9, inter_bytes_per_s=_gbps(200),
-                               intra_latency_s=10e-6, inter_latency_s=20e-6, gemm_eff=0.65, attn_eff=0.45,
-                               hbm_bytes_per_s=1.6e12, comm_overhead_s=20e-6, base_mem_gib=3.0),
+    "ascend-910b": ClusterSpec(
+        name="ascend-910b",
+        devices_per_node=8,
+        peak_flops={"bf16": 313e12, "fp16": 313e12, "fp32": 78e12},
+        mem_gib=64,
+        intra_bytes_per_s=90e9,
+        inter_bytes_per_s=_gbps(200),
+        intra_latency_s=10e-6,
+        inter_latency_s=20e-6,
+        gemm_eff=0.65,
+        attn_eff=0.45,
+        hbm_bytes_per_s=1.6e12,
+        comm_overhead_s=20e-6,
+        base_mem_gib=3.0,
+    ),
     # H800 SXM: 989 TFLOP/s bf16 dense, 80 GB, NVLink cut to 400 GB/s (160 GB/s achievable, DeepSeek-V3
     # 3.2.2), 400 Gb/s InfiniBand per GPU (~40 GB/s achievable).
-    "h800": ClusterSpec(name="h800", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                        mem_gib=80, intra_bytes_per_s=160e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
-                        hbm_bytes_per_s=3.35e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+    "h800": ClusterSpec(
+        name="h800",
+        devices_per_node=8,
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        mem_gib=80,
+        intra_bytes_per_s=160e9,
+        inter_bytes_per_s=40e9,
+        gemm_eff=0.7,
+        attn_eff=0.5,
+        hbm_bytes_per_s=3.35e12,
+        comm_overhead_s=10e-6,
+        base_mem_gib=2.0,
+    ),
     # H100 SXM: NVLink 900 GB/s both ways (~370 GB/s one way achievable), 400 Gb/s IB per GPU
-    "h100": ClusterSpec(name="h100", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                        mem_gib=80, intra_bytes_per_s=370e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
-                        hbm_bytes_per_s=3.35e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+    "h100": ClusterSpec(
+        name="h100",
+        devices_per_node=8,
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        mem_gib=80,
+        intra_bytes_per_s=370e9,
+        inter_bytes_per_s=40e9,
+        gemm_eff=0.7,
+        attn_eff=0.5,
+        hbm_bytes_per_s=3.35e12,
+        comm_overhead_s=10e-6,
+        base_mem_gib=2.0,
+    ),
     # H200 SXM: H100's compute with 141 GB HBM3e at 4.8 TB/s
-    "h200": ClusterSpec(name="h200", devices_per_node=8, peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                        mem_gib=141, intra_bytes_per_s=370e9, inter_bytes_per_s=40e9, gemm_eff=0.7, attn_eff=0.5,
-                        hbm_bytes_per_s=4.8e12, comm_overhead_s=10e-6, base_mem_gib=2.0),
+    "h200": ClusterSpec(
+        name="h200",
+        devices_per_node=8,
+        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+        mem_gib=141,
+        intra_bytes_per_s=370e9,
+        inter_bytes_per_s=40e9,
+        gemm_eff=0.7,
+        attn_eff=0.5,
+        hbm_bytes_per_s=4.8e12,
+        comm_overhead_s=10e-6,
+        base_mem_gib=2.0,
+    ),
 }
 
 TRAIN_PRESETS = ("tiny", "small")
@@ -246,8 +379,10 @@ def model_names() -> tuple[str, ...]:
 def _read_toml(path: str, what: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise PlanError(f"--{what}: no preset or file {path!r} (presets: "
-                        f"{', '.join(model_names() if what == 'model' else (*CLUSTER_PRESETS, 'local'))})")
+        raise PlanError(
+            f"--{what}: no preset or file {path!r} (presets: "
+            f"{', '.join(model_names() if what == 'model' else (*CLUSTER_PRESETS, 'local'))})"
+        )
     try:
         return {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
     except tomllib.TOMLDecodeError as exc:
@@ -258,7 +393,9 @@ def _build(cls: type, values: dict[str, Any], what: str) -> Any:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise PlanError(f"--{what}: unknown field(s) {', '.join(unknown)}; fields are {', '.join(sorted(fields))}")
+        raise PlanError(
+            f"--{what}: unknown field(s) {', '.join(unknown)}; fields are {', '.join(sorted(fields))}"
+        )
     try:
         return cls(**values)
     except TypeError as exc:  # a missing required field
