@@ -338,35 +338,12 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         comm_overhead_s=10e-6,
         base_mem_gib=2.0,
     ),
-    # H100 SXM: NVLink 900 GB/s both ways (~370 GB/s one way achievable), 400 Gb/s IB per GPU
-    "h100": ClusterSpec(
-        name="h100",
-        devices_per_node=8,
-        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-        mem_gib=80,
-        intra_bytes_per_s=370e9,
-        inter_bytes_per_s=40e9,
-        gemm_eff=0.7,
-        attn_eff=0.5,
-        hbm_bytes_per_s=3.35e12,
-        comm_overhead_s=10e-6,
-        base_mem_gib=2.0,
-    ),
-    # H200 SXM: H100's compute with 141 GB HBM3e at 4.8 TB/s
-    "h200": ClusterSpec(
-        name="h200",
-        devices_per_node=8,
-        peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-        mem_gib=141,
-        intra_bytes_per_s=370e9,
-        inter_bytes_per_s=40e9,
-        gemm_eff=0.7,
-        attn_eff=0.5,
-        hbm_bytes_per_s=4.8e12,
-        comm_overhead_s=10e-6,
-        base_mem_gib=2.0,
-    ),
 }
+
+# H100 SXM: H800's compute with full NVLink, 900 GB/s both ways (~370 GB/s one way achievable)
+CLUSTER_PRESETS["h100"] = CLUSTER_PRESETS["h800"].replace(name="h100", intra_bytes_per_s=370e9)
+# H200 SXM: H100 with 141 GB HBM3e at 4.8 TB/s
+CLUSTER_PRESETS["h200"] = CLUSTER_PRESETS["h100"].replace(name="h200", mem_gib=141, hbm_bytes_per_s=4.8e12)
 
 TRAIN_PRESETS = ("tiny", "small")
 
@@ -389,13 +366,26 @@ def _read_toml(path: str, what: str) -> dict[str, Any]:
         raise PlanError(f"--{what} {path}: {exc}") from None
 
 
-def _build(cls: type, values: dict[str, Any], what: str) -> Any:
+def _check_fields(cls: type, values: dict[str, Any], what: str) -> None:
+    """Raises PlanError naming the keys of `values` that are not fields of `cls`; returns None."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise PlanError(
             f"--{what}: unknown field(s) {', '.join(unknown)}; fields are {', '.join(sorted(fields))}"
         )
+
+
+def _base_of(values: dict[str, Any], what: str) -> str | None:
+    """Pops and returns the `base` key of a TOML file's values (PlanError unless it is a string)."""
+    base = values.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise PlanError(f"--{what}: base must be a preset name or a file path (a string), got {base!r}")
+    return base
+
+
+def _build(cls: type, values: dict[str, Any], what: str) -> Any:
+    _check_fields(cls, values, what)
     try:
         return cls(**values)
     except TypeError as exc:  # a missing required field
@@ -411,8 +401,9 @@ def load_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> Mo
         spec = train_preset_model(name_or_path)
     else:
         values = _read_toml(name_or_path, "model")
-        base = values.pop("base", None)
+        base = _base_of(values, "model")
         if base is not None:
+            _check_fields(ModelSpec, values, "model")  # else dataclasses.replace raises a bare TypeError
             spec = load_model(base).replace(**{"name": Path(name_or_path).stem, **values})
         else:
             spec = _build(ModelSpec, {"name": Path(name_or_path).stem, **values}, "model")
@@ -430,8 +421,9 @@ def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None) -> 
         spec = local_cluster()
     else:
         values = _read_toml(name_or_path, "cluster")
-        base = values.pop("base", None)
+        base = _base_of(values, "cluster")
         if base is not None:
+            _check_fields(ClusterSpec, values, "cluster")  # else dataclasses.replace raises a bare TypeError
             spec = load_cluster(base).replace(**{"name": Path(name_or_path).stem, **values})
         else:
             spec = _build(ClusterSpec, {"name": Path(name_or_path).stem, **values}, "cluster")
