@@ -229,7 +229,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     s_full = L.build_schedule(
         lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16), max(lay.vpp, 1)
     )
-    chunks, layers_C = _chunks(ctx, lay, s_full)
+    _, layers_C = _chunks(ctx, lay, s_full)
     dense_blk, moe_blk = block_cost(model, False), block_cost(model, True)
     emb, head = embed_cost(model), head_cost(model)
     ph_dense, ph_moe = _layer_phases(ctx, lay, dense_blk), _layer_phases(ctx, lay, moe_blk)
@@ -292,8 +292,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     exp_shard = lay.dp if lay.zero1 else 1
     act_S = tuple(chunk_act[k] for k in stage_chunk)
     wb_S = tuple(chunk_wb[k] for k in stage_chunk)
-    s_mem = s_full
-    act_peak = peak_bytes(s_mem, act_S, wb_S)
+    act_peak = peak_bytes(s_full, act_S, wb_S)
     temp = 2 * T / lay.tp * model.top_k * model.hidden * b * load  # all-to-all send + receive buffers
     if lay.recompute == "full":
         temp += max(moe_blk.act_bytes, dense_blk.act_bytes) * T / lay.tp

@@ -392,6 +392,17 @@ def _build(cls: type, values: dict[str, Any], what: str) -> Any:
         raise PlanError(f"--{what}: {exc}") from None
 
 
+def _from_toml(path: str, cls: type, what: str, load: Any) -> Any:
+    """The spec a TOML file describes: its fields over `base = "preset"` (loaded by `load`), or alone."""
+    values = _read_toml(path, what)
+    base = _base_of(values, what)
+    fields = {"name": Path(path).stem, **values}
+    if base is None:
+        return _build(cls, fields, what)
+    _check_fields(cls, values, what)  # else dataclasses.replace raises a bare TypeError
+    return load(base).replace(**fields)
+
+
 def load_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
     """Returns the ModelSpec of a preset name (`model_names()`) or a TOML file (a preset's fields via
     `base = "deepseek-v3"`, then any field), with `overrides` applied last. PlanError on a bad spec."""
@@ -400,13 +411,7 @@ def load_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> Mo
     elif name_or_path in TRAIN_PRESETS:
         spec = train_preset_model(name_or_path)
     else:
-        values = _read_toml(name_or_path, "model")
-        base = _base_of(values, "model")
-        if base is not None:
-            _check_fields(ModelSpec, values, "model")  # else dataclasses.replace raises a bare TypeError
-            spec = load_model(base).replace(**{"name": Path(name_or_path).stem, **values})
-        else:
-            spec = _build(ModelSpec, {"name": Path(name_or_path).stem, **values}, "model")
+        spec = _from_toml(name_or_path, ModelSpec, "model", load_model)
     return spec.replace(**overrides) if overrides else spec
 
 
@@ -420,11 +425,5 @@ def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None) -> 
 
         spec = local_cluster()
     else:
-        values = _read_toml(name_or_path, "cluster")
-        base = _base_of(values, "cluster")
-        if base is not None:
-            _check_fields(ClusterSpec, values, "cluster")  # else dataclasses.replace raises a bare TypeError
-            spec = load_cluster(base).replace(**{"name": Path(name_or_path).stem, **values})
-        else:
-            spec = _build(ClusterSpec, {"name": Path(name_or_path).stem, **values}, "cluster")
+        spec = _from_toml(name_or_path, ClusterSpec, "cluster", load_cluster)
     return spec.replace(**overrides) if overrides else spec
