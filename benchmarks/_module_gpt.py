@@ -242,7 +242,7 @@ class MoE(nn.Module):
         order_N = torch.argsort(ids_N, stable=True)
         y_RD = self.experts(x_TD.index_select(0, order_N // K), counts_E)
         y_TKD = y_RD.new_empty(T * K, D).index_copy(0, order_N, y_RD).view(T, K, D)
-        y_TD = torch.bmm(probs_TK.unsqueeze(1), y_TKD.to(ct)).squeeze(1).to(x_TD.dtype)
+        y_TD = (y_TKD.to(ct) * probs_TK.unsqueeze(-1)).sum(1).to(x_TD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
 

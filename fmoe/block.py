@@ -38,7 +38,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from einops import rearrange
 
 from fmoe.config import GPTConfig
 from fmoe.dense import init_swiglu_mlp, swiglu_mlp
@@ -96,11 +95,12 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
         check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
     H, G = cfg.n_heads, cfg.n_kv_heads
     h_BSD = rms_norm(x_BSD, params["attn_norm"], cfg.norm_eps)
-    q_BSHd = rearrange(linear(h_BSD, params["w_q"]), "b s (h d) -> b s h d", h=H)
-    k_BSGd = rearrange(linear(h_BSD, params["w_k"]), "b s (g d) -> b s g d", g=G)
-    v_BSGd = rearrange(linear(h_BSD, params["w_v"]), "b s (g d) -> b s g d", g=G)
+    # Heads split off the feature axis ([B, S, H*d] -> [B, S, H, d]) and merged back after attention.
+    q_BSHd = linear(h_BSD, params["w_q"]).unflatten(-1, (H, cfg.head_dim))
+    k_BSGd = linear(h_BSD, params["w_k"]).unflatten(-1, (G, cfg.head_dim))
+    v_BSGd = linear(h_BSD, params["w_v"]).unflatten(-1, (G, cfg.head_dim))
     o_BSHd = attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
-    return x_BSD + linear(rearrange(o_BSHd, "b s h d -> b s (h d)"), params["w_o"])
+    return x_BSD + linear(o_BSHd.flatten(-2), params["w_o"])
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
@@ -121,7 +121,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     S = x_BSD.shape[1]
     seq_len = S or None  # S = 0: no tokens (T = 0), no sequence to split
     r_BSD = self_attention(params, x_BSD, cfg, check=False)
-    h_TD = rearrange(rms_norm(r_BSD, params["mlp_norm"], cfg.norm_eps), "b s d -> (b s) d")
+    h_TD = rms_norm(r_BSD, params["mlp_norm"], cfg.norm_eps).flatten(0, 1)  # tokens t = b * S + s
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
     if permute_tokens:
         x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, seq_len,

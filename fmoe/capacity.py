@@ -128,8 +128,10 @@ def forecast_capacity(history_W: torch.Tensor, margin: float = 1.0) -> int:
 
 
 def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
-                state: dict[str, Any] | None = None) -> tuple[Layout, CapacityInfo]:
-    """Return (layout, info) for the capacity mode of `cfg` (see the module docstring for host syncs)."""
+                state: dict[str, Any] | None = None,
+                counts_E: torch.Tensor | None = None) -> tuple[Layout, CapacityInfo]:
+    """Return (layout, info) for the capacity mode of `cfg` (see the module docstring for host syncs).
+    `counts_E`: the router's pairs per expert (bincount of ids_TK), reused by the dropless layout."""
     T, K = ids_TK.shape
     E = cfg.num_experts
     zero = torch.zeros((), dtype=torch.int64, device=ids_TK.device)
@@ -156,7 +158,8 @@ def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
                      "capacity_steps": cap_state["capacity_steps"] + 1}
         return layout, CapacityInfo(capacity=C, dropped=dropped, missed=not fits, new_state=new_state)
     if cfg.capacity_factor is None:
-        return sort_layout(ids_TK, E), CapacityInfo(capacity=None, dropped=zero, missed=None, new_state={})
+        return sort_layout(ids_TK, E, counts_E), CapacityInfo(capacity=None, dropped=zero, missed=None,
+                                                               new_state={})
     C = capacity_for(cfg, T)
     layout, dropped = drop_layout(ids_TK, probs_TK, E, C, cfg.drop_policy, cfg.pad_to_capacity)
     return layout, CapacityInfo(capacity=C, dropped=dropped, missed=None, new_state={})

@@ -69,7 +69,7 @@ class MoEAux:
 
     loss: differentiable scalar, the sum of the balancing losses (add it to the training loss);
     losses: {"aux", "seq_aux", "z"} detached scalars (for logging); tokens_per_expert_E: int64 [E] load;
-    dropped: int64 scalar; max_over_mean: float scalar max load / mean load; new_state: next state;
+    dropped: int64 scalar; max_over_mean (property): float scalar max load / mean load; new_state: next state;
     remat: whether the expert activations were rematerialised; capacity: C or None;
     capacity_missed: dynamic-capacity miss this step (None if not dynamic).
     """
@@ -78,11 +78,16 @@ class MoEAux:
     losses: dict[str, torch.Tensor]
     tokens_per_expert_E: torch.Tensor
     dropped: torch.Tensor
-    max_over_mean: torch.Tensor
     new_state: dict[str, torch.Tensor]
     remat: bool
     capacity: int | None
     capacity_missed: bool | None
+
+    @property
+    def max_over_mean(self) -> torch.Tensor:
+        """Float scalar max load / mean load of tokens_per_expert_E (computed when read: a training step
+        sums the loads of its microbatches first, so most layers never need it)."""
+        return max_over_mean(self.tokens_per_expert_E)
 
 
 def _load_spec(cfg: MoEConfig) -> Leaf:
@@ -169,7 +174,7 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=x_TD.device)
         state = {**state, "expert_bias_E": zeros_E}
     r = route(params["router"], x_TD, cfg, state, seq_len, check=False)
-    layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state)
+    layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state, r.counts_E)
     new_state = dict(cap.new_state)
     if "expert_bias_E" in state:
         new_state["expert_bias_E"] = update_expert_bias(state["expert_bias_E"], r.counts_E,
@@ -249,9 +254,8 @@ def combine_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERo
 def make_aux(loss: torch.Tensor, route: MoERoute) -> MoEAux:
     """Assemble the `MoEAux` of a layer from its differentiable loss and routing metadata."""
     return MoEAux(loss=loss, losses=dict(route.losses), tokens_per_expert_E=route.tokens_per_expert_E,
-                  dropped=route.dropped, max_over_mean=max_over_mean(route.tokens_per_expert_E),
-                  new_state=route.new_state, remat=route.remat, capacity=route.capacity,
-                  capacity_missed=route.capacity_missed)
+                  dropped=route.dropped, new_state=route.new_state, remat=route.remat,
+                  capacity=route.capacity, capacity_missed=route.capacity_missed)
 
 
 def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,

@@ -35,7 +35,8 @@ class Routing:
     ids_TK: int64 [T, K] chosen experts per token (best first).
     probs_TK: float [T, K] gate weights (router compute dtype), differentiable w.r.t. the router weight.
     counts_E: int64 [E] (token, slot) pairs per expert, before any capacity drop (the load).
-    losses: {"aux", "seq_aux", "z"} -> differentiable scalars (0 when the coefficient is 0).
+    losses: {"aux", "seq_aux", "z"} -> scalars, differentiable when active (an exact 0 when its
+    coefficient is 0).
     loss: scalar, the sum of `losses`.
     """
 
@@ -125,12 +126,18 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
     # Balance losses see a distribution over experts per token: sigmoid scores are normalised first.
     dist_TE = scores_TE if cfg.score_func == "softmax" else (
         scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny))
-    zero = graph_zero(logits_TE)  # an exact zero on the router's graph (and dtype), whatever the logits
-    losses = {
-        "aux": aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef) if cfg.aux_loss_coef else zero,
-        "seq_aux": (seq_aux_loss(dist_TE, ids_TK, T if seq_len is None else seq_len, cfg.seq_aux_loss_coef)
-                    if cfg.seq_aux_loss_coef and T else zero),
-        "z": z_loss(logits_TE, cfg.z_loss_coef) if cfg.z_loss_coef else zero,
-    }
-    loss = losses["aux"] + losses["seq_aux"] + losses["z"]
+    active = {}
+    if cfg.aux_loss_coef:
+        active["aux"] = aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef)
+    if cfg.seq_aux_loss_coef and T:
+        active["seq_aux"] = seq_aux_loss(dist_TE, ids_TK, T if seq_len is None else seq_len,
+                                         cfg.seq_aux_loss_coef)
+    if cfg.z_loss_coef:
+        active["z"] = z_loss(logits_TE, cfg.z_loss_coef)
+    # A switched-off loss is an exact zero; the total sums the active ones only (an exact zero on the
+    # router's graph when none is: its gradient is zero and it reads no value of the logits).
+    zero = logits_TE.new_zeros(())
+    losses = {name: active.get(name, zero) for name in ("aux", "seq_aux", "z")}
+    parts = list(active.values())
+    loss = sum(parts[1:], parts[0]) if parts else graph_zero(logits_TE)
     return Routing(ids_TK=ids_TK, probs_TK=probs_TK, counts_E=counts_E, losses=losses, loss=loss)

@@ -89,11 +89,19 @@ def test_layout_permute_unpermute_match_loops(case, mode) -> None:
     p_R = permute_probs(probs_TK, layout)
     assert_close(p_R, loop_permute(probs_TK.reshape(-1, 1), [[(t * K + k, 0) for t, k in m] for m in per], C,
                                    pad).reshape(-1))
-    if T:
-        check_vjp(lambda x: permute(x, layout), x_TD)
-        check_vjp(lambda y, p: unpermute(y, p, layout), y_RD, probs_TK)
-        check_vjp(lambda y: unpermute(y, None, layout), y_RD)
-        check_vjp(lambda p: permute_probs(p, layout), probs_TK)
+    if T:  # torch.func runs the gather-only Functions; plain autograd on CPU runs aten's index_select
+        for vjp in (torch.func.vjp, autograd_vjp):
+            check_vjp(lambda x: permute(x, layout), x_TD, vjp=vjp)
+            check_vjp(lambda y, p: unpermute(y, p, layout), y_RD, probs_TK, vjp=vjp)
+            check_vjp(lambda y: unpermute(y, None, layout), y_RD, vjp=vjp)
+            check_vjp(lambda p: permute_probs(p, layout), probs_TK, vjp=vjp)
+
+
+def autograd_vjp(f, *primals):
+    """Adapter: plain tape autograd as a vjp (for check_vjp): (out, cotangent -> input grads)."""
+    leaves = [p.detach().requires_grad_(True) for p in primals]
+    out = f(*leaves)
+    return out.detach(), lambda c: torch.autograd.grad(out, leaves, c, allow_unused=True)
 
 
 def test_permute_is_a_stable_sort() -> None:
@@ -104,14 +112,21 @@ def test_permute_is_a_stable_sort() -> None:
 
 
 def test_permute_backward_is_inverse_permutation_not_scatter() -> None:
-    # The backward of permute builds the input gradient with index_select (a gather), no index_add/scatter.
+    # Off the CPU-autograd fast path (here half precision; devices and torch.func too) the backward of
+    # permute builds the input gradient with index_select (a gather), no index_add/scatter.
     ids_TK = torch.tensor([[1, 0], [0, 1]])
     layout = sort_layout(ids_TK, 2)
-    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True)
     y = permute(x, layout)
     assert type(y.grad_fn).__name__ == "_PermuteBackward"
     (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert_close(g, torch.full_like(x, 2.0))
+    # fp32 on CPU under plain autograd: aten's index_select, whose serial CPU scatter-add is deterministic.
+    x32 = x.detach().float().requires_grad_(True)
+    y32 = permute(x32, layout)
+    assert type(y32.grad_fn).__name__ == "IndexSelectBackward0"
+    (g32,) = torch.autograd.grad(y32, x32, torch.ones_like(y32))
+    assert_close(g32, torch.full_like(x32, 2.0))
 
 
 def test_dynamic_capacity_forecast_and_misses() -> None:

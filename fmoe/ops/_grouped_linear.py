@@ -85,7 +85,16 @@ def _bounds(counts: tuple[int, ...]) -> list[int]:
 
 def _offsets(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # Built from the host list: a host-to-device copy, never a device-to-host sync.
+    if device.type == "cpu":
+        return _cpu_offsets(counts, dtype)
     return torch.tensor(_bounds(counts)[1:], dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cpu_offsets(counts: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Cached on CPU only: an MoE layer's three products and their backward ones share one routing, and
+    # nothing writes to offsets. (A device tensor kept here could be freed under a side stream's kernel.)
+    return torch.tensor(_bounds(counts)[1:], dtype=dtype)
 
 
 # ---- the three products, per backend. a_MK rows grouped by counts ------------------------------
@@ -150,22 +159,27 @@ class _GroupedLinear(Function):
 
 
 def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None) -> str:
-    D, F = w_EDF.shape[1], w_EDF.shape[2]
-    avail = available_backends(x_MD.dtype, x_MD.device)
+    return _backend_for(x_MD.dtype, x_MD.device, w_EDF.shape[1], w_EDF.shape[2], backend)
+
+
+@functools.lru_cache(maxsize=64)
+def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backend: str | None) -> str:
+    """The backend for one (dtype, device, D, F, request); cached, since it is asked once per product."""
+    avail = available_backends(dtype, device)
     if backend is None:
         if "npu" in avail:
             return "npu"
-        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, x_MD.dtype):
+        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, dtype):
             return "grouped_mm"
         return "loop"
     if backend not in BACKENDS:
         raise ValueError(f"grouped_linear: unknown backend {backend!r}; choose one of {BACKENDS} or None")
     if backend not in avail:
-        raise ValueError(f"grouped_linear: backend {backend!r} is not available for {x_MD.dtype} on "
-                         f"{x_MD.device}; available: {avail}")
-    if backend == "grouped_mm" and not _aligned_for_grouped_mm(D, F, x_MD.dtype):
+        raise ValueError(f"grouped_linear: backend {backend!r} is not available for {dtype} on "
+                         f"{device}; available: {avail}")
+    if backend == "grouped_mm" and not _aligned_for_grouped_mm(D, F, dtype):
         raise ValueError(f"grouped_linear: backend 'grouped_mm' needs D and F to be multiples of "
-                         f"16 bytes / itemsize for {x_MD.dtype}, got D={D}, F={F}; use 'loop' or None")
+                         f"16 bytes / itemsize for {dtype}, got D={D}, F={F}; use 'loop' or None")
     return backend
 
 

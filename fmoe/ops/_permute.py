@@ -16,6 +16,11 @@ Every forward and backward is one `index_select` of rows from a source extended 
 (index N//K = T, or R), so padding and dropped pairs read zeros: no scatter, no expanded index, no
 generic index autograd. The backward of permute is the inverse permutation (row_dst) followed by the
 sum over the K slots; the backward of unpermute is the forward permutation (row_src).
+
+Under plain autograd on CPU (no torch.func transform) the same index_selects run as aten ops with
+autograd's own backwards instead: there the scatter-add of index_select's backward is serial, so
+deterministic, and skipping the Python Function saves about 100 us per layer call at small shapes
+(`benchmarks/train.py`). Devices and torch.func keep the gather-only Functions.
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 
-from fmoe._compat import Function
+from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -61,12 +65,14 @@ def _inverse(order_N: torch.Tensor) -> torch.Tensor:
     return inv_N
 
 
-def sort_layout(ids_TK: torch.Tensor, num_experts: int) -> Layout:
-    """Return the dropless layout: pairs stably sorted by expert id (ties keep token order). No host sync."""
+def sort_layout(ids_TK: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None = None) -> Layout:
+    """Return the dropless layout: pairs stably sorted by expert id (ties keep token order). No host sync.
+    `counts_E`: the pairs per expert when the caller has them (the router's load), else counted here."""
     T, K = ids_TK.shape
-    ids_N = rearrange(ids_TK, "t k -> (t k)")  # pair n = t * K + k
+    ids_N = ids_TK.reshape(-1)  # pair n = t * K + k
     order_N = torch.sort(ids_N, stable=True).indices
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    if counts_E is None:
+        counts_E = torch.bincount(ids_N, minlength=num_experts)
     return Layout(row_src_R=order_N, row_dst_N=_inverse(order_N), tok_R=order_N // K, counts_E=counts_E,
                   counts=None, num_tokens=T, top_k=K, full=True)
 
@@ -79,6 +85,22 @@ def _rows(x_XD: torch.Tensor, index_Y: torch.Tensor, full: bool) -> torch.Tensor
     """x_XD[index_Y] where index X means a zero row; `full` (a permutation, no sentinel) skips the
     copy that appends the zero row."""
     return x_XD.index_select(0, index_Y) if full else _zero_row(x_XD).index_select(0, index_Y)
+
+
+def _native(x: torch.Tensor) -> bool:
+    """True when aten's index_select and its autograd backward replace the Functions (module docstring):
+    CPU, in its compute dtype (a half-precision y would be saved upcast), outside torch.func."""
+    return x.device.type == "cpu" and x.dtype == compute_dtype(x.dtype) and not functorch_active()
+
+
+def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.Tensor:
+    """Return y_TD = sum_k probs_TK[t, k] * y_TKD[t, k] (unweighted when probs is None), accumulated in
+    the compute dtype and returned in y's dtype."""
+    acc = compute_dtype(y_TKD.dtype)
+    if probs_TK is None:
+        return y_TKD.to(acc).sum(1).to(y_TKD.dtype)
+    # Multiply then sum over the K slots: a T-batch of [1, K] @ [K, D] bmm is 3x slower on CPU.
+    return (y_TKD.to(acc) * probs_TK.to(acc).unsqueeze(-1)).sum(1).to(y_TKD.dtype)
 
 
 class _Permute(Function):
@@ -102,7 +124,7 @@ class _Permute(Function):
         (row_dst_N,) = ctx.saved_tensors
         # Inverse permutation: the row of each (t, k) pair (dropped pairs read the zero row), then sum over k.
         g_ND = _rows(g_RD, row_dst_N, ctx.full)
-        g_TKD = rearrange(g_ND, "(t k) ... -> t k ...", k=ctx.K)
+        g_TKD = g_ND.unflatten(0, (g_ND.shape[0] // ctx.K, ctx.K))
         if ctx.K == 1:
             dx = g_TKD[:, 0]
         else:
@@ -115,12 +137,7 @@ class _Unpermute(Function):
 
     @staticmethod
     def forward(y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full):
-        y_TKD = rearrange(_rows(y_RD, row_dst_N, full), "(t k) d -> t k d", k=K)
-        acc = compute_dtype(y_RD.dtype)
-        if probs_TK is None:
-            return y_TKD.to(acc).sum(1).to(y_RD.dtype)
-        # [T, 1, K] @ [T, K, D]: the weighted sum over the K slots as one batched matmul.
-        return torch.bmm(probs_TK.to(acc).unsqueeze(1), y_TKD.to(acc)).squeeze(1).to(y_RD.dtype)
+        return _weighted_sum(_rows(y_RD, row_dst_N, full).view(T, K, y_RD.shape[-1]), probs_TK)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -139,12 +156,12 @@ class _Unpermute(Function):
             # Forward permutation: row r gets the cotangent of its token, times its gate weight.
             g_RD = _rows(g_TD, tok_R, ctx.full)
             if ctx.weighted:
-                p_R1 = _rows(rearrange(probs_TK, "t k -> (t k) 1"), row_src_R, ctx.full)
+                p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full)
                 g_RD = (g_RD.to(acc) * p_R1.to(acc)).to(y_RD.dtype)
             dy = g_RD
         if ctx.weighted and ctx.needs_input_grad[1]:
             # d probs[t, k] = <g[t], y[row of (t, k)]>; the rows are re-gathered rather than saved.
-            y_TKD = rearrange(_rows(y_RD, row_dst_N, ctx.full), "(t k) d -> t k d", k=K)
+            y_TKD = _rows(y_RD, row_dst_N, ctx.full).view(row_dst_N.shape[0] // K, K, y_RD.shape[-1])
             dprobs = torch.bmm(y_TKD.to(acc), g_TD.to(acc).unsqueeze(-1)).squeeze(-1).to(probs_TK.dtype)
         return dy, dprobs, None, None, None, None, None, None
 
@@ -153,13 +170,17 @@ def permute(x_TD: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return x_RD: row r is x_TD[layout.tok_R[r]] (zeros for padding rows). Differentiable in x."""
     if x_TD.shape[0] != layout.num_tokens:
         raise ValueError(f"permute: x has {x_TD.shape[0]} rows, layout is for {layout.num_tokens} tokens")
+    if _native(x_TD):
+        return _rows(x_TD, layout.tok_R, layout.full)
     return _Permute.apply(x_TD, layout.tok_R, layout.row_dst_N, layout.top_k, layout.full)
 
 
 def permute_probs(probs_TK: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return probs_R: the gate weight of each layout row (0 for padding rows). Differentiable."""
-    p_N1 = rearrange(probs_TK, "t k -> (t k) 1")
-    return rearrange(_Permute.apply(p_N1, layout.row_src_R, layout.row_dst_N, 1, layout.full), "r 1 -> r")
+    p_N1 = probs_TK.reshape(-1, 1)  # pair n = t * K + k
+    if _native(p_N1):
+        return _rows(p_N1, layout.row_src_R, layout.full).reshape(-1)
+    return _Permute.apply(p_N1, layout.row_src_R, layout.row_dst_N, 1, layout.full).reshape(-1)
 
 
 def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout) -> torch.Tensor:
@@ -173,5 +194,8 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout)
     if probs_TK is not None and probs_TK.shape != (layout.num_tokens, layout.top_k):
         raise ValueError(f"unpermute: probs must be [{layout.num_tokens}, {layout.top_k}], got "
                          f"{tuple(probs_TK.shape)}")
+    if _native(y_RD):
+        T, K = layout.num_tokens, layout.top_k
+        return _weighted_sum(_rows(y_RD, layout.row_dst_N, layout.full).view(T, K, y_RD.shape[-1]), probs_TK)
     return _Unpermute.apply(y_RD, probs_TK, layout.row_src_R, layout.row_dst_N, layout.tok_R,
                             layout.num_tokens, layout.top_k, layout.full)
