@@ -47,6 +47,14 @@ def test_matches_oracle(N, V, dtype, ignore_frac, seed) -> None:
     (d,) = vjp_fn(torch.tensor(1.7, dtype=loss.dtype))
     assert d.dtype == dtype
     assert_close(d, d_ref * 1.7, dtype=dtype)
+    # plain tape autograd: aten's fused cross-entropy, summed over the kept rows / their count
+    lg = logits_NV.detach().requires_grad_(True)
+    loss_ag = cross_entropy(lg, targets_N)
+    assert loss_ag.shape == () and loss_ag.dtype == loss.dtype
+    assert_close(loss_ag, loss_ref, dtype=loss.dtype, scale=5.0)
+    (d_ag,) = torch.autograd.grad(loss_ag, lg, torch.tensor(1.7, dtype=loss.dtype))
+    assert d_ag.dtype == dtype
+    assert_close(d_ag, d_ref * 1.7, dtype=dtype)
 
 
 def test_matches_torch_and_large_logits() -> None:
@@ -88,3 +96,9 @@ def test_custom_ignore_index_and_vmap() -> None:
 def test_errors(logits, targets, match) -> None:
     with pytest.raises(ValueError, match=match):
         cross_entropy(logits, targets)
+
+
+def test_range_error_under_torch_func() -> None:
+    # The Function path (torch.func) checks the targets itself: the same ValueError as aten's path.
+    with pytest.raises(ValueError, match="ignore_index"):
+        torch.func.grad(lambda lg: cross_entropy(lg, torch.tensor([0, 2, 1])))(torch.zeros(3, 2))

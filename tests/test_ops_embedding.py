@@ -55,6 +55,11 @@ def test_matches_loop_oracle(ids_shape, V, D, dtype, seed) -> None:
     assert out.dtype == dtype and out.shape == (*ids_shape, D)
     assert_close(out, out_ref, dtype=dtype)
     assert_close(vjp_fn(ct)[0], dt_ref, dtype=dtype)
+    # plain tape autograd (aten's embedding on CPU for full-precision tables, the Function otherwise)
+    t = table_VD.detach().requires_grad_(True)
+    out_ag = embedding(ids, t)
+    assert_close(out_ag, out_ref, dtype=dtype)
+    assert_close(torch.autograd.grad(out_ag, t, ct)[0], dt_ref, dtype=dtype)
 
     calls = []
     real = emb_mod._table_grad
@@ -126,3 +131,13 @@ def test_vmap_over_tables() -> None:
 def test_errors(ids, table, match) -> None:
     with pytest.raises(ValueError, match=match):
         embedding(ids, table)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_range_error_on_every_path(table_dtype) -> None:
+    # aten's path (fp32 table, plain autograd), the Function (bf16 table) and torch.func: one ValueError.
+    ids, table = torch.tensor([0, 3]), torch.zeros(3, 2, dtype=table_dtype)
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        embedding(ids, table.requires_grad_(True))
+    with pytest.raises(ValueError, match=r"\[0, 3\)"):
+        torch.func.vjp(lambda t: embedding(ids, t), table.detach())

@@ -62,10 +62,12 @@ def embedding(ids_X: torch.Tensor, table_VD: torch.Tensor, *, check_range: bool 
     if table_VD.dim() != 2 or not table_VD.is_floating_point():
         raise ValueError(f"embedding: table must be a floating [V, D] tensor, got {table_VD.dtype} "
                          f"of shape {tuple(table_VD.shape)}")
-    if table_VD.device.type == "cpu" and not (may_defer() or functorch_active()):
-        # Plain autograd on CPU and no tape: aten's embedding, whose backward (a serial, so deterministic,
-        # scatter-add on CPU) is autograd's own; devices keep the Function's index_add_ gradient. aten
-        # bounds-checks the ids itself; its IndexError becomes the ValueError of _check_ids.
+    native = table_VD.device.type == "cpu" and table_VD.dtype == compute_dtype(table_VD.dtype)
+    if native and not (may_defer() or functorch_active()):
+        # Plain autograd on CPU, a full-precision table and no tape: aten's embedding, whose backward (a
+        # serial, so deterministic, scatter-add on CPU) is autograd's own; devices keep the Function's
+        # index_add_, half-precision tables its fp32 sum. aten bounds-checks the ids itself; its
+        # IndexError becomes the ValueError of _check_ids.
         try:
             return F.embedding(ids_X.long(), table_VD)
         except IndexError:
