@@ -60,13 +60,19 @@ def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
     return _tables(torch.arange(S, device=device), d, theta, ct)
 
 
-def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
+def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool,
+                    native_gqa: bool = False) -> torch.Tensor:
     H, G = q_BSHd.shape[-2], k_BSGd.shape[-2]
     # Heads before positions ([..., S, H, d] -> [..., H, S, d]); native transposes, no einops parsing on
     # this per-layer path.
     q_BHSd = rope(q_BSHd, positions_S, theta).transpose(-3, -2)
     k_BGSd = rope(k_BSGd, positions_S, theta).transpose(-3, -2)
     v_BGSd = v_BSGd.transpose(-3, -2)
+    if G != H and native_gqa:
+        # Tape autograd: sdpa reads each kv head for its H / G query heads itself (no repeated copies of
+        # k and v, saved for the backward, and no repeat in the graph).
+        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=causal, enable_gqa=True)
+        return o_BHSd.transpose(-3, -2)
     if G != H:
         # Explicit repeat (not enable_gqa) so every sdpa backend, and its vjp, sees plain MHA shapes.
         k_BGSd = k_BGSd.repeat_interleave(H // G, dim=-3)
@@ -130,7 +136,8 @@ def attention(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, 
     if not functorch_active():
         # Tape autograd: sdpa's own backward (flash on CPU keeps the output and log-sum-exp, not the
         # [S, S] probabilities), no recompute. Under torch.func the Function below recomputes instead.
-        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))
+        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal),
+                               native_gqa=q_BSHd.device.type in ("cpu", "cuda"))
     if positions_S is None:
         positions_S = torch.arange(S, device=q_BSHd.device)
     return _Attention.apply(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))
