@@ -5,11 +5,13 @@ fmoe's `Trainer` (the job's own step: gpt_loss per microbatch, autograd, AdamW, 
 `benchmarks/_module_gpt.ModuleGPT` with torch.optim.AdamW (same groups and hyperparameters), loss.backward()
 per microbatch and clip_grad_norm_. First both run `--check-steps` steps and their losses must agree
 (the same function trained the same way); then interleaved rounds, the order alternating, step times
-as medians, tokens/s = global batch x sequence length / step time. Peak memory: each side in a fresh
-process, the RSS high-water mark (Linux VmHWM) of one step after a warm-up, and its rise over the RSS
-before the step.
+as medians, tokens/s = global batch x sequence length / step time. A second estimate pairs the sides
+within each round (module's mean step / fmoe's, from steps seconds apart) and takes the median of those
+ratios: on a box whose speed drifts over seconds it cancels most of the drift. Peak memory: each side in
+a fresh process, the RSS high-water mark (Linux VmHWM) of one step after a warm-up, and its rise over the
+RSS before the step.
 
-    .venv/bin/python benchmarks/train.py [--preset tiny] [--rounds 7] [--steps-per-round 3] [--threads 1]
+    .venv/bin/python benchmarks/train.py [--preset tiny] [--rounds 40] [--steps-per-round 1] [--threads 1]
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def main() -> None:
     prints the table and the tokens/s ratio."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=("tiny", "small"), default="tiny")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps-per-round", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--steps-per-round", type=int, default=1)
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bf16", action="store_true",
@@ -126,11 +128,15 @@ def main() -> None:
             raise SystemExit(f"the two sides disagree at step {trainer.step_done}: fmoe {ours} vs module "
                              f"{theirs}")
     times: dict[str, list[float]] = {s: [] for s in SIDES}
+    paired: list[float] = []  # per round: module's mean step / fmoe's, from steps seconds apart
     steps = {"fmoe": trainer.step, "module": module.step}
     for r in range(args.rounds):
+        this_round: dict[str, list[float]] = {s: [] for s in SIDES}
         for side in SIDES if r % 2 == 0 else SIDES[::-1]:
             for _ in range(args.steps_per_round):
-                times[side].append(_timed(steps[side])[0])
+                this_round[side].append(_timed(steps[side])[0])
+            times[side] += this_round[side]
+        paired.append(statistics.fmean(this_round["module"]) / statistics.fmean(this_round["fmoe"]))
     mem = {}
     for side in SIDES:
         cmd = [sys.executable, __file__, "--child", side, "--preset", args.preset, "--threads",
@@ -151,8 +157,10 @@ def main() -> None:
     best = {s: min(times[s]) for s in SIDES}
     print(f"fastest step: fmoe {best['fmoe'] * 1e3:.1f} ms, module {best['module'] * 1e3:.1f} ms "
           f"(ratio {best['module'] / best['fmoe']:.3f})")
-    print(f"fmoe / module: tokens/s {med['module'] / med['fmoe']:.3f} (target >= 0.95), step-memory rise "
-          f"{mem['fmoe']['rise_mib'] / max(mem['module']['rise_mib'], 1e-9):.3f}")
+    print(f"fmoe / module tokens/s, median of the per-round ratios: {statistics.median(paired):.3f} "
+          f"(quartiles {' / '.join(f'{q:.3f}' for q in statistics.quantiles(paired, n=4))})")
+    print(f"fmoe / module: tokens/s {med['module'] / med['fmoe']:.3f} (target >= 0.95), peak RSS "
+          f"{mem['fmoe']['peak_mib'] / mem['module']['peak_mib']:.3f}x")
 
 
 if __name__ == "__main__":
