@@ -159,7 +159,7 @@ class TorchMoEBlock(nn.Module):
         inverse_N = torch.empty_like(order_N)
         inverse_N[order_N] = torch.arange(order_N.numel())
         y_TKD = y_ND.index_select(0, inverse_N).view(B * S_, K, D)
-        y_TD = torch.bmm(probs_TK.unsqueeze(1), y_TKD).squeeze(1)
+        y_TD = (y_TKD * probs_TK.unsqueeze(-1)).sum(1)  # fmoe's combine: multiply, sum over the K slots
         return r_BSD + y_TD.view(B, S_, D)
 
 
