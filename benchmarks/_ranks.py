@@ -10,6 +10,7 @@ rendezvouses through the file store `store` and puts `(rank, value, error_or_Non
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import queue
 import resource
@@ -30,6 +31,15 @@ def rss_kib(field: str) -> int:
     """Returns `field` ("VmRSS", "VmHWM") of /proc/self/status in KiB (Linux)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def return_freed_memory() -> None:
+    """Sets glibc malloc to mmap every block of 64 KiB or more (and trim at 64 KiB), so a freed tensor goes
+    back to the OS at once and an RSS rise counts what a step holds, not what earlier steps left in the
+    heap. Returns None; call it before the steps being measured."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
 
 
 def measure_rss(fn: Callable[[], Any]) -> tuple[Any, float, float]:

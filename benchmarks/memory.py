@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/memory.py --tokens 512
 
 Each mode runs in a fresh process: one warm-up step, then the RSS high-water mark (Linux VmHWM, reset
-through /proc/self/clear_refs) of one forward + full backward, minus the RSS before it. Modes:
+through /proc/self/clear_refs) of one forward + full backward, minus the RSS before it; glibc malloc
+returns every freed block of 64 KiB or more to the OS at once, so the rise does not depend on what the
+earlier steps of the process left in the heap. Modes:
 - autograd: `fmoe.moe` on leaves that require grad, `loss.backward()` (tape autograd: the reference);
 - func.vjp: `torch.func.vjp` of the same function;
 - split_vjp(func) / split_vjp(autograd): fmoe.transforms.split_vjp with each engine, dx then dw.
@@ -19,7 +21,7 @@ import subprocess
 import sys
 
 import torch
-from _ranks import measure_rss
+from _ranks import measure_rss, return_freed_memory
 
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
 from fmoe._compat import tree_flatten, tree_unflatten
@@ -59,6 +61,7 @@ def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
 
 
 def _child(args: argparse.Namespace) -> None:
+    return_freed_memory()  # the rise then counts what the step holds, whatever earlier steps left
     setup = _setup(args)
     ref = _step("autograd", *setup)
     grads = _step(args.child, *setup)  # warm-up (and the gradients to compare)

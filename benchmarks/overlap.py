@@ -47,7 +47,6 @@ mark): activations, gradients, buffers and temporaries of the step.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import json
@@ -323,9 +322,7 @@ def _timing(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _memory(name: str, args: argparse.Namespace, cal: dict[str, float]) -> dict[str, float]:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, returned on free
-    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    _ranks.return_freed_memory()
     r = Rank(name, args)
     r.set_link(LoggedLinkModel(cal["latency_s"], cal["bytes_per_s"], cal["latency_s"], cal["bytes_per_s"]))
     out = {}

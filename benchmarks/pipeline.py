@@ -40,7 +40,6 @@ the mark), after one warm-up step: activations, gradients, buffers and temporari
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import os
@@ -380,9 +379,7 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _memory(rank: int, args: argparse.Namespace) -> dict[str, Any]:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped, returned on free
-    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    _ranks.return_freed_memory()
     cfg = model_config(args)
     params = init_gpt(cfg, torch.Generator().manual_seed(0))
     state, data = init_gpt_state(cfg), batches(cfg, args)
