@@ -64,14 +64,19 @@ def layer_step(params, x_TD, cfg, ct_TD):
     return step
 
 
-def ceiling_step(T: int, D: int, F: int, E: int, K: int, gen: torch.Generator):
-    """The layer's matmuls as dense torch.mm calls of the same shapes (fwd, dx, dw for each weight)."""
+def ceiling_step(T: int, D: int, F: int, E: int, K: int, gen: torch.Generator,
+                 dtype: torch.dtype = torch.float32):
+    """The layer's matmuls as dense torch.mm calls of the same shapes (fwd, dx, dw for each weight), in
+    `dtype`; returns the step (a callable)."""
     N = T * K
-    x_TD, w_DE, g_TE = (torch.randn(T, D, generator=gen), torch.randn(D, E, generator=gen),
-                        torch.randn(T, E, generator=gen))
-    x_ND, h_NF = torch.randn(N, D, generator=gen), torch.randn(N, F, generator=gen)
-    w_DF, w_FD = torch.randn(D, F, generator=gen), torch.randn(F, D, generator=gen)
-    g_NF, g_ND = torch.randn(N, F, generator=gen), torch.randn(N, D, generator=gen)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    x_TD, w_DE, g_TE = randn(T, D), randn(D, E), randn(T, E)
+    x_ND, h_NF = randn(N, D), randn(N, F)
+    w_DF, w_FD = randn(D, F), randn(F, D)
+    g_NF, g_ND = randn(N, F), randn(N, D)
 
     def step():
         x_TD @ w_DE, g_TE @ w_DE.t(), x_TD.t() @ g_TE                    # router fwd, dx, dw

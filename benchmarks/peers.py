@@ -1,0 +1,250 @@
+"""fmoe's MoE layer against its peers, side by side: time and peak memory per implementation and precision.
+
+    .venv/bin/pip install -e '.[bench]'        # transformers (torchtitan, if wanted: --no-deps by hand)
+    .venv/bin/python benchmarks/peers.py       # the three shapes of issue 14, fp32 and bf16
+    .venv/bin/python benchmarks/peers.py --shapes 256,512,8,2,64 --rounds 5
+
+Legend (docs/moe.md): T tokens, D model width, F expert width, E experts, K top-k slots.
+
+Implementations, one MoE layer (softmax top-k router with renormalised gates, SwiGLU experts, no shared
+expert, no balancing loss), forward + backward of the output against a fixed cotangent (tape autograd,
+`torch.autograd.grad` to the input and every weight), the same weights everywhere:
+- fmoe: `fmoe.moe` (grouped GEMMs over expert-sorted rows);
+- hf-grouped_mm / hf-eager: transformers' `Qwen3MoeSparseMoeBlock` with `_experts_implementation`
+  "grouped_mm" and "eager" (its loop over the experts that received tokens);
+- torchtitan's MoE when it imports (it is not a dependency; skipped, saying so, when absent).
+Precisions: fp32 (everything fp32), and bf16 mixed: fmoe's `bf16-mixed` policy (weights cast to bf16 once,
+bf16 GEMMs, fp32 router and combine), the peers' modules cast to bf16 (what their bf16 training runs).
+The bf16 plain-matmul ceiling is the layer's matmul FLOPs as dense bf16 `torch.mm` calls of the same shapes
+(benchmarks/moe_layer.py's `ceiling_step`), timed in the same rounds.
+
+First the same function: in fp32 each peer's output and gradients must agree with fmoe's to 1e-4 relative
+to the largest entry, or the script stops; in bf16 every implementation's difference from fmoe's fp32 run
+is printed (a peer's bf16 router picks other experts for near-tied tokens). Times: one warm-up per
+implementation, then `--rounds` rounds, each starting one implementation later (medians). Peak memory:
+each (shape, precision, implementation) in a fresh process with freed blocks returned to the OS, the RSS
+high-water mark of one step after a warm-up, minus the RSS before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _ranks import measure_rss, return_freed_memory
+from moe_layer import ceiling_step, interleaved_medians, layer_flops
+
+from fmoe import MoEConfig, init_moe, moe
+from fmoe.precision import POLICIES, cast_to_compute
+
+SHAPES = ((1024, 1024, 16, 4, 4096), (512, 256, 64, 8, 2048), (256, 512, 8, 2, 64))  # D, F, E, K, T
+HAS_HF = importlib.util.find_spec("transformers") is not None
+HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
+
+
+def _hf_block(cfg: MoEConfig, params: dict[str, Any], impl: str, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' Qwen3MoeSparseMoeBlock holding fmoe's weights (router [E, D], gate_up [E, 2F, D],
+    down [E, D, F]) in `dtype`, running the experts with `impl` ("grouped_mm" or "eager")."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hc = Qwen3MoeConfig(
+        hidden_size=cfg.d_model,
+        moe_intermediate_size=cfg.d_ff,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        norm_topk_prob=True,
+        hidden_act="silu",
+    )
+    hc._experts_implementation = impl
+    block = Qwen3MoeSparseMoeBlock(hc)
+    ex = params["experts"]
+    with torch.no_grad():
+        block.gate.weight.copy_(params["router"]["w"].t())
+        block.experts.gate_up_proj.copy_(
+            torch.cat([ex["w_gate"].transpose(1, 2), ex["w_up"].transpose(1, 2)], 1)
+        )
+        block.experts.down_proj.copy_(ex["w_down"].transpose(1, 2))
+    return block.to(dtype)
+
+
+def _hf_grads_as_fmoe(
+    block: torch.nn.Module, grads: tuple[torch.Tensor, ...], F: int
+) -> dict[str, torch.Tensor]:
+    """The peer's weight gradients in fmoe's layout (for the agreement check)."""
+    d_router, d_gate_up, d_down = grads
+    return {
+        "router.w": d_router.t(),
+        "experts.w_gate": d_gate_up[:, :F].transpose(1, 2),
+        "experts.w_up": d_gate_up[:, F:].transpose(1, 2),
+        "experts.w_down": d_down.transpose(1, 2),
+    }
+
+
+def build(name: str, shape: tuple[int, ...], precision: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """Returns (step, grads) for implementation `name`: step() runs forward + backward once; grads() runs it
+    and returns (y [T, D], {"x": dx, fmoe weight path: dw}) as fp32, for the agreement check."""
+    D, F, E, K, T = shape
+    cfg = MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K, aux_loss_coef=0.0)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    x_TD, ct_TD = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    bf16 = precision == "bf16"
+    dt = torch.bfloat16 if bf16 else torch.float32
+    x, ct = x_TD.to(dt).requires_grad_(), ct_TD.to(dt)
+    if name == "fmoe":
+        policy = POLICIES["bf16-mixed" if bf16 else "fp32"]
+        names = [(k, n) for k in ("router", "experts") for n in params[k]]
+
+        def run() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            # bf16-mixed: the cast of the fp32 masters and the fp32 gradients are part of the step (as in
+            # training: once per step, and the accumulation in fp32)
+            p = cast_to_compute(params, policy)
+            leaves = [p[k][n].requires_grad_() for k, n in names]
+            y = moe(p, x, cfg, check=False)[0]
+            dx, *dws = torch.autograd.grad(y, [x, *leaves], ct)
+            return y, (dx, *[d.to(policy.grad_dtype) for d in dws])
+
+        def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            y, (dx, *dws) = run()
+            return y.float(), {"x": dx.float(), **{f"{k}.{n}": d.float() for (k, n), d in zip(names, dws)}}
+
+        return run, grads
+    if name.startswith("hf-"):
+        block = _hf_block(cfg, params, name[3:], dt)
+        weights = [block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj]
+
+        def run() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            y = block(x.unsqueeze(0)).squeeze(0)
+            return y, torch.autograd.grad(y, [x, *weights], ct)
+
+        def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            y, (dx, *dws) = run()
+            return y.float(), {
+                "x": dx.float(),
+                **{k: v.float() for k, v in _hf_grads_as_fmoe(block, dws, F).items()},
+            }
+
+        return run, grads
+    raise ValueError(f"unknown implementation {name!r}")
+
+
+def implementations() -> list[str]:
+    """The implementations that can run here (fmoe, and the peers that import)."""
+    return ["fmoe"] + (["hf-grouped_mm", "hf-eager"] if HAS_HF else [])
+
+
+def check_same_function(shape: tuple[int, ...], precision: str, names: list[str]) -> dict[str, float]:
+    """Returns each implementation's largest relative difference (output and every gradient) from fmoe's
+    fp32 run. In fp32 it raises SystemExit above 1e-4 (the same function). In bf16 it only reports: a peer
+    computing its router in bf16 picks other experts for near-tied tokens, so its output may differ by
+    more than rounding (fmoe's bf16-mixed router stays fp32)."""
+    y_ref, g_ref = build("fmoe", shape, "fp32")[1]()
+    out = {}
+    for name in names:
+        y, grads = build(name, shape, precision)[1]()
+        worst = 0.0
+        for key, a, b in [("y", y, y_ref)] + [(k, grads[k], g_ref[k]) for k in g_ref]:
+            rel = float((a - b).abs().max().detach() / b.abs().max().detach().clamp(min=1e-30))
+            worst = max(worst, rel)
+            if precision == "fp32" and rel > 1e-4:
+                raise SystemExit(f"{name} fp32 {shape}: {key} differs from fmoe by {rel:.2e} (> 1e-4)")
+        out[name] = worst
+    return out
+
+
+def _child(args: argparse.Namespace) -> None:
+    return_freed_memory()
+    step = build(args.child, tuple(args.child_shape), args.child_precision)[0]
+    step()
+    _, _, rise = measure_rss(step)
+    print(json.dumps({"rise_mib": rise}))
+
+
+def _memory(name: str, shape: tuple[int, ...], precision: str) -> float:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--child-precision",
+        precision,
+        "--child-shape",
+        *map(str, shape),
+    ]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["rise_mib"]
+
+
+def main() -> None:
+    """Checks the same function, times every implementation interleaved, measures peak memory; prints one
+    table per shape and precision with the targets."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=None, help="D,F,E,K,T (default: issue 14's three)")
+    ap.add_argument("--precisions", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-precision", default="fp32", help=argparse.SUPPRESS)
+    ap.add_argument("--child-shape", nargs=5, type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child:
+        _child(args)
+        return
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else list(SHAPES)
+    names = implementations()
+    print(f"torch {torch.__version__}, {args.threads} thread(s); implementations: {', '.join(names)}")
+    if not HAS_HF:
+        print("transformers is not installed: its blocks are skipped (pip install -e '.[bench]')")
+    if not HAS_TITAN:
+        print("torchtitan is not installed: its MoE is skipped")
+    for shape in shapes:
+        D, F, E, K, T = shape
+        flops = layer_flops(T, D, F, E, K)
+        for precision in args.precisions:
+            diffs = check_same_function(shape, precision, names)
+            steps = {n: build(n, shape, precision)[0] for n in names}
+            if precision == "bf16":
+                steps["bf16 mm ceiling"] = ceiling_step(
+                    T, D, F, E, K, torch.Generator().manual_seed(2), torch.bfloat16
+                )
+            times = interleaved_medians(steps, args.rounds)
+            mem = {n: None if args.no_memory else _memory(n, shape, precision) for n in names}
+            print(
+                f"\nD {D}, F {F}, E {E}, K {K}, T {T}, {precision}: {args.rounds} rounds, medians; "
+                "diff: largest relative difference of y and the gradients from fmoe fp32"
+            )
+            print(f"{'implementation':<16} {'ms':>9} {'GFLOP/s':>8} {'peak rise MiB':>14} {'diff':>8}")
+            for n, t in times.items():
+                m, d = mem.get(n), diffs.get(n)
+                print(
+                    f"{n:<16} {t * 1e3:9.2f} {flops / t / 1e9:8.1f} {'' if m is None else f'{m:14.1f}'}"
+                    f" {'' if d is None else f'{d:8.1e}'}"
+                )
+            peers = [n for n in names if n != "fmoe"]
+            if peers:
+                fastest = min(peers, key=times.get)
+                line = (
+                    f"fmoe time / fastest peer ({fastest}): {times['fmoe'] / times[fastest]:.3f} "
+                    "(target <= 0.9)"
+                )
+                if not args.no_memory:
+                    low = min(peers, key=mem.get)
+                    line += f"; fmoe peak / lowest peer ({low}): {mem['fmoe'] / mem[low]:.3f} (target <= 1.0)"
+                print(line)
+            if precision == "bf16":
+                print(
+                    f"fmoe bf16 / bf16 plain-matmul ceiling: {times['bf16 mm ceiling'] / times['fmoe']:.3f} "
+                    "(target >= 0.7)"
+                )
+
+
+if __name__ == "__main__":
+    main()
