@@ -76,10 +76,10 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
     if logits_XV.shape[1] == 0:
         raise ValueError("cross_entropy: logits need at least one class (V >= 1)")
     V = logits_XV.shape[1]
-    on_cpu = logits_XV.device.type == "cpu"
-    if check_range and not (on_cpu and not functorch_active()):
+    tape_autograd = not functorch_active()
+    if check_range and not (tape_autograd and logits_XV.device.type == "cpu"):
         _check_targets(targets_X, V, ignore_index)
-    if not functorch_active():
+    if tape_autograd:
         # Tape autograd: aten's fused log-softmax + NLL and their backwards (the same gradient, no Python
         # per call), summed and divided by the kept count so that an all-ignored batch is 0, not NaN.
         # On CPU aten bounds-checks the targets itself; its IndexError becomes the ValueError below.

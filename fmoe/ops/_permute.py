@@ -103,6 +103,12 @@ def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.T
     return (y_TKD.to(acc) * probs_TK.to(acc).unsqueeze(-1)).sum(1).to(y_TKD.dtype)
 
 
+def _unpermute_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, row_dst_N: torch.Tensor, T: int,
+                    K: int, full: bool) -> torch.Tensor:
+    """unpermute's forward (both paths): y_TD [T, D], the K rows of each token gathered and summed."""
+    return _weighted_sum(_rows(y_RD, row_dst_N, full).view(T, K, y_RD.shape[-1]), probs_TK)
+
+
 class _Permute(Function):
     """x_RD = x_TD[src_R] (a zero row where src_R = T); backward: the inverse permutation, summed over K.
 
@@ -137,7 +143,7 @@ class _Unpermute(Function):
 
     @staticmethod
     def forward(y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full):
-        return _weighted_sum(_rows(y_RD, row_dst_N, full).view(T, K, y_RD.shape[-1]), probs_TK)
+        return _unpermute_rows(y_RD, probs_TK, row_dst_N, T, K, full)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -195,7 +201,6 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout)
         raise ValueError(f"unpermute: probs must be [{layout.num_tokens}, {layout.top_k}], got "
                          f"{tuple(probs_TK.shape)}")
     if _native(y_RD):
-        T, K = layout.num_tokens, layout.top_k
-        return _weighted_sum(_rows(y_RD, layout.row_dst_N, layout.full).view(T, K, y_RD.shape[-1]), probs_TK)
+        return _unpermute_rows(y_RD, probs_TK, layout.row_dst_N, layout.num_tokens, layout.top_k, layout.full)
     return _Unpermute.apply(y_RD, probs_TK, layout.row_src_R, layout.row_dst_N, layout.tok_R,
                             layout.num_tokens, layout.top_k, layout.full)
