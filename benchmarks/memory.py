@@ -6,9 +6,12 @@
 Each mode runs in a fresh process: one warm-up step, then the RSS high-water mark (Linux VmHWM, reset
 through /proc/self/clear_refs) of one forward + full backward, minus the RSS before it; glibc malloc
 returns every freed block of 64 KiB or more to the OS at once, so the rise does not depend on what the
-earlier steps of the process left in the heap. Modes:
+earlier steps of the process left in the heap. Next to it the peak of tracked tensor allocations
+(torch.profiler's memory events: exact, what tests/test_memory.py asserts on). Modes:
 - autograd: `fmoe.moe` on leaves that require grad, `loss.backward()` (tape autograd: the reference);
-- func.vjp: `torch.func.vjp` of the same function;
+- func.vjp: `torch.func.vjp` of the same function, its vjp_fn called as is (retain_graph=True, its
+  default: the graph's saved tensors outlive the backward, so the whole forward is held at its end);
+- func.vjp(retain_graph=False): the same, each saved tensor freed once the backward has used it;
 - split_vjp(func) / split_vjp(autograd): fmoe.transforms.split_vjp with each engine, dx then dw.
 The gradients of every mode are checked against the autograd mode's (printed max relative difference).
 """
@@ -26,8 +29,9 @@ from _ranks import measure_rss, return_freed_memory
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
 from fmoe._compat import tree_flatten, tree_unflatten
 from fmoe.transforms import split_vjp
+from fmoe.transforms.testing import tracked_peak_bytes
 
-MODES = ("autograd", "func.vjp", "split_vjp(func)", "split_vjp(autograd)")
+MODES = ("autograd", "func.vjp", "func.vjp(retain_graph=False)", "split_vjp(func)", "split_vjp(autograd)")
 
 
 def _setup(args: argparse.Namespace):
@@ -50,9 +54,9 @@ def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
         x = x_TD.detach().requires_grad_()
         f(tree_unflatten(leaves, spec), x).backward(ct_TD)
         return [t.grad for t in leaves] + [x.grad]
-    if mode == "func.vjp":
+    if mode.startswith("func.vjp"):
         _, vjp = torch.func.vjp(f, params, x_TD)
-        dp, dx = vjp(ct_TD)
+        dp, dx = vjp(ct_TD, retain_graph=mode == "func.vjp")
         return tree_flatten(dp)[0] + [dx]
     engine = "func" if mode == "split_vjp(func)" else "autograd"
     _, vjp_dx = split_vjp(f, params, x_TD, engine=engine)
@@ -68,7 +72,8 @@ def _child(args: argparse.Namespace) -> None:
     diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, ref))
     del grads, ref
     _, _, rise = measure_rss(lambda: _step(args.child, *setup))
-    print(json.dumps({"rise_mib": rise, "grad_rel_diff": diff}))
+    _, tracked = tracked_peak_bytes(lambda: _step(args.child, *setup))
+    print(json.dumps({"rise_mib": rise, "tracked_mib": tracked / 2**20, "grad_rel_diff": diff}))
 
 
 def main() -> None:
@@ -94,10 +99,13 @@ def main() -> None:
         out[mode] = json.loads(done.stdout)
     print(f"one MoE layer: D {args.d_model}, F {args.d_ff}, E {args.experts}, K {args.top_k}, "
           f"T {args.tokens}, fp32, forward + backward; peak RSS rise of one step (fresh process each)")
-    print(f"{'mode':<22} {'rise MiB':>9} {'/ autograd':>11} {'grad rel diff':>14}")
+    print(f"{'mode':<30} {'rise MiB':>9} {'/ autograd':>11} {'tracked MiB':>12} {'/ autograd':>11} "
+          f"{'grad rel diff':>14}")
+    ref = out["autograd"]
     for mode in MODES:
         r = out[mode]
-        print(f"{mode:<22} {r['rise_mib']:9.1f} {r['rise_mib'] / out['autograd']['rise_mib']:11.3f} "
+        print(f"{mode:<30} {r['rise_mib']:9.1f} {r['rise_mib'] / ref['rise_mib']:11.3f} "
+              f"{r['tracked_mib']:12.1f} {r['tracked_mib'] / ref['tracked_mib']:11.4f} "
               f"{r['grad_rel_diff']:14.1e}")
 
 

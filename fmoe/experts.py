@@ -22,7 +22,7 @@ import torch
 
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops import grouped_linear, linear, swiglu
+from fmoe.ops import grouped_linear, grouped_linear_pair, linear, swiglu, swiglu_grouped_linear
 
 
 def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
@@ -55,11 +55,10 @@ def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: tor
     weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
     """
     counts = tuple(int(c) for c in (counts_E.tolist() if isinstance(counts_E, torch.Tensor) else counts_E))
-    g_MF = grouped_linear(x_MD, p["w_gate"], counts, backend)
-    u_MF = grouped_linear(x_MD, p["w_up"], counts, backend)
-    h_MF = swiglu(g_MF, u_MF)
-    if probs_M is not None:
-        h_MF = h_MF * probs_M.to(h_MF.dtype).unsqueeze(-1)
+    g_MF, u_MF = grouped_linear_pair(x_MD, p["w_gate"], p["w_up"], counts, backend)
+    if probs_M is None:  # fused: a split backward then holds gate and up, not also their product
+        return swiglu_grouped_linear(g_MF, u_MF, p["w_down"], counts, backend)
+    h_MF = swiglu(g_MF, u_MF) * probs_M.to(g_MF.dtype).unsqueeze(-1)
     return grouped_linear(h_MF, p["w_down"], counts, backend)
 
 

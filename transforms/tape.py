@@ -132,7 +132,7 @@ class WeightGradTape:
         entries, self._entries = self._entries, []
         with torch.no_grad():
             while entries:
-                i, thunk, _, _ = entries.pop(0)
+                i, thunk, _, _ = entries.pop()
                 g = thunk()
                 if g.shape != self._weights[i].shape:
                     raise RuntimeError(

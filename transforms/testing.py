@@ -135,3 +135,23 @@ def param_pytrees(draw: st.DrawFn, shapes: dict[str, Any], dtype: torch.dtype = 
     """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts)."""
     leaves, spec = tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     return tree_unflatten([draw(tensors(s, dtype, scale)) for s in leaves], spec)
+
+
+def tracked_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run `fn()` and return (its result, the peak of tensor memory allocated during it, in bytes).
+
+    Counts every allocation and free of torch's allocators (torch.profiler's memory events), relative to
+    what was allocated when `fn` started: deterministic for a given computation, independent of malloc
+    and of the load on the machine, so tests can assert on it. Slow (a profiler run); for tests.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return out, peak

@@ -9,6 +9,8 @@ from fmoe.ops._attention import rope as rope
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
 from fmoe.ops._dtypes import compute_dtype as compute_dtype
 from fmoe.ops._embedding import embedding as embedding
+from fmoe.ops._expert_products import grouped_linear_pair as grouped_linear_pair
+from fmoe.ops._expert_products import swiglu_grouped_linear as swiglu_grouped_linear
 from fmoe.ops._grouped_linear import available_backends as available_backends
 from fmoe.ops._grouped_linear import grouped_linear as grouped_linear
 from fmoe.ops._linear import linear as linear

@@ -100,7 +100,7 @@ class _Attention(Function):
         theta, causal = ctx.theta, ctx.causal
         _, vjp_fn = torch.func.vjp(lambda q, k, v: _attention_math(q, k, v, positions_S, theta, causal),
                                    q_BSHd, k_BSGd, v_BSGd)
-        dq, dk, dv = vjp_fn(g_BSHd.contiguous())
+        dq, dk, dv = vjp_fn(g_BSHd.contiguous(), retain_graph=False)  # free its activations as it goes
         return dq, dk, dv, None, None, None
 
 

@@ -21,6 +21,7 @@ dx nor the deferred dw pass syncs again.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -183,6 +184,41 @@ def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backe
     return backend
 
 
+def check_grouped_args(name: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
+                       counts_E: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
+    """Check a grouped product's x [M, D], w [E, D, F] and counts; return the counts as python ints.
+
+    Raises ValueError (messages prefixed with `name`) on a bad shape, dtype or count; a counts tensor is
+    read to the host here, once.
+    """
+    if x_MD.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D [M, D], got shape {tuple(x_MD.shape)}")
+    if w_EDF.dim() != 3:
+        raise ValueError(f"{name}: w must be 3-D [E, D, F], got shape {tuple(w_EDF.shape)}")
+    if x_MD.shape[1] != w_EDF.shape[1]:
+        raise ValueError(f"{name}: x has {x_MD.shape[1]} features, w is {tuple(w_EDF.shape)} "
+                         "([experts, in, out])")
+    if x_MD.dtype != w_EDF.dtype:
+        raise ValueError(f"{name}: x is {x_MD.dtype} but w is {w_EDF.dtype}; cast one first")
+    if not x_MD.is_floating_point():
+        raise ValueError(f"{name}: x must be floating point, got {x_MD.dtype}")
+    if isinstance(counts_E, torch.Tensor):
+        if counts_E.dim() != 1 or counts_E.is_floating_point() or counts_E.is_complex():
+            raise ValueError(f"{name}: counts must be a 1-D integer tensor, got {counts_E.dtype} "
+                             f"of shape {tuple(counts_E.shape)}")
+        counts = tuple(int(c) for c in counts_E.tolist())  # the one host sync of this call
+    else:
+        counts = tuple(int(c) for c in counts_E)
+    if len(counts) != w_EDF.shape[0]:
+        raise ValueError(f"{name}: counts has {len(counts)} entries but w has "
+                         f"{w_EDF.shape[0]} experts")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"{name}: counts must be non-negative, got {list(counts)}")
+    if sum(counts) != x_MD.shape[0]:
+        raise ValueError(f"{name}: sum(counts) = {sum(counts)} but x has {x_MD.shape[0]} rows")
+    return counts
+
+
 def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
                    backend: str | None = None) -> torch.Tensor:
     """Return y_MF where the rows of expert e are x_MD[rows of e] @ w_EDF[e].
@@ -193,31 +229,7 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     w_EDF; the weight gradient is deferred when a `split_vjp` tape defers w_EDF.
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
     """
-    if x_MD.dim() != 2:
-        raise ValueError(f"grouped_linear: x must be 2-D [M, D], got shape {tuple(x_MD.shape)}")
-    if w_EDF.dim() != 3:
-        raise ValueError(f"grouped_linear: w must be 3-D [E, D, F], got shape {tuple(w_EDF.shape)}")
-    if x_MD.shape[1] != w_EDF.shape[1]:
-        raise ValueError(f"grouped_linear: x has {x_MD.shape[1]} features, w is {tuple(w_EDF.shape)} "
-                         "([experts, in, out])")
-    if x_MD.dtype != w_EDF.dtype:
-        raise ValueError(f"grouped_linear: x is {x_MD.dtype} but w is {w_EDF.dtype}; cast one first")
-    if not x_MD.is_floating_point():
-        raise ValueError(f"grouped_linear: x must be floating point, got {x_MD.dtype}")
-    if isinstance(counts_E, torch.Tensor):
-        if counts_E.dim() != 1 or counts_E.is_floating_point() or counts_E.is_complex():
-            raise ValueError(f"grouped_linear: counts must be a 1-D integer tensor, got {counts_E.dtype} "
-                             f"of shape {tuple(counts_E.shape)}")
-        counts = tuple(int(c) for c in counts_E.tolist())  # the one host sync of this call
-    else:
-        counts = tuple(int(c) for c in counts_E)
-    if len(counts) != w_EDF.shape[0]:
-        raise ValueError(f"grouped_linear: counts has {len(counts)} entries but w has "
-                         f"{w_EDF.shape[0]} experts")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"grouped_linear: counts must be non-negative, got {list(counts)}")
-    if sum(counts) != x_MD.shape[0]:
-        raise ValueError(f"grouped_linear: sum(counts) = {sum(counts)} but x has {x_MD.shape[0]} rows")
+    counts = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E)
     backend = _choose_backend(x_MD, w_EDF, backend)
     if backend != "npu" and not (may_defer() or functorch_active()):
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten

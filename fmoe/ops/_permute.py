@@ -128,14 +128,19 @@ class _Permute(Function):
     @staticmethod
     def backward(ctx, g_RD):
         (row_dst_N,) = ctx.saved_tensors
-        # Inverse permutation: the row of each (t, k) pair (dropped pairs read the zero row), then sum over k.
-        g_ND = _rows(g_RD, row_dst_N, ctx.full)
-        g_TKD = g_ND.unflatten(0, (g_ND.shape[0] // ctx.K, ctx.K))
-        if ctx.K == 1:
-            dx = g_TKD[:, 0]
-        else:
-            dx = g_TKD.to(compute_dtype(g_RD.dtype)).sum(1).to(g_RD.dtype)
-        return dx, None, None, None, None
+        # Inverse permutation: the row of each (t, k) pair (dropped pairs read the zero row), summed over
+        # k one slot at a time, so that no [T, K, D] copy of the cotangent is made (it would be as large
+        # as g_RD itself, at the point of a split backward where the dw inputs are all held).
+        K = ctx.K
+        if K == 1:
+            return _rows(g_RD, row_dst_N, ctx.full), None, None, None, None
+        src = g_RD if ctx.full else _zero_row(g_RD)
+        dst_TK = row_dst_N.view(-1, K)
+        acc = compute_dtype(g_RD.dtype)
+        dx = src.index_select(0, dst_TK[:, 0]).to(acc)
+        for k in range(1, K):
+            dx += src.index_select(0, dst_TK[:, k])
+        return dx.to(g_RD.dtype), None, None, None, None
 
 
 class _Unpermute(Function):

@@ -28,11 +28,16 @@ class _SwiGLU(Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(output[1])
+        # No zero-filled gradient for the silu output (nor for an unused product): under torch.func
+        # autograd would otherwise allocate one [X, F] tensor of zeros per backward.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs, output[1])
 
     @staticmethod
     def backward(ctx, g_XF, _g_silu):
         gate_XF, up_XF, silu_XF = ctx.saved_tensors
+        if g_XF is None:  # the product did not reach the output
+            return None, None
         ct = compute_dtype(gate_XF.dtype)
         a_XF, u_XF, gf_XF = gate_XF.to(ct), up_XF.to(ct), g_XF.to(ct)
         dgate = dup = None
