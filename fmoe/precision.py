@@ -7,6 +7,17 @@ what gradients accumulate in.
     acc = accumulate(acc, grads, policy)         # fp32 sum over microbatches
     optimizer step on the fp32 master weights from `acc`
 
+fp16 ("fp16-mixed") also needs loss scaling: its 5 exponent bits flush small gradients to zero. The loss
+is multiplied by `LossScale.scale` before the backward, the fp32 gradient sums divided by it after, and
+a step whose gradients hold an inf or nan is skipped while the scale backs off (Megatron's
+DynamicGradScaler, hysteresis included):
+
+    ls = LossScale.dynamic_scale()           # 2**16 to start
+    ... backward of loss * ls.scale ...
+    finite = unscale_(grads, ls)             # grads /= scale in place; 0-dim bool tensor, no host sync
+    if finite: optimizer step                # the same decision on every rank (all-reduce the flag)
+    ls = ls.adjust(bool(finite))
+
 The model's ops decide the rest from their input dtype (fmoe/ops/_dtypes.py): with bf16 activations the
 GEMMs, attention and experts run in bf16 (accumulating in fp32 inside the kernels), while the router's
 logits and softmax, the norms' statistics, the gate-weighted combine and the cross-entropy run in fp32.
@@ -16,7 +27,9 @@ docs/precision.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,11 +51,17 @@ class Policy:
         """True when the model computes in another dtype than the master weights are kept in."""
         return self.compute_dtype != self.param_dtype
 
+    @property
+    def needs_loss_scale(self) -> bool:
+        """True when the model computes in fp16, whose gradients need loss scaling (`LossScale`)."""
+        return self.compute_dtype == torch.float16
+
 
 POLICIES: dict[str, Policy] = {
     "fp32": Policy(torch.float32, torch.float32, torch.float32),
     "bf16-mixed": Policy(torch.float32, torch.bfloat16, torch.float32),
     "bf16": Policy(torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "fp16-mixed": Policy(torch.float32, torch.float16, torch.float32),
     "fp64": Policy(torch.float64, torch.float64, torch.float64),
 }
 
@@ -64,3 +83,76 @@ def accumulate(total: torch.Tensor | None, grad: torch.Tensor, policy: Policy) -
     if total is None:
         return grad.to(policy.grad_dtype, copy=True)
     return total.add_(grad.to(policy.grad_dtype))
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """The loss-scaling state of an fp16 run: a value, updated by `adjust` after every step (pure).
+
+    scale: what the loss is multiplied by before the backward. dynamic: False keeps it fixed (a static
+    scale; steps with non-finite gradients are still skipped). After `growth_interval` finite steps in a
+    row the scale grows by `growth_factor`; a non-finite step resets that count, uses up one of
+    `hysteresis` allowances, and when none is left multiplies the scale by `backoff_factor` (not below
+    `min_scale`). `good_steps` and `hysteresis_left` are the counters; both go into checkpoints.
+    """
+
+    scale: float
+    dynamic: bool = True
+    growth_interval: int = 1000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    hysteresis: int = 2
+    good_steps: int = 0
+    hysteresis_left: int = 2
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"LossScale: scale must be a positive finite number, got {self.scale}")
+        if self.growth_interval < 1 or self.hysteresis < 1:
+            raise ValueError(f"LossScale: growth_interval and hysteresis must be >= 1, got "
+                             f"{self.growth_interval}, {self.hysteresis}")
+        if not (self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0 and self.min_scale > 0):
+            raise ValueError(f"LossScale: need growth_factor > 1, 0 < backoff_factor < 1 and min_scale > 0, "
+                             f"got {self.growth_factor}, {self.backoff_factor}, {self.min_scale}")
+
+    @classmethod
+    def dynamic_scale(cls, initial: float = 2.0**16, *, growth_interval: int = 1000, min_scale: float = 1.0,
+                      hysteresis: int = 2) -> LossScale:
+        """Returns a dynamic LossScale starting at `initial` (torch.amp's default 2**16; Megatron's 2**32)."""
+        return cls(initial, True, growth_interval, min_scale=min(min_scale, initial), hysteresis=hysteresis,
+                   hysteresis_left=hysteresis)
+
+    @classmethod
+    def static_scale(cls, scale: float) -> LossScale:
+        """Returns a fixed LossScale (Megatron's --loss-scale)."""
+        return cls(scale, False, min_scale=min(1.0, scale))
+
+    def adjust(self, finite: bool) -> LossScale:
+        """Returns the state after a step whose (unscaled) gradients were all finite, or were not."""
+        if not self.dynamic:
+            return self
+        if not finite:
+            left = self.hysteresis_left - 1
+            if left > 0:
+                return replace(self, good_steps=0, hysteresis_left=left)
+            return replace(self, scale=max(self.scale * self.backoff_factor, self.min_scale), good_steps=0,
+                           hysteresis_left=0)
+        good = self.good_steps + 1
+        if good < self.growth_interval:
+            return replace(self, good_steps=good)
+        return replace(self, scale=self.scale * self.growth_factor, good_steps=0,
+                       hysteresis_left=self.hysteresis)
+
+
+def unscale_(grads: Iterable[torch.Tensor], loss_scale: LossScale) -> torch.Tensor:
+    """Divides every gradient by loss_scale.scale in place; returns a 0-dim bool tensor (on the first
+    gradient's device; True for none): whether every entry of every gradient is finite. No host sync."""
+    inv = 1.0 / loss_scale.scale
+    finite: torch.Tensor | None = None
+    for g in grads:
+        if inv != 1.0:
+            g.mul_(inv)
+        ok = torch.isfinite(g).all()
+        finite = ok if finite is None else finite & ok
+    return torch.ones((), dtype=torch.bool) if finite is None else finite

@@ -28,6 +28,7 @@ Generic: knows stage programs (schedule/program.py), never the model.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -103,7 +104,7 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-            grad_dtype: torch.dtype | None = None) -> StepResult:
+            grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -117,11 +118,15 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     from then on the gradients of the params only that stage reads on this rank no longer change, so a
     caller may start reducing them while the rest of the schedule runs. `grad_dtype`: the dtype the
     weight gradients are summed in over microbatches (None: as each dw pass produces them); a mixed-
-    precision step passes fp32 so that bf16 dw results are added in fp32."""
+    precision step passes fp32 so that bf16 dw results are added in fp32. `loss_scale`: the backward starts
+    from loss_scale / m instead of 1 / m (fp16 loss scaling): the gradients come back multiplied by it,
+    the reported losses do not."""
+    if not (math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
     actions = verify(s).ranks[rank]
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done, grad_dtype).run(actions)
+                     on_stage_done, grad_dtype, loss_scale).run(actions)
 
 
 class _Executor:
@@ -129,14 +134,15 @@ class _Executor:
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
                  timeout: timedelta, overlap: bool, engine: str,
                  on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.engine = engine
         self.on_stage_done = on_stage_done
         self.grad_dtype = grad_dtype
         self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
-        self.scale = 1.0 / s.m
+        self.scale = 1.0 / s.m  # the losses are averaged over the microbatches
+        self.seed = loss_scale / s.m  # the cotangent every loss's backward starts from
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
         self.records: dict[tuple[int, int], _Record] = {}
@@ -290,7 +296,7 @@ class _Executor:
                 full = {}
                 for k, (shape, dtype, device) in info.items():
                     if k in ph.losses:
-                        full[k] = torch.full(shape, self.scale, dtype=dtype, device=device)
+                        full[k] = torch.full(shape, self.seed, dtype=dtype, device=device)
                     else:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g

@@ -7,6 +7,7 @@ layout and to fp32 tolerance when resumed into another layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -252,13 +253,66 @@ def test_sharded_optimizer_state_trains_the_same_and_its_checkpoints_load_anywhe
         assert have["loss"] == pytest.approx(want["loss"], rel=2e-5), want["step"]
 
 
-def test_bf16_mixed_precision_trains_like_fp32_in_every_layout(tmp_path: Path) -> None:
-    """--bf16: fp32 master weights, bf16 compute, fp32 gradient sums. The losses follow the fp32 run to
-    bf16 rounding, in one process and through the pipeline executor with EP (bf16 on the wire)."""
+def test_mixed_precision_trains_like_fp32_in_every_layout(tmp_path: Path) -> None:
+    """--bf16 / --fp16: fp32 master weights, bf16 / fp16 compute, fp32 gradient sums (fp16: loss scaling,
+    2**16 to start). The losses follow the fp32 run to half-precision rounding, in one process and
+    through the pipeline executor with EP (half precision on the wire)."""
     steps = ("--steps", "3")
     fp32 = _train(tmp_path, "fp32", "--pp", "1", "--ep", "1", *steps)
-    for name, flags in {"pp1": ("--pp", "1", "--ep", "1"), "pp2_ep2": ("--pp", "2", "--ep", "2")}.items():
-        mixed = _train(tmp_path, f"bf16_{name}", *flags, "--bf16", *steps)
-        for want, have in zip(fp32, mixed, strict=True):
-            assert have["loss"] == pytest.approx(want["loss"], rel=3e-3), (name, want["step"])
-            assert have["loss"] != want["loss"]  # it did compute in bf16
+    for precision in ("--bf16", "--fp16"):
+        for name, flags in {"pp1": ("--pp", "1", "--ep", "1"), "pp2_ep2": ("--pp", "2", "--ep", "2")}.items():
+            mixed = _train(tmp_path, f"{precision[2:]}_{name}", *flags, precision, *steps)
+            for want, have in zip(fp32, mixed, strict=True):
+                assert have["loss"] == pytest.approx(want["loss"], rel=3e-3), (precision, name, want["step"])
+                assert have["loss"] != want["loss"]  # it did compute in half precision
+                if precision == "--fp16":
+                    assert have["loss_scale"] == 2.0**16 and not have["skipped"], (name, have)
+                else:
+                    assert "loss_scale" not in have
+
+
+def _fp16_trainer(**flags) -> Trainer:
+    tc = TrainConfig(pp=1, ep=1, dp=1, progress=False, fp16=True, **flags)
+    return Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1))
+
+
+def test_fp16_overflowing_steps_are_skipped_and_the_scale_state_is_checkpointed(tmp_path: Path) -> None:
+    """A scale of 2**40 overflows fp16: the step changes no weight and no optimizer state; the first
+    overflow is tolerated (hysteresis 2), the second halves the scale. A finite scale then trains, and
+    the scale's counters survive a checkpoint."""
+    trainer = _fp16_trainer(initial_loss_scale=2.0**40, hysteresis=2, loss_scale_window=3)
+    try:
+        before = {k: t.clone() for k, t in trainer.tensors.items()}
+        first, second = trainer.step(), trainer.step()
+        assert (first["skipped"], second["skipped"]) == (True, True)
+        assert (first["loss_scale"], second["loss_scale"]) == (2.0**40, 2.0**40)
+        assert trainer.loss_scale.scale == 2.0**39
+        assert all(torch.equal(t, before[k]) for k, t in trainer.tensors.items())
+        assert all(trainer.opt.state_of(lf.key) is None or int(trainer.opt.state_of(lf.key)["step"]) == 0
+                   for lf in trainer.leaves)
+        trainer.loss_scale = dataclasses.replace(trainer.loss_scale, scale=2.0**12)
+        third = trainer.step()
+        assert not third["skipped"] and third["loss_scale"] == 2.0**12
+        assert any(not torch.equal(t, before[k]) for k, t in trainer.tensors.items())
+        saved = trainer.loss_scale
+        assert (saved.good_steps, saved.hysteresis_left) == (1, 0)
+        path = trainer.save(str(tmp_path / "ckpt"))
+    finally:
+        dist.destroy_process_group()
+    fresh = _fp16_trainer(initial_loss_scale=2.0**40, hysteresis=2, loss_scale_window=3)
+    try:
+        fresh.load(path)
+        assert fresh.loss_scale == saved
+    finally:
+        dist.destroy_process_group()
+
+
+def test_precision_flags_are_checked() -> None:
+    cases = {"--bf16 or --fp16, not both": {"bf16": True, "fp16": True},
+             "--loss-scale applies to --fp16 only": {"loss_scale": 128.0},
+             "--fp16 loss scaling": {"fp16": True, "hysteresis": 0},
+             "--fp16 keeps fp32 master weights": {"fp16": True, "dtype": "float64"}}
+    for message, flags in cases.items():
+        problem = TrainConfig(pp=1, ep=1, **flags).problem()
+        assert problem is not None and message in problem, (flags, problem)
+    assert TrainConfig(pp=1, ep=1, fp16=True, loss_scale=128.0).problem() is None

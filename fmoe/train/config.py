@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.precision import POLICIES, Policy
+from fmoe.precision import POLICIES, LossScale, Policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,7 +55,10 @@ class TrainConfig:
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
     Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
-    master weights, optimizer state and gradient sums, bf16 compute), data ("markov" or a file path),
+    master weights, optimizer state and gradient sums, bf16 compute), fp16 (the same with fp16 compute
+    and loss scaling: loss_scale fixes the scale, else dynamic from initial_loss_scale, halved after
+    `hysteresis` overflowing steps down to min_loss_scale, doubled after loss_scale_window clean ones;
+    an overflowing step is skipped), data ("markov" or a file path),
     data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
     metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
     run fails).
@@ -112,6 +115,12 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "float32"
     bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 65536.0
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     data: str = "markov"
     data_kind: str = "bin16"
     markov_sequences: int = 16384
@@ -202,12 +211,27 @@ class TrainConfig:
 
     @property
     def policy(self) -> Policy:
-        """The precision policy: --bf16 is mixed precision (fp32 master weights and gradients, bf16
-        compute, as Megatron's --bf16); otherwise everything in --dtype."""
+        """The precision policy: --bf16 / --fp16 are mixed precision (fp32 master weights and gradients,
+        bf16 / fp16 compute, as Megatron's flags); otherwise everything in --dtype."""
         if self.bf16:
             return POLICIES["bf16-mixed"]
+        if self.fp16:
+            return POLICIES["fp16-mixed"]
         d = DTYPES[self.dtype]
         return Policy(d, d, d)
+
+    def loss_scaler(self) -> LossScale | None:
+        """The initial loss-scaling state of an --fp16 run (None otherwise); ValueError on bad flags."""
+        if not self.fp16:
+            return None
+        try:
+            if self.loss_scale is not None:
+                return LossScale.static_scale(self.loss_scale)
+            return LossScale.dynamic_scale(self.initial_loss_scale, growth_interval=self.loss_scale_window,
+                                           min_scale=self.min_loss_scale, hysteresis=self.hysteresis)
+        except ValueError as exc:
+            raise ValueError(f"--fp16 loss scaling (--loss-scale, --initial-loss-scale, --min-loss-scale, "
+                             f"--loss-scale-window, --hysteresis): {exc}") from None
 
     def problem(self, world_size: int | None = None) -> str | None:
         """Returns one line saying what is wrong with this run before any process starts, or None.
@@ -241,9 +265,16 @@ class TrainConfig:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.bf16 and self.dtype != "float32":
-            raise ValueError(f"--bf16 keeps fp32 master weights and computes in bf16: leave --dtype at "
-                             f"float32 (got {self.dtype})")
+        for name in ("bf16", "fp16"):
+            if getattr(self, name) and self.dtype != "float32":
+                raise ValueError(f"--{name} keeps fp32 master weights and computes in {name}: leave --dtype "
+                                 f"at float32 (got {self.dtype})")
+        if self.bf16 and self.fp16:
+            raise ValueError("give --bf16 or --fp16, not both")
+        if self.fp16:
+            self.loss_scaler()  # its own checks, with the flags named
+        elif self.loss_scale is not None:
+            raise ValueError("--loss-scale applies to --fp16 only (bf16 and fp32 need no loss scaling)")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.data != "markov" and self.data_kind not in DATA_KINDS[1:]:

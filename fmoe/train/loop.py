@@ -12,7 +12,7 @@ reduced (fmoe/train/shards.py), clipped by the global norm, AdamW.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +34,7 @@ from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
 from fmoe.pipeline.step import LayerLoad, update_gpt_state
-from fmoe.precision import accumulate, cast_to_compute
+from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.registry import build as build_schedule
 from fmoe.schedule.verify import verify
@@ -81,6 +81,7 @@ class Trainer:
         self.timeout = timedelta(seconds=tc.timeout)
 
         self.policy = tc.policy
+        self.loss_scale = tc.loss_scaler()  # fp16: the loss-scaling state, carried from step to step
         full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), self.policy.param_dtype)
         def to_device(t: Any) -> Any:
             return t.to(world.device) if isinstance(t, torch.Tensor) else t
@@ -180,20 +181,41 @@ class Trainer:
         if missing:
             raise RuntimeError(f"rank {self.world.rank}: the step produced no gradient for {missing[:3]}")
         loads = self._reduce_loads(loads)
+        # The routing statistics are the forward's, valid whether or not the backward overflowed.
         self.state = update_gpt_state(self.cfg, self.state, loads, check=not self._checked)
         self.reducer.finish(grads)
+        used_scale, finite = self._unscale(grads)
         norm = global_grad_norm(self.leaves, grads, self.world_group)
-        scale = clip_factor(norm, tc.clip_grad)
-        for lf in self.leaves:
-            g = grads[lf.key]
-            self.tensors[lf.key].grad = g.mul_(scale) if scale != 1.0 else g
-        self.opt.step()
-        for t in self.tensors.values():
-            t.grad = None
+        if finite:
+            scale = clip_factor(norm, tc.clip_grad)
+            for lf in self.leaves:
+                g = grads[lf.key]
+                self.tensors[lf.key].grad = g.mul_(scale) if scale != 1.0 else g
+            self.opt.step()
+            for t in self.tensors.values():
+                t.grad = None
         self._checked = True
         self.step_done += 1
         step_s = time.perf_counter() - t0
-        return self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
+        metrics = self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
+        if self.loss_scale is not None:
+            metrics.update(loss_scale=used_scale, skipped=not finite)
+        return metrics
+
+    def _unscale(self, grads: dict[str, torch.Tensor]) -> tuple[float, bool]:
+        """fp16: divides the summed gradients by the loss scale in place and advances the scale; returns
+        (the scale this step used, whether every rank's gradients were finite: else the step is skipped,
+        on every rank alike). Other precisions: (1.0, True), nothing done."""
+        if self.loss_scale is None:
+            return 1.0, True
+        used = self.loss_scale.scale
+        finite = unscale_([grads[lf.key] for lf in self.leaves], self.loss_scale).to(torch.int32)
+        if self.world_group is not None:  # one rank's overflow skips the step everywhere
+            finite = finite.to(self.world.device)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.world_group)
+        ok = bool(finite)
+        self.loss_scale = self.loss_scale.adjust(ok)
+        return used, ok
 
     def _accumulate(self, batches: list) -> tuple:
         cfg, m, policy = self.cfg, len(batches), self.policy
@@ -228,7 +250,7 @@ class Trainer:
                 if last[0] and not policy.mixed and self.reducer.buckets:
                     hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                 loss, aux = gpt_loss(params, ids, targets, cfg, self.state, check=not self._checked)
-                (loss / m).backward()
+                (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
                 sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
                 for path, a in zip(_moe_paths(cfg), aux.layers):
                     tokens_E = a.tokens_per_expert_E
@@ -252,7 +274,8 @@ class Trainer:
                                 group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
                                 shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
                                 timeout=self.timeout, on_stage_done=self._stage_done,
-                                grad_dtype=policy.grad_dtype if policy.mixed else None)
+                                grad_dtype=policy.grad_dtype if policy.mixed else None,
+                                loss_scale=self.loss_scale.scale if self.loss_scale else 1.0)
         self.last_result = out.result
         found = {lf.key: _lookup(out.grads, lf.where) for lf in self.leaves}
         flat = {k: g for k, g in found.items() if g is not None}
@@ -312,8 +335,13 @@ class Trainer:
         for layer in self.moe_layers:
             node = self.state["mtp"] if layer == "mtp" else self.state["layers"][int(layer.split(".")[1])]
             moe_state[layer] = node
-        return checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
-                                      self.world.rank, with_rng)
+        items = checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
+                                       self.world.rank, with_rng)
+        if self.loss_scale is not None:  # fp16: the scale and its counters, so a resumed run goes on alike
+            ls = self.loss_scale
+            items["train/loss_scale"] = torch.tensor([ls.scale, ls.good_steps, ls.hysteresis_left],
+                                                     dtype=torch.float64)
+        return items
 
     def save(self, directory: str) -> str:
         """Writes a checkpoint of the current step into `directory` (collective); returns its path."""
@@ -333,6 +361,10 @@ class Trainer:
         items = self._items(with_rng=same)
         checkpoint.load(path, items)
         self.step_done = int(items["train/step"])
+        if self.loss_scale is not None:
+            scale, good, left = items["train/loss_scale"].tolist()
+            self.loss_scale = replace(self.loss_scale, scale=scale, good_steps=int(good),
+                                      hysteresis_left=int(left))
         self._checked = False
 
 

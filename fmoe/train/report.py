@@ -13,6 +13,7 @@ from fmoe.schedule.timeline import TraceEvent, write_png, write_trace
 
 METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s",
                "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
+FP16_KEYS = ("loss_scale", "skipped")  # present in an --fp16 run's metrics only
 
 
 class Reporter:
@@ -38,13 +39,14 @@ class Reporter:
         """Records one step's metrics: a JSON line, the bar's postfix."""
         self.history.append(m)
         if self._file is not None:
-            self._file.write(json.dumps({k: m[k] for k in METRIC_KEYS}) + "\n")
+            self._file.write(json.dumps({k: m[k] for k in (*METRIC_KEYS, *FP16_KEYS) if k in m}) + "\n")
             self._file.flush()
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"loss {m['main_loss']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s'] * 1e3:.0f}ms "
                 f"exposed {100 * m['exposed_comm_frac']:.0f}% load {m['max_over_mean_load']:.2f} "
-                f"drop {m['dropped']}", refresh=False)
+                f"drop {m['dropped']}" + (f" scale {m['loss_scale']:g}" if "loss_scale" in m else ""),
+                refresh=False)
             self._bar.update(1)
 
     def close(self) -> str:
@@ -72,6 +74,10 @@ class Reporter:
         exposed = 100 * sum(m["exposed_comm_frac"] for m in steady) / len(steady)
         lines.append(f"  median {median('tokens_per_s'):.0f} tokens/s, step {median('step_s'):.3f} s, "
                      f"exposed comm {exposed:.1f}% (steps after the first)")
+        if "loss_scale" in last:
+            skipped = sum(bool(m["skipped"]) for m in self.history)
+            lines.append(f"  fp16: {skipped} of {len(self.history)} steps skipped (non-finite gradients), "
+                         f"last loss scale {last['loss_scale']:g}")
         return "\n".join(lines)
 
 
