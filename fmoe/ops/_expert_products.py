@@ -29,18 +29,14 @@ from collections.abc import Sequence
 import torch
 
 from fmoe._compat import Function
-from fmoe.ops._dtypes import compute_dtype
 from fmoe.ops._grouped_linear import _choose_backend, _fwd, _weight_grad, check_grouped_args, grouped_linear
 from fmoe.ops._swiglu import swiglu
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
 def _h(gate_MF: torch.Tensor, up_MF: torch.Tensor) -> torch.Tensor:
-    """h_MF = silu(gate) * up, math in the compute dtype, cast back (swiglu's own expression)."""
-    ct = compute_dtype(gate_MF.dtype)
-    h = torch.nn.functional.silu(gate_MF.to(ct))
-    h = h.mul_(up_MF) if h.dtype == up_MF.dtype else h * up_MF.to(ct)
-    return h.to(gate_MF.dtype)
+    """h_MF = silu(gate) * up in the inputs' dtype (swiglu's own expression)."""
+    return torch.nn.functional.silu(gate_MF).mul_(up_MF)
 
 
 def _down_weight_grad(gate_MF: torch.Tensor, up_MF: torch.Tensor, g_MD: torch.Tensor,
@@ -74,14 +70,12 @@ class _SwiGLUGroupedLinear(Function):
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, counts, backend)
         dgate = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            ct = compute_dtype(gate_MF.dtype)
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
-            dh = _fwd(g_MD, w_EFD.transpose(-2, -1), counts, backend).to(ct)
-            a_MF = gate_MF.to(ct)
+            dh = _fwd(g_MD, w_EFD.transpose(-2, -1), counts, backend)
             if ctx.needs_input_grad[1]:  # dup = dh * silu(gate), silu recomputed into the result
-                dup = torch.nn.functional.silu(a_MF).mul_(dh).to(up_MF.dtype)
+                dup = torch.nn.functional.silu(gate_MF).mul_(dh)
             if ctx.needs_input_grad[0]:  # dgate = silu'(gate) * dh * up, as aten's silu_backward
-                dgate = torch.ops.aten.silu_backward(dh.mul_(up_MF.to(ct)), a_MF).to(gate_MF.dtype)
+                dgate = torch.ops.aten.silu_backward(dh.mul_(up_MF), gate_MF)
         return dgate, dup, dw, None, None
 
 

@@ -1,7 +1,9 @@
 """swiglu: silu(gate) * up, the gated activation of a SwiGLU MLP, with a hand-written backward.
 
 Legend (the package's, docs/moe.md): X rows (any leading dims), F hidden features.
-Math in fp32 for half-precision inputs (fp64 stays fp64); the output has the input dtype.
+Math in the input dtype: aten's silu kernels compute each element in fp32 and round once, the product
+rounds once more. (Half-precision inputs upcast to fp32 and back cost 3x on CPU in copies, for under one
+bf16 ulp: docs/precision.md.)
 Under torch.func transforms an autograd Function with a hand-written backward; under tape autograd the
 same math as native ops.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from fmoe._compat import Function, functorch_active
-from fmoe.ops._dtypes import compute_dtype
 
 
 class _SwiGLU(Function):
@@ -19,11 +20,10 @@ class _SwiGLU(Function):
 
     @staticmethod
     def forward(gate_XF: torch.Tensor, up_XF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ct = compute_dtype(gate_XF.dtype)
-        silu_XF = torch.nn.functional.silu(gate_XF.to(ct))
+        silu_XF = torch.nn.functional.silu(gate_XF)
         # silu(gate) is a second, non-differentiable output so that the backward can reuse it (as
         # tape autograd does) instead of recomputing it.
-        return (silu_XF * up_XF.to(ct)).to(gate_XF.dtype), silu_XF
+        return silu_XF * up_XF, silu_XF
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -38,14 +38,12 @@ class _SwiGLU(Function):
         gate_XF, up_XF, silu_XF = ctx.saved_tensors
         if g_XF is None:  # the product did not reach the output
             return None, None
-        ct = compute_dtype(gate_XF.dtype)
-        a_XF, u_XF, gf_XF = gate_XF.to(ct), up_XF.to(ct), g_XF.to(ct)
         dgate = dup = None
         if ctx.needs_input_grad[0]:
             # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), as aten's fused silu_backward kernel
-            dgate = torch.ops.aten.silu_backward(gf_XF * u_XF, a_XF).to(gate_XF.dtype)
+            dgate = torch.ops.aten.silu_backward(g_XF * up_XF, gate_XF)
         if ctx.needs_input_grad[1]:
-            dup = (gf_XF * silu_XF).to(up_XF.dtype)
+            dup = g_XF * silu_XF
         return dgate, dup
 
 
@@ -58,6 +56,5 @@ def swiglu(gate_XF: torch.Tensor, up_XF: torch.Tensor) -> torch.Tensor:
         raise ValueError("swiglu: gate and up must share one floating dtype, "
                          f"got {gate_XF.dtype}, {up_XF.dtype}")
     if not functorch_active():  # tape autograd: native ops, autograd's own backward
-        ct = compute_dtype(gate_XF.dtype)
-        return (torch.nn.functional.silu(gate_XF.to(ct)) * up_XF.to(ct)).to(gate_XF.dtype)
+        return torch.nn.functional.silu(gate_XF) * up_XF
     return _SwiGLU.apply(gate_XF, up_XF)[0]
