@@ -1,6 +1,7 @@
 """fmoe's MoE layer against its peers, side by side: time and peak memory per implementation and precision.
 
-    .venv/bin/pip install -e '.[bench]'        # transformers (torchtitan, if wanted: --no-deps by hand)
+    .venv/bin/pip install -e '.[bench]'        # transformers
+    .venv/bin/pip install --no-deps torchtitan && .venv/bin/pip install spmd_types tyro triton  # optional
     .venv/bin/python benchmarks/peers.py       # the three shapes of issue 14, fp32 and bf16
     .venv/bin/python benchmarks/peers.py --shapes 256,512,8,2,64 --rounds 5
 
@@ -12,9 +13,16 @@ expert, no balancing loss), forward + backward of the output against a fixed cot
 - fmoe: `fmoe.moe` (grouped GEMMs over expert-sorted rows);
 - hf-grouped_mm / hf-eager: transformers' `Qwen3MoeSparseMoeBlock` with `_experts_implementation`
   "grouped_mm" and "eager" (its loop over the experts that received tokens);
-- torchtitan's MoE when it imports (it is not a dependency; skipped, saying so, when absent).
+- titan: torchtitan's `MoE` (models/common/moe.py: `TokenChoiceTopKRouter` with softmax scores and
+  `route_norm`, `RoutedExperts` = `LocalTokenDispatcher` + `GroupedExperts`, no shared expert,
+  `load_balance_coeff=None`), built on CPU in one process, no process group or device mesh; when it
+  imports (it is not a dependency; skipped, saying so, when absent).
 Precisions: fp32 (everything fp32), and bf16 mixed: fmoe's `bf16-mixed` policy (weights cast to bf16 once,
-bf16 GEMMs, fp32 router and combine), the peers' modules cast to bf16 (what their bf16 training runs).
+bf16 GEMMs, fp32 router and combine), the HF modules cast to bf16 (what their bf16 training runs).
+torchtitan's `GroupedExperts` casts x and the expert weights to bf16 inside its forward whatever their
+dtype, so titan's bf16 is its stock module: fp32 parameters and input, bf16 grouped GEMMs, fp32 router and
+combine (fmoe's policy); its fp32 is torchtitan's MoE patched to fp32 (a `GroupedExperts` subclass whose
+grouped GEMMs run in the input dtype).
 The bf16 plain-matmul ceiling is the layer's matmul FLOPs as dense bf16 `torch.mm` calls of the same shapes
 (benchmarks/moe_layer.py's `ceiling_step`), timed in the same rounds.
 
@@ -29,10 +37,13 @@ high-water mark of one step after a warm-up, minus the RSS before it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +57,92 @@ from fmoe.precision import POLICIES, cast_to_compute
 SHAPES = ((1024, 1024, 16, 4, 4096), (512, 256, 64, 8, 2048), (256, 512, 8, 2, 64))  # D, F, E, K, T
 HAS_HF = importlib.util.find_spec("transformers") is not None
 HAS_TITAN = importlib.util.find_spec("torchtitan") is not None
+
+
+@functools.cache
+def _titan_import_error() -> str | None:
+    """None when torchtitan's MoE imports, else why not (then titan is skipped)."""
+    if not HAS_TITAN:
+        return "torchtitan is not installed"
+    try:
+        import torchtitan.models.common.moe  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import skips the peer
+        return f"torchtitan does not import ({type(e).__name__}: {e})"
+    return None
+
+
+@functools.cache
+def _titan_fp32_experts() -> type:
+    """torchtitan's GroupedExperts patched to fp32: the same grouped GEMMs, run in the input dtype (the
+    stock forward casts x and the weights to bf16)."""
+    import torch.nn.functional as Fn
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class Fp32GroupedExperts(GroupedExperts):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h_RF = Fn.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offs))
+            h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offs)
+            return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offs)
+
+    return Fp32GroupedExperts
+
+
+def _titan_moe(cfg: MoEConfig, params: dict[str, Any], fp32: bool) -> torch.nn.Module:
+    """torchtitan's MoE holding fmoe's weights (gate [E, D], w1 / w3 [E, F, D], w2 [E, D, F]), fp32
+    parameters; `fp32`: the grouped GEMMs in fp32 (patched), else torchtitan's stock bf16 ones."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    # its router asks for an fp32 autocast, which CPU autocast does not support (it warns, then runs the
+    # fp32 gate as it is)
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+    D, F, E, K = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
+    experts = _titan_fp32_experts() if fp32 else GroupedExperts
+    block = MoE.Config(
+        num_experts=E,
+        load_balance_coeff=None,  # no expert bias
+        shared_experts=None,
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E,
+            gate=Linear.Config(in_features=D, out_features=E),
+            top_k=K,
+            score_func="softmax",
+            route_norm=True,  # gates renormalised after top-k (fmoe's topk_norm="after")
+        ),
+        routed_experts=RoutedExperts.Config(
+            inner_experts=experts.Config(dim=D, hidden_dim=F, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K),
+        ),
+    ).build()
+    ex, inner = params["experts"], block.routed_experts.inner_experts
+    with torch.no_grad():
+        block.router.gate.weight.copy_(params["router"]["w"].t())
+        inner.w1_EFD.copy_(ex["w_gate"].transpose(1, 2))
+        inner.w3_EFD.copy_(ex["w_up"].transpose(1, 2))
+        inner.w2_EDF.copy_(ex["w_down"].transpose(1, 2))
+    return block
+
+
+def _titan_weights(block: torch.nn.Module) -> list[torch.Tensor]:
+    inner = block.routed_experts.inner_experts
+    return [block.router.gate.weight, inner.w1_EFD, inner.w3_EFD, inner.w2_EDF]
+
+
+def _titan_grads_as_fmoe(grads: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """titan's weight gradients (in `_titan_weights` order) in fmoe's layout (for the agreement check)."""
+    d_gate, d_w1, d_w3, d_w2 = grads
+    return {
+        "router.w": d_gate.t(),
+        "experts.w_gate": d_w1.transpose(1, 2),
+        "experts.w_up": d_w3.transpose(1, 2),
+        "experts.w_down": d_w2.transpose(1, 2),
+    }
 
 
 def _hf_block(cfg: MoEConfig, params: dict[str, Any], impl: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -132,12 +229,34 @@ def build(name: str, shape: tuple[int, ...], precision: str) -> tuple[Callable[[
             }
 
         return run, grads
+    if name == "titan":
+        # bf16: torchtitan's stock module (fp32 parameters and input, bf16 grouped GEMMs inside)
+        block = _titan_moe(cfg, params, fp32=not bf16)
+        weights = _titan_weights(block)
+        xt, ctt = x_TD.clone().requires_grad_(), ct_TD
+
+        def run() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            y = block(xt.unsqueeze(0)).squeeze(0)
+            return y, torch.autograd.grad(y, [xt, *weights], ctt)
+
+        def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            y, (dx, *dws) = run()
+            return y.float(), {
+                "x": dx.float(),
+                **{k: v.float() for k, v in _titan_grads_as_fmoe(dws).items()},
+            }
+
+        return run, grads
     raise ValueError(f"unknown implementation {name!r}")
 
 
 def implementations() -> list[str]:
     """The implementations that can run here (fmoe, and the peers that import)."""
-    return ["fmoe"] + (["hf-grouped_mm", "hf-eager"] if HAS_HF else [])
+    return (
+        ["fmoe"]
+        + (["hf-grouped_mm", "hf-eager"] if HAS_HF else [])
+        + (["titan"] if _titan_import_error() is None else [])
+    )
 
 
 def check_same_function(shape: tuple[int, ...], precision: str, names: list[str]) -> dict[str, float]:
@@ -203,8 +322,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s); implementations: {', '.join(names)}")
     if not HAS_HF:
         print("transformers is not installed: its blocks are skipped (pip install -e '.[bench]')")
-    if not HAS_TITAN:
-        print("torchtitan is not installed: its MoE is skipped")
+    if _titan_import_error() is not None:
+        print(f"{_titan_import_error()}: its MoE is skipped")
     for shape in shapes:
         D, F, E, K, T = shape
         flops = layer_flops(T, D, F, E, K)
