@@ -27,11 +27,9 @@ import torch
 from _ranks import measure_rss, return_freed_memory
 
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
-from fmoe._compat import tree_flatten, tree_unflatten
-from fmoe.transforms import split_vjp
-from fmoe.transforms.testing import tracked_peak_bytes
+from fmoe.transforms.testing import DIFF_MODES, grads_by, tracked_peak_bytes
 
-MODES = ("autograd", "func.vjp", "func.vjp(retain_graph=False)", "split_vjp(func)", "split_vjp(autograd)")
+MODES = DIFF_MODES
 
 
 def _setup(args: argparse.Namespace):
@@ -45,23 +43,7 @@ def _setup(args: argparse.Namespace):
 
 def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
     """One forward + backward; returns the gradients (params leaves, then x) in tree order."""
-    def f(p, x):
-        return moe(p, x, cfg, state, check=False)[0]
-
-    if mode == "autograd":
-        leaves, spec = tree_flatten(params)
-        leaves = [t.detach().requires_grad_() for t in leaves]
-        x = x_TD.detach().requires_grad_()
-        f(tree_unflatten(leaves, spec), x).backward(ct_TD)
-        return [t.grad for t in leaves] + [x.grad]
-    if mode.startswith("func.vjp"):
-        _, vjp = torch.func.vjp(f, params, x_TD)
-        dp, dx = vjp(ct_TD, retain_graph=mode == "func.vjp")
-        return tree_flatten(dp)[0] + [dx]
-    engine = "func" if mode == "split_vjp(func)" else "autograd"
-    _, vjp_dx = split_vjp(f, params, x_TD, engine=engine)
-    (dx,), vjp_dw = vjp_dx(ct_TD)
-    return tree_flatten(vjp_dw())[0] + [dx]
+    return grads_by(mode, lambda p, x: moe(p, x, cfg, state, check=False)[0], params, x_TD, ct_TD)
 
 
 def _child(args: argparse.Namespace) -> None:

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
-from fmoe._compat import tree_flatten, tree_unflatten
-from fmoe.transforms import split_vjp
-from fmoe.transforms.testing import tracked_peak_bytes
+from fmoe.transforms.testing import grads_by, tracked_peak_bytes
 
 CONFIGS = {
     "E8-K2": MoEConfig(d_model=128, d_ff=128, num_experts=8, top_k=2),
@@ -33,24 +31,7 @@ def _setup(cfg: MoEConfig):
 def _step(mode: str, cfg: MoEConfig, params, x_TD, ct_TD) -> list[torch.Tensor]:
     """One forward + backward in `mode`; returns the gradients (params leaves, then x)."""
     state = init_moe_state(cfg)
-
-    def f(p, x):
-        return moe(p, x, cfg, state, check=False)[0]
-
-    if mode == "autograd":
-        leaves, spec = tree_flatten(params)
-        leaves = [t.detach().requires_grad_() for t in leaves]
-        x = x_TD.detach().requires_grad_()
-        f(tree_unflatten(leaves, spec), x).backward(ct_TD)
-        return [t.grad for t in leaves] + [x.grad]
-    if mode in ("func.vjp", "func.vjp(retain_graph=False)"):
-        _, vjp = torch.func.vjp(f, params, x_TD)
-        dp, dx = vjp(ct_TD, retain_graph=mode == "func.vjp")
-        return tree_flatten(dp)[0] + [dx]
-    engine = {"split_vjp(func)": "func", "split_vjp(autograd)": "autograd"}[mode]
-    _, vjp_dx = split_vjp(f, params, x_TD, engine=engine)
-    (dx,), vjp_dw = vjp_dx(ct_TD)
-    return tree_flatten(vjp_dw())[0] + [dx]
+    return grads_by(mode, lambda p, x: moe(p, x, cfg, state, check=False)[0], params, x_TD, ct_TD)
 
 
 def _peak(mode: str, cfg: MoEConfig, setup) -> tuple[list[torch.Tensor], int]:

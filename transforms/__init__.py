@@ -22,4 +22,4 @@ from fmoe.transforms.tape import defer_weight_grad as defer_weight_grad
 from fmoe.transforms.tape import weight_grad_or_defer as weight_grad_or_defer
 
 __getattr__, __dir__ = lazy_exports(__name__, {"assert_close": ".testing", "check_vjp": ".testing",
-                                                  "tracked_peak_bytes": ".testing"})
+                                                  "grads_by": ".testing", "tracked_peak_bytes": ".testing"})

@@ -1,6 +1,8 @@
-"""Tools for users' own gradient property tests: check_vjp, assert_close, hypothesis strategies.
+"""Tools for users' own gradient property tests: check_vjp, assert_close, hypothesis strategies, and
+the memory of a backward.
 
     check_vjp(f, *primals)   # float64 central difference in one random direction: <c, J t> == <J^T c, t>
+    grads, peak = tracked_peak_bytes(lambda: grads_by("split_vjp(func)", f, params, x, ct))
 
 Strategies build parameter pytrees (nested dicts of tensors) and input tensors with random shapes
 and dtypes, so a research script can property-test its own layers in a few lines.
@@ -155,3 +157,37 @@ def tracked_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
         now += e.nbytes()
         peak = max(peak, now)
     return out, peak
+
+
+DIFF_MODES = ("autograd", "func.vjp", "func.vjp(retain_graph=False)", "split_vjp(func)",
+              "split_vjp(autograd)")
+
+
+def grads_by(mode: str, f: Callable[..., torch.Tensor], params: Any, x: torch.Tensor,
+             ct: torch.Tensor) -> list[torch.Tensor]:
+    """Return the gradients of <f(params, x), ct> (params' leaves in tree order, then x) computed one way.
+
+    `mode` (one of DIFF_MODES): "autograd", tape autograd on fresh leaves (`backward`); "func.vjp",
+    `torch.func.vjp` with its vjp_fn called as is (retain_graph=True: the graph's saved tensors live until
+    the vjp_fn does); "func.vjp(retain_graph=False)", freeing each as the backward passes it;
+    "split_vjp(func)" / "split_vjp(autograd)", `split_vjp` with that engine, dx then dw. For comparing
+    the ways' gradients and, with `tracked_peak_bytes`, their peak memory.
+    """
+    from fmoe.transforms.split_vjp import split_vjp
+
+    if mode == "autograd":
+        leaves, spec = tree_flatten(params)
+        leaves = [t.detach().requires_grad_() for t in leaves]
+        x = x.detach().requires_grad_()
+        f(tree_unflatten(leaves, spec), x).backward(ct)
+        return [t.grad for t in leaves] + [x.grad]
+    if mode in ("func.vjp", "func.vjp(retain_graph=False)"):
+        _, vjp = torch.func.vjp(f, params, x)
+        dp, dx = vjp(ct, retain_graph=mode == "func.vjp")
+        return tree_flatten(dp)[0] + [dx]
+    engines = {"split_vjp(func)": "func", "split_vjp(autograd)": "autograd"}
+    if mode not in engines:
+        raise ValueError(f"grads_by: mode must be one of {DIFF_MODES}, got {mode!r}")
+    _, vjp_dx = split_vjp(f, params, x, engine=engines[mode])
+    (dx,), vjp_dw = vjp_dx(ct)
+    return tree_flatten(vjp_dw())[0] + [dx]
