@@ -17,8 +17,10 @@ expert, no balancing loss), forward + backward of the output against a fixed cot
   `route_norm`, `RoutedExperts` = `LocalTokenDispatcher` + `GroupedExperts`, no shared expert,
   `load_balance_coeff=None`), built on CPU in one process, no process group or device mesh; when it
   imports (it is not a dependency; skipped, saying so, when absent).
-Precisions: fp32 (everything fp32), and bf16 mixed: fmoe's `bf16-mixed` policy (weights cast to bf16 once,
-bf16 GEMMs, fp32 router and combine), the HF modules cast to bf16 (what their bf16 training runs).
+Precisions: fp32 (everything fp32), and bf16 mixed: fmoe's `bf16-mixed` policy as `fmoe train` runs it
+(the fp32 masters cast to bf16 once per step, inside the timed step; bf16 GEMMs, fp32 router and combine;
+each bf16 weight gradient summed into fp32 by a post-accumulate hook as the backward makes it), the HF
+modules cast to bf16 (what their bf16 training runs: bf16 weights and gradients, no masters).
 torchtitan's `GroupedExperts` casts x and the expert weights to bf16 inside its forward whatever their
 dtype, so titan's bf16 is its stock module: fp32 parameters and input, bf16 grouped GEMMs, fp32 router and
 combine (fmoe's policy); its fp32 is torchtitan's MoE patched to fp32 (a `GroupedExperts` subclass whose
@@ -52,7 +54,7 @@ from _ranks import measure_rss, return_freed_memory
 from moe_layer import ceiling_step, interleaved_medians, layer_flops
 
 from fmoe import MoEConfig, init_moe, moe
-from fmoe.precision import POLICIES, cast_to_compute
+from fmoe.precision import POLICIES, accumulate, cast_to_compute
 
 SHAPES = ((1024, 1024, 16, 4, 4096), (512, 256, 64, 8, 2048), (256, 512, 8, 2, 64))  # D, F, E, K, T
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -200,13 +202,28 @@ def build(name: str, shape: tuple[int, ...], precision: str) -> tuple[Callable[[
         names = [(k, n) for k in ("router", "experts") for n in params[k]]
 
         def run() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-            # bf16-mixed: the cast of the fp32 masters and the fp32 gradients are part of the step (as in
-            # training: once per step, and the accumulation in fp32)
             p = cast_to_compute(params, policy)
             leaves = [p[k][n].requires_grad_() for k, n in names]
+            if not policy.mixed:
+                y = moe(p, x, cfg, check=False)[0]
+                return y, torch.autograd.grad(y, [x, *leaves], ct)
+            # bf16-mixed as `fmoe train` runs it: the cast of the fp32 masters is part of the step (once
+            # per step), and each bf16 weight gradient goes into its fp32 sum as the backward makes it.
+            sums: dict[int, torch.Tensor] = {}
+
+            def into_fp32(k: int):
+                def hook(t: torch.Tensor) -> None:
+                    sums[k] = accumulate(sums.get(k), t.grad, policy)
+                    t.grad = None
+                return hook
+
+            hooks = [t.register_post_accumulate_grad_hook(into_fp32(k)) for k, t in enumerate(leaves)]
+            x.grad = None
             y = moe(p, x, cfg, check=False)[0]
-            dx, *dws = torch.autograd.grad(y, [x, *leaves], ct)
-            return y, (dx, *[d.to(policy.grad_dtype) for d in dws])
+            y.backward(ct)
+            for h in hooks:
+                h.remove()
+            return y, (x.grad, *[sums[k] for k in range(len(leaves))])
 
         def grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             y, (dx, *dws) = run()

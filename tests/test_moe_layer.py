@@ -33,7 +33,7 @@ MODES = {
     "bias_sigmoid": dict(bias_update_rate=0.1, score_func="sigmoid", aux_loss_coef=0.05),
     "remat": dict(adaptive_remat=True, remat_load_scale=0.5),
 }
-DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
 def make_cfg(mode: str, D: int, F: int, E: int, K: int, capacity_factor: float | None = None) -> MoEConfig:

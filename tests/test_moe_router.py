@@ -55,7 +55,8 @@ def router_cases(draw):
 @settings(max_examples=100, deadline=None)
 @example(case=(MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=3, num_groups=4, topk_groups=2,
                          score_func="sigmoid"), 6, 0, False), dtype=torch.float32)
-@given(case=router_cases(), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+@given(case=router_cases(),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]))
 def test_route_matches_oracle_on_tie_prone_inputs(case, dtype) -> None:
     """Quantised weights and inputs (logits are multiples of 0.5, biases of 0.25) make exact ties common
     in scores and group scores; selection must equal the oracle's python `sorted` (lowest index first)."""

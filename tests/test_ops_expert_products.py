@@ -35,7 +35,7 @@ class Case:
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     E = draw(st.integers(1, 4))
-    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+    dtype = draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]))
     backends = ["loop"] if dtype == torch.float64 else ["loop", "grouped_mm", None]
     return Case(counts=draw(st.lists(st.integers(0, 5), min_size=E, max_size=E)),
                 D=draw(st.sampled_from([8, 16])), F=draw(st.sampled_from([8, 16])), dtype=dtype,

@@ -39,7 +39,7 @@ def cases(draw: st.DrawFn) -> Case:
         counts=draw(st.lists(st.integers(0, 5), min_size=E, max_size=E)),
         D=draw(st.sampled_from([3, 8, 16])),
         F=draw(st.sampled_from([5, 8, 16])),
-        dtype=draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16])),
+        dtype=draw(st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])),
         backend=draw(st.sampled_from(["loop", "grouped_mm", None])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )

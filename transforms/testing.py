@@ -119,7 +119,7 @@ def check_vjp(
 
 # ---- hypothesis strategies ---------------------------------------------------------------------
 
-float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16])
+float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
 
 
 @st.composite
