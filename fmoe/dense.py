@@ -14,7 +14,7 @@ import torch
 
 from fmoe._checks import positive
 from fmoe.init import scaled_normal
-from fmoe.ops import linear, rms_norm, swiglu
+from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
@@ -31,7 +31,7 @@ def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6
     """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
     axes, e.g. [B, S, D], work the same)."""
     h_TD = rms_norm(x_TD, p["norm"], eps)
-    return x_TD + linear(swiglu(linear(h_TD, p["w_gate"]), linear(h_TD, p["w_up"])), p["w_down"])
+    return x_TD + swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
 
 
 def init_dense_stack(num_layers: int, d_model: int, d_ff: int, generator: torch.Generator | None = None,

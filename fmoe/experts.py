@@ -22,7 +22,15 @@ import torch
 
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops import grouped_linear, grouped_linear_pair, linear, swiglu, swiglu_grouped_linear
+from fmoe.ops import (
+    grouped_linear,
+    grouped_linear_pair,
+    linear,
+    linear_pair,
+    swiglu,
+    swiglu_grouped_linear,
+    swiglu_linear,
+)
 
 
 def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
@@ -64,7 +72,7 @@ def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: tor
 
 def shared_experts(p: dict[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:
     """Return s_TD [T, D] = w_down(swiglu(w_gate x, w_up x)), times sigmoid(x @ w_out_gate) when gated."""
-    s_TD = linear(swiglu(linear(x_TD, p["w_gate"]), linear(x_TD, p["w_up"])), p["w_down"])
+    s_TD = swiglu_linear(*linear_pair(x_TD, p["w_gate"], p["w_up"]), p["w_down"])
     if "w_out_gate" in p:
         s_TD = s_TD * torch.sigmoid(linear(x_TD, p["w_out_gate"]))
     return s_TD

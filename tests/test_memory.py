@@ -64,3 +64,23 @@ def test_peak_memory_is_no_higher_than_tape_autograd(name: str, mode: str) -> No
     # split backward, fmoe's own, must not exceed the reference at all.
     slack = 16 * 1024 if mode.startswith("func.vjp") else 0
     assert peak <= reference + slack, f"{mode}: peak {peak} B > tape autograd's {reference} B"
+
+
+@pytest.mark.parametrize("mode", ["split_vjp(func)", "split_vjp(autograd)"])
+def test_a_dense_swiglu_mlp_split_backward_peaks_no_higher_than_tape_autograd(mode: str) -> None:
+    """The dense layers' and shared experts' MLP (fmoe.dense.swiglu_mlp: the same fused products)."""
+    from fmoe.dense import init_swiglu_mlp, swiglu_mlp
+
+    g = torch.Generator().manual_seed(0)
+    D, F = 64, 128
+    params = init_swiglu_mlp(D, F, g)
+    x, ct = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+    def f(p, x):
+        return swiglu_mlp(p, x, 1e-6)
+
+    peaks = {}
+    for m in ("autograd", mode):
+        grads_by(m, f, params, x, ct)
+        peaks[m] = tracked_peak_bytes(lambda m=m: grads_by(m, f, params, x, ct))[1]
+    assert peaks[mode] <= peaks["autograd"], peaks

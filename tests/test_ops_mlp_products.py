@@ -1,8 +1,9 @@
-"""The fused expert products (fmoe/ops/_expert_products.py) against per-row loop oracles in float64.
+"""The fused SwiGLU MLP products (fmoe/ops/_mlp_products.py) against float64 oracles.
 
 swiglu_grouped_linear(g, u, w) == grouped_linear(swiglu(g, u), w) and grouped_linear_pair(x, wa, wb) ==
-(grouped_linear(x, wa), grouped_linear(x, wb)): outputs, input gradients and (deferred) weight gradients,
-under split_vjp with either engine and outside it.
+(grouped_linear(x, wa), grouped_linear(x, wb)) against per-row loops; swiglu_linear and linear_pair against
+plain matmuls (leading dims kept): outputs, input gradients and (deferred) weight gradients, under
+split_vjp with either engine and outside it.
 
 Legend: M rows, D and F features, E experts.
 """
@@ -16,7 +17,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fmoe.ops import grouped_linear_pair, swiglu_grouped_linear
+from fmoe.ops import grouped_linear_pair, linear_pair, swiglu_grouped_linear, swiglu_linear
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
 
@@ -165,3 +166,41 @@ def test_shapes_and_dtypes_are_checked() -> None:
         grouped_linear_pair(x, w, w.double(), [3])
     with pytest.raises(ValueError, match="swiglu_grouped_linear: sum"):
         split_vjp(lambda p, x: swiglu_grouped_linear(x, x, p, [2]), w, x)
+
+
+@settings(max_examples=25, deadline=None)
+@example(lead=(3,), D=8, F=8, dtype=torch.float32, engine="func", seed=0)
+@example(lead=(2, 3), D=8, F=16, dtype=torch.float64, engine="autograd", seed=1)  # [B, S, D] input
+@example(lead=(0,), D=8, F=8, dtype=torch.float32, engine="autograd", seed=2)     # no rows
+@given(lead=st.sampled_from([(1,), (5,), (2, 3)]), D=st.sampled_from([8, 16]), F=st.sampled_from([8, 16]),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
+       engine=st.sampled_from(["func", "autograd", "none"]), seed=st.integers(0, 2**31 - 1))
+def test_dense_products_match_the_matmul_oracle(lead: tuple[int, ...], D: int, F: int, dtype: torch.dtype,
+                                                engine: str, seed: int) -> None:
+    case = Case([1], D, F, dtype, None, engine, seed)
+    t = _make(case, {"x": (*lead, D), "wg": (D, F), "wu": (D, F), "wd": (F, D), "ct": (*lead, D)})
+
+    def f(p, x):
+        return swiglu_linear(*linear_pair(x, p["wg"], p["wu"]), p["wd"])
+
+    params = {k: t[k] for k in ("wg", "wu", "wd")}
+    y, dp, (dx,) = _grads(f, params, (t["x"],), t["ct"], engine)
+    def mlp(q):
+        return (torch.nn.functional.silu(q["x"] @ q["wg"]) * (q["x"] @ q["wu"])) @ q["wd"]
+
+    y_ref, ref = _oracle(mlp, t, ["x", "wg", "wu", "wd"], t["ct"])
+    assert y.dtype == dtype and y.shape == (*lead, D)
+    assert_close(y, y_ref, dtype=dtype, scale=2.0, msg="y")
+    assert_close(dx, ref["x"], dtype=dtype, scale=4.0, msg="dx")
+    for k in params:
+        assert_close(dp[k], ref[k], dtype=dtype, scale=4.0, msg=k)
+
+
+def test_dense_shapes_and_dtypes_are_checked() -> None:
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    with pytest.raises(ValueError, match="swiglu_linear: gate"):
+        swiglu_linear(x, x[:, :4], w)
+    with pytest.raises(ValueError, match="linear_pair: the weights"):
+        linear_pair(x, w, w.double())
+    with pytest.raises(ValueError, match="linear_pair: x has 8 features"):
+        split_vjp(lambda p, x: linear_pair(x, p, p)[0], torch.randn(4, 8), x)

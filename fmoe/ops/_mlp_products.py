@@ -1,0 +1,223 @@
+"""The SwiGLU MLP's products fused for a split backward: the gate/up pair, and the SwiGLU + down.
+
+    gate_MF, up_MF = grouped_linear_pair(x_MD, w_gate_EDF, w_up_EDF, counts_E)  # two grouped_linear
+    y_MD = swiglu_grouped_linear(gate_MF, up_MF, w_EFD, counts_E)   # == grouped_linear(swiglu(g, u), w)
+    gate_XF, up_XF = linear_pair(x_XD, w_gate_DF, w_up_DF)           # the same for dense weights (linear)
+    y_XD = swiglu_linear(gate_XF, up_XF, w_FD)
+
+Legend (the package's, docs/moe.md): M rows grouped by expert (X: any rows), F hidden features, D model
+features, E experts (local).
+
+Why fused: in a split backward (`split_vjp`) the down projection's deferred weight gradient needs its
+input h = silu(gate) * up until the dw pass, while the SwiGLU backward needs gate and up (and silu(gate))
+during the dx pass. Composed, the dx pass holds gate, up, silu(gate) and h at once, one [M, F] more than
+tape autograd (which turns h and the output gradient into the weight gradient at once). Fused, the
+forward saves gate and up only; the deferred thunk keeps them and recomputes h (one elementwise pass)
+in the dw pass, and the SwiGLU backward works in place on the [M, F] gradient it made itself. The
+gradients are bit-identical to the composition: the same aten ops on the same values.
+
+The pair: x feeds two products, so its gradient is the sum of two [M, D] products. torch.func's vjp
+adds them out of place (three [M, D] tensors at once, while the dw inputs are held); the pair's backward
+adds the second into the first in place, as tape autograd's engine does.
+
+All four are used where a weight gradient may be deferred (`may_defer()`: a split_vjp forward or a dx
+pass); elsewhere the plain composition runs, which keeps h from the forward and recomputes nothing. One
+Function pair serves both weight kinds: the product (`_Grouped` or `_Dense`) is a non-tensor argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fmoe._compat import Function
+from fmoe.ops import _linear
+from fmoe.ops._grouped_linear import _choose_backend, _fwd, _weight_grad, check_grouped_args, grouped_linear
+from fmoe.ops._linear import linear
+from fmoe.ops._swiglu import swiglu
+from fmoe.transforms.tape import may_defer, weight_grad_or_defer
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """The grouped product over expert row blocks: y = x @ w[e] for the rows of expert e."""
+
+    counts: tuple[int, ...]
+    backend: str
+
+    def fwd(self, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
+        return _fwd(x_MD, w_EDF, self.counts, self.backend)
+
+    def dx(self, g_MF: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
+        return _fwd(g_MF.contiguous(), w_EDF.transpose(-2, -1), self.counts, self.backend)
+
+    def dw(self, x_MD: torch.Tensor, g_MF: torch.Tensor) -> torch.Tensor:
+        return _weight_grad(x_MD, g_MF.contiguous(), self.counts, self.backend)
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """The dense product y = x @ w (leading dims of x kept), as `linear`."""
+
+    def fwd(self, x_XD: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
+        return x_XD @ w_DF
+
+    def dx(self, g_XF: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
+        return g_XF @ w_DF.t()
+
+    def dw(self, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
+        return _linear._weight_grad(x_XD, g_XF)
+
+
+def _h(gate_MF: torch.Tensor, up_MF: torch.Tensor) -> torch.Tensor:
+    """h_MF = silu(gate) * up in the inputs' dtype (swiglu's own expression)."""
+    return torch.nn.functional.silu(gate_MF).mul_(up_MF)
+
+
+def _down_weight_grad(gate_MF: torch.Tensor, up_MF: torch.Tensor, g_MD: torch.Tensor,
+                      prod: _Grouped | _Dense) -> torch.Tensor:
+    """The down projection's dw from the recomputed h (freed as soon as the product is made)."""
+    return prod.dw(_h(gate_MF, up_MF), g_MD)
+
+
+class _SwiGLUDown(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_FD: torch.Tensor,
+                prod: _Grouped | _Dense) -> torch.Tensor:
+        return prod.fwd(_h(gate_MF, up_MF), w_FD)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate_MF, up_MF, w_FD, prod = inputs
+        ctx.save_for_backward(gate_MF, up_MF, w_FD)
+        ctx.prod = prod
+        ctx.w_plain = w_FD  # the caller's tensor object: the tape keys deferral on it
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        gate_MF, up_MF, w_FD = ctx.saved_tensors
+        prod = ctx.prod
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod)
+        dgate = dup = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
+            dh = prod.dx(g_MD, w_FD)
+            if ctx.needs_input_grad[1]:  # dup = dh * silu(gate), silu recomputed into the result
+                dup = torch.nn.functional.silu(gate_MF).mul_(dh)
+            if ctx.needs_input_grad[0]:  # dgate = silu'(gate) * dh * up, as aten's silu_backward
+                dgate = torch.ops.aten.silu_backward(dh.mul_(up_MF), gate_MF)
+        return dgate, dup, dw, None
+
+
+def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: torch.Tensor,
+                          counts_E: torch.Tensor | Sequence[int], backend: str | None = None) -> torch.Tensor:
+    """Return y_MD = grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E) ([M, D], the inputs' dtype).
+
+    Same contract, errors and backends as `grouped_linear` (whose input is h = silu(gate) * up). Where a
+    weight gradient may be deferred (a split_vjp forward) the forward keeps gate and up, not h, and the
+    deferred weight gradient recomputes h (see the module docstring); elsewhere this is the composition.
+    """
+    if gate_MF.shape != up_MF.shape or gate_MF.dtype != up_MF.dtype:
+        raise ValueError(f"swiglu_grouped_linear: gate {tuple(gate_MF.shape)} {gate_MF.dtype} and up "
+                         f"{tuple(up_MF.shape)} {up_MF.dtype} must share one shape and dtype")
+    if not may_defer():
+        return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend)
+    counts = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E)
+    prod = _Grouped(counts, _choose_backend(gate_MF, w_EFD, backend))
+    return _SwiGLUDown.apply(gate_MF, up_MF, w_EFD, prod)
+
+
+class _Pair(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x_MD: torch.Tensor, wa_DF: torch.Tensor, wb_DF: torch.Tensor,
+                prod: _Grouped | _Dense) -> tuple[torch.Tensor, torch.Tensor]:
+        return prod.fwd(x_MD, wa_DF), prod.fwd(x_MD, wb_DF)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_MD, wa_DF, wb_DF, prod = inputs
+        ctx.save_for_backward(x_MD, wa_DF, wb_DF)
+        ctx.prod = prod
+        ctx.w_plain = (wa_DF, wb_DF)  # the caller's tensor objects: the tape keys deferral on them
+        ctx.set_materialize_grads(False)  # an output that reaches nothing gets no zero-filled gradient
+
+    @staticmethod
+    def backward(ctx, ga_MF, gb_MF):
+        x_MD, wa_DF, wb_DF = ctx.saved_tensors
+        prod = ctx.prod
+        dx, dws = None, []
+        for k, (g_MF, w_DF) in enumerate(((ga_MF, wa_DF), (gb_MF, wb_DF))):
+            if g_MF is None:
+                dws.append(None)
+                continue
+            dws.append(weight_grad_or_defer(ctx.w_plain[k], prod.dw, x_MD, g_MF)
+                       if ctx.needs_input_grad[1 + k] else None)
+            if ctx.needs_input_grad[0]:
+                part = prod.dx(g_MF, w_DF)
+                dx = part if dx is None else dx.add_(part)  # dx is this backward's own tensor
+        return dx, dws[0], dws[1], None
+
+
+def grouped_linear_pair(x_MD: torch.Tensor, wa_EDF: torch.Tensor, wb_EDF: torch.Tensor,
+                        counts_E: torch.Tensor | Sequence[int],
+                        backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (grouped_linear(x_MD, wa_EDF, counts_E), grouped_linear(x_MD, wb_EDF, counts_E)), each [M, F].
+
+    Same contract, errors and backends as `grouped_linear`; wa and wb must have one shape. Where a weight
+    gradient may be deferred, one Function whose backward sums x's two gradients in place (see the module
+    docstring); elsewhere the two products.
+    """
+    if wa_EDF.shape != wb_EDF.shape or wa_EDF.dtype != wb_EDF.dtype:
+        raise ValueError(f"grouped_linear_pair: the weights {tuple(wa_EDF.shape)} {wa_EDF.dtype} and "
+                         f"{tuple(wb_EDF.shape)} {wb_EDF.dtype} must share one shape and dtype")
+    if not may_defer():
+        return (grouped_linear(x_MD, wa_EDF, counts_E, backend),
+                grouped_linear(x_MD, wb_EDF, counts_E, backend))
+    counts = check_grouped_args("grouped_linear_pair", x_MD, wa_EDF, counts_E)
+    return _Pair.apply(x_MD, wa_EDF, wb_EDF, _Grouped(counts, _choose_backend(x_MD, wa_EDF, backend)))
+
+
+def _check_dense(name: str, x_XD: torch.Tensor, w_DF: torch.Tensor) -> None:
+    if w_DF.dim() != 2 or x_XD.shape[-1] != w_DF.shape[0]:
+        raise ValueError(f"{name}: x has {x_XD.shape[-1]} features, w is {tuple(w_DF.shape)} ([in, out])")
+    if x_XD.dtype != w_DF.dtype:
+        raise ValueError(f"{name}: x is {x_XD.dtype} but w is {w_DF.dtype}; cast one first")
+
+
+def swiglu_linear(gate_XF: torch.Tensor, up_XF: torch.Tensor, w_FD: torch.Tensor) -> torch.Tensor:
+    """Return y_XD = linear(swiglu(gate_XF, up_XF), w_FD) (leading dims kept, the inputs' dtype).
+
+    Where a weight gradient may be deferred, the forward keeps gate and up, not h, and the deferred weight
+    gradient recomputes h (module docstring); elsewhere this is the composition.
+    """
+    if gate_XF.shape != up_XF.shape or gate_XF.dtype != up_XF.dtype:
+        raise ValueError(f"swiglu_linear: gate {tuple(gate_XF.shape)} {gate_XF.dtype} and up "
+                         f"{tuple(up_XF.shape)} {up_XF.dtype} must share one shape and dtype")
+    if not may_defer():
+        return linear(swiglu(gate_XF, up_XF), w_FD)
+    _check_dense("swiglu_linear", gate_XF, w_FD)
+    return _SwiGLUDown.apply(gate_XF, up_XF, w_FD, _Dense())
+
+
+def linear_pair(x_XD: torch.Tensor, wa_DF: torch.Tensor,
+                wb_DF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (linear(x_XD, wa_DF), linear(x_XD, wb_DF)), each [..., F]; wa and wb must have one shape.
+
+    Where a weight gradient may be deferred, one Function whose backward sums x's two gradients in place;
+    elsewhere the two products.
+    """
+    if wa_DF.shape != wb_DF.shape or wa_DF.dtype != wb_DF.dtype:
+        raise ValueError(f"linear_pair: the weights {tuple(wa_DF.shape)} {wa_DF.dtype} and "
+                         f"{tuple(wb_DF.shape)} {wb_DF.dtype} must share one shape and dtype")
+    if not may_defer():
+        return linear(x_XD, wa_DF), linear(x_XD, wb_DF)
+    _check_dense("linear_pair", x_XD, wa_DF)
+    return _Pair.apply(x_XD, wa_DF, wb_DF, _Dense())
