@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py            # D 1024, F 1024, E 16, K 4, T 4096, fp32
     .venv/bin/python benchmarks/memory.py --tokens 512
+    .venv/bin/python benchmarks/memory.py --layer dense --d-model 512   # a dense SwiGLU MLP
 
 Each mode runs in a fresh process: one warm-up step, then the RSS high-water mark (Linux VmHWM, reset
 through /proc/self/clear_refs) of one forward + full backward, minus the RSS before it; glibc malloc
@@ -27,23 +28,28 @@ import torch
 from _ranks import measure_rss, return_freed_memory
 
 from fmoe import MoEConfig, init_moe, init_moe_state, moe
+from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.transforms.testing import DIFF_MODES, grads_by, tracked_peak_bytes
 
 MODES = DIFF_MODES
 
 
 def _setup(args: argparse.Namespace):
-    cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
-    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    """(f, params, x_TD, ct_TD): the layer as f(params, x) -> y_TD, its weights, an input, a cotangent."""
     g = torch.Generator().manual_seed(1)
     x_TD = torch.randn(args.tokens, args.d_model, generator=g)
     ct_TD = torch.randn(args.tokens, args.d_model, generator=g)
-    return cfg, params, init_moe_state(cfg), x_TD, ct_TD
+    if args.layer == "dense":
+        params = init_swiglu_mlp(args.d_model, args.d_ff, torch.Generator().manual_seed(0))
+        return (lambda p, x: swiglu_mlp(p, x)), params, x_TD, ct_TD
+    cfg = MoEConfig(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k)
+    params, state = init_moe(cfg, torch.Generator().manual_seed(0)), init_moe_state(cfg)
+    return lambda p, x: moe(p, x, cfg, state, check=False)[0], params, x_TD, ct_TD
 
 
-def _step(mode: str, cfg, params, state, x_TD, ct_TD) -> list[torch.Tensor]:
+def _step(mode: str, f, params, x_TD, ct_TD) -> list[torch.Tensor]:
     """One forward + backward; returns the gradients (params leaves, then x) in tree order."""
-    return grads_by(mode, lambda p, x: moe(p, x, cfg, state, check=False)[0], params, x_TD, ct_TD)
+    return grads_by(mode, f, params, x_TD, ct_TD)
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--layer", choices=["moe", "dense"], default="moe",
+                    help="the MoE layer, or a dense SwiGLU MLP (fmoe.dense.swiglu_mlp) of D, F")
     ap.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,14 +81,15 @@ def main() -> None:
         _child(args)
         return
     flags = ["--d-model", str(args.d_model), "--d-ff", str(args.d_ff), "--experts", str(args.experts),
-             "--top-k", str(args.top_k), "--tokens", str(args.tokens)]
+             "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--layer", args.layer]
     out = {}
     for mode in MODES:
         done = subprocess.run([sys.executable, __file__, "--child", mode, *flags], check=True,
                               capture_output=True, text=True)
         out[mode] = json.loads(done.stdout)
-    print(f"one MoE layer: D {args.d_model}, F {args.d_ff}, E {args.experts}, K {args.top_k}, "
-          f"T {args.tokens}, fp32, forward + backward; peak RSS rise of one step (fresh process each)")
+    what = (f"one dense SwiGLU MLP: D {args.d_model}, F {args.d_ff}" if args.layer == "dense" else
+            f"one MoE layer: D {args.d_model}, F {args.d_ff}, E {args.experts}, K {args.top_k}")
+    print(f"{what}, T {args.tokens}, fp32, forward + backward; peak memory of one step (fresh process each)")
     print(f"{'mode':<30} {'rise MiB':>9} {'/ autograd':>11} {'tracked MiB':>12} {'/ autograd':>11} "
           f"{'grad rel diff':>14}")
     ref = out["autograd"]
