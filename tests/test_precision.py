@@ -59,6 +59,14 @@ def same_routing(a: list[list[list[int]]], b: list[list[list[int]]]) -> bool:
     return [[sorted(k) for k in r] for r in a] == [[sorted(k) for k in r] for r in b]
 
 
+def is_zero_gradient(ref: torch.Tensor, refs: list[torch.Tensor]) -> bool:
+    """Whether the float64 gradient `ref` is zero up to float64 rounding of the others (then any half-
+    precision result is rounding noise, and a relative error means nothing). With top-1 routing and the
+    gate renormalised after top-k, every gate weight is 1 whatever the logits: the router's gradient is 0
+    mathematically (measured 1e-17 in float64, 3e-9 in fp32, against leaves of order 1)."""
+    return float(ref.norm()) <= 1e-12 * max(float(r.norm()) for r in refs)
+
+
 def _tolerance(name: str) -> float:
     # The attention logits' weights get small, rounding-dominated gradients at init (nearly uniform
     # attention): measured worst 0.096 over 55 cases; every other leaf 0.062 (docs/precision.md).
@@ -68,6 +76,7 @@ def _tolerance(name: str) -> float:
 @settings(max_examples=8, deadline=None)
 @example(E=1, K=1, mtp=False, seed=0)   # one expert
 @example(E=4, K=4, mtp=True, seed=1)    # top-k = E
+@example(E=2, K=1, mtp=False, seed=65536)  # top-1, renormalised: the router's gradient is 0 (left out)
 @given(E=st.sampled_from([2, 4, 8]), K=st.integers(1, 2), mtp=st.booleans(), seed=st.integers(0, 2**16))
 def test_bf16_compute_gradients_track_the_fp64_oracle(E: int, K: int, mtp: bool, seed: int) -> None:
     K = min(K, E)
@@ -89,6 +98,8 @@ def test_bf16_compute_gradients_track_the_fp64_oracle(E: int, K: int, mtp: bool,
     assert loss_mixed == pytest.approx(loss_ref, rel=1e-2)
     names = [keystr(p) for p, _ in tree_flatten_with_path(master)[0]]
     for name, a, b in zip(names, g_mixed, g_ref):
+        if is_zero_gradient(b, g_ref):
+            continue
         err = (a.double() - b).norm() / b.norm().clamp(min=1e-12)
         assert err < _tolerance(name), (name, float(err))
 
