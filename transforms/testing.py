@@ -181,13 +181,15 @@ def grads_by(mode: str, f: Callable[..., torch.Tensor], params: Any, x: torch.Te
         x = x.detach().requires_grad_()
         f(tree_unflatten(leaves, spec), x).backward(ct)
         return [t.grad for t in leaves] + [x.grad]
+    # The output is dropped before the backward, as tape autograd's temporary is (and a pipeline stage's,
+    # once sent on).
     if mode in ("func.vjp", "func.vjp(retain_graph=False)"):
-        _, vjp = torch.func.vjp(f, params, x)
+        vjp = torch.func.vjp(f, params, x)[1]
         dp, dx = vjp(ct, retain_graph=mode == "func.vjp")
         return tree_flatten(dp)[0] + [dx]
     engines = {"split_vjp(func)": "func", "split_vjp(autograd)": "autograd"}
     if mode not in engines:
         raise ValueError(f"grads_by: mode must be one of {DIFF_MODES}, got {mode!r}")
-    _, vjp_dx = split_vjp(f, params, x, engine=engines[mode])
+    vjp_dx = split_vjp(f, params, x, engine=engines[mode])[1]
     (dx,), vjp_dw = vjp_dx(ct)
     return tree_flatten(vjp_dw())[0] + [dx]
