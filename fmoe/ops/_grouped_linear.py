@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -131,32 +132,47 @@ def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...]
     return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(counts))])
 
 
+@dataclass(frozen=True)
+class Grouped:
+    """The grouped product over expert row blocks, y = x @ w[e] for the rows of expert e, and its two
+    backward products: what `grouped_linear` and the fused MLP products (_mlp_products.py) run."""
+
+    counts: tuple[int, ...]
+    backend: str
+
+    def fwd(self, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
+        return _fwd(x_MD, w_EDF, self.counts, self.backend)
+
+    def dx(self, g_MF: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
+        return _fwd(g_MF, w_EDF.transpose(-2, -1), self.counts, self.backend)
+
+    def dw(self, x_MD: torch.Tensor, g_MF: torch.Tensor) -> torch.Tensor:
+        return _weight_grad(x_MD, g_MF, self.counts, self.backend)
+
+
 class _GroupedLinear(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...],
-                backend: str) -> torch.Tensor:
-        return _fwd(x_MD, w_EDF, counts, backend)
+    def forward(x_MD: torch.Tensor, w_EDF: torch.Tensor, prod: Grouped) -> torch.Tensor:
+        return prod.fwd(x_MD, w_EDF)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x_MD, w_EDF, counts, backend = inputs
+        x_MD, w_EDF, prod = inputs
         ctx.save_for_backward(x_MD, w_EDF)
-        ctx.counts, ctx.backend = counts, backend
+        ctx.prod = prod
         ctx.w_plain = w_EDF  # the caller's tensor object: the tape keys deferral on it
 
     @staticmethod
     def backward(ctx, g_MF):
         x_MD, w_EDF = ctx.saved_tensors
-        counts, backend = ctx.counts, ctx.backend
+        prod = ctx.prod
         # A cotangent may be expanded (stride 0); the grouped kernels reject that, so materialise it.
         g_MF = g_MF.contiguous()
-        dx = _fwd(g_MF, w_EDF.transpose(-2, -1), counts, backend) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = weight_grad_or_defer(ctx.w_plain, _weight_grad, x_MD, g_MF, counts, backend)
-        return dx, dw, None, None
+        dx = prod.dx(g_MF, w_EDF) if ctx.needs_input_grad[0] else None
+        dw = weight_grad_or_defer(ctx.w_plain, prod.dw, x_MD, g_MF) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None) -> str:
@@ -235,4 +251,4 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
         # ops (torch._grouped_mm has its own backward) with no Python backward per call.
         return _fwd(x_MD, w_EDF, counts, backend)
-    return _GroupedLinear.apply(x_MD, w_EDF, counts, backend)
+    return _GroupedLinear.apply(x_MD, w_EDF, Grouped(counts, backend))

@@ -9,6 +9,8 @@ Legend (the package's, docs/moe.md): X rows (any leading dims flattened), D inpu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fmoe._compat import Function, functorch_active
@@ -19,12 +21,30 @@ def _weight_grad(x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
     return x_XD.reshape(-1, x_XD.shape[-1]).t() @ g_XF.reshape(-1, g_XF.shape[-1])
 
 
+@dataclass(frozen=True)
+class Dense:
+    """The dense product y = x @ w (leading dims of x kept) and its two backward products: what `linear`
+    and the fused MLP products (_mlp_products.py) run."""
+
+    def fwd(self, x_XD: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
+        return x_XD @ w_DF
+
+    def dx(self, g_XF: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
+        return g_XF @ w_DF.t()
+
+    def dw(self, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
+        return _weight_grad(x_XD, g_XF)
+
+
+DENSE = Dense()
+
+
 class _Linear(Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x_XD: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
-        return x_XD @ w_DF
+        return DENSE.fwd(x_XD, w_DF)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -35,10 +55,10 @@ class _Linear(Function):
     @staticmethod
     def backward(ctx, g_XF):
         x_XD, w_DF = ctx.saved_tensors
-        dx = g_XF @ w_DF.t() if ctx.needs_input_grad[0] else None
+        dx = DENSE.dx(g_XF, w_DF) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = weight_grad_or_defer(ctx.w_plain, _weight_grad, x_XD, g_XF)
+            dw = weight_grad_or_defer(ctx.w_plain, DENSE.dw, x_XD, g_XF)
         return dx, dw
 
 

@@ -22,53 +22,21 @@ adds the second into the first in place, as tape autograd's engine does.
 
 All four are used where a weight gradient may be deferred (`may_defer()`: a split_vjp forward or a dx
 pass); elsewhere the plain composition runs, which keeps h from the forward and recomputes nothing. One
-Function pair serves both weight kinds: the product (`_Grouped` or `_Dense`) is a non-tensor argument.
+Function pair serves both weight kinds: the product (`Grouped` or `Dense`, defined next to
+`grouped_linear` and `linear`) is a non-tensor argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from fmoe._compat import Function
-from fmoe.ops import _linear
-from fmoe.ops._grouped_linear import _choose_backend, _fwd, _weight_grad, check_grouped_args, grouped_linear
-from fmoe.ops._linear import linear
+from fmoe.ops._grouped_linear import Grouped, _choose_backend, check_grouped_args, grouped_linear
+from fmoe.ops._linear import DENSE, Dense, linear
 from fmoe.ops._swiglu import swiglu
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
-
-
-@dataclass(frozen=True)
-class _Grouped:
-    """The grouped product over expert row blocks: y = x @ w[e] for the rows of expert e."""
-
-    counts: tuple[int, ...]
-    backend: str
-
-    def fwd(self, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
-        return _fwd(x_MD, w_EDF, self.counts, self.backend)
-
-    def dx(self, g_MF: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
-        return _fwd(g_MF.contiguous(), w_EDF.transpose(-2, -1), self.counts, self.backend)
-
-    def dw(self, x_MD: torch.Tensor, g_MF: torch.Tensor) -> torch.Tensor:
-        return _weight_grad(x_MD, g_MF.contiguous(), self.counts, self.backend)
-
-
-@dataclass(frozen=True)
-class _Dense:
-    """The dense product y = x @ w (leading dims of x kept), as `linear`."""
-
-    def fwd(self, x_XD: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
-        return x_XD @ w_DF
-
-    def dx(self, g_XF: torch.Tensor, w_DF: torch.Tensor) -> torch.Tensor:
-        return g_XF @ w_DF.t()
-
-    def dw(self, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
-        return _linear._weight_grad(x_XD, g_XF)
 
 
 def _h(gate_MF: torch.Tensor, up_MF: torch.Tensor) -> torch.Tensor:
@@ -77,7 +45,7 @@ def _h(gate_MF: torch.Tensor, up_MF: torch.Tensor) -> torch.Tensor:
 
 
 def _down_weight_grad(gate_MF: torch.Tensor, up_MF: torch.Tensor, g_MD: torch.Tensor,
-                      prod: _Grouped | _Dense) -> torch.Tensor:
+                      prod: Grouped | Dense) -> torch.Tensor:
     """The down projection's dw from the recomputed h (freed as soon as the product is made)."""
     return prod.dw(_h(gate_MF, up_MF), g_MD)
 
@@ -87,7 +55,7 @@ class _SwiGLUDown(Function):
 
     @staticmethod
     def forward(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_FD: torch.Tensor,
-                prod: _Grouped | _Dense) -> torch.Tensor:
+                prod: Grouped | Dense) -> torch.Tensor:
         return prod.fwd(_h(gate_MF, up_MF), w_FD)
 
     @staticmethod
@@ -101,6 +69,7 @@ class _SwiGLUDown(Function):
     def backward(ctx, g_MD):
         gate_MF, up_MF, w_FD = ctx.saved_tensors
         prod = ctx.prod
+        g_MD = g_MD.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
         dw = None
         if ctx.needs_input_grad[2]:
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod)
@@ -129,7 +98,7 @@ def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: tor
     if not may_defer():
         return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend)
     counts = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E)
-    prod = _Grouped(counts, _choose_backend(gate_MF, w_EFD, backend))
+    prod = Grouped(counts, _choose_backend(gate_MF, w_EFD, backend))
     return _SwiGLUDown.apply(gate_MF, up_MF, w_EFD, prod)
 
 
@@ -138,7 +107,7 @@ class _Pair(Function):
 
     @staticmethod
     def forward(x_MD: torch.Tensor, wa_DF: torch.Tensor, wb_DF: torch.Tensor,
-                prod: _Grouped | _Dense) -> tuple[torch.Tensor, torch.Tensor]:
+                prod: Grouped | Dense) -> tuple[torch.Tensor, torch.Tensor]:
         return prod.fwd(x_MD, wa_DF), prod.fwd(x_MD, wb_DF)
 
     @staticmethod
@@ -158,6 +127,7 @@ class _Pair(Function):
             if g_MF is None:
                 dws.append(None)
                 continue
+            g_MF = g_MF.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
             dws.append(weight_grad_or_defer(ctx.w_plain[k], prod.dw, x_MD, g_MF)
                        if ctx.needs_input_grad[1 + k] else None)
             if ctx.needs_input_grad[0]:
@@ -182,7 +152,7 @@ def grouped_linear_pair(x_MD: torch.Tensor, wa_EDF: torch.Tensor, wb_EDF: torch.
         return (grouped_linear(x_MD, wa_EDF, counts_E, backend),
                 grouped_linear(x_MD, wb_EDF, counts_E, backend))
     counts = check_grouped_args("grouped_linear_pair", x_MD, wa_EDF, counts_E)
-    return _Pair.apply(x_MD, wa_EDF, wb_EDF, _Grouped(counts, _choose_backend(x_MD, wa_EDF, backend)))
+    return _Pair.apply(x_MD, wa_EDF, wb_EDF, Grouped(counts, _choose_backend(x_MD, wa_EDF, backend)))
 
 
 def _check_dense(name: str, x_XD: torch.Tensor, w_DF: torch.Tensor) -> None:
@@ -204,7 +174,7 @@ def swiglu_linear(gate_XF: torch.Tensor, up_XF: torch.Tensor, w_FD: torch.Tensor
     if not may_defer():
         return linear(swiglu(gate_XF, up_XF), w_FD)
     _check_dense("swiglu_linear", gate_XF, w_FD)
-    return _SwiGLUDown.apply(gate_XF, up_XF, w_FD, _Dense())
+    return _SwiGLUDown.apply(gate_XF, up_XF, w_FD, DENSE)
 
 
 def linear_pair(x_XD: torch.Tensor, wa_DF: torch.Tensor,
@@ -220,4 +190,4 @@ def linear_pair(x_XD: torch.Tensor, wa_DF: torch.Tensor,
     if not may_defer():
         return linear(x_XD, wa_DF), linear(x_XD, wb_DF)
     _check_dense("linear_pair", x_XD, wa_DF)
-    return _Pair.apply(x_XD, wa_DF, wb_DF, _Dense())
+    return _Pair.apply(x_XD, wa_DF, wb_DF, DENSE)

@@ -11,6 +11,7 @@ reduced (fmoe/train/shards.py), clipped by the global norm, AdamW.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -184,8 +185,13 @@ class Trainer:
         # The routing statistics are the forward's, valid whether or not the backward overflowed.
         self.state = update_gpt_state(self.cfg, self.state, loads, check=not self._checked)
         self.reducer.finish(grads)
-        used_scale, finite = self._unscale(grads)
+        used_scale = self._unscale(grads)
         norm = global_grad_norm(self.leaves, grads, self.world_group)
+        # fp16: the norm is summed over every rank, so it is non-finite on all of them as soon as one
+        # rank's gradients hold an inf or nan: the step is then skipped everywhere, with no extra collective.
+        finite = self.loss_scale is None or math.isfinite(float(norm))
+        if self.loss_scale is not None:
+            self.loss_scale = self.loss_scale.adjust(finite)
         if finite:
             scale = clip_factor(norm, tc.clip_grad)
             for lf in self.leaves:
@@ -202,20 +208,13 @@ class Trainer:
             metrics.update(loss_scale=used_scale, skipped=not finite)
         return metrics
 
-    def _unscale(self, grads: dict[str, torch.Tensor]) -> tuple[float, bool]:
-        """fp16: divides the summed gradients by the loss scale in place and advances the scale; returns
-        (the scale this step used, whether every rank's gradients were finite: else the step is skipped,
-        on every rank alike). Other precisions: (1.0, True), nothing done."""
+    def _unscale(self, grads: dict[str, torch.Tensor]) -> float:
+        """fp16: divides the summed gradients by the loss scale in place; returns the scale this step used
+        (other precisions: 1.0, nothing done)."""
         if self.loss_scale is None:
-            return 1.0, True
-        used = self.loss_scale.scale
-        finite = unscale_([grads[lf.key] for lf in self.leaves], self.loss_scale).to(torch.int32)
-        if self.world_group is not None:  # one rank's overflow skips the step everywhere
-            finite = finite.to(self.world.device)
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=self.world_group)
-        ok = bool(finite)
-        self.loss_scale = self.loss_scale.adjust(ok)
-        return used, ok
+            return 1.0
+        unscale_([grads[lf.key] for lf in self.leaves], self.loss_scale)
+        return self.loss_scale.scale
 
     def _accumulate(self, batches: list) -> tuple:
         cfg, m, policy = self.cfg, len(batches), self.policy
