@@ -152,13 +152,19 @@ class _Executor:
         self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
+        self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated
         self.stats: list[tuple[int, int, str, str, Any]] = []
         self.live, self.queued = _Counter(), _Counter()
         self.step = ""  # "pair" / "lone" while an Overlap / a single op runs: tags the trace events
+        self.backward_is_b: set[tuple[int, int]] = set()  # (stage, mb) whose backward is a B
+        # stages with an exchange that may leave the process (a comm phase not marked local)
+        self.remote = {st for st, prog in programs.items()
+                       if any(ph.kind == "comm" and not ph.local for ly in prog.layers for ph in ly.phases)}
 
     # ---- driver ---------------------------------------------------------------------------------------
 
     def run(self, actions: tuple) -> StepResult:
+        self.backward_is_b = {(o.stage, o.mb) for a in actions for o in ops_of(a) if o.kind == B}
         compute_at = [k for k, a in enumerate(actions) if ops_of(a)]
         recv_before: dict[int, list[Recv]] = {}
         for k, a in enumerate(actions):
@@ -205,10 +211,19 @@ class _Executor:
 
     # ---- compute ops ----------------------------------------------------------------------------------
 
+    def _defers(self, stage: int, mb: int) -> bool:
+        """Whether (stage, mb)'s forward keeps its weight gradients deferrable. Not when its backward is a
+        B that has no exchange to hide them behind (overlap off, or every exchange of the stage local):
+        the B then computes them in its dx pass, as plain autograd does, with less work."""
+        if (stage, mb) not in self.backward_is_b:
+            return True
+        return self.overlap and stage in self.remote
+
     def _forward(self, stage: int, mb: int) -> Iterator[None]:
         prog = self.programs[stage]
         acts = self._take_boundary(Op(F, stage, mb), Kind.ACT, stage)
         meta = dict(self.data(mb))
+        defer = self._defers(stage, mb)
         rec = _Record()
         self.records[(stage, mb)] = rec
         self.live.add(1)
@@ -217,7 +232,8 @@ class _Executor:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
                 if ph.kind == "compute":
                     t = self._now()
-                    acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec)
+                    acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec,
+                                                       defer)
                     self._event("compute", f"F {label}", "F", t)
                 else:
                     t = self._now()
@@ -225,7 +241,7 @@ class _Executor:
                     side = None
                     if ph.side is not None:  # runs while the exchange travels
                         ts = self._now()
-                        side = self._side_forward(prog, ph.side, layer.name, acts, meta, stage, mb)
+                        side = self._side_forward(prog, ph.side, layer.name, acts, meta, defer)
                         self._event("compute", f"F {ph.side.name} s{stage} {layer.name} mb{mb}", "F", ts)
                     if _in_flight(pending):
                         yield
@@ -240,17 +256,17 @@ class _Executor:
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
 
-    def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta, stage: int,
-                      mb: int) -> tuple[Acts, Any, dict]:
+    def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
+                      defer: bool) -> tuple[Acts, Any, dict]:
         """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns (its new acts, its dx
         closure, their specs)."""
         params = tuple(subtree(prog.params, p) for p in ph.param_paths)
         out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True,
-                                   engine=self.engine)
+                                   engine=self.engine, defer=defer)
         return out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
-                         stage: int, mb: int, rec: _Record) -> tuple[Acts, Meta]:
+                         stage: int, mb: int, rec: _Record, defer: bool) -> tuple[Acts, Meta]:
         params = tuple(subtree(prog.params, p) for p in ph.param_paths)
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
@@ -261,7 +277,7 @@ class _Executor:
                                         "tensor; put non-differentiable values in meta")
             return out, meta_out
 
-        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine)
+        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
         rec.phases.append((ph, layer, vjp_dx, spec))
         stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
@@ -361,7 +377,7 @@ class _Executor:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
             for path, g in zip(ph.param_paths, vjp_dw()):
-                _add_at(self.grads, path, g, self.grad_dtype)
+                _add_at(self.grads, path, g, self.grad_dtype, self.owned)
             del vjp_dw
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
@@ -506,22 +522,34 @@ def _in_flight(pending: Any) -> bool:
     return bool(getattr(pending, "in_flight", True))
 
 
-def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any,
-            dtype: torch.dtype | None = None) -> None:
+def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any, dtype: torch.dtype | None = None,
+            owned: set[tuple[str, ...]] | None = None) -> None:
     """Adds gradient subtree `grads` into nested dict `tree` at `path` (creating the path), summing in
-    `dtype` (None: the gradients' own)."""
+    `dtype` (None: the gradients' own). `owned` holds the full paths whose tensor was allocated here: those
+    are summed into in place (as AccumulateGrad does), the others (a thunk's output, which may alias
+    something the caller still holds) are replaced by a new sum once, which is owned from then on."""
     node = tree
     for k in path[:-1]:
         node = node.setdefault(k, {})
-    _add_tree(node, path[-1], grads, dtype)
+    _add_tree(node, path, grads, dtype, set() if owned is None else owned)
 
 
-def _add_tree(node: dict[str, Any], key: str, g: Any, dtype: torch.dtype | None) -> None:
+def _add_tree(node: dict[str, Any], path: tuple[str, ...], g: Any, dtype: torch.dtype | None,
+              owned: set[tuple[str, ...]]) -> None:
+    key = path[-1]
     if isinstance(g, Mapping):
         child = node.setdefault(key, {})
         for k, v in g.items():
-            _add_tree(child, k, v, dtype)
+            _add_tree(child, (*path, k), v, dtype, owned)
     elif g is not None:
         if dtype is not None and g.dtype != dtype:
             g = g.to(dtype)
-        node[key] = g if key not in node else node[key] + g
+            if key not in node:
+                owned.add(path)  # the cast made a new tensor
+        if key not in node:
+            node[key] = g
+        elif path in owned:
+            node[key].add_(g)  # a fresh sum per microbatch costs more than the add (page faults)
+        else:
+            node[key] = node[key] + g
+            owned.add(path)

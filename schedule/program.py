@@ -72,6 +72,7 @@ class Phase:
     start_transpose: Callable[[Acts, Meta], Pending] | None = None
     side: Phase | None = None
     side_consumes: tuple[str, ...] = ()
+    local: bool = False  # comm: the exchange never leaves this process (nothing travels, nothing to hide)
 
     def __post_init__(self) -> None:
         if self.side is not None and (self.kind != "comm" or self.side.kind != "compute" or self.side.losses):

@@ -37,13 +37,13 @@ def _chunk(p: dict, h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(linear(h, p["w"]) + p["b"])
 
 
-def _doubling() -> Phase:
+def _doubling(local: bool = False) -> Phase:
     """A linear comm phase (x2 there, x2 back), so the executor's exchange path runs without a group."""
     return Phase("double", "comm", start=lambda a, m: Ready(({"h": 2 * a["h"]}, m)),
-                 start_transpose=lambda ct, m: Ready({"h": 2 * ct["h"]}))
+                 start_transpose=lambda ct, m: Ready({"h": 2 * ct["h"]}), local=local)
 
 
-def _program(s: S.Schedule, stage: int, params: dict) -> StageProgram:
+def _program(s: S.Schedule, stage: int, params: dict, local: bool = False) -> StageProgram:
     chunk = s.placement.layer_chunk[stage]
     first = {s.path(mb)[0] for mb in range(s.m)}
     last = {s.path(mb)[-1] for mb in range(s.m)}
@@ -56,7 +56,7 @@ def _program(s: S.Schedule, stage: int, params: dict) -> StageProgram:
     def loss(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         return {"mse": ((acts["h"] - meta["y"]) ** 2).mean()}, meta
 
-    phases = [Phase("body", "compute", fn=body, param_paths=((key,),)), _doubling()]
+    phases = [Phase("body", "compute", fn=body, param_paths=((key,),)), _doubling(local)]
     if stage in last:
         phases.append(Phase("loss", "compute", fn=loss, losses=("mse",)))
     spec = {} if stage in first else {"h": ((T, D), torch.float64)}
@@ -117,6 +117,52 @@ def test_every_schedule_matches_the_single_process_oracle(pp: int) -> None:
                 torch.testing.assert_close(summed[c][k], want[c][k], rtol=1e-10, atol=1e-12, msg=name)
         for r in results:
             assert r.value[name][2] == r.value[name][3], f"{name} rank {r.rank}: peak activations"
+
+
+@pytest.mark.parametrize(("name", "local", "overlap", "deferred"), [
+    ("1f1b", True, True, False),    # a B, every exchange local: nothing to hide the dw behind
+    ("1f1b", False, False, False),  # a B with overlap off: the dw would run right after anyway
+    ("1f1b", False, True, True),    # a lone B hides its exchanges behind the dw it has: deferred
+    ("zb_h1", True, True, True),    # I and W are separate actions: always deferred
+])
+def test_a_b_with_nothing_to_hide_computes_its_weight_grads_in_the_dx_pass(
+        monkeypatch, name: str, local: bool, overlap: bool, deferred: bool) -> None:
+    """One rank, three microbatches: the weight gradients are those of the oracle either way; they go on
+    the weight-grad tape only where the schedule or an exchange can use the delay."""
+    from fmoe.transforms.tape import WeightGradTape
+
+    recorded = []
+    record = WeightGradTape.record
+
+    def counting(self, *args, **kwargs):
+        recorded.append(1)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightGradTape, "record", counting)
+    s = S.build(name, 1, 3)
+    params, data = _params(1), _data(3)
+    res = execute(s, 0, {0: _program(s, 0, params, local)}, lambda mb: data[mb], overlap=overlap)
+    want_loss, want = _oracle(s, params)
+    assert float(res.loss) == pytest.approx(want_loss, rel=1e-12)
+    for k in want["c0"]:
+        torch.testing.assert_close(res.grads["c0"][k], want["c0"][k], rtol=1e-10, atol=1e-12)
+    assert (len(recorded) == 3) if deferred else not recorded, len(recorded)
+
+
+def test_gradient_sums_never_write_into_a_tensor_they_did_not_allocate() -> None:
+    """The executor sums microbatch gradients in place, but only into sums it made: a dw pass's output
+    (which may alias something its caller holds) is never written."""
+    from fmoe.schedule.execute import _add_at
+
+    for dtype in (None, torch.float64):
+        tree: dict = {}
+        owned: set = set()
+        parts = [torch.full((2,), float(k + 1), dtype=torch.float32) for k in range(4)]
+        for g in parts:
+            _add_at(tree, ("block", "w"), {"a": g}, dtype, owned)
+        assert [float(g[0]) for g in parts] == [1.0, 2.0, 3.0, 4.0]
+        got = tree["block"]["w"]["a"]
+        assert got.dtype == (dtype or torch.float32) and got.tolist() == [10.0, 10.0]
 
 
 def test_programs_that_do_not_match_the_placement_fail_before_running() -> None:

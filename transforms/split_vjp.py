@@ -25,6 +25,7 @@ What is checked, so that deferred work never trusts what it captured without ask
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
@@ -243,20 +244,22 @@ ENGINES = ("func", "autograd")
 
 @overload
 def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
-              has_aux: Literal[False] = False, engine: str = "func") -> tuple[Any, DxFn]: ...
+              has_aux: Literal[False] = False, engine: str = "func",
+              defer: bool = True) -> tuple[Any, DxFn]: ...
 
 
 @overload
 def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
-              has_aux: Literal[True], engine: str = "func") -> tuple[Any, DxFn, Any]: ...
+              has_aux: Literal[True], engine: str = "func", defer: bool = True) -> tuple[Any, DxFn, Any]: ...
 
 
-def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor],
-                  has_aux: bool) -> tuple[Any, Callable[..., tuple], Any, list[torch.Tensor]]:
-    """Returns (out, vjp_fn, aux, leaves): the torch.func.vjp contract on tape autograd. f runs once on
-    `leaves`, fresh leaves that alias `xs` (detached views, no copy), with grad enabled; vjp_fn(ct) is
-    torch.autograd.grad to them (None for a leaf the output does not depend on), the graph freed as the
-    backward passes it. `out` (and aux) come back detached: the graph stays inside vjp_fn."""
+def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: bool
+                  ) -> tuple[Any, Callable[..., tuple], Any, list[torch.Tensor], tuple[list, Any]]:
+    """Returns (out, vjp_fn, aux, leaves, (out's leaves, out's spec)): the torch.func.vjp contract on tape
+    autograd. f runs once on `leaves`, fresh leaves that alias `xs` (detached views, no copy), with grad
+    enabled; vjp_fn(ct_leaves) (the cotangent flattened like out) is torch.autograd.grad to them (None for
+    a leaf the output does not depend on), the graph freed as the backward passes it. `out` (and aux)
+    come back detached: the graph stays inside vjp_fn."""
     leaves = [x.detach().requires_grad_() for x in xs]
     with torch.enable_grad():
         res = flat_f(*leaves)
@@ -265,8 +268,7 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor],
     differentiable = [k for k, o in enumerate(out_leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
     graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
 
-    def vjp_fn(cotangent: Any, retain_graph: bool = False) -> tuple:
-        ct_leaves = tree_flatten(cotangent)[0]
+    def vjp_fn(ct_leaves: list[torch.Tensor], retain_graph: bool = False) -> tuple:
         outs, ins = graph.pop("outs"), graph.pop("leaves")
         if not outs:
             return tuple(None for _ in ins)
@@ -278,11 +280,12 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor],
     if has_aux:
         aux_leaves, aux_spec = tree_flatten(aux)
         aux = tree_unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
-    return out, vjp_fn, aux, leaves
+    return out, vjp_fn, aux, leaves, (detach, out_spec)
 
 
 def split_vjp(
-    f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, engine: str = "func"
+    f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, engine: str = "func",
+    defer: bool = True,
 ) -> tuple[Any, DxFn] | tuple[Any, DxFn, Any]:
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
@@ -298,13 +301,23 @@ def split_vjp(
     leaves, `torch.autograd.grad` for dx): the same contract and gradients, less per-op overhead, and the
     forward's activations freed as the dx pass passes them. Both need f's weight-bearing ops to be
     setup_context Functions (fmoe.ops); "autograd" does not compose with an outer torch.func transform.
+
+    `defer` (default True): the weight-bearing primitives' weight gradients wait on a tape for `vjp_dw`.
+    False computes every gradient in the `vjp_dx` pass (the primitives may take their native autograd
+    paths, less per-op overhead) and `vjp_dw` only hands the parameter gradients over: for a caller that
+    runs the two back to back (a pipeline's fused B), same gradients, less work.
     """
     if under_vmap():
         raise RuntimeError(VMAP_MESSAGE)
     if engine not in ENGINES:
         raise ValueError(f"split_vjp: engine must be one of {ENGINES}, got {engine!r}")
-    leaves, spec = tree_flatten((params, args))
-    n_leaves, n_param_leaves = len(leaves), len(tree_flatten(params)[0])
+    # params and args flattened apart: each spec is needed on its own (vjp_dw, dargs), and every flatten
+    # and unflatten of torch's Python pytrees costs tens of microseconds per call
+    p_leaves, p_spec = tree_flatten(params)
+    a_leaves, a_spec = tree_flatten(args)
+    leaves = p_leaves + a_leaves
+    n_leaves, n_param_leaves = len(leaves), len(p_leaves)
+    del p_leaves, a_leaves
     diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
     diff_leaves = _distinct([leaves[i] for i in diff_pos])
     param_diff = [(k, i) for k, i in enumerate(diff_pos) if i < n_param_leaves]
@@ -313,12 +326,14 @@ def split_vjp(
         full = list(leaves)
         for i, x in zip(diff_pos, xs):
             full[i] = x
-        p, a = tree_unflatten(full, spec)
-        with recording():  # the primitives in f keep their weight gradients deferrable
+        p, a = tree_unflatten(full[:n_param_leaves], p_spec), tree_unflatten(full[n_param_leaves:], a_spec)
+        # recording(): the primitives in f keep their weight gradients deferrable; without it they may take
+        # their native autograd paths (dw computed in the dx pass, as plain autograd does)
+        with recording() if defer else contextlib.nullcontext():
             return f(p, *a)
 
     if engine == "autograd":
-        out, vjp_fn, aux, diff_leaves = _autograd_vjp(flat_f, diff_leaves, has_aux)
+        out, vjp_fn, aux, diff_leaves, (out_leaves, out_spec) = _autograd_vjp(flat_f, diff_leaves, has_aux)
     elif has_aux:
         # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
         aux_skeleton: list[Any] = []
@@ -333,10 +348,11 @@ def split_vjp(
         aux = _fill_tensors(aux_skeleton[0], aux_tensors)
     else:
         out, vjp_fn = torch.func.vjp(flat_f, *diff_leaves)
-    out_leaves, out_spec = tree_flatten(out)
+    if engine != "autograd":
+        out_leaves, out_spec = tree_flatten(out)
     out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
     leaf_meta = [(t.shape, t.dtype, t.device) for t in diff_leaves]  # for zero gradients of unused leaves
-    tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff])
+    tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff]) if defer else None
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
 
@@ -351,25 +367,27 @@ def split_vjp(
         ct_refs = [weakref.ref(c) for c in ct_leaves]
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):
-            grads = fn(cotangent, retain_graph=False)
+            grads = fn(ct_leaves) if engine == "autograd" else fn(cotangent, retain_graph=False)
         del fn
         full: list[Any] = [None] * n_leaves
         for k, (i, g) in enumerate(zip(diff_pos, grads)):
             if g is None and i >= n_param_leaves:  # autograd: an argument the output does not depend on
                 g = _zeros(leaf_meta[k])
             full[i] = g if i < n_param_leaves else _writable(g)
-        _, dargs = tree_unflatten(full, spec)
+        dargs = tree_unflatten(full[n_param_leaves:], a_spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
         del grads, full
         dw_once = _Once("vjp_dw")
 
         def modified_message(err: CaptureModifiedError) -> str:
-            paths, ct_paths = _paths(spec), _paths(out_spec)
-            labels = ([f"params{keystr(p[1:])}" if p[0].idx == 0 else f"argument {p[1].idx}{keystr(p[2:])}"
-                       for p in paths] if paths is not None else
-                      [f"params leaf {i}" if i < n_param_leaves else f"argument leaf {i - n_param_leaves}"
-                       for i in range(n_leaves)])
+            p_paths, a_paths, ct_paths = _paths(p_spec), _paths(a_spec), _paths(out_spec)
+            if p_paths is not None and a_paths is not None:
+                labels = ([f"params{keystr(p)}" for p in p_paths]
+                          + [f"argument {p[0].idx}{keystr(p[1:])}" for p in a_paths])
+            else:
+                labels = [f"params leaf {i}" if i < n_param_leaves else f"argument leaf {i - n_param_leaves}"
+                          for i in range(n_leaves)]
             ct_labels = ([f"the cotangent{keystr(p)}" for p in ct_paths] if ct_paths is not None else
                          [f"the cotangent (leaf {k})" for k in range(len(ct_refs))])
             candidates = ([(labels[i], r()) for i, r in arg_refs]
@@ -379,7 +397,7 @@ def split_vjp(
             return _modified_message(err, candidates, labels[param_diff[err.weight_index][1]])
 
         def vjp_dw() -> Any:
-            if not dw_once.done:
+            if not dw_once.done and state["tape"] is not None:
                 try:
                     state["tape"].check()  # before claiming: the error repeats, never "already called"
                 except CaptureModifiedError as err:
@@ -388,14 +406,18 @@ def split_vjp(
                                                current=err.current) from None
             dw_once.claim()
             tape = state.pop("tape")
-            deferred = tape.run()
-            tape.clear()
+            deferred = tape.run() if tape is not None else [None] * len(param_diff)
             flat_params: list[Any] = [None] * n_param_leaves
             for (k, i), now, later in zip(param_diff, dx_param_grads, deferred):
-                g = now if later is None else (later if now is None else later.add_(now))
+                if now is None or (tape is not None and tape.is_placeholder(now)):  # a zero: skip the pass
+                    g = later
+                else:
+                    g = now if later is None else later.add_(now)
                 flat_params[i] = _writable(g) if g is not None else _zeros(leaf_meta[k])
             dx_param_grads.clear()
-            return tree_unflatten(flat_params, tree_flatten(params)[1])
+            if tape is not None:
+                tape.clear()
+            return tree_unflatten(flat_params, p_spec)
 
         return tuple(dargs), vjp_dw
 

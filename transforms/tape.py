@@ -85,6 +85,24 @@ class WeightGradTape:
         self._weights = list(weights)
         self._index = {id(w): i for i, w in enumerate(self._weights)}
         self._entries: list[_Entry] = []
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # placeholders' one element
+
+    def placeholder(self, w: torch.Tensor) -> torch.Tensor:
+        """Return the stride-0 zero of `w`'s shape that stands in for its deferred gradient in the dx pass
+        (no memory, no memset); `is_placeholder` recognises it afterwards."""
+        if w.dim() == 0:  # a view of the shared element would let an in-place write reach it
+            return w.new_zeros(())
+        key = (w.dtype, w.device)
+        if key not in self._zeros:
+            self._zeros[key] = w.new_zeros(())
+        return self._zeros[key].expand(w.shape)
+
+    def is_placeholder(self, g: torch.Tensor | None) -> bool:
+        """True when `g` is one of this tape's placeholders as handed out (a sum of two is not: it is a
+        real zero tensor). A caller adding the deferred gradient to the dx pass's may then skip the add."""
+        z = None if g is None else self._zeros.get((g.dtype, g.device))
+        return (z is not None and g.dim() > 0 and all(st == 0 for st in g.stride())
+                and g.data_ptr() == z.data_ptr())
 
     def defers(self, w: torch.Tensor) -> bool:
         """True when the weight gradient of `w` goes on this tape instead of the dx pass."""
@@ -147,6 +165,7 @@ class WeightGradTape:
         self._entries = []
         self._weights = []
         self._index = {}
+        self._zeros = {}
 
 
 @contextlib.contextmanager
@@ -217,7 +236,7 @@ def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor],
     if tape is None or not tape.defers(w):
         return None
     tape.record(w, thunk, _closure_tensors(thunk) if captures is None else captures)
-    return w.new_zeros(()).expand(w.shape)
+    return tape.placeholder(w)
 
 
 def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:

@@ -123,6 +123,7 @@ class _RowExchange:
     `finish(raw)` after the wait gives the moved rows (module docstring)."""
 
     token_level = False
+    local = False  # True: nothing leaves this process (the exchange completes at issue)
 
     def _start(self, plan: RowPlan, acts: dict, src: str, dst: str, reverse: bool) -> Any:
         moving, rest, names = _moving(acts, src, dst)
@@ -157,6 +158,8 @@ def _lift(f: Any) -> Any:
 
 
 class _LocalExchange(_RowExchange):
+    local = True
+
     def __init__(self, d: LocalDispatcher):
         self.d = d
 

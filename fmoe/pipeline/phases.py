@@ -59,6 +59,7 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     route_key, plan_key = f"route:{name}", f"plan:{name}"
     token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
     ex = phased(dispatcher, token_level)
+    local = bool(getattr(ex, "local", False))
     attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
     attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
     mlp_paths = ((*path, "moe", "experts"),)
@@ -98,15 +99,15 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
 
     return Layer(name, (
         Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
-        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct)),
+        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local),
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct),
               # the shared expert reads the tokens only: it runs while the dispatch travels
               side=Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None,
-              side_consumes=("normed_TD",) if has_shared else ()),
+              side_consumes=("normed_TD",) if has_shared else (), local=local),
         Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
-              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct)),
+              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local),
         Phase("unpermute", "compute", fn=finish),
     ))
 
