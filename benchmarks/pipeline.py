@@ -255,7 +255,7 @@ def _torch_variant(cfg, cls_name, per_rank, m, rank, params, data) -> Variant:
 def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
     """Returns every variant, each torch schedule right after its fmoe pair (noise hits both alike)."""
     out = []
-    for name in S.registry.NAMES:
+    for name in args.schedules:
         out.append(_fmoe_variant(cfg, name, args.microbatches, rank, params, state, data))
         for cls_name, (after, stages_per_rank) in TORCH.items():
             if after == name and not args.no_torch:
@@ -506,9 +506,9 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
           f"E={cfg.moe.num_experts}, K={cfg.moe.top_k}, F={cfg.moe.d_ff}, V={cfg.vocab_size}: "
           f"{total / 1e6:.1f} M parameters "
           f"({active / 1e6:.1f} M active per token); p2p one-way {1e3 * timing[0]['p2p']:.2f} ms")
-    rows = [analyse(name, m, timing, mem) for name in S.registry.NAMES]
+    rows = [analyse(name, m, timing, mem) for name in args.schedules]
     for r in rows:
-        if r["name"] in ("1f1b", "zbv"):
+        if r["name"] in ("1f1b", "zbv") or args.only:
             c = r["costs"]
             per = ", ".join(f"s{st} {_ms(c.f[st])}/{_ms(c.i[st])}/{_ms(c.w[st])}" for st in range(len(c.f)))
             print(f"calibrated F/I/W per stage (ms), {r['name']}: {per}")
@@ -539,7 +539,7 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
               f"{'fmoe/torch':>10}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
-        for name, cls_name in PAIRS:
+        for name, cls_name in [(n, c) for n, c in PAIRS if n in args.schedules]:
             tn = f"torch:{cls_name}"
             tloss = next(t["loss"][tn] for t in timing if t["loss"][tn] is not None)
             ours = S.without_comms(S.build(name, WORLD, m)).ranks
@@ -552,7 +552,8 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
-        print(f"first-step loss {by['1f1b']['loss']:.6f} (fmoe 1f1b)")
+        first = args.schedules[0]
+        print(f"first-step loss {by[first]['loss']:.6f} (fmoe {first})")
     print(f"total {seconds:.0f} s (both passes)")
 
 
@@ -563,7 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
+    p.add_argument("--only", nargs="+", choices=S.registry.NAMES, metavar="SCHEDULE",
+                   help=f"these fmoe schedules (and their torch pairs) only; default all of {S.registry.NAMES}")
     args = p.parse_args(argv)
+    args.schedules = tuple(args.only or S.registry.NAMES)
     if args.quick:
         _ranks.quick_shapes(args)
     if args.d_model % 4 or args.d_ff % 4:

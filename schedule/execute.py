@@ -9,7 +9,9 @@ Contract:
   once. Gloo runs issued collectives on its own threads, so compute between issue and wait overlaps them.
 - F runs every phase of the stage under `split_vjp` (compute) or issues and waits its exchange (comm), and
   keeps the dx closures. I runs them in reverse and queues the dw thunks; W runs the thunks; B is I and
-  then W. An Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
+  then W. A B with nothing to hide its dw behind (overlap off, or every exchange of its stage marked
+  `local`) defers nothing: its forward runs with `split_vjp(defer=False)` and its dx pass computes the
+  weight gradients too, as plain autograd would (the same gradients, without the tape's work). An Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
   Each op is a generator that yields after issuing an exchange and before waiting for it: a driver that
   runs two of them in turn overlaps one microbatch's exchange with the other's compute without changing
   the op code.

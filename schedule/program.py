@@ -11,7 +11,10 @@ state after the phase, so a phase's cotangent is a dict keyed like its output an
 needs no key-by-key assembly. `meta` holds everything else (token ids, routing layouts, split sizes) and is
 never differentiated. A compute phase runs under `split_vjp`: its dx closure runs at I, its dw thunk at W.
 A comm phase is linear, so it runs outside any vjp: its backward is `start_transpose` (the same exchange
-with the splits swapped), issued and waited by the executor like the forward.
+with the splits swapped), issued and waited by the executor like the forward. `local=True` marks an
+exchange that never leaves the process (a single-process dispatcher): with nothing travelling there is
+nothing to hide behind compute, so a B of a stage whose exchanges are all local computes its weight
+gradients in its dx pass instead of deferring them.
 
 A comm phase may carry a `side`: a compute phase that reads only acts passing through the exchange
 (never what it delivers), so the executor runs it while the exchange travels (the shared expert beside

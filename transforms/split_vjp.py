@@ -41,6 +41,7 @@ from fmoe._compat import (
     tree_unflatten,
     under_vmap,
 )
+from fmoe.transforms._flat import flatten, num_leaves, torch_spec, unflatten
 from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, recording, unwrapped
 
 VMAP_MESSAGE = (
@@ -130,7 +131,8 @@ def _paths(spec: Any) -> list[tuple[Any, ...]] | None:
     """Return the key path of every leaf of `spec`, in flattening order, or None when a node of it has no
     key paths (a custom pytree node registered without them). For error messages only."""
     try:
-        return [p for p, _ in tree_flatten_with_path(tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
+        ts = torch_spec(spec)
+        return [p for p, _ in tree_flatten_with_path(tree_unflatten(list(range(ts.num_leaves)), ts))[0]]
     except Exception:  # the message falls back to leaf numbers; never mask the error being reported
         return None
 
@@ -156,10 +158,10 @@ def _check_cotangent(cotangent: Any, out_spec: Any, out_meta: Sequence[tuple[tor
                      ) -> list[torch.Tensor]:
     """Return the cotangent's leaves; raise ValueError naming the first leaf whose structure, shape or
     dtype differs from the output's (torch.func.vjp would fail only after vjp_dx was used up, or cast)."""
-    leaves, spec = tree_flatten(cotangent)
+    leaves, spec = flatten(cotangent)
     if spec != out_spec:
-        expected = tree_unflatten([_Kind(torch.empty(()))] * out_spec.num_leaves, out_spec)
-        got = tree_unflatten([_Kind(x) for x in leaves], spec)
+        expected = unflatten([_Kind(torch.empty(()))] * num_leaves(out_spec), out_spec)
+        got = unflatten([_Kind(x) for x in leaves], spec)
         raise ValueError(
             "split_vjp: vjp_dx: the cotangent must have the structure of the output: expected "
             f"{expected!r}, got {got!r} "
@@ -264,7 +266,7 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     with torch.enable_grad():
         res = flat_f(*leaves)
     out_g, aux = res if has_aux else (res, None)
-    out_leaves, out_spec = tree_flatten(out_g)
+    out_leaves, out_spec = flatten(out_g)
     differentiable = [k for k, o in enumerate(out_leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
     graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
 
@@ -276,10 +278,10 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
                                    retain_graph=retain_graph, allow_unused=True)
 
     detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
-    out = tree_unflatten(detach, out_spec)
+    out = unflatten(detach, out_spec)
     if has_aux:
-        aux_leaves, aux_spec = tree_flatten(aux)
-        aux = tree_unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
+        aux_leaves, aux_spec = flatten(aux)
+        aux = unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
     return out, vjp_fn, aux, leaves, (detach, out_spec)
 
 
@@ -313,8 +315,8 @@ def split_vjp(
         raise ValueError(f"split_vjp: engine must be one of {ENGINES}, got {engine!r}")
     # params and args flattened apart: each spec is needed on its own (vjp_dw, dargs), and every flatten
     # and unflatten of torch's Python pytrees costs tens of microseconds per call
-    p_leaves, p_spec = tree_flatten(params)
-    a_leaves, a_spec = tree_flatten(args)
+    p_leaves, p_spec = flatten(params)
+    a_leaves, a_spec = flatten(args)
     leaves = p_leaves + a_leaves
     n_leaves, n_param_leaves = len(leaves), len(p_leaves)
     del p_leaves, a_leaves
@@ -326,7 +328,7 @@ def split_vjp(
         full = list(leaves)
         for i, x in zip(diff_pos, xs):
             full[i] = x
-        p, a = tree_unflatten(full[:n_param_leaves], p_spec), tree_unflatten(full[n_param_leaves:], a_spec)
+        p, a = unflatten(full[:n_param_leaves], p_spec), unflatten(full[n_param_leaves:], a_spec)
         # recording(): the primitives in f keep their weight gradients deferrable; without it they may take
         # their native autograd paths (dw computed in the dx pass, as plain autograd does)
         with recording() if defer else contextlib.nullcontext():
@@ -349,7 +351,7 @@ def split_vjp(
     else:
         out, vjp_fn = torch.func.vjp(flat_f, *diff_leaves)
     if engine != "autograd":
-        out_leaves, out_spec = tree_flatten(out)
+        out_leaves, out_spec = flatten(out)
     out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
     leaf_meta = [(t.shape, t.dtype, t.device) for t in diff_leaves]  # for zero gradients of unused leaves
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff]) if defer else None
@@ -374,7 +376,7 @@ def split_vjp(
             if g is None and i >= n_param_leaves:  # autograd: an argument the output does not depend on
                 g = _zeros(leaf_meta[k])
             full[i] = g if i < n_param_leaves else _writable(g)
-        dargs = tree_unflatten(full[n_param_leaves:], a_spec)
+        dargs = unflatten(full[n_param_leaves:], a_spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
         del grads, full
@@ -417,7 +419,7 @@ def split_vjp(
             dx_param_grads.clear()
             if tape is not None:
                 tape.clear()
-            return tree_unflatten(flat_params, p_spec)
+            return unflatten(flat_params, p_spec)
 
         return tuple(dargs), vjp_dw
 
