@@ -11,12 +11,14 @@ Contract:
   keeps the dx closures. I runs them in reverse and queues the dw thunks; W runs the thunks; B is I and
   then W. A B with nothing to hide its dw behind (overlap off, or every exchange of its stage marked
   `local`) defers nothing: its forward runs with `split_vjp(defer=False)` and its dx pass computes the
-  weight gradients too, as plain autograd would (the same gradients, without the tape's work). An Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
+  weight gradients too, as plain autograd would (the same gradients, without the tape's work). An
+  Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
   Each op is a generator that yields after issuing an exchange and before waiting for it: a driver that
   runs two of them in turn overlaps one microbatch's exchange with the other's compute without changing
   the op code.
 - Activations live from F until W (or B); after that nothing of the microbatch is held.
-- Pipeline P2P on `group`: receives are posted `recv_ahead` compute actions before their consumer and
+- Pipeline P2P on `group`: receives are posted `recv_ahead` compute actions before their consumer (a
+  gradient's receive, whose shapes its own forward gives, no earlier than right after that forward) and
   waited just before use; sends are issued when their data exists and waited at the end of the step.
   Adjacent stages on one rank (the turn of a V) hand over in memory. Every message has its own buffer:
   nothing is reused while a deferred dw could still read it.
@@ -74,7 +76,7 @@ class _Record:
     """What F of one (stage, microbatch) keeps for its backward, phase by phase."""
 
     phases: list[tuple[Phase, str, Any, Any]] = field(default_factory=list)  # (phase, layer, closure, info)
-    out_spec: dict[str, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    out_spec: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # set when the forward ends
 
 
 class _Counter:
@@ -102,7 +104,7 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 
 
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
-            group: dist.ProcessGroup | None = None, recv_ahead: int = 1,
+            group: dist.ProcessGroup | None = None, recv_ahead: int = 2,
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
@@ -110,7 +112,10 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
-    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `overlap`
+    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `recv_ahead`:
+    how many compute actions before its consumer a receive is posted (each one posted early holds its
+    buffer that much longer; 2 rather than 1, because on gloo a receive posted while the peer's sends
+    wait for it costs milliseconds: 2-rank interleaved on 2 cores lost ~9% of rank 1's step to it). `overlap`
     (default on): an Overlap pair interleaves its two ops phase by phase, and a lone B runs the dw of the
     phases it has differentiated while its exchanges travel; off: pairs run one op after the other.
     `engine`: how compute phases are differentiated (`split_vjp`'s engine; "autograd", the default, has
@@ -151,6 +156,7 @@ class _Executor:
         self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
         self.local: dict[Dep, Acts] = {}
         self.posted: dict[Dep, tuple[list, Acts, float]] = {}
+        self.grad_recv_after_f: dict[tuple[int, int], Recv] = {}  # (stage, mb) -> GRAD receive to post
         self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
@@ -257,6 +263,8 @@ class _Executor:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
+        if (stage, mb) in self.grad_recv_after_f:  # its gradient's receive waited for these shapes
+            self._irecv(carried(self.grad_recv_after_f.pop((stage, mb))), rec.out_spec)
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                       defer: bool) -> tuple[Acts, Any, dict]:
@@ -446,8 +454,10 @@ class _Executor:
         if dep.kind is Kind.ACT:
             spec = self.programs[self.s.next_stage(dep.stage, dep.mb)].in_spec
         else:
-            rec = self.records.get((self.s.prev_stage(dep.stage, dep.mb), dep.mb))
-            if rec is None:
+            key = (self.s.prev_stage(dep.stage, dep.mb), dep.mb)
+            rec = self.records.get(key)
+            if rec is None or rec.out_spec is None:  # posted as soon as that forward has run
+                self.grad_recv_after_f[key] = a
                 return
             spec = rec.out_spec
         self._irecv(dep, spec)

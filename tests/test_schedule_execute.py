@@ -202,6 +202,28 @@ def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
     assert S.write_png(res.events, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _grad_posts(rank: int, world: int) -> list:
+    s = S.one_f_one_b(2, 4)
+    params = _params(2)
+    res = execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb], recv_ahead=100)
+    return [(e.name, e.lane, e.start, e.end) for e in res.events]
+
+
+def test_a_gradient_receive_is_posted_right_after_its_forward() -> None:
+    """Its buffer's shapes come from this rank's own forward: with a lookahead that reaches back to the
+    start of the step, the receive goes out as soon as that forward has run, not when it is consumed."""
+    events = next(r.value for r in spawn(_grad_posts, 2, timeout_s=120) if r.rank == 0)
+    compute = sorted((e for e in events if e[1] == "compute"), key=lambda e: e[2])
+    posts = [e for e in events if e[1] == "comm" and e[0].startswith("p2p recv grad")]
+    assert len(posts) == 4
+    for name, _, posted, _ in posts:
+        mb = name.split("mb")[-1]
+        f_end = max(e[3] for e in compute  # its phases and its exchanges' waits
+                    if (e[0].startswith("F ") or "-F " in e[0]) and e[0].endswith(f" mb{mb}"))
+        next_start = min(e[2] for e in compute if e[2] >= f_end)
+        assert f_end <= posted <= next_start, (name, f_end, posted, next_start)
+
+
 def _dies(rank: int, world: int) -> None:
     if rank == 1:
         raise SystemExit("rank 1 stops before its first send")
