@@ -16,10 +16,11 @@ For every 2-rank schedule of fmoe.schedule.registry.NAMES, through fmoe.pipeline
   when its executor does, right after the barrier); measured bubble per rank = 1 - busy / makespan.
   What is neither busy nor wait counts as bubble too: the time after a rank's last event, and the "gap"
   (printed) before its first event and between events (executor bookkeeping, receive posting);
-- predicted: fmoe.schedule.simulate on Costs calibrated from this run's events: per stage, the median
-  over microbatches and repetitions of F (sum of the F events of one (stage, microbatch)), I (the dx
-  part: events of category I, or B, whose W part is the events named "W ...") and W; p2p = the one-way
-  time of a [B, S, D] gloo send measured by ping-pong in the same processes.
+- predicted: fmoe.schedule.simulate on Costs calibrated from each repetition's events: per stage, the
+  mean over microbatches of F (sum of the F events of one (stage, microbatch)), I (the dx part: events
+  of category I, or B, whose W part is the events named "W ...") and W; p2p = the one-way time of a
+  [B, S, D] gloo send measured by ping-pong in the same processes. Means, because a makespan is a sum
+  of op times; the same with medians is printed too (it runs low where op times are skewed right).
 torch.distributed.pipelining runs the same model written as plain nn.Modules (tape autograd, same
 weights copied from the fmoe params), paired like with like (same cut, same placement):
     gpipe ~ ScheduleGPipe, 1f1b ~ Schedule1F1B, interleaved ~ ScheduleInterleaved1F1B (2 stages per rank),
@@ -418,7 +419,8 @@ def spawn(mode: str, args: argparse.Namespace, timeout_s: float) -> list[Any]:
 
 def calibrated_costs(s: S.Schedule, reps: list[list[dict]], p2p: float,
                      stat: Any = statistics.median) -> S.Costs:
-    """Costs with per-stage F, I, W: `stat` (median) over microbatches and repetitions of the run's events."""
+    """Costs with per-stage F, I, W: `stat` (default median) over microbatches and repetitions of the run's
+    events."""
     samples: dict[tuple[str, int], list[float]] = {}
     for rep in reps:
         for rank_stats in rep:
@@ -464,15 +466,18 @@ def analyse(name: str, m: int, timing: list[dict], mem: list[dict] | None) -> di
         return med(p / ms for p, ms in zip(predicted, makespans))
 
     p2p = med(t["p2p"] for t in timing)
-    sims = [S.simulate(s, calibrated_costs(s, [rep], p2p)) for rep in reps]
-    means = [S.simulate(s, calibrated_costs(s, [rep], p2p, statistics.fmean)).makespan for rep in reps]
+    # per-stage means: a makespan is a sum of op times, which means predict; medians (a diagnostic) run low
+    # on this box, where op times are skewed to the right (another process takes the CPU now and then)
+    sims = [S.simulate(s, calibrated_costs(s, [rep], p2p, statistics.fmean)) for rep in reps]
+    medians = [S.simulate(s, calibrated_costs(s, [rep], p2p)).makespan for rep in reps]
     replays = [S.simulate(s, ReplayCosts(p2p=p2p, table={k: v for x in rep for k, v in x["phase"].items()}))
                .makespan for rep in reps]
     return {"name": name, "wall": _wall(timing, name), "spread": _spread(timing, name),
             "makespan": med(makespans), "bubble": [1 - b for b in per_rank("busy")], "gap": per_rank("gap"),
             "sim_ms": med(x.makespan for x in sims), "sim_ratio": ratio([x.makespan for x in sims]),
             "sim_bubble": [med(x.bubble_fraction[r] for x in sims) for r in range(WORLD)],
-            "mean_ratio": ratio(means), "replay": ratio(replays), "costs": calibrated_costs(s, reps, p2p),
+            "median_ratio": ratio(medians), "replay": ratio(replays),
+            "costs": calibrated_costs(s, reps, p2p, statistics.fmean),
             "mem": None if mem is None else [mem[r][name] for r in range(WORLD)],
             "peak_acts": [timing[r]["peak_acts"][name] for r in range(WORLD)],
             "sim_acts": list(sims[0].peak_activations), "loss": timing[0]["loss"][name]}
@@ -513,17 +518,18 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             per = ", ".join(f"s{st} {_ms(c.f[st])}/{_ms(c.i[st])}/{_ms(c.w[st])}" for st in range(len(c.f)))
             print(f"calibrated F/I/W per stage (ms), {r['name']}: {per}")
     print()
-    print("fmoe executor vs simulator (costs: per-stage medians of F/I/W, per repetition). span: timeline "
+    print("fmoe executor vs simulator (costs: per-stage means of F/I/W, per repetition). span: timeline "
           "makespan;\nbubble = 1 - busy/span (%, r0/r1); gap: its part before and between events (executor "
-          "bookkeeping);\nmean/span: simulated with per-stage means instead of medians; replay/span: "
+          "bookkeeping);\nmedian/span: simulated with per-stage medians instead of means; replay/span: "
           "simulated with every op's own measured time (median over reps);\nspread: (max - min) / median "
           "step time over reps; acts: peak live forwards, measured and simulated")
     print(f"{'schedule':<20} {'step ms':>7} {'spread':>6} {'span ms':>7} {'sim ms':>7} {'sim/span':>8} "
-          f"{'mean/span':>9} {'replay/span':>11}  "
+          f"{'median/span':>11} {'replay/span':>11}  "
           f"{'bubble meas':>11} {'bubble sim':>10} {'gap':>7}  {'peak MiB':>9} {'acts':>5} {'sim':>5}")
     for r in rows:
         print(f"{r['name']:<20} {_ms(r['wall']):>7} {100 * r['spread']:>5.0f}% {_ms(r['makespan']):>7} "
-              f"{_ms(r['sim_ms']):>7} {r['sim_ratio']:>8.3f} {r['mean_ratio']:>9.3f} {r['replay']:>11.3f}  "
+              f"{_ms(r['sim_ms']):>7} {r['sim_ratio']:>8.3f} {r['median_ratio']:>11.3f} "
+              f"{r['replay']:>11.3f}  "
               f"{per_rank(r['bubble'], '{:.1f}', 100):>11} {per_rank(r['sim_bubble'], '{:.1f}', 100):>10} "
               f"{per_rank(r['gap'], '{:.1f}', 100):>7}  {'-' if r['mem'] is None else per_rank(r['mem']):>9} "
               f"{per_rank(r['peak_acts']):>5} {per_rank(r['sim_acts']):>5}")
@@ -565,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
     p.add_argument("--only", nargs="+", choices=S.registry.NAMES, metavar="SCHEDULE",
-                   help=f"these fmoe schedules (and their torch pairs) only; default all of {S.registry.NAMES}")
+                   help="these fmoe schedules (and their torch pairs) only; default: all")
     args = p.parse_args(argv)
     args.schedules = tuple(args.only or S.registry.NAMES)
     if args.quick:

@@ -235,7 +235,9 @@ class _Executor:
         rec = _Record()
         self.records[(stage, mb)] = rec
         self.live.add(1)
-        for layer in prog.layers:
+        if not defer and stage not in self.remote:
+            acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec)
+        for layer in prog.layers if defer or stage in self.remote else ():
             for ph in layer.phases:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
                 if ph.kind == "compute":
@@ -265,6 +267,63 @@ class _Executor:
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
         if (stage, mb) in self.grad_recv_after_f:  # its gradient's receive waited for these shapes
             self._irecv(carried(self.grad_recv_after_f.pop((stage, mb))), rec.out_spec)
+
+    def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
+                             rec: _Record) -> Acts:
+        """Runs every phase of the stage, its local exchanges inline, under one split_vjp (defer=False):
+        for a B whose stage has nothing to overlap, so its backward is one autograd pass, as in plain
+        autograd, instead of one per phase. The forward's timeline keeps its phases; the backward is one
+        event. Returns the acts the stage passes on (its losses taken out)."""
+        steps = [(layer.name, ph) for layer in prog.layers for ph in layer.phases]
+        paths = [q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
+                 for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
+        loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
+        stats: list[tuple[str, str, Any]] = []
+
+        def run_phase(ph: Phase, layer: str, p: Any, a: Acts, m: Meta) -> tuple[Acts, Meta]:
+            out, m = ph.fn(tuple(next(p) for _ in ph.param_paths), a, m)
+            for k, v in out.items():
+                if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                    raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating "
+                                        "tensor; put non-differentiable values in meta")
+            if isinstance(m, dict) and "stats" in m:
+                m = dict(m)
+                stats.append((layer, ph.name, m.pop("stats")))
+            return out, m
+
+        def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
+            it, m, losses = iter(p), meta, {}
+            for layer, ph in steps:
+                label = f"{ph.name} s{stage} {layer} mb{mb}"
+                t = self._now()
+                if ph.kind == "compute":
+                    a, m = run_phase(ph, layer, it, a, m)
+                    losses.update((k, a.pop(k)) for k in ph.losses)
+                    self._event("compute", f"F {label}", "F", t)
+                    continue
+                pending = ph.start(a, m)
+                side = None
+                if ph.side is not None:
+                    ts = self._now()
+                    side, _ = run_phase(ph.side, layer, it, a, m)
+                    self._event("compute", f"F {ph.side.name} s{stage} {layer} mb{mb}", "F", ts)
+                tw = self._now()
+                a, m = pending.wait()
+                self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
+                if side is not None:
+                    a = {**{k: v for k, v in a.items() if k not in ph.side_consumes}, **side}
+            return {**a, **losses}, m
+
+        params = tuple(subtree(prog.params, q) for q in paths)
+        out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=False)
+        names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
+        whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
+        rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
+        self.stats.extend((stage, mb, layer, ph_name, st) for layer, ph_name, st in stats)
+        for k in loss_names:
+            v = out.pop(k)
+            self.losses[k] = self.losses.get(k, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
+        return out
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                       defer: bool) -> tuple[Acts, Any, dict]:
