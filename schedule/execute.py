@@ -235,9 +235,9 @@ class _Executor:
         rec = _Record()
         self.records[(stage, mb)] = rec
         self.live.add(1)
-        if not defer and stage not in self.remote:
-            acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec)
-        for layer in prog.layers if defer or stage in self.remote else ():
+        if stage not in self.remote:  # nothing travels: no phase boundary to switch ops at
+            acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec, defer)
+        for layer in prog.layers if stage in self.remote else ():
             for ph in layer.phases:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
                 if ph.kind == "compute":
@@ -269,11 +269,11 @@ class _Executor:
             self._irecv(carried(self.grad_recv_after_f.pop((stage, mb))), rec.out_spec)
 
     def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
-                             rec: _Record) -> Acts:
-        """Runs every phase of the stage, its local exchanges inline, under one split_vjp (defer=False):
-        for a B whose stage has nothing to overlap, so its backward is one autograd pass, as in plain
-        autograd, instead of one per phase. The forward's timeline keeps its phases; the backward is one
-        event. Returns the acts the stage passes on (its losses taken out)."""
+                             rec: _Record, defer: bool) -> Acts:
+        """Runs every phase of the stage, its local exchanges inline, under one split_vjp: for a stage with
+        nothing to overlap, so its dx pass is one autograd pass instead of one per phase (and, `defer`
+        False, computes the weight gradients too, as plain autograd does). The forward's timeline keeps
+        its phases; the backward is one event. Returns the acts the stage passes on (losses taken out)."""
         steps = [(layer.name, ph) for layer in prog.layers for ph in layer.phases]
         paths = [q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
                  for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
@@ -315,7 +315,7 @@ class _Executor:
             return {**a, **losses}, m
 
         params = tuple(subtree(prog.params, q) for q in paths)
-        out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=False)
+        out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
         names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
         whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
         rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
