@@ -235,9 +235,10 @@ class _Executor:
         rec = _Record()
         self.records[(stage, mb)] = rec
         self.live.add(1)
-        if stage not in self.remote:  # nothing travels: no phase boundary to switch ops at
+        phased = stage in self.remote
+        if not phased:  # nothing travels: no phase boundary to switch ops at
             acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec, defer)
-        for layer in prog.layers if stage in self.remote else ():
+        for layer in prog.layers if phased else ():
             for ph in layer.phases:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
                 if ph.kind == "compute":
@@ -259,7 +260,7 @@ class _Executor:
                     acts, meta = pending.wait()
                     self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
                     if side is not None:
-                        acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side[0]}
+                        acts = _with_side(acts, ph, side[0])
                     rec.phases.append((ph, layer.name, side, meta))
         if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
@@ -282,10 +283,7 @@ class _Executor:
 
         def run_phase(ph: Phase, layer: str, p: Any, a: Acts, m: Meta) -> tuple[Acts, Meta]:
             out, m = ph.fn(tuple(next(p) for _ in ph.param_paths), a, m)
-            for k, v in out.items():
-                if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
-                    raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating "
-                                        "tensor; put non-differentiable values in meta")
+            _check_floating(out, stage, layer, ph.name)
             if isinstance(m, dict) and "stats" in m:
                 m = dict(m)
                 stats.append((layer, ph.name, m.pop("stats")))
@@ -311,7 +309,7 @@ class _Executor:
                 a, m = pending.wait()
                 self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
                 if side is not None:
-                    a = {**{k: v for k, v in a.items() if k not in ph.side_consumes}, **side}
+                    a = _with_side(a, ph, side)
             return {**a, **losses}, m
 
         params = tuple(subtree(prog.params, q) for q in paths)
@@ -321,8 +319,7 @@ class _Executor:
         rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
         self.stats.extend((stage, mb, layer, ph_name, st) for layer, ph_name, st in stats)
         for k in loss_names:
-            v = out.pop(k)
-            self.losses[k] = self.losses.get(k, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
+            self._add_loss(k, out.pop(k))
         return out
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
@@ -340,10 +337,7 @@ class _Executor:
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
             out, meta_out = ph.fn(p, a, meta)
-            for k, v in out.items():
-                if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
-                    raise ScheduleError(f"stage {stage} {layer} {ph.name}: acts[{k!r}] is not a floating "
-                                        "tensor; put non-differentiable values in meta")
+            _check_floating(out, stage, layer, ph.name)
             return out, meta_out
 
         out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
@@ -355,10 +349,14 @@ class _Executor:
         passed = {}
         for k, v in out.items():
             if k in ph.losses:
-                self.losses[k] = self.losses.get(k, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
+                self._add_loss(k, v)
             else:
                 passed[k] = v
         return passed, meta_out
+
+    def _add_loss(self, name: str, v: torch.Tensor) -> None:
+        """Adds microbatch loss `v` (scalar) into the step's mean loss `name`."""
+        self.losses[name] = self.losses.get(name, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
 
     def _backward(self, stage: int, mb: int, weights: bool, paired: bool = False) -> Iterator[None]:
         rec = self.records.pop((stage, mb), None)
@@ -586,6 +584,20 @@ def _interleave(*gens: Iterator[None]) -> None:
             k += 1
         except StopIteration:
             live.remove(g)
+
+
+def _check_floating(out: Acts, stage: int, layer: str, phase: str) -> None:
+    """Raises ScheduleError naming the phase if one of its output acts is not a floating tensor."""
+    for k, v in out.items():
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+            raise ScheduleError(f"stage {stage} {layer} {phase}: acts[{k!r}] is not a floating "
+                                "tensor; put non-differentiable values in meta")
+
+
+def _with_side(acts: Acts, ph: Phase, side_out: Acts) -> Acts:
+    """Returns the acts after exchange `ph`: what it delivered less its side's consumed keys, plus the side's
+    outputs."""
+    return {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side_out}
 
 
 def _in_flight(pending: Any) -> bool:
