@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -88,6 +88,8 @@ def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed, engine, defer
     dparams = vjp_dw()
     ref_out, ref_fn = torch.func.vjp(stack, params, x)
     ref_dparams, ref_dx = ref_fn(ct)
+    # fp16 can overflow in the oracle itself (the norm's rsqrt backward): no finite answer to compare
+    assume(all(bool(torch.isfinite(t).all()) for t in tree_flatten((ref_out, ref_dx, ref_dparams))[0]))
     scale = 4.0 * depth if dtype == torch.bfloat16 else 1.0
     assert_close(out, ref_out, scale=scale)
     assert_close(dx, ref_dx, scale=scale)
