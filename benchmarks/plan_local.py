@@ -8,9 +8,13 @@ local` predicts for the same layout.
 Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up steps (max over the two
 ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
 every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
-`fmoe.plan.estimate.fastest_fitting` on the `local` cluster (calibrated once, from the tiny preset on
-one process: a different layout from every one measured here). Prints the ratio predicted / measured
-for step time and memory, and whether the ranking by predicted step time matches the measured one.
+`fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
+rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from the calibration run
+(`measure_host`: the tiny preset on one process, one copy per core at once; a layout none of the measured
+ones is), which takes its turn in every round like a layout, so that both see the same drift of this
+machine's speed (up to 2x between minutes). The fit uses the median over rounds of each calibration
+figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
+predicted step time matches the measured one.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 
 from fmoe.plan import estimate as E  # noqa: E402
+from fmoe.plan import local as LC  # noqa: E402
 from fmoe.plan.layout import Layout  # noqa: E402
-from fmoe.plan.local import local_cluster  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
+CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_host in each round
 # (name, TrainConfig overrides, planner schedule, vpp)
 LAYOUTS = (
     ("pp2 1f1b", {"pp": 2, "ep": 1, "dp": 1, "schedule": "1f1b"}, "1f1b", 1),
@@ -88,7 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first 2 are warm-up)")
     args = ap.parse_args()
-    cluster = local_cluster()
+    machine = LC.measure_machine()
     model = load_model(args.preset)
     base = {"progress": False, "steps": 10**6}
     tcs = {
@@ -96,14 +101,26 @@ def main() -> None:
     }
     step_times: dict[str, list[float]] = {name: [] for name in tcs}
     peaks: dict[str, list[float]] = {name: [] for name in tcs}
-    names = list(tcs)
+    samples: list[LC.HostSample] = []
+    names = [CALIBRATION, *tcs]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name == CALIBRATION:
+                samples.append(LC.measure_host())
+                continue
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
             peaks[name].append(peak)
+    sample = LC.median_sample(samples)
+    cluster = LC.fit_host(machine, sample)
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
+    spread = max(s.wall_s for s in samples) / min(s.wall_s for s in samples)
+    print(f"calibration run (median of {len(samples)}): step {sample.wall_s * 1e3:.1f} ms, executor span "
+          f"{sample.span_s * 1e3:.1f} ms, forward per layer "
+          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(sample.f_s.items()))
+          + f" ms, B {sample.b_s * 1e3:.2f} ms, W {sample.w_s * 1e3:.2f} ms per microbatch; "
+          f"max / min step over the rounds {spread:.2f}")
     rows = []
     for name, _, sched, vpp in LAYOUTS:
         tc = tcs[name]

@@ -151,10 +151,10 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
         n = 2 + (2 if (not cost.moe or not lay.tp_extends_ep) else 0)
         nbytes = (tp - 1) / tp * T * m.hidden * DTYPE_BYTES[m.dtype]
         tp_comm = n * _collective_s(c, nbytes, True, tp - 1)
-    oh = c.op_overhead_s
+    oh = c.overhead_s(cost.kind)
     f = dense + attn + expert + tp_comm + oh
-    i = dense + 2 * attn + expert + tp_comm + oh
-    w = dense + expert + oh
+    i = dense + 2 * attn + expert + tp_comm + c.i_overhead_ratio * oh
+    w = dense + expert + c.w_overhead_ratio * oh
     extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
     return _Phases(f, i + extra, w, extra, tp_comm)
 
@@ -282,10 +282,12 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     pp = lay.pp
     rank_dense = [0.0] * pp
     rank_exp = [0.0] * pp
+    rank_layers = [0] * pp  # blocks, embedding and head held: what step_overhead_s is counted per
     for stage, k in enumerate(stage_chunk):
         r = s_full.placement.stage_rank[stage]
         rank_dense[r] += chunk_dense_p[k] / lay.tp
         rank_exp[r] += chunk_exp_p[k] / (lay.ep * lay.tp)
+        rank_layers[r] += layers_C[k] + (k == 0) + (k == len(layers_C) - 1)
     mixed = model.dtype != "fp32"
     w_bytes = (b + 4) if mixed else 4
     dense_shard = lay.data_ranks if lay.zero1 else 1
@@ -341,6 +343,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     opt_bytes = 28 + (6 if mixed else 0)
     opt_s = [
         opt_bytes * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard) / c.hbm_bytes_per_s
+        + c.step_overhead_s * rank_layers[r]
         for r in range(pp)
     ]
 

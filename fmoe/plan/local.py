@@ -8,18 +8,26 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 8 B and 4 MiB; one
   machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s);
-- op_overhead_s and base_mem_gib: `fmoe train`'s `tiny` preset through the executor on one process (1
-  thread), minus what the planner predicts for it with no overhead, per layer and phase.
+- the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
+  every core (one thread per rank, 8 microbatches each; `calibration_config`): per layer kind, its
+  forward events beyond the FLOP model's compute;
+  the backward's as multiples of that; the wall time outside the executor per layer held; and the
+  memory beyond what the planner counts (base_mem_gib).
+On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
+overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
+rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +40,11 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
+CALIBRATION_VERSION = 2  # bump when what is measured changes: older caches are measured again
+
+
 def _key() -> str:
-    return f"torch {torch.__version__}, {os.cpu_count()} cores"
+    return f"torch {torch.__version__}, {os.cpu_count()} cores, calibration {CALIBRATION_VERSION}"
 
 
 def local_cluster(recalibrate: bool = False) -> ClusterSpec:
@@ -140,45 +151,124 @@ def _links() -> tuple[float, float, float]:
     return latency, bandwidth, max(0.0, out["a2a"] - latency)
 
 
-CALIBRATION_RUN = {"pp": 1, "ep": 1, "dp": 1, "schedule": "1f1b", "progress": False}  # tiny, one process
+# The tiny preset data-parallel over every core, 8 microbatches per rank through the executor: ranks of one
+# job, as the layouts the planner predicts run (two ranks of one job run their ops up to 30% slower than
+# two independent processes do: they share the cores with each other's gloo work and wait on each other).
+CALIBRATION_RUN = {"pp": 1, "ep": 1, "schedule": "1f1b", "micro_batch_size": 4, "progress": False}
+CALIBRATION_MICROBATCHES = 8
 
 
-def _tiny_worker(store: str, q: Any) -> None:
-    torch.set_num_threads(1)
+def calibration_config() -> Any:
+    """Returns the TrainConfig of the calibration run on this machine (dp = its cores)."""
     from fmoe.train.config import TrainConfig
+
+    dp = os.cpu_count() or 1
+    return TrainConfig.from_sources("tiny", None, {**CALIBRATION_RUN, "dp": dp,
+                                                   "global_batch_size": 4 * CALIBRATION_MICROBATCHES * dp})
+_F_EVENT = re.compile(r"^F \S+ s\d+ (\S+) mb\d+$")  # the executor's forward events: F phase stage layer mb
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """What the calibration run (calibration_config) measured, in seconds: `wall_s` one
+    whole step, `span_s` the executor's part of it (first event start to last event end); `f_s` per layer
+    kind the forward of one layer of one microbatch (the sum of its phases' events; averaged over the
+    layers of that kind); `b_s` and `w_s` the B and W of one microbatch (the whole stage); `peak_gib` the
+    process's peak resident memory."""
+
+    wall_s: float
+    span_s: float
+    f_s: dict[str, float]
+    b_s: float
+    w_s: float
+    peak_gib: float
+
+
+def _layer_kind(token: str, first_dense: int) -> str:
+    if token.startswith("L") and token[1:].isdigit():
+        return "dense" if int(token[1:]) < first_dense else "moe"
+    return "embed" if token == "embed" else "head"  # the head's phases: norm, head, loss, MTP
+
+
+def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: int, microbatches: int,
+              peak_gib: float) -> HostSample:
+    """Returns the HostSample of measured steps: per step its wall seconds and executor events (medians
+    over the steps)."""
+    spans, bs, ws, fs = [], [], [], {}
+    for events in steps_events:
+        spans.append(max(e.end for e in events) - min(e.start for e in events))
+        per: dict[str, dict[str, float]] = {}
+        b = w = 0.0
+        for e in events:
+            if e.lane != "compute":
+                continue
+            hit = _F_EVENT.match(e.name)
+            if e.cat == "F" and hit:
+                kind = _layer_kind(hit.group(1), first_dense)
+                per.setdefault(kind, {}).setdefault(hit.group(1), 0.0)
+                per[kind][hit.group(1)] += e.end - e.start
+            elif e.cat == "B":
+                b += e.end - e.start
+            elif e.cat == "W":
+                w += e.end - e.start
+        bs.append(b / microbatches)
+        ws.append(w / microbatches)
+        for kind, layers in per.items():
+            fs.setdefault(kind, []).append(sum(layers.values()) / len(layers) / microbatches)
+    med = statistics.median
+    return HostSample(med(walls), med(spans), {k: med(v) for k, v in fs.items()}, med(bs), med(ws), peak_gib)
+
+
+def median_sample(samples: list[HostSample]) -> HostSample:
+    """Returns the field-by-field median of `samples` (one per calibration copy or round)."""
+    med = statistics.median
+    kinds = set.intersection(*(set(s.f_s) for s in samples))
+    return HostSample(med(s.wall_s for s in samples), med(s.span_s for s in samples),
+                      {k: med(s.f_s[k] for s in samples) for k in kinds}, med(s.b_s for s in samples),
+                      med(s.w_s for s in samples), max(s.peak_gib for s in samples))
+
+
+def _tiny_worker(rank: int, store: str, q: Any) -> None:
+    torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = TrainConfig.from_sources("tiny", None, CALIBRATION_RUN)
-    trainer = Trainer(tc, _world(tc, 0, f"file://{store}", 0, 1))
-    step_s = _median_s(trainer.step, reps=7, warm=2)
+    tc = calibration_config()
+    trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
+    for _ in range(2):
+        trainer.step()
+    walls, events = [], []
+    for _ in range(7):
+        walls.append(trainer.step()["step_s"])
+        events.append(trainer.last_result.events)
     with open("/proc/self/status") as f:
         hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-    q.put((step_s, hwm_kib / 2**20))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    q.put(sample_of(walls, events, tc.first_k_dense, tc.microbatches, hwm_kib / 2**20))
 
 
-def _tiny_run() -> tuple[float, float]:
-    """(median step seconds, peak resident GiB) of `fmoe train`'s tiny preset through the executor on one
-    process with one thread (CALIBRATION_RUN), run as one independent copy per core at once: a device of
-    a job that fills the machine shares its memory bandwidth, caches and the host with the others."""
+def measure_host() -> HostSample:
+    """The HostSample of the calibration run (calibration_config: `fmoe train`'s tiny preset, data
+    parallel over every core, one thread per rank, through the executor); the median over the ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_tiny_worker, args=(tempfile.mktemp(prefix="fmoe_plan_"), q), daemon=True)
-        for _ in range(os.cpu_count() or 1)
-    ]
+    store = tempfile.mktemp(prefix="fmoe_plan_")
+    world = calibration_config().world_size
+    procs = [ctx.Process(target=_tiny_worker, args=(r, store, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     outs = [q.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    return statistics.median(o[0] for o in outs), max(o[1] for o in outs)
+    return median_sample(outs)
 
 
-def calibrate() -> ClusterSpec:
-    """Measures this machine (see the module docstring) and returns its ClusterSpec."""
+def measure_machine() -> ClusterSpec:
+    """This machine's rates and links (GEMM, attention, optimizer bytes, gloo latency and bandwidth), with
+    no host overhead yet (see fit_host)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -191,7 +281,7 @@ def calibrate() -> ClusterSpec:
     cores = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
         total_gib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) / 2**20
-    spec = ClusterSpec(
+    return ClusterSpec(
         name="local",
         devices_per_node=cores,
         peak_flops={"fp32": peak},
@@ -208,25 +298,60 @@ def calibrate() -> ClusterSpec:
         comm_overhead_s=per_call,
         base_mem_gib=0.0,
     )
-    step_s, peak_gib = _tiny_run()
-    return _fit(spec, step_s, peak_gib)
 
 
-def _fit(spec: ClusterSpec, measured_s: float, peak_gib: float) -> ClusterSpec:
-    """Returns `spec` with the per-layer-and-phase host overhead that makes the planner's prediction of
-    CALIBRATION_RUN equal the measured step (the prediction is linear in it), and the process memory
-    beyond what the planner counts for that run as base_mem_gib."""
+def calibrate() -> ClusterSpec:
+    """Measures this machine (see the module docstring) and returns its ClusterSpec."""
+    return fit_host(measure_machine(), measure_host())
+
+
+def fit_host(spec: ClusterSpec, sample: HostSample) -> ClusterSpec:
+    """Returns `spec` with the host overheads the calibration run measured (`sample`):
+    - per layer kind, the forward's time beyond the FLOP model's compute (`layer_overhead_s`);
+    - the backward's host time as multiples of the forward's: B beyond its compute (`i_overhead_ratio`)
+      and W (`w_overhead_ratio`, which in this run only hands gradients over);
+    - all of them scaled together so that the planner's pipeline time of the calibration run equals the
+      measured executor span (the executor's bookkeeping between events is spread over them);
+    - `step_overhead_s`: the wall time outside the executor beyond the optimizer's memory traffic, per
+      layer held; `base_mem_gib`: the process memory beyond what the planner counts for the run."""
     from fmoe.plan.estimate import Context, evaluate
+    from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
     from fmoe.plan.layout import Layout
     from fmoe.plan.specs import load_model
-    from fmoe.train.config import TrainConfig
 
-    tc = TrainConfig.from_sources("tiny", None, CALIBRATION_RUN)
+    tc = calibration_config()
     model = load_model("tiny")
-    lay = Layout(
-        tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=False, micro_batch=tc.micro_batch_size
+    lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+                 micro_batch=tc.micro_batch_size)
+    bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, i_overhead_ratio=0.0, w_overhead_ratio=0.0,
+                        step_overhead_s=0.0)
+    ctx = Context(model, bare, tc.world_size, tc.global_batch_size)
+    costs = {"embed": embed_cost(model), "dense": block_cost(model, False), "moe": block_cost(model, True),
+             "head": head_cost(model)}
+    counts = {"embed": 1, "dense": model.dense_layers, "moe": model.moe_layers, "head": 1}
+    compute = {k: _phases(ctx, lay, c) for k, c in costs.items()}
+    host_f = {k: max(0.0, sample.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
+    f_host = sum(host_f[k] * n for k, n in counts.items())
+    b_compute = sum((compute[k][1] + compute[k][2]) * n for k, n in counts.items())
+    i_ratio = max(0.0, sample.b_s - b_compute) / f_host if f_host else 1.0
+    w_ratio = sample.w_s / f_host if f_host else 1.0
+    hosted = bare.replace(layer_overhead_s=host_f, i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio)
+    p0 = evaluate(ctx, lay)
+    p1 = evaluate(Context(model, hosted, tc.world_size, tc.global_batch_size), lay)
+    grow = p1.times["pipeline"] - p0.times["pipeline"]
+    scale = max(0.0, sample.span_s - p0.times["pipeline"]) / grow if grow > 0 else 1.0
+    outside = sample.wall_s - sample.span_s - (p0.step_s - p0.times["pipeline"])  # beyond the modelled
+    held = model.layers + 2  # the blocks, the embedding and the head
+    return hosted.replace(
+        layer_overhead_s={k: v * scale for k, v in host_f.items()},
+        op_overhead_s=statistics.median(host_f.values()) * scale,
+        step_overhead_s=max(0.0, outside) / held,
+        base_mem_gib=max(0.0, sample.peak_gib - p1.mem_gib),
     )
-    p0 = evaluate(Context(model, spec, 1, tc.global_batch_size), lay)
-    t1 = evaluate(Context(model, spec.replace(op_overhead_s=1e-3), 1, tc.global_batch_size), lay).step_s
-    overhead = max(0.0, (measured_s - p0.step_s) / (t1 - p0.step_s) * 1e-3)
-    return spec.replace(op_overhead_s=overhead, base_mem_gib=max(0.0, peak_gib - p0.mem_gib))
+
+
+def _phases(ctx: Any, lay: Any, cost: Any) -> tuple[float, float, float]:
+    from fmoe.plan.estimate import _layer_phases
+
+    ph = _layer_phases(ctx, lay, cost)
+    return ph.f, ph.i, ph.w

@@ -26,6 +26,7 @@ class PlanError(ValueError):
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+LAYER_KINDS = ("embed", "dense", "moe", "head")  # the kinds of fmoe.plan.layer_costs.LayerCost
 
 
 def _positive_ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
@@ -159,7 +160,11 @@ class ClusterSpec:
     dimension at which a matmul reaches half of `gemm_eff` (small expert GEMMs run slower: the reason
     TP-extends-EP keeps experts whole). `hbm_bytes_per_s` times the optimizer step (memory bound).
     Links: per device, one direction, bytes/s and latency s, intra-node and inter-node.
-    `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU).
+    `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU);
+    `layer_overhead_s` overrides it per layer kind ("embed", "dense", "moe", "head") for the forward, and
+    the backward's input- and weight-gradient parts cost `i_overhead_ratio` and `w_overhead_ratio` times
+    the forward's. `step_overhead_s`: host cost per step and per layer a device holds, outside the
+    pipeline (optimizer, gradient norm and routing-state bookkeeping over each layer's tensors).
     `base_mem_gib`: memory a process holds before the model (runtime context, libraries).
     `comm_overhead_s`: fixed host cost per collective call on top of the link latency."""
 
@@ -178,6 +183,10 @@ class ClusterSpec:
     op_overhead_s: float = 0.0
     comm_overhead_s: float = 0.0
     base_mem_gib: float = 1.0
+    layer_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    i_overhead_ratio: float = 1.0
+    w_overhead_ratio: float = 1.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("devices_per_node",))
@@ -185,9 +194,19 @@ class ClusterSpec:
         _positive_reals(self, ("mem_gib", "intra_bytes_per_s", "inter_bytes_per_s", "hbm_bytes_per_s"))
         _positive_reals(
             self,
-            ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib"),
+            ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib",
+             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s"),
             allow_zero=True,
         )
+        if not isinstance(self.layer_overhead_s, dict):
+            raise PlanError(f"ClusterSpec.layer_overhead_s must map a layer kind to seconds, got "
+                            f"{self.layer_overhead_s!r}")
+        for kind, sec in self.layer_overhead_s.items():
+            ok = isinstance(sec, (int, float)) and not isinstance(sec, bool)
+            ok = ok and math.isfinite(sec) and sec >= 0
+            if kind not in LAYER_KINDS or not ok:
+                raise PlanError(f"ClusterSpec.layer_overhead_s[{kind!r}] must be a layer kind of "
+                                f"{', '.join(LAYER_KINDS)} with seconds >= 0, got {sec!r}")
         _positive_reals(self, ("gemm_eff", "attn_eff"), upper=1.0)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise PlanError(f"ClusterSpec.peak_flops must map a dtype to FLOP/s, got {self.peak_flops!r}")
@@ -205,6 +224,10 @@ class ClusterSpec:
                 f"cluster {self.name} gives no peak FLOP/s for {dtype} (has {', '.join(self.peak_flops)})"
             )
         return float(self.peak_flops[dtype])
+
+    def overhead_s(self, kind: str) -> float:
+        """Host seconds of one forward of a layer of `kind` (one of LAYER_KINDS)."""
+        return float(self.layer_overhead_s.get(kind, self.op_overhead_s))
 
     def replace(self, **changes: Any) -> ClusterSpec:
         """Returns a copy with `changes` applied (checked again)."""

@@ -1,0 +1,128 @@
+"""The `local` cluster's host-overhead calibration (fmoe/plan/local.py): the executor's event names are
+parsed into per-layer-kind forward times (checked against hand sums and against a real executor step),
+and the fitted cluster predicts the calibration run it was fitted on (the planner's own step time, an
+independent path from the fit's arithmetic).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from fmoe.plan import local as LC
+from fmoe.plan.estimate import Context, evaluate
+from fmoe.plan.layout import Layout
+from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError, load_model
+from fmoe.schedule.timeline import TraceEvent
+from fmoe.train.config import TrainConfig
+
+
+def _machine() -> ClusterSpec:
+    """A machine with no host overhead (what measure_machine returns before fit_host), fast enough that
+    the host times drawn below exceed the FLOP model's compute (as on this CPU)."""
+    return ClusterSpec(name="local", devices_per_node=2, peak_flops={"fp32": 1e12}, mem_gib=8.0,
+                       intra_bytes_per_s=3e9, inter_bytes_per_s=3e9, intra_latency_s=6e-5,
+                       inter_latency_s=6e-5, gemm_eff=1.0, attn_eff=0.2, gemm_half_dim=90,
+                       hbm_bytes_per_s=8e9, base_mem_gib=0.0)
+
+
+def _calibration_layout() -> tuple[Context, Layout]:
+    tc = LC.calibration_config()
+    lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+                 micro_batch=tc.micro_batch_size)
+    return Context(load_model("tiny"), _machine(), tc.world_size, tc.global_batch_size), lay
+
+
+def _ev(name: str, cat: str, start: float, end: float, lane: str = "compute") -> TraceEvent:
+    return TraceEvent(0, lane, name, cat, start, end)
+
+
+def test_sample_of_sums_phases_per_layer_and_kind() -> None:
+    # two microbatches; L0 dense (first_dense 1), L1 and L2 MoE with two phases each
+    events = []
+    t = 0.0
+    for mb in range(2):
+        for name, d in ((f"F embed s0 embed mb{mb}", 1.0), (f"F dense s0 L0 mb{mb}", 4.0),
+                        (f"F attention s0 L1 mb{mb}", 3.0), (f"F mlp s0 L1 mb{mb}", 2.0),
+                        (f"F attention s0 L2 mb{mb}", 5.0), (f"F mlp s0 L2 mb{mb}", 4.0),
+                        (f"F head s0 head mb{mb}", 2.0), (f"B stage s0 embed-head mb{mb}", 20.0),
+                        (f"W stage s0 embed-head mb{mb}", 1.0)):
+            events.append(_ev(name, name[0], t, t + d))
+            t += d
+    events.append(_ev("a2a dispatch-F s0 L1 mb0", "a2a", 0.5, 60.0, lane="comm"))  # not a compute event
+    sample = LC.sample_of([100.0], [events], first_dense=1, microbatches=2, peak_gib=0.5)
+    assert sample.f_s == {"embed": 1.0, "dense": 4.0, "moe": 7.0, "head": 2.0}  # MoE: (5 + 9) / 2 layers
+    assert (sample.b_s, sample.w_s) == (20.0, 1.0)
+    assert sample.span_s == pytest.approx(t) and sample.wall_s == 100.0
+
+
+def test_sample_of_reads_a_real_executor_step() -> None:
+    """The names the executor gives its events are the ones sample_of parses: every layer kind of the
+    tiny preset shows up, and the per-microbatch times add up to the events' own total."""
+    from fmoe.train.launch import _world
+    from fmoe.train.loop import Trainer
+
+    tc = TrainConfig.from_sources("tiny", None, {**LC.CALIBRATION_RUN, "dp": 1, "global_batch_size": 8})
+    trainer = Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1))
+    try:
+        wall = trainer.step()["step_s"]
+        events = trainer.last_result.events
+    finally:
+        torch.distributed.destroy_process_group()
+    sample = LC.sample_of([wall], [events], tc.first_k_dense, tc.microbatches, 0.0)
+    assert set(sample.f_s) == set(LAYER_KINDS)
+    m, dense = tc.microbatches, tc.first_k_dense
+    f_total = sum(e.end - e.start for e in events if e.cat == "F" and e.lane == "compute")
+    counted = m * (sample.f_s["embed"] + sample.f_s["head"] + dense * sample.f_s["dense"]
+                   + (tc.num_layers - dense) * sample.f_s["moe"])
+    assert counted == pytest.approx(f_total, rel=1e-9)
+    assert sample.b_s > 0 and sample.span_s <= wall
+
+
+@given(f=st.fixed_dictionaries({k: st.floats(5e-4, 5e-3) for k in LAYER_KINDS}),
+       b_share=st.floats(1.0, 3.0), w_share=st.floats(0.0, 0.5), gap=st.floats(1.0, 1.3),
+       outside=st.floats(0.0, 0.05))
+@example(f={k: 1e-3 for k in LAYER_KINDS}, b_share=1.0, w_share=0.0, gap=1.0, outside=0.0)
+def test_fit_host_predicts_its_calibration_run(f: dict[str, float], b_share: float, w_share: float,
+                                               gap: float, outside: float) -> None:
+    ctx, lay = _calibration_layout()
+    model, m = ctx.model, LC.CALIBRATION_MICROBATCHES
+    f_stage = f["embed"] + f["head"] + model.dense_layers * f["dense"] + model.moe_layers * f["moe"]
+    b, w = b_share * f_stage, w_share * f_stage
+    span = gap * m * (f_stage + b + w)
+    sample = LC.HostSample(span + outside, span, f, b, w, 0.5)
+    fitted = LC.fit_host(_machine(), sample)
+    pred = evaluate(Context(model, fitted, ctx.devices, ctx.global_batch), lay)
+    assert pred.times["pipeline"] == pytest.approx(span, rel=1e-6)
+    # the optimizer's memory traffic and the gradient reduce are modelled apart: the fit adds only the
+    # outside time beyond them
+    bare = evaluate(ctx, lay)
+    modelled = bare.step_s - bare.times["pipeline"]
+    assert pred.step_s == pytest.approx(span + max(outside, modelled), rel=1e-6)
+    assert all(fitted.overhead_s(k) >= 0 for k in LAYER_KINDS) and fitted.step_overhead_s >= 0
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"layer_overhead_s": {"mlp": 1e-3}}, "layer_overhead_s"), ({"layer_overhead_s": {"moe": -1.0}}, "moe"),
+    ({"step_overhead_s": -1e-3}, "step_overhead_s"),
+    ({"i_overhead_ratio": float("nan")}, "i_overhead_ratio")])
+def test_bad_overhead_fields(change: dict, field: str) -> None:
+    with pytest.raises(PlanError, match=field):
+        _machine().replace(**change)
+
+
+@given(step_oh=st.floats(0.0, 1e-2), extra=st.floats(1e-6, 1e-2), kind=st.sampled_from(LAYER_KINDS))
+def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, kind: str) -> None:
+    ctx, _ = _calibration_layout()
+    base = _machine().replace(step_overhead_s=step_oh, layer_overhead_s={k: 1e-3 for k in LAYER_KINDS})
+    more = base.replace(layer_overhead_s={**base.layer_overhead_s, kind: 1e-3 + extra},
+                        step_overhead_s=step_oh + extra)
+    for sched, pp, v in (("1f1b", 2, 1), ("zb_h1", 2, 1), ("interleaved", 2, 2), ("dualpipev", 2, 2)):
+        lay = Layout(tp=1, pp=pp, ep=1, dp=1, vpp=v, schedule=sched, overlap=False, micro_batch=4)
+        t0 = evaluate(Context(ctx.model, base, 2, 32), lay).step_s
+        t1 = evaluate(Context(ctx.model, more, 2, 32), lay).step_s
+        assert t1 >= t0 * (1 - 1e-9), (sched, kind)
