@@ -9,10 +9,11 @@ Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up 
 ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
 every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
 `fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
-rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from the calibration run
-(`measure_host`: the tiny preset on one process, one copy per core at once; a layout none of the measured
-ones is), which takes its turn in every round like a layout, so that both see the same drift of this
-machine's speed (up to 2x between minutes). The fit uses the median over rounds of each calibration
+rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from three calibration
+runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
+same with 2 layers, and under zb_h1; layouts none of the measured ones is), which take their turn in
+every round like a layout, so that both see the same drift of this machine's speed (up to 2x between
+minutes). The fit uses the median over rounds of each calibration
 figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
 predicted step time matches the measured one.
 """
@@ -38,7 +39,7 @@ from fmoe.plan.layout import Layout  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
-CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_host in each round
+CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_host (both runs) in each round
 # (name, TrainConfig overrides, planner schedule, vpp)
 LAYOUTS = (
     ("pp2 1f1b", {"pp": 2, "ep": 1, "dp": 1, "schedule": "1f1b"}, "1f1b", 1),
@@ -102,18 +103,21 @@ def main() -> None:
     step_times: dict[str, list[float]] = {name: [] for name in tcs}
     peaks: dict[str, list[float]] = {name: [] for name in tcs}
     samples: list[LC.HostSample] = []
+    shorts: list[LC.HostSample] = []
+    splits: list[LC.HostSample] = []
     names = [CALIBRATION, *tcs]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if name == CALIBRATION:
-                samples.append(LC.measure_host())
+                for got, into in zip(LC.measure_runs(), (samples, shorts, splits)):
+                    into.append(got)
                 continue
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
             peaks[name].append(peak)
     sample = LC.median_sample(samples)
-    cluster = LC.fit_host(machine, sample)
+    cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits))
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     spread = max(s.wall_s for s in samples) / min(s.wall_s for s in samples)
     print(f"calibration run (median of {len(samples)}): step {sample.wall_s * 1e3:.1f} ms, executor span "

@@ -83,27 +83,55 @@ def test_sample_of_reads_a_real_executor_step() -> None:
     assert sample.b_s > 0 and sample.span_s <= wall
 
 
+def _stage_sums(f: dict[str, float], layers: int, dense: int) -> float:
+    return f["embed"] + f["head"] + dense * f["dense"] + (layers - dense) * f["moe"]
+
+
 @given(f=st.fixed_dictionaries({k: st.floats(5e-4, 5e-3) for k in LAYER_KINDS}),
-       b_share=st.floats(1.0, 3.0), w_share=st.floats(0.0, 0.5), gap=st.floats(1.0, 1.3),
-       outside=st.floats(0.0, 0.05))
-@example(f={k: 1e-3 for k in LAYER_KINDS}, b_share=1.0, w_share=0.0, gap=1.0, outside=0.0)
-def test_fit_host_predicts_its_calibration_run(f: dict[str, float], b_share: float, w_share: float,
-                                               gap: float, outside: float) -> None:
+       ratio=st.floats(0.5, 3.0), per_stage=st.floats(0.0, 5e-3), w_share=st.floats(0.0, 0.5),
+       gap=st.floats(0.0, 2e-3), outside=st.floats(0.0, 0.05), i_ratio=st.floats(0.5, 3.0),
+       w_ratio=st.floats(0.0, 2.0))
+@example(f={k: 1e-3 for k in LAYER_KINDS}, ratio=1.0, per_stage=0.0, w_share=0.0, gap=0.0, outside=0.0,
+         i_ratio=1.0, w_ratio=0.0)
+def test_fit_host_recovers_a_host_model(f: dict[str, float], ratio: float, per_stage: float,
+                                        w_share: float, gap: float, outside: float, i_ratio: float,
+                                        w_ratio: float) -> None:
+    """Calibration runs generated from known host costs (a machine so fast that compute is nothing):
+    under 1f1b, B = ratio x the stage's forward + per_stage and a W event of w_share x the forward, with
+    `gap` between events per microbatch; under zb_h1, I = i_ratio x the forward + per_stage and W =
+    w_ratio x the forward. The fit recovers them, predicts the full 1f1b run it was fitted on, and
+    predicts the short run (a model it did not see whole) from them."""
     ctx, lay = _calibration_layout()
+    fast = _machine().replace(peak_flops={"fp32": 1e18})
+    ctx = Context(ctx.model, fast, ctx.devices, ctx.global_batch)
     model, m = ctx.model, LC.CALIBRATION_MICROBATCHES
-    f_stage = f["embed"] + f["head"] + model.dense_layers * f["dense"] + model.moe_layers * f["moe"]
-    b, w = b_share * f_stage, w_share * f_stage
-    span = gap * m * (f_stage + b + w)
-    sample = LC.HostSample(span + outside, span, f, b, w, 0.5)
-    fitted = LC.fit_host(_machine(), sample)
+
+    def run(layers: int) -> LC.HostSample:
+        fs = _stage_sums(f, layers, model.dense_layers)
+        b, w = ratio * fs + per_stage, w_share * fs
+        span = m * (fs + b + w + gap)
+        return LC.HostSample(span + outside, span, f, b, w, 0.5)
+
+    full, short = run(model.layers), run(LC.SHORT_LAYERS)
+    fs = _stage_sums(f, model.layers, model.dense_layers)
+    split = LC.HostSample(0.0, 0.0, f, 0.0, w_ratio * fs, 0.5, i_ratio * fs + per_stage)
+    fitted = LC.fit_host(fast, full, short, split)
+    # 1f1b's W event is part of its backward
+    assert fitted.b_overhead_ratio == pytest.approx(ratio + w_share, rel=1e-6, abs=1e-6)
+    assert fitted.i_overhead_ratio == pytest.approx(i_ratio, rel=1e-6, abs=1e-6)
+    assert fitted.w_overhead_ratio == pytest.approx(w_ratio, rel=1e-6, abs=1e-6)
+    assert fitted.stage_overhead_s == pytest.approx(per_stage + gap, rel=1e-6, abs=1e-8)
+    assert fitted.layer_overhead_s == pytest.approx(f, rel=1e-6)
     pred = evaluate(Context(model, fitted, ctx.devices, ctx.global_batch), lay)
-    assert pred.times["pipeline"] == pytest.approx(span, rel=1e-6)
+    assert pred.times["pipeline"] == pytest.approx(full.span_s, rel=1e-6)
     # the optimizer's memory traffic and the gradient reduce are modelled apart: the fit adds only the
     # outside time beyond them
     bare = evaluate(ctx, lay)
-    modelled = bare.step_s - bare.times["pipeline"]
-    assert pred.step_s == pytest.approx(span + max(outside, modelled), rel=1e-6)
-    assert all(fitted.overhead_s(k) >= 0 for k in LAYER_KINDS) and fitted.step_overhead_s >= 0
+    assert pred.step_s == pytest.approx(full.span_s + max(outside, bare.step_s - bare.times["pipeline"]),
+                                        rel=1e-6)
+    short_model = model.replace(layers=LC.SHORT_LAYERS)
+    pred_short = evaluate(Context(short_model, fitted, ctx.devices, ctx.global_batch), lay)
+    assert pred_short.times["pipeline"] == pytest.approx(short.span_s, rel=1e-6)
 
 
 @pytest.mark.parametrize("change, field", [

@@ -125,6 +125,7 @@ class _Phases:
     w: float
     recompute: float  # extra I time recompute costs
     tp_comm: float  # TP collectives in each of F and I
+    b: float  # I and W run as one B (its host cost may differ from a split I + W)
 
 
 def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
@@ -156,7 +157,9 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     i = dense + 2 * attn + expert + tp_comm + c.i_overhead_ratio * oh
     w = dense + expert + c.w_overhead_ratio * oh
     extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
-    return _Phases(f, i + extra, w, extra, tp_comm)
+    b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
+    b = dense + 2 * attn + expert + tp_comm + dense + expert + b_ratio * oh
+    return _Phases(f, i + extra, w, extra, tp_comm, b + extra)
 
 
 def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
@@ -236,8 +239,8 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     ph_emb, ph_head = _layer_phases(ctx, lay, emb), _layer_phases(ctx, lay, head)
 
     # per chunk: phases, MoE layers, parameters, activations
-    chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb = (
-        [] for _ in range(8)
+    chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb, chunk_b = (
+        [] for _ in range(9)
     )
     T = lay.micro_batch * model.seq
     b = DTYPE_BYTES[model.dtype]
@@ -262,10 +265,12 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
                 (ph_emb, emb),
                 (ph_head, head),
             )
-        f, i, w, n_moe, dp_, ep_, act, wb = memo[key]
+        f, i, w, n_moe, dp_, ep_, act, wb, b_ = memo[key]
+        # the executor's own work per stage and microbatch, whatever its layers, in the backward
+        i, b_ = i + c.stage_overhead_s, b_ + c.stage_overhead_s
         for lst, x in zip(
-            (chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb),
-            (f, i, w, n_moe, dp_, ep_, act, wb),
+            (chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb, chunk_b),
+            (f, i, w, n_moe, dp_, ep_, act, wb, b_),
         ):
             lst.append(x)
 
@@ -323,6 +328,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         f=tuple(chunk_f[k] for k in stage_chunk),
         i=tuple(chunk_i[k] for k in stage_chunk),
         w=tuple(chunk_w[k] for k in stage_chunk),
+        b=tuple(chunk_b[k] for k in stage_chunk),
         p2p=p2p,
         a2a=a2a_unit,
         moe_layers=moe_per_chunk,
@@ -400,7 +406,7 @@ def _chunk(
     load: float,
     *priced: tuple[_Phases, LayerCost],
 ) -> tuple[float, ...]:
-    """(F, I, W, MoE layers, dense params, expert params, activation bytes, W bytes) of one chunk with
+    """(F, I, W, MoE layers, dense params, expert params, activation bytes, W bytes, B) of one chunk with
     n_dense dense and n_moe MoE layers, the embedding when first, the head (and MTP) when last."""
     n_dense, n_moe, first, last = key
     (dense, moe, emb, head), b = priced, DTYPE_BYTES[model.dtype]
@@ -425,6 +431,7 @@ def _chunk(
         sum(lc.expert_params * q for _, lc, q in parts),
         act,
         wb,
+        sum(p.b * q for p, _, q in parts),
     )
 
 

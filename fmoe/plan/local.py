@@ -156,15 +156,24 @@ def _links() -> tuple[float, float, float]:
 # two independent processes do: they share the cores with each other's gloo work and wait on each other).
 CALIBRATION_RUN = {"pp": 1, "ep": 1, "schedule": "1f1b", "micro_batch_size": 4, "progress": False}
 CALIBRATION_MICROBATCHES = 8
+# Run twice: with the preset's layers and with SHORT_LAYERS (one dense, one MoE): the difference splits
+# the backward's host time into a part per layer and a part per stage and microbatch.
+SHORT_LAYERS = 2
 
 
-def calibration_config() -> Any:
-    """Returns the TrainConfig of the calibration run on this machine (dp = its cores)."""
+def calibration_config(layers: int | None = None, schedule: str = "1f1b") -> Any:
+    """Returns the TrainConfig of the calibration run on this machine (dp = its cores; `layers` blocks, by
+    default the preset's; "1f1b" runs each backward as one B, "zb_h1" as I then W)."""
     from fmoe.train.config import TrainConfig
 
     dp = os.cpu_count() or 1
-    return TrainConfig.from_sources("tiny", None, {**CALIBRATION_RUN, "dp": dp,
-                                                   "global_batch_size": 4 * CALIBRATION_MICROBATCHES * dp})
+    over = {**CALIBRATION_RUN, "dp": dp, "global_batch_size": 4 * CALIBRATION_MICROBATCHES * dp,
+            "schedule": schedule}
+    if layers is not None:
+        over["num_layers"] = layers
+    return TrainConfig.from_sources("tiny", None, over)
+
+
 _F_EVENT = re.compile(r"^F \S+ s\d+ (\S+) mb\d+$")  # the executor's forward events: F phase stage layer mb
 
 
@@ -173,8 +182,8 @@ class HostSample:
     """What the calibration run (calibration_config) measured, in seconds: `wall_s` one
     whole step, `span_s` the executor's part of it (first event start to last event end); `f_s` per layer
     kind the forward of one layer of one microbatch (the sum of its phases' events; averaged over the
-    layers of that kind); `b_s` and `w_s` the B and W of one microbatch (the whole stage); `peak_gib` the
-    process's peak resident memory."""
+    layers of that kind); `b_s`, `w_s` and `i_s` the B, W and I of one microbatch (the whole stage);
+    `peak_gib` the process's peak resident memory."""
 
     wall_s: float
     span_s: float
@@ -182,6 +191,7 @@ class HostSample:
     b_s: float
     w_s: float
     peak_gib: float
+    i_s: float = 0.0
 
 
 def _layer_kind(token: str, first_dense: int) -> str:
@@ -194,11 +204,11 @@ def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: in
               peak_gib: float) -> HostSample:
     """Returns the HostSample of measured steps: per step its wall seconds and executor events (medians
     over the steps)."""
-    spans, bs, ws, fs = [], [], [], {}
+    spans, bs, is_, ws, fs = [], [], [], [], {}
     for events in steps_events:
         spans.append(max(e.end for e in events) - min(e.start for e in events))
         per: dict[str, dict[str, float]] = {}
-        b = w = 0.0
+        b = i = w = 0.0
         for e in events:
             if e.lane != "compute":
                 continue
@@ -209,14 +219,18 @@ def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: in
                 per[kind][hit.group(1)] += e.end - e.start
             elif e.cat == "B":
                 b += e.end - e.start
+            elif e.cat == "I":
+                i += e.end - e.start
             elif e.cat == "W":
                 w += e.end - e.start
         bs.append(b / microbatches)
+        is_.append(i / microbatches)
         ws.append(w / microbatches)
         for kind, layers in per.items():
             fs.setdefault(kind, []).append(sum(layers.values()) / len(layers) / microbatches)
     med = statistics.median
-    return HostSample(med(walls), med(spans), {k: med(v) for k, v in fs.items()}, med(bs), med(ws), peak_gib)
+    return HostSample(med(walls), med(spans), {k: med(v) for k, v in fs.items()}, med(bs), med(ws), peak_gib,
+                      med(is_))
 
 
 def median_sample(samples: list[HostSample]) -> HostSample:
@@ -225,15 +239,16 @@ def median_sample(samples: list[HostSample]) -> HostSample:
     kinds = set.intersection(*(set(s.f_s) for s in samples))
     return HostSample(med(s.wall_s for s in samples), med(s.span_s for s in samples),
                       {k: med(s.f_s[k] for s in samples) for k in kinds}, med(s.b_s for s in samples),
-                      med(s.w_s for s in samples), max(s.peak_gib for s in samples))
+                      med(s.w_s for s in samples), max(s.peak_gib for s in samples),
+                      med(s.i_s for s in samples))
 
 
-def _tiny_worker(rank: int, store: str, q: Any) -> None:
+def _tiny_worker(rank: int, layers: int | None, schedule: str, store: str, q: Any) -> None:
     torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = calibration_config()
+    tc = calibration_config(layers, schedule)
     trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
     for _ in range(2):
         trainer.step()
@@ -248,16 +263,18 @@ def _tiny_worker(rank: int, store: str, q: Any) -> None:
     q.put(sample_of(walls, events, tc.first_k_dense, tc.microbatches, hwm_kib / 2**20))
 
 
-def measure_host() -> HostSample:
-    """The HostSample of the calibration run (calibration_config: `fmoe train`'s tiny preset, data
+def measure_host(layers: int | None = None, schedule: str = "1f1b") -> HostSample:
+    """The HostSample of a calibration run (calibration_config(layers, schedule): `fmoe train`'s tiny
+    preset, data
     parallel over every core, one thread per rank, through the executor); the median over the ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config().world_size
-    procs = [ctx.Process(target=_tiny_worker, args=(r, store, q), daemon=True) for r in range(world)]
+    world = calibration_config(layers, schedule).world_size
+    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, store, q), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     outs = [q.get(timeout=600) for _ in procs]
@@ -302,18 +319,28 @@ def measure_machine() -> ClusterSpec:
 
 def calibrate() -> ClusterSpec:
     """Measures this machine (see the module docstring) and returns its ClusterSpec."""
-    return fit_host(measure_machine(), measure_host())
+    return fit_host(measure_machine(), *measure_runs())
 
 
-def fit_host(spec: ClusterSpec, sample: HostSample) -> ClusterSpec:
-    """Returns `spec` with the host overheads the calibration run measured (`sample`):
-    - per layer kind, the forward's time beyond the FLOP model's compute (`layer_overhead_s`);
-    - the backward's host time as multiples of the forward's: B beyond its compute (`i_overhead_ratio`)
-      and W (`w_overhead_ratio`, which in this run only hands gradients over);
-    - all of them scaled together so that the planner's pipeline time of the calibration run equals the
-      measured executor span (the executor's bookkeeping between events is spread over them);
-    - `step_overhead_s`: the wall time outside the executor beyond the optimizer's memory traffic, per
-      layer held; `base_mem_gib`: the process memory beyond what the planner counts for the run."""
+def measure_runs() -> tuple[HostSample, HostSample, HostSample]:
+    """The three calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
+    zb_h1 with the preset's layers."""
+    return measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1")
+
+
+def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample) -> ClusterSpec:
+    """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
+    layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W):
+    - per layer kind, the forward's time beyond the FLOP model's compute (`layer_overhead_s`, from `full`);
+    - the backward: B's host time (beyond its compute) = b_overhead_ratio x the stage's forward host time
+      + a part per stage and microbatch; the two 1f1b runs give both. The time between the executor's
+      events goes to the per-stage part too (`stage_overhead_s`). The I and W of `split`, beyond their
+      compute, give i_overhead_ratio (after the same per-stage part) and w_overhead_ratio (in the 1f1b
+      runs, W only hands the gradients over and counts as part of B);
+    - all of them scaled together so that the planner's pipeline time of the `full` run equals its
+      measured executor span;
+    - `step_overhead_s`: the wall time outside the executor beyond the optimizer's memory traffic and the
+      gradient reduce, per layer held; `base_mem_gib`: the process memory beyond what the planner counts."""
     from fmoe.plan.estimate import Context, evaluate
     from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
     from fmoe.plan.layout import Layout
@@ -324,29 +351,47 @@ def fit_host(spec: ClusterSpec, sample: HostSample) -> ClusterSpec:
     lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
                  micro_batch=tc.micro_batch_size)
     bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, i_overhead_ratio=0.0, w_overhead_ratio=0.0,
-                        step_overhead_s=0.0)
+                        step_overhead_s=0.0, stage_overhead_s=0.0)
     ctx = Context(model, bare, tc.world_size, tc.global_batch_size)
     costs = {"embed": embed_cost(model), "dense": block_cost(model, False), "moe": block_cost(model, True),
              "head": head_cost(model)}
-    counts = {"embed": 1, "dense": model.dense_layers, "moe": model.moe_layers, "head": 1}
-    compute = {k: _phases(ctx, lay, c) for k, c in costs.items()}
-    host_f = {k: max(0.0, sample.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
-    f_host = sum(host_f[k] * n for k, n in counts.items())
-    b_compute = sum((compute[k][1] + compute[k][2]) * n for k, n in counts.items())
-    i_ratio = max(0.0, sample.b_s - b_compute) / f_host if f_host else 1.0
-    w_ratio = sample.w_s / f_host if f_host else 1.0
-    hosted = bare.replace(layer_overhead_s=host_f, i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio)
+    compute = {k: _phases(ctx, lay, c) for k, c in costs.items()}  # (F, I, W) per layer, no overhead
+    host_f = {k: max(0.0, full.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
+    m = CALIBRATION_MICROBATCHES
+
+    def per_microbatch(sample: HostSample, layers: int) -> tuple[float, float, float]:
+        """(forward host, backward host, time between events) of one microbatch of the run."""
+        n = {"embed": 1, "dense": model.dense_layers, "moe": layers - model.dense_layers, "head": 1}
+        f_host = sum(host_f[k] * c for k, c in n.items())
+        # B and the W event after it (which hands the gradients over) make one backward here
+        b_host = sample.b_s + sample.w_s - sum((compute[k][1] + compute[k][2]) * c for k, c in n.items())
+        events = sum(sample.f_s.get(k, 0.0) * c for k, c in n.items()) + sample.b_s + sample.w_s
+        return f_host, b_host, sample.span_s / m - events
+
+    f4, b4, gap4 = per_microbatch(full, model.layers)
+    f2, b2, gap2 = per_microbatch(short, SHORT_LAYERS)
+    b_ratio = max(0.0, (b4 - b2) / (f4 - f2)) if f4 > f2 else max(0.0, b4) / f4 if f4 else 1.0
+    b_stage = max(0.0, b4 - b_ratio * f4)
+    stage = b_stage + max(0.0, statistics.median((gap4, gap2)))
+    n = {"embed": 1, "dense": model.dense_layers, "moe": model.moe_layers, "head": 1}
+    i_host = split.i_s - sum(compute[k][1] * c for k, c in n.items())
+    w_host = split.w_s - sum(compute[k][2] * c for k, c in n.items())
+    i_ratio = max(0.0, i_host - b_stage) / f4 if f4 else 1.0
+    w_ratio = max(0.0, w_host) / f4 if f4 else 1.0
+    hosted = bare.replace(layer_overhead_s=host_f, i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio,
+                          b_overhead_ratio=b_ratio, stage_overhead_s=stage)
     p0 = evaluate(ctx, lay)
     p1 = evaluate(Context(model, hosted, tc.world_size, tc.global_batch_size), lay)
     grow = p1.times["pipeline"] - p0.times["pipeline"]
-    scale = max(0.0, sample.span_s - p0.times["pipeline"]) / grow if grow > 0 else 1.0
-    outside = sample.wall_s - sample.span_s - (p0.step_s - p0.times["pipeline"])  # beyond the modelled
+    scale = max(0.0, full.span_s - p0.times["pipeline"]) / grow if grow > 0 else 1.0
+    outside = full.wall_s - full.span_s - (p0.step_s - p0.times["pipeline"])  # beyond the modelled
     held = model.layers + 2  # the blocks, the embedding and the head
     return hosted.replace(
         layer_overhead_s={k: v * scale for k, v in host_f.items()},
         op_overhead_s=statistics.median(host_f.values()) * scale,
+        stage_overhead_s=stage * scale,
         step_overhead_s=max(0.0, outside) / held,
-        base_mem_gib=max(0.0, sample.peak_gib - p1.mem_gib),
+        base_mem_gib=max(0.0, full.peak_gib - p1.mem_gib),
     )
 
 

@@ -160,11 +160,14 @@ class ClusterSpec:
     dimension at which a matmul reaches half of `gemm_eff` (small expert GEMMs run slower: the reason
     TP-extends-EP keeps experts whole). `hbm_bytes_per_s` times the optimizer step (memory bound).
     Links: per device, one direction, bytes/s and latency s, intra-node and inter-node.
-    `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU);
-    `layer_overhead_s` overrides it per layer kind ("embed", "dense", "moe", "head") for the forward, and
-    the backward's input- and weight-gradient parts cost `i_overhead_ratio` and `w_overhead_ratio` times
-    the forward's. `step_overhead_s`: host cost per step and per layer a device holds, outside the
-    pipeline (optimizer, gradient norm and routing-state bookkeeping over each layer's tensors).
+    `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU).
+    `layer_overhead_s` overrides it per layer kind ("embed", "dense", "moe", "head") for the forward. The
+    backward's input- and weight-gradient parts run apart (I, then W later) cost `i_overhead_ratio` and
+    `w_overhead_ratio` times the forward's; run as one B, `b_overhead_ratio` times (None: the sum).
+    `stage_overhead_s`: host cost per stage and microbatch on top (a pipeline runtime's bookkeeping:
+    receives, closures, gradient sums), charged to the stage's backward. `step_overhead_s`: host cost
+    per step and per layer a device holds, outside the pipeline (optimizer, gradient norm and
+    routing-state bookkeeping over each layer's tensors).
     `base_mem_gib`: memory a process holds before the model (runtime context, libraries).
     `comm_overhead_s`: fixed host cost per collective call on top of the link latency."""
 
@@ -187,6 +190,8 @@ class ClusterSpec:
     i_overhead_ratio: float = 1.0
     w_overhead_ratio: float = 1.0
     step_overhead_s: float = 0.0
+    stage_overhead_s: float = 0.0
+    b_overhead_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("devices_per_node",))
@@ -195,9 +200,11 @@ class ClusterSpec:
         _positive_reals(
             self,
             ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib",
-             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s"),
+             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s"),
             allow_zero=True,
         )
+        if self.b_overhead_ratio is not None:
+            _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
         if not isinstance(self.layer_overhead_s, dict):
             raise PlanError(f"ClusterSpec.layer_overhead_s must map a layer kind to seconds, got "
                             f"{self.layer_overhead_s!r}")
