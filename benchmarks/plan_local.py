@@ -11,7 +11,8 @@ every layout once, in an order rotated by one each round; medians over all measu
 `fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
 rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from three calibration
 runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
-same with 2 layers, and under zb_h1; layouts none of the measured ones is), which take their turn in
+same with 2 layers, under zb_h1, and expert-parallel under 1f1b without overlap; layouts none of the
+measured ones is), which take their turn in
 every round like a layout, so that both see the same drift of this machine's speed (up to 2x between
 minutes). The fit uses the median over rounds of each calibration
 figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
@@ -105,19 +106,21 @@ def main() -> None:
     samples: list[LC.HostSample] = []
     shorts: list[LC.HostSample] = []
     splits: list[LC.HostSample] = []
+    experts: list[LC.HostSample] = []
     names = [CALIBRATION, *tcs]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if name == CALIBRATION:
-                for got, into in zip(LC.measure_runs(), (samples, shorts, splits)):
+                for got, into in zip(LC.measure_runs(), (samples, shorts, splits, experts)):
                     into.append(got)
                 continue
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
             peaks[name].append(peak)
     sample = LC.median_sample(samples)
-    cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits))
+    cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits),
+                          LC.median_sample(experts))
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     spread = max(s.wall_s for s in samples) / min(s.wall_s for s in samples)
     print(f"calibration run (median of {len(samples)}): step {sample.wall_s * 1e3:.1f} ms, executor span "

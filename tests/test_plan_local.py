@@ -154,3 +154,32 @@ def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, 
         t0 = evaluate(Context(ctx.model, base, 2, 32), lay).step_s
         t1 = evaluate(Context(ctx.model, more, 2, 32), lay).step_s
         assert t1 >= t0 * (1 - 1e-9), (sched, kind)
+
+
+@given(slower=st.floats(1.0, 3.0))
+@example(slower=1.0)
+def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
+    """An expert-parallel calibration run `slower` x what the planner predicts from the data-parallel
+    runs alone: the fitted "moe_ep" overhead makes the planner predict that run's span, and moves no
+    layout without expert parallelism."""
+    ctx, lay = _calibration_layout()
+    f = {k: 1e-3 for k in LAYER_KINDS}
+    fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
+    m = LC.CALIBRATION_MICROBATCHES
+    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
+    short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
+    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
+    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    dense_only = LC.fit_host(_machine(), full, short, split)
+    tc = LC.calibration_config(ep=True)
+    ep_lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
+                    micro_batch=tc.micro_batch_size)
+    ep_ctx = Context(ctx.model, dense_only, tc.world_size, tc.global_batch_size)
+    span = slower * evaluate(ep_ctx, ep_lay).times["pipeline"]
+    fitted = LC.fit_host(_machine(), full, short, split, LC.HostSample(span, span, f, 0.0, 0.0, 0.5))
+    got = evaluate(Context(ctx.model, fitted, tc.world_size, tc.global_batch_size), ep_lay)
+    assert got.times["pipeline"] == pytest.approx(span, rel=1e-6)
+    assert fitted.overhead_s("moe", True) >= dense_only.overhead_s("moe", True) * (1 - 1e-9)
+    no_ep = [evaluate(Context(ctx.model, c, ctx.devices, ctx.global_batch), lay).step_s
+             for c in (fitted, dense_only)]
+    assert no_ep[0] == pytest.approx(no_ep[1])

@@ -161,14 +161,15 @@ CALIBRATION_MICROBATCHES = 8
 SHORT_LAYERS = 2
 
 
-def calibration_config(layers: int | None = None, schedule: str = "1f1b") -> Any:
-    """Returns the TrainConfig of the calibration run on this machine (dp = its cores; `layers` blocks, by
-    default the preset's; "1f1b" runs each backward as one B, "zb_h1" as I then W)."""
+def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bool = False) -> Any:
+    """Returns the TrainConfig of a calibration run on this machine: data parallel over its cores (with
+    `ep`: expert parallel over them instead, fb overlap off), `layers` blocks (by default the preset's),
+    `schedule` "1f1b" (each backward one B) or "zb_h1" (I then W)."""
     from fmoe.train.config import TrainConfig
 
-    dp = os.cpu_count() or 1
-    over = {**CALIBRATION_RUN, "dp": dp, "global_batch_size": 4 * CALIBRATION_MICROBATCHES * dp,
-            "schedule": schedule}
+    n = os.cpu_count() or 1
+    over = {**CALIBRATION_RUN, "dp": 1 if ep else n, "ep": n if ep else 1, "overlap": not ep,
+            "global_batch_size": 4 * CALIBRATION_MICROBATCHES * n, "schedule": schedule}
     if layers is not None:
         over["num_layers"] = layers
     return TrainConfig.from_sources("tiny", None, over)
@@ -243,12 +244,12 @@ def median_sample(samples: list[HostSample]) -> HostSample:
                       med(s.i_s for s in samples))
 
 
-def _tiny_worker(rank: int, layers: int | None, schedule: str, store: str, q: Any) -> None:
+def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, store: str, q: Any) -> None:
     torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = calibration_config(layers, schedule)
+    tc = calibration_config(layers, schedule, ep)
     trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
     for _ in range(2):
         trainer.step()
@@ -263,8 +264,8 @@ def _tiny_worker(rank: int, layers: int | None, schedule: str, store: str, q: An
     q.put(sample_of(walls, events, tc.first_k_dense, tc.microbatches, hwm_kib / 2**20))
 
 
-def measure_host(layers: int | None = None, schedule: str = "1f1b") -> HostSample:
-    """The HostSample of a calibration run (calibration_config(layers, schedule): `fmoe train`'s tiny
+def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False) -> HostSample:
+    """The HostSample of a calibration run (calibration_config(layers, schedule, ep): `fmoe train`'s tiny
     preset, data
     parallel over every core, one thread per rank, through the executor); the median over the ranks."""
     import torch.multiprocessing as mp
@@ -272,8 +273,8 @@ def measure_host(layers: int | None = None, schedule: str = "1f1b") -> HostSampl
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config(layers, schedule).world_size
-    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, store, q), daemon=True)
+    world = calibration_config(layers, schedule, ep).world_size
+    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, store, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -322,15 +323,18 @@ def calibrate() -> ClusterSpec:
     return fit_host(measure_machine(), *measure_runs())
 
 
-def measure_runs() -> tuple[HostSample, HostSample, HostSample]:
-    """The three calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
-    zb_h1 with the preset's layers."""
-    return measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1")
+def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample]:
+    """The four calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
+    zb_h1 with the preset's layers, and 1f1b expert parallel."""
+    return (measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1"),
+            measure_host(None, "1f1b", ep=True))
 
 
-def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample) -> ClusterSpec:
+def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
+             expert: HostSample | None = None) -> ClusterSpec:
     """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
-    layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W):
+    layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W,
+    `expert`: 1f1b expert parallel over the cores):
     - per layer kind, the forward's time beyond the FLOP model's compute (`layer_overhead_s`, from `full`);
     - the backward: B's host time (beyond its compute) = b_overhead_ratio x the stage's forward host time
       + a part per stage and microbatch; the two 1f1b runs give both. The time between the executor's
@@ -340,7 +344,10 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     - all of them scaled together so that the planner's pipeline time of the `full` run equals its
       measured executor span;
     - `step_overhead_s`: the wall time outside the executor beyond the optimizer's memory traffic and the
-      gradient reduce, per layer held; `base_mem_gib`: the process memory beyond what the planner counts."""
+      gradient reduce, per layer held; `base_mem_gib`: the process memory beyond what the planner counts;
+    - with `expert`: the "moe_ep" forward host time of an expert-parallel MoE layer, such that the
+      planner's pipeline time of that run equals its span (the all-to-alls' host work and waits, and the
+      runtime's phase-by-phase execution, all go into it)."""
     from fmoe.plan.estimate import Context, evaluate
     from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
     from fmoe.plan.layout import Layout
@@ -386,13 +393,33 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     scale = max(0.0, full.span_s - p0.times["pipeline"]) / grow if grow > 0 else 1.0
     outside = full.wall_s - full.span_s - (p0.step_s - p0.times["pipeline"])  # beyond the modelled
     held = model.layers + 2  # the blocks, the embedding and the head
-    return hosted.replace(
+    fitted = hosted.replace(
         layer_overhead_s={k: v * scale for k, v in host_f.items()},
         op_overhead_s=statistics.median(host_f.values()) * scale,
         stage_overhead_s=stage * scale,
         step_overhead_s=max(0.0, outside) / held,
         base_mem_gib=max(0.0, full.peak_gib - p1.mem_gib),
     )
+    return fitted if expert is None else _fit_expert(fitted, model, expert)
+
+
+def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpec:
+    """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span (the
+    planner's pipeline time is linear in it)."""
+    from fmoe.plan.estimate import Context, evaluate
+    from fmoe.plan.layout import Layout
+
+    tc = calibration_config(ep=True)
+    lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
+                 micro_batch=tc.micro_batch_size)
+
+    def pipeline(x: float) -> float:
+        c = spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
+        return evaluate(Context(model, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
+
+    t0, t1 = pipeline(0.0), pipeline(1e-3)
+    x = max(0.0, (expert.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else spec.overhead_s("moe")
+    return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
 
 
 def _phases(ctx: Any, lay: Any, cost: Any) -> tuple[float, float, float]:

@@ -27,6 +27,9 @@ class PlanError(ValueError):
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LAYER_KINDS = ("embed", "dense", "moe", "head")  # the kinds of fmoe.plan.layer_costs.LayerCost
+# host overheads are priced per layer kind, and apart for an MoE layer whose exchange leaves the device
+# (expert parallel: the runtime runs its phases one by one around the all-to-all)
+OVERHEAD_KINDS = (*LAYER_KINDS, "moe_ep")
 
 
 def _positive_ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
@@ -161,7 +164,7 @@ class ClusterSpec:
     TP-extends-EP keeps experts whole). `hbm_bytes_per_s` times the optimizer step (memory bound).
     Links: per device, one direction, bytes/s and latency s, intra-node and inter-node.
     `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU).
-    `layer_overhead_s` overrides it per layer kind ("embed", "dense", "moe", "head") for the forward. The
+    `layer_overhead_s` overrides it per layer kind (OVERHEAD_KINDS) for the forward. The
     backward's input- and weight-gradient parts run apart (I, then W later) cost `i_overhead_ratio` and
     `w_overhead_ratio` times the forward's; run as one B, `b_overhead_ratio` times (None: the sum).
     `stage_overhead_s`: host cost per stage and microbatch on top (a pipeline runtime's bookkeeping:
@@ -211,9 +214,9 @@ class ClusterSpec:
         for kind, sec in self.layer_overhead_s.items():
             ok = isinstance(sec, (int, float)) and not isinstance(sec, bool)
             ok = ok and math.isfinite(sec) and sec >= 0
-            if kind not in LAYER_KINDS or not ok:
+            if kind not in OVERHEAD_KINDS or not ok:
                 raise PlanError(f"ClusterSpec.layer_overhead_s[{kind!r}] must be a layer kind of "
-                                f"{', '.join(LAYER_KINDS)} with seconds >= 0, got {sec!r}")
+                                f"{', '.join(OVERHEAD_KINDS)} with seconds >= 0, got {sec!r}")
         _positive_reals(self, ("gemm_eff", "attn_eff"), upper=1.0)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise PlanError(f"ClusterSpec.peak_flops must map a dtype to FLOP/s, got {self.peak_flops!r}")
@@ -232,8 +235,11 @@ class ClusterSpec:
             )
         return float(self.peak_flops[dtype])
 
-    def overhead_s(self, kind: str) -> float:
-        """Host seconds of one forward of a layer of `kind` (one of LAYER_KINDS)."""
+    def overhead_s(self, kind: str, expert_parallel: bool = False) -> float:
+        """Host seconds of one forward of a layer of `kind` (one of LAYER_KINDS); an MoE layer with
+        `expert_parallel` takes the "moe_ep" figure where the cluster gives one."""
+        if kind == "moe" and expert_parallel and "moe_ep" in self.layer_overhead_s:
+            kind = "moe_ep"
         return float(self.layer_overhead_s.get(kind, self.op_overhead_s))
 
     def replace(self, **changes: Any) -> ClusterSpec:
