@@ -102,6 +102,7 @@ def main() -> None:
         name: TrainConfig.from_sources(args.preset, None, {**base, **over}) for name, over, _, _ in LAYOUTS
     }
     step_times: dict[str, list[float]] = {name: [] for name in tcs}
+    round_medians: dict[str, list[float]] = {name: [] for name in tcs}
     peaks: dict[str, list[float]] = {name: [] for name in tcs}
     samples: list[LC.HostSample] = []
     shorts: list[LC.HostSample] = []
@@ -117,6 +118,7 @@ def main() -> None:
                 continue
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
+            round_medians[name].append(statistics.median(per_step[2:]))
             peaks[name].append(peak)
     sample = LC.median_sample(samples)
     cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits),
@@ -145,12 +147,14 @@ def main() -> None:
         pred = E.fastest_fitting(ctx, lay)
         rows.append((name, pred.step_s, statistics.median(step_times[name]), pred.mem_gib, max(peaks[name])))
     print(
-        f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'pred GiB':>9} "
-        f"{'meas GiB':>9} {'ratio':>6}"
+        f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'rounds max/min':>14} "
+        f"{'pred GiB':>9} {'meas GiB':>9} {'ratio':>6}"
     )
     for name, ps, ms, pm, mm in rows:
+        rm = round_medians[name]
         print(
-            f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {pm:9.3f} {mm:9.3f} {pm / mm:6.3f}"
+            f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {max(rm) / min(rm):14.2f} "
+            f"{pm:9.3f} {mm:9.3f} {pm / mm:6.3f}"
         )
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
@@ -158,6 +162,10 @@ def main() -> None:
     within_m = sum(abs(r[3] / r[4] - 1) <= 0.15 for r in rows)
     print(f"step time within 10%: {within_t}/{len(rows)}; peak memory within 15%: {within_m}/{len(rows)}")
     print(f"ranking predicted: {by_pred}\nranking measured:  {by_meas}\nsame ranking: {by_pred == by_meas}")
+    # the pairs the measurement itself separates (medians more than 10% apart): ordered alike?
+    apart = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :] if abs(a[2] / b[2] - 1) > 0.10]
+    alike = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in apart)
+    print(f"pairs measured more than 10% apart: {len(apart)}, ordered alike by the prediction: {alike}")
 
 
 if __name__ == "__main__":
