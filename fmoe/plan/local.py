@@ -49,7 +49,7 @@ def _key() -> str:
 
 def local_cluster(recalibrate: bool = False) -> ClusterSpec:
     """Returns this machine's ClusterSpec, from the cache or (first use, or `recalibrate`) measured now
-    (about half a minute)."""
+    (a minute or two)."""
     path = _cache_path()
     if not recalibrate and path.is_file():
         data = json.loads(path.read_text())
