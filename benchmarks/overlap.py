@@ -33,10 +33,12 @@ Per configuration, one set of processes:
    modelled completion (fmoe/parallel/phased.py Chain.wait: the trailing step of a chain issues nothing and
    resets completed_at to the wait's return), which overstates a hidden exchange's length;
 3. the simulator: fmoe.schedule.simulate on Costs calibrated on the same run's overlap-on steps: f, i, w
-   per stage (medians over microbatches of the summed F / I (+ B's dx) / W compute events of one
-   (stage, microbatch)), a2a = the median modelled dispatch / combine time, moe_layers = MoE layers per
-   stage, attn_frac = the measured non-expert share of compute, lone_hide = the measured lone hidden share
-   of dispatch + combine ("model" spans), pair_overlap=True, p2p = a measured gloo one-way send;
+   per stage (means over microbatches of the summed F / I (+ B's dx) / W compute events of one
+   (stage, microbatch), stretched by the rank's compute-lane gaps: the executor's work between events
+   is time the rank spends on each op too), a2a = the median modelled dispatch / combine time,
+   moe_layers = MoE layers per stage, attn_frac = the measured non-expert share of compute,
+   lone_hide = the measured lone hidden share of dispatch + combine ("model" spans), pair_overlap=True,
+   p2p = a measured gloo one-way send;
    predicted makespan next to the measured step time (median over rounds of per-round ratios).
 A second set of processes (same link model) measures memory: glibc malloc set to mmap every block >=
 64 KiB (freed tensors go back to the OS at once); per rank and mode, after one warm-up step in that mode,
@@ -465,16 +467,20 @@ def pair_tails(s: S.Schedule, step_events: list[list[TraceEvent]]) -> dict[str, 
 
 def calibrated_costs(s: S.Schedule, rep: list[dict], p2p: float, moe_layers: int, a2a: float,
                      lone_hide: float, attn_frac: float) -> S.Costs:
-    """Costs with per-stage F, I, W: medians over microbatches of one round's events, and the overlap
+    """Costs with per-stage F, I, W: means over microbatches of one round's events (a makespan is a sum
+    of op times, which means predict), each stretched by its rank's compute-lane gaps (the executor's own
+    work between events: receive posting, bookkeeping) in proportion to its time; and the overlap
     fields."""
     samples: dict[tuple[str, int], list[float]] = {}
-    for rank_stats in rep:
+    stretch: dict[int, float] = {}
+    for rank, rank_stats in enumerate(rep):
+        stretch[rank] = 1.0 + rank_stats["gap"] / rank_stats["busy"] if rank_stats["busy"] else 1.0
         for (kind, st, _mb), t in rank_stats["phase"].items():
             samples.setdefault((kind, st), []).append(t)
 
     def per_stage(kind: str) -> tuple[float, ...]:
-        return tuple(statistics.median(samples[(kind, st)]) if (kind, st) in samples else 0.0
-                     for st in range(s.placement.num_stages))
+        return tuple(statistics.fmean(samples[(kind, st)]) * stretch.get(s.placement.stage_rank[st], 1.0)
+                     if (kind, st) in samples else 0.0 for st in range(s.placement.num_stages))
 
     return S.Costs(f=per_stage("F"), i=per_stage("I"), w=per_stage("W"), p2p=p2p, a2a=a2a,
                    moe_layers=moe_layers, attn_frac=attn_frac, lone_hide=lone_hide, pair_overlap=True)
