@@ -506,6 +506,20 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_why_names_what_tells_two_layouts_apart() -> None:
+    """Two candidates that differ only in fb overlap: the line says which has it, and a step-time
+    difference under Q.TIE is a tie, not a win."""
+    ctx = E.Context(toy_model(), toy_cluster(mem_gib=80.0), 2, 32)
+    on, off = (E.evaluate(ctx, L.Layout(tp=1, pp=2, ep=1, dp=1, vpp=2, schedule="dualpipev", overlap=ov,
+                                        micro_batch=4)) for ov in (True, False))
+    line = Q.why(on, off)
+    assert "dualpipev with fb overlap" in line and "dualpipev without fb overlap" in line
+    tie = dataclasses.replace(off, step_s=on.step_s * (1 + Q.TIE / 2))
+    assert " ties with " in Q.why(on, tie) and " beats " not in Q.why(on, tie)
+    far = dataclasses.replace(off, step_s=on.step_s * (1 + 4 * Q.TIE))
+    assert " beats " in Q.why(on, far)
+
+
 # ---- 8. a big request ---------------------------------------------------------------------------------
 
 

@@ -110,16 +110,35 @@ def _parts(p: Prediction) -> dict[str, float]:
     }
 
 
+TIE = 0.005  # step times closer than this share are a tie: "ties with", not "beats"
+
+
+def _names(first: Prediction, second: Prediction) -> tuple[str, str]:
+    """The two layouts' names, with the options that tell them apart (fb overlap, recompute)."""
+    def name(p: Prediction, other: Prediction) -> str:
+        lay, o = p.layout, other.layout
+        text = f"{lay.label()} {lay.schedule}"
+        if lay.overlap != o.overlap:
+            text += " with fb overlap" if lay.overlap else " without fb overlap"
+        if lay.recompute != o.recompute:
+            text += f" recompute {lay.recompute}"
+        return text
+
+    return name(first, second), name(second, first)
+
+
 def why(first: Prediction, second: Prediction) -> str:
-    """One line on why `first` beats `second`: the parts of the step that differ most."""
+    """One line on why `first` beats `second` (or ties with it, within TIE): the parts of the step that
+    differ most."""
     a, b = _parts(first), _parts(second)
     diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
     gain = second.step_s - first.step_s
     main = [f"{k} {a[k]:.3g} s vs {b[k]:.3g} s" for d, k in diffs if d > 0.05 * max(gain, 1e-12)][:2]
     lost = [f"{k} +{-d:.3g} s" for d, k in diffs if d < -0.05 * max(gain, 1e-12)][:1]
+    one, two = _names(first, second)
+    verb = "ties with" if gain <= TIE * second.step_s else "beats"
     text = (
-        f"{first.layout.label()} {first.layout.schedule} beats {second.layout.label()} "
-        f"{second.layout.schedule} by {gain:.3g} s/step ({100 * gain / second.step_s:.1f}%): "
+        f"{one} {verb} {two} by {gain:.3g} s/step ({100 * gain / second.step_s:.1f}%): "
         + (", ".join(main) if main else "about equal in every part")
     )
     if lost:
