@@ -197,5 +197,7 @@ def candidates(
                     for overlap in (True, False):
                         if name == "combined_1f1b" and not overlap:
                             continue  # that is plain 1f1b
+                        if overlap and group == 1:
+                            continue  # no all-to-all leaves the device: nothing to hide, same as off
                         lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", extends, hier, cap, zero1)
                         yield lay, problem(model, cluster, devices, lay, global_batch)

@@ -114,14 +114,13 @@ TIE = 0.005  # step times closer than this share are a tie: "ties with", not "be
 
 
 def _names(first: Prediction, second: Prediction) -> tuple[str, str]:
-    """The two layouts' names, with the options that tell them apart (fb overlap, recompute)."""
+    """The two layouts' names (label and schedule), with fb overlap where that tells them apart (the
+    label has every other option)."""
     def name(p: Prediction, other: Prediction) -> str:
-        lay, o = p.layout, other.layout
+        lay = p.layout
         text = f"{lay.label()} {lay.schedule}"
-        if lay.overlap != o.overlap:
+        if lay.overlap != other.layout.overlap:
             text += " with fb overlap" if lay.overlap else " without fb overlap"
-        if lay.recompute != o.recompute:
-            text += f" recompute {lay.recompute}"
         return text
 
     return name(first, second), name(second, first)
@@ -143,7 +142,7 @@ def why(first: Prediction, second: Prediction) -> str:
     )
     if lost:
         text += f"; it pays {', '.join(lost)}"
-    if first.mem_gib < second.mem_gib:
+    if second.mem_gib - first.mem_gib >= 0.05:  # what the line's one decimal can show
         text += f"; and needs {second.mem_gib - first.mem_gib:.1f} GiB less per device"
     return text
 
