@@ -152,8 +152,8 @@ def _links() -> tuple[float, float, float]:
 
 
 # The tiny preset data-parallel over every core, 8 microbatches per rank through the executor: ranks of one
-# job, as the layouts the planner predicts run (two ranks of one job run their ops up to 30% slower than
-# two independent processes do: they share the cores with each other's gloo work and wait on each other).
+# job, as the layouts the planner predicts run (measured here: two ranks of one job ran their ops up to 30%
+# slower than two independent processes did; their gloo work shares the same cores).
 CALIBRATION_RUN = {"pp": 1, "ep": 1, "schedule": "1f1b", "micro_batch_size": 4, "progress": False}
 CALIBRATION_MICROBATCHES = 8
 # Run twice: with the preset's layers and with SHORT_LAYERS (one dense, one MoE): the difference splits
