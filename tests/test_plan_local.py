@@ -183,3 +183,23 @@ def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
     no_ep = [evaluate(Context(ctx.model, c, ctx.devices, ctx.global_batch), lay).step_s
              for c in (fitted, dense_only)]
     assert no_ep[0] == pytest.approx(no_ep[1])
+
+
+@given(b_ratio=st.floats(0.0, 3.0), i_ratio=st.floats(0.0, 3.0), w_ratio=st.floats(0.0, 1.0))
+def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, w_ratio: float) -> None:
+    """1f1b runs every backward as one B, zb_h1 as I then W: b_overhead_ratio moves only the first, the I
+    and W ratios only the second."""
+    ctx, _ = _calibration_layout()
+    base = _machine().replace(layer_overhead_s={k: 1e-3 for k in LAYER_KINDS}, b_overhead_ratio=1.0,
+                              i_overhead_ratio=1.0, w_overhead_ratio=0.2)
+
+    def step(c: ClusterSpec, sched: str) -> float:
+        lay = Layout(tp=1, pp=2, ep=1, dp=1, vpp=1, schedule=sched, overlap=False, micro_batch=4)
+        return evaluate(Context(ctx.model, c, 2, 32), lay).step_s
+
+    b_moved = base.replace(b_overhead_ratio=b_ratio)
+    split_moved = base.replace(i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio)
+    assert step(split_moved, "1f1b") == pytest.approx(step(base, "1f1b"), rel=1e-12)
+    assert step(b_moved, "zb_h1") == pytest.approx(step(base, "zb_h1"), rel=1e-12)
+    if abs(b_ratio - 1.0) > 1e-6:  # a dearer B makes 1f1b slower, a cheaper one faster
+        assert (step(b_moved, "1f1b") > step(base, "1f1b")) == (b_ratio > 1.0)
