@@ -9,13 +9,12 @@ Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up 
 ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
 every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
 `fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
-rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from three calibration
+rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from four calibration
 runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
 same with 2 layers, under zb_h1, and expert-parallel under 1f1b without overlap; layouts none of the
-measured ones is), which take their turn in
-every round like a layout, so that both see the same drift of this machine's speed (up to 2x between
-minutes). The fit uses the median over rounds of each calibration
-figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
+measured ones is), which take their turn in every round like a layout, so that both see the same drift
+of this machine's speed (up to 2x between minutes). The fit uses the median over rounds of each
+calibration figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
 predicted step time matches the measured one.
 """
 
@@ -40,7 +39,7 @@ from fmoe.plan.layout import Layout  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
-CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_host (both runs) in each round
+CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_runs (all four) in each round
 # (name, TrainConfig overrides, planner schedule, vpp)
 LAYOUTS = (
     ("pp2 1f1b", {"pp": 2, "ep": 1, "dp": 1, "schedule": "1f1b"}, "1f1b", 1),

@@ -154,11 +154,12 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
         tp_comm = n * _collective_s(c, nbytes, True, tp - 1)
     oh = c.overhead_s(cost.kind, lay.expert_group > 1)
     f = dense + attn + expert + tp_comm + oh
-    i = dense + 2 * attn + expert + tp_comm + c.i_overhead_ratio * oh
-    w = dense + expert + c.w_overhead_ratio * oh
+    i_compute, w_compute = dense + 2 * attn + expert + tp_comm, dense + expert
+    i = i_compute + c.i_overhead_ratio * oh
+    w = w_compute + c.w_overhead_ratio * oh
     extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
-    b = dense + 2 * attn + expert + tp_comm + dense + expert + b_ratio * oh
+    b = i_compute + w_compute + b_ratio * oh
     return _Phases(f, i + extra, w, extra, tp_comm, b + extra)
 
 

@@ -9,10 +9,10 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 8 B and 4 MiB; one
   machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s);
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
-  every core (one thread per rank, 8 microbatches each; `calibration_config`): per layer kind, its
-  forward events beyond the FLOP model's compute;
-  the backward's as multiples of that; the wall time outside the executor per layer held; and the
-  memory beyond what the planner counts (base_mem_gib).
+  every core (one thread per rank, 8 microbatches each; `calibration_config`; four runs, see
+  `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute; the backward's
+  as multiples of that plus a part per stage; the wall time outside the executor per layer held; and
+  the memory beyond what the planner counts (base_mem_gib).
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
 overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
 rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
@@ -266,8 +266,7 @@ def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, store: 
 
 def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False) -> HostSample:
     """The HostSample of a calibration run (calibration_config(layers, schedule, ep): `fmoe train`'s tiny
-    preset, data
-    parallel over every core, one thread per rank, through the executor); the median over the ranks."""
+    preset over every core, one thread per rank, through the executor); the median over the ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -358,7 +357,7 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
                  micro_batch=tc.micro_batch_size)
     bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, i_overhead_ratio=0.0, w_overhead_ratio=0.0,
-                        step_overhead_s=0.0, stage_overhead_s=0.0)
+                        b_overhead_ratio=None, step_overhead_s=0.0, stage_overhead_s=0.0)
     ctx = Context(model, bare, tc.world_size, tc.global_batch_size)
     costs = {"embed": embed_cost(model), "dense": block_cost(model, False), "moe": block_cost(model, True),
              "head": head_cost(model)}
@@ -366,9 +365,13 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     host_f = {k: max(0.0, full.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
     m = CALIBRATION_MICROBATCHES
 
+    def counts(layers: int) -> dict[str, int]:
+        """Layers of each kind in a run with `layers` blocks."""
+        return {"embed": 1, "dense": model.dense_layers, "moe": layers - model.dense_layers, "head": 1}
+
     def per_microbatch(sample: HostSample, layers: int) -> tuple[float, float, float]:
         """(forward host, backward host, time between events) of one microbatch of the run."""
-        n = {"embed": 1, "dense": model.dense_layers, "moe": layers - model.dense_layers, "head": 1}
+        n = counts(layers)
         f_host = sum(host_f[k] * c for k, c in n.items())
         # B and the W event after it (which hands the gradients over) make one backward here
         b_host = sample.b_s + sample.w_s - sum((compute[k][1] + compute[k][2]) * c for k, c in n.items())
@@ -380,7 +383,7 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     b_ratio = max(0.0, (b4 - b2) / (f4 - f2)) if f4 > f2 else max(0.0, b4) / f4 if f4 else 1.0
     b_stage = max(0.0, b4 - b_ratio * f4)
     stage = b_stage + max(0.0, statistics.median((gap4, gap2)))
-    n = {"embed": 1, "dense": model.dense_layers, "moe": model.moe_layers, "head": 1}
+    n = counts(model.layers)
     i_host = split.i_s - sum(compute[k][1] * c for k, c in n.items())
     w_host = split.w_s - sum(compute[k][2] * c for k, c in n.items())
     i_ratio = max(0.0, i_host - b_stage) / f4 if f4 else 1.0
