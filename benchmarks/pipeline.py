@@ -545,7 +545,8 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
               f"{'fmoe/torch':>10}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
-        for name, cls_name in [(n, c) for n, c in PAIRS if n in args.schedules]:
+        ran = [(n, c) for n, c in PAIRS if n in args.schedules and TORCH[c][0] in args.schedules]
+        for name, cls_name in ran:  # pairs whose torch schedule ran (--only may leave it out)
             tn = f"torch:{cls_name}"
             tloss = next(t["loss"][tn] for t in timing if t["loss"][tn] is not None)
             ours = S.without_comms(S.build(name, WORLD, m)).ranks
