@@ -2,20 +2,21 @@
 several layouts and schedules, each on 2 gloo ranks (one thread each), next to what `fmoe plan --cluster
 local` predicts for the same layout.
 
-    .venv/bin/python benchmarks/plan_local.py                 # tiny preset, 6 layouts, 2 rounds
+    .venv/bin/python benchmarks/plan_local.py                 # tiny preset, 12 layouts, 2 rounds
     .venv/bin/python benchmarks/plan_local.py --preset small --rounds 1
 
 Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up steps (max over the two
 ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
 every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
 `fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
-rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from four calibration
+rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from five calibration
 runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
-same with 2 layers, under zb_h1, and expert-parallel under 1f1b without overlap; layouts none of the
-measured ones is), which take their turn in every round like a layout, so that both see the same drift
-of this machine's speed (up to 2x between minutes). The fit uses the median over rounds of each
-calibration figure. Prints the ratio predicted / measured for step time and memory, and whether the ranking by
-predicted step time matches the measured one.
+same with 2 layers, under zb_h1, with 16 sequences per microbatch, and expert-parallel under 1f1b without
+overlap; layouts none of the measured ones is), which take their turn in every round like a layout, so
+that both see the same drift of this machine's speed (up to 2x between minutes). The fit uses the median
+over rounds of each calibration figure. Prints the ratio predicted / measured for step time and memory,
+whether the ranking by predicted step time matches the measured one, and how many of the pairs that
+either side separates by more than 10% the other orders alike.
 """
 
 from __future__ import annotations
@@ -39,15 +40,24 @@ from fmoe.plan.layout import Layout  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
-CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_runs (all four) in each round
-# (name, TrainConfig overrides, planner schedule, vpp)
+CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_runs (all five) in each round
+_PP2, _EP2, _DP2 = {"pp": 2, "ep": 1, "dp": 1}, {"pp": 1, "ep": 2, "dp": 1}, {"pp": 1, "ep": 1, "dp": 2}
+# (name, TrainConfig overrides, planner schedule, vpp): every schedule at the preset's 4 sequences per
+# microbatch, then layouts at other microbatch sizes (which the calibration runs, at 4 and 16, are not)
 LAYOUTS = (
-    ("pp2 1f1b", {"pp": 2, "ep": 1, "dp": 1, "schedule": "1f1b"}, "1f1b", 1),
-    ("pp2 zb_h1", {"pp": 2, "ep": 1, "dp": 1, "schedule": "zb_h1"}, "zb_h1", 1),
-    ("pp2 interleaved", {"pp": 2, "ep": 1, "dp": 1, "schedule": "interleaved"}, "interleaved", 2),
-    ("pp2 dualpipev", {"pp": 2, "ep": 1, "dp": 1, "schedule": "dualpipev"}, "dualpipev", 2),
-    ("ep2 combined_1f1b", {"pp": 1, "ep": 2, "dp": 1, "schedule": "combined_1f1b"}, "combined_1f1b", 1),
-    ("dp2 1f1b", {"pp": 1, "ep": 1, "dp": 2, "schedule": "1f1b"}, "1f1b", 1),
+    ("pp2 1f1b", {**_PP2, "schedule": "1f1b"}, "1f1b", 1),
+    ("pp2 zb_h1", {**_PP2, "schedule": "zb_h1"}, "zb_h1", 1),
+    ("pp2 interleaved", {**_PP2, "schedule": "interleaved"}, "interleaved", 2),
+    ("pp2 dualpipev", {**_PP2, "schedule": "dualpipev"}, "dualpipev", 2),
+    ("ep2 combined_1f1b", {**_EP2, "schedule": "combined_1f1b"}, "combined_1f1b", 1),
+    ("dp2 1f1b", {**_DP2, "schedule": "1f1b"}, "1f1b", 1),
+    ("pp2 1f1b mbs16", {**_PP2, "schedule": "1f1b", "micro_batch_size": 16}, "1f1b", 1),
+    ("pp2 1f1b mbs2", {**_PP2, "schedule": "1f1b", "micro_batch_size": 2}, "1f1b", 1),
+    ("pp2 interleaved mbs8", {**_PP2, "schedule": "interleaved", "micro_batch_size": 8}, "interleaved", 2),
+    ("pp2 dualpipev mbs2", {**_PP2, "schedule": "dualpipev", "micro_batch_size": 2}, "dualpipev", 2),
+    ("ep2 combined_1f1b mbs8", {**_EP2, "schedule": "combined_1f1b", "micro_batch_size": 8},
+     "combined_1f1b", 1),
+    ("dp2 1f1b mbs16", {**_DP2, "schedule": "1f1b", "micro_batch_size": 16}, "1f1b", 1),
 )
 
 
@@ -107,12 +117,13 @@ def main() -> None:
     shorts: list[LC.HostSample] = []
     splits: list[LC.HostSample] = []
     experts: list[LC.HostSample] = []
+    larges: list[LC.HostSample] = []
     names = [CALIBRATION, *tcs]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if name == CALIBRATION:
-                for got, into in zip(LC.measure_runs(), (samples, shorts, splits, experts)):
+                for got, into in zip(LC.measure_runs(), (samples, shorts, splits, experts, larges)):
                     into.append(got)
                 continue
             per_step, peak = measure(tcs[name], args.steps)
@@ -121,7 +132,7 @@ def main() -> None:
             peaks[name].append(peak)
     sample = LC.median_sample(samples)
     cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits),
-                          LC.median_sample(experts))
+                          LC.median_sample(experts), LC.median_sample(larges))
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     spread = max(s.wall_s for s in samples) / min(s.wall_s for s in samples)
     print(f"calibration run (median of {len(samples)}): step {sample.wall_s * 1e3:.1f} ms, executor span "
@@ -162,9 +173,16 @@ def main() -> None:
     print(f"step time within 10%: {within_t}/{len(rows)}; peak memory within 15%: {within_m}/{len(rows)}")
     print(f"ranking predicted: {by_pred}\nranking measured:  {by_meas}\nsame ranking: {by_pred == by_meas}")
     # the pairs the measurement itself separates (medians more than 10% apart): ordered alike?
-    apart = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :] if abs(a[2] / b[2] - 1) > 0.10]
-    alike = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in apart)
-    print(f"pairs measured more than 10% apart: {len(apart)}, ordered alike by the prediction: {alike}")
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :]]
+    concordant = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in pairs)
+    print(f"pairs ordered alike: {concordant}/{len(pairs)} (Kendall tau "
+          f"{(2 * concordant - len(pairs)) / len(pairs):.3f})")
+    for side, col in (("measured", 2), ("predicted", 1)):
+        apart = [(a, b) for a, b in pairs if abs(a[col] / b[col] - 1) > 0.10]
+        alike = [(a, b) for a, b in apart if (a[1] < b[1]) == (a[2] < b[2])]
+        print(f"pairs {side} more than 10% apart: {len(apart)}, ordered alike by the other side: "
+              f"{len(alike)}" + "".join(f"\n  not alike: {a[0]} / {b[0]}" for a, b in apart
+                                         if (a, b) not in alike))
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
         n = 2 + (2 if (not cost.moe or not lay.tp_extends_ep) else 0)
         nbytes = (tp - 1) / tp * T * m.hidden * DTYPE_BYTES[m.dtype]
         tp_comm = n * _collective_s(c, nbytes, True, tp - 1)
-    oh = c.overhead_s(cost.kind, lay.expert_group > 1)
+    oh = c.host_s(cost.kind, T / tp, lay.expert_group > 1)  # sequence parallel: T / tp tokens per rank
     f = dense + attn + expert + tp_comm + oh
     i_compute, w_compute = dense + 2 * attn + expert + tp_comm, dense + expert
     i = i_compute + c.i_overhead_ratio * oh

@@ -9,8 +9,9 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 8 B and 4 MiB; one
   machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s);
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
-  every core (one thread per rank, 8 microbatches each; `calibration_config`; four runs, see
-  `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute; the backward's
+  every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs, see
+  `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute (a fixed part and
+  a part per token, from two microbatch sizes); the backward's
   as multiples of that plus a part per stage; the wall time outside the executor per layer held; and
   the memory beyond what the planner counts (base_mem_gib).
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
@@ -27,7 +28,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 2  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 3  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -159,17 +160,24 @@ CALIBRATION_MICROBATCHES = 8
 # Run twice: with the preset's layers and with SHORT_LAYERS (one dense, one MoE): the difference splits
 # the backward's host time into a part per layer and a part per stage and microbatch.
 SHORT_LAYERS = 2
+# And once with microbatches of LARGE_MICRO_BATCH sequences: the forward's growth beyond its FLOPs splits
+# each layer kind's host time into a fixed part and a part per token.
+LARGE_MICRO_BATCH = 16
 
 
-def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bool = False) -> Any:
+def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
+                       micro_batch: int | None = None) -> Any:
     """Returns the TrainConfig of a calibration run on this machine: data parallel over its cores (with
     `ep`: expert parallel over them instead, fb overlap off), `layers` blocks (by default the preset's),
-    `schedule` "1f1b" (each backward one B) or "zb_h1" (I then W)."""
+    `schedule` "1f1b" (each backward one B) or "zb_h1" (I then W), `micro_batch` sequences per
+    microbatch (by default CALIBRATION_RUN's)."""
     from fmoe.train.config import TrainConfig
 
     n = os.cpu_count() or 1
+    mbs = micro_batch or CALIBRATION_RUN["micro_batch_size"]
     over = {**CALIBRATION_RUN, "dp": 1 if ep else n, "ep": n if ep else 1, "overlap": not ep,
-            "global_batch_size": 4 * CALIBRATION_MICROBATCHES * n, "schedule": schedule}
+            "micro_batch_size": mbs, "global_batch_size": mbs * CALIBRATION_MICROBATCHES * n,
+            "schedule": schedule}
     if layers is not None:
         over["num_layers"] = layers
     return TrainConfig.from_sources("tiny", None, over)
@@ -244,12 +252,13 @@ def median_sample(samples: list[HostSample]) -> HostSample:
                       med(s.i_s for s in samples))
 
 
-def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, store: str, q: Any) -> None:
+def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_batch: int | None, store: str,
+                 q: Any) -> None:
     torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = calibration_config(layers, schedule, ep)
+    tc = calibration_config(layers, schedule, ep, micro_batch)
     trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
     for _ in range(2):
         trainer.step()
@@ -264,17 +273,19 @@ def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, store: 
     q.put(sample_of(walls, events, tc.first_k_dense, tc.microbatches, hwm_kib / 2**20))
 
 
-def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False) -> HostSample:
-    """The HostSample of a calibration run (calibration_config(layers, schedule, ep): `fmoe train`'s tiny
-    preset over every core, one thread per rank, through the executor); the median over the ranks."""
+def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
+                 micro_batch: int | None = None) -> HostSample:
+    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch): `fmoe
+    train`'s tiny preset over every core, one thread per rank, through the executor); the median over the
+    ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config(layers, schedule, ep).world_size
-    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, store, q), daemon=True)
-             for r in range(world)]
+    world = calibration_config(layers, schedule, ep, micro_batch).world_size
+    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, micro_batch, store, q),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     outs = [q.get(timeout=600) for _ in procs]
@@ -322,19 +333,21 @@ def calibrate() -> ClusterSpec:
     return fit_host(measure_machine(), *measure_runs())
 
 
-def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample]:
-    """The four calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
-    zb_h1 with the preset's layers, and 1f1b expert parallel."""
+def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample, HostSample]:
+    """The five calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
+    zb_h1 with the preset's layers, 1f1b expert parallel, and 1f1b with LARGE_MICRO_BATCH."""
     return (measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1"),
-            measure_host(None, "1f1b", ep=True))
+            measure_host(None, "1f1b", ep=True), measure_host(micro_batch=LARGE_MICRO_BATCH))
 
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
-             expert: HostSample | None = None) -> ClusterSpec:
+             expert: HostSample | None = None, large: HostSample | None = None) -> ClusterSpec:
     """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
     layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W,
-    `expert`: 1f1b expert parallel over the cores):
-    - per layer kind, the forward's time beyond the FLOP model's compute (`layer_overhead_s`, from `full`);
+    `expert`: 1f1b expert parallel over the cores, `large`: 1f1b with LARGE_MICRO_BATCH):
+    - per layer kind, the forward's time beyond the FLOP model's compute (from `full`); with `large`,
+      split into a fixed part (`layer_overhead_s`) and a part per token (`token_overhead_s`: its growth
+      to the larger microbatch beyond the FLOP model's, per token), else all fixed;
     - the backward: B's host time (beyond its compute) = b_overhead_ratio x the stage's forward host time
       + a part per stage and microbatch; the two 1f1b runs give both. The time between the executor's
       events goes to the per-stage part too (`stage_overhead_s`). The I and W of `split`, beyond their
@@ -356,13 +369,23 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     model = load_model("tiny")
     lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
                  micro_batch=tc.micro_batch_size)
-    bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, i_overhead_ratio=0.0, w_overhead_ratio=0.0,
-                        b_overhead_ratio=None, step_overhead_s=0.0, stage_overhead_s=0.0)
+    bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, token_overhead_s={}, i_overhead_ratio=0.0,
+                        w_overhead_ratio=0.0, b_overhead_ratio=None, step_overhead_s=0.0,
+                        stage_overhead_s=0.0)
     ctx = Context(model, bare, tc.world_size, tc.global_batch_size)
     costs = {"embed": embed_cost(model), "dense": block_cost(model, False), "moe": block_cost(model, True),
              "head": head_cost(model)}
     compute = {k: _phases(ctx, lay, c) for k, c in costs.items()}  # (F, I, W) per layer, no overhead
     host_f = {k: max(0.0, full.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
+    per_token = {k: 0.0 for k in costs}
+    if large is not None:
+        big = replace(lay, micro_batch=LARGE_MICRO_BATCH)
+        t0, t1 = lay.micro_batch * model.seq, big.micro_batch * model.seq
+        for k, c in costs.items():
+            f1 = _phases(ctx, big, c)[0]
+            grown = large.f_s.get(k, f1) - f1 - host_f[k]
+            per_token[k] = max(0.0, grown) / (t1 - t0)
+    fixed = {k: max(0.0, h - per_token[k] * lay.micro_batch * model.seq) for k, h in host_f.items()}
     m = CALIBRATION_MICROBATCHES
 
     def counts(layers: int) -> dict[str, int]:
@@ -388,8 +411,8 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     w_host = split.w_s - sum(compute[k][2] * c for k, c in n.items())
     i_ratio = max(0.0, i_host - b_stage) / f4 if f4 else 1.0
     w_ratio = max(0.0, w_host) / f4 if f4 else 1.0
-    hosted = bare.replace(layer_overhead_s=host_f, i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio,
-                          b_overhead_ratio=b_ratio, stage_overhead_s=stage)
+    hosted = bare.replace(layer_overhead_s=fixed, token_overhead_s=per_token, i_overhead_ratio=i_ratio,
+                          w_overhead_ratio=w_ratio, b_overhead_ratio=b_ratio, stage_overhead_s=stage)
     p0 = evaluate(ctx, lay)
     p1 = evaluate(Context(model, hosted, tc.world_size, tc.global_batch_size), lay)
     grow = p1.times["pipeline"] - p0.times["pipeline"]
@@ -397,8 +420,9 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     outside = full.wall_s - full.span_s - (p0.step_s - p0.times["pipeline"])  # beyond the modelled
     held = model.layers + 2  # the blocks, the embedding and the head
     fitted = hosted.replace(
-        layer_overhead_s={k: v * scale for k, v in host_f.items()},
-        op_overhead_s=statistics.median(host_f.values()) * scale,
+        layer_overhead_s={k: v * scale for k, v in fixed.items()},
+        token_overhead_s={k: v * scale for k, v in per_token.items()},
+        op_overhead_s=statistics.median(fixed.values()) * scale,
         stage_overhead_s=stage * scale,
         step_overhead_s=max(0.0, outside) / held,
         base_mem_gib=max(0.0, full.peak_gib - p1.mem_gib),

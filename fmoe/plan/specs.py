@@ -164,7 +164,10 @@ class ClusterSpec:
     TP-extends-EP keeps experts whole). `hbm_bytes_per_s` times the optimizer step (memory bound).
     Links: per device, one direction, bytes/s and latency s, intra-node and inter-node.
     `op_overhead_s`: fixed host cost per layer and phase (kernel launches, Python; large on CPU).
-    `layer_overhead_s` overrides it per layer kind (OVERHEAD_KINDS) for the forward. The
+    `layer_overhead_s` overrides it per layer kind (OVERHEAD_KINDS) for the forward, and
+    `token_overhead_s` adds host seconds per token of the microbatch per layer kind (work that grows
+    with the tokens but is not GEMM or attention FLOPs: norms, softmax, routing, row copies; an MoE layer
+    under EP without a "moe_ep" figure takes the "moe" one). The
     backward's input- and weight-gradient parts run apart (I, then W later) cost `i_overhead_ratio` and
     `w_overhead_ratio` times the forward's; run as one B, `b_overhead_ratio` times (None: the sum).
     `stage_overhead_s`: host cost per stage and microbatch on top (a pipeline runtime's bookkeeping:
@@ -195,6 +198,7 @@ class ClusterSpec:
     step_overhead_s: float = 0.0
     stage_overhead_s: float = 0.0
     b_overhead_ratio: float | None = None
+    token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("devices_per_node",))
@@ -208,15 +212,16 @@ class ClusterSpec:
         )
         if self.b_overhead_ratio is not None:
             _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
-        if not isinstance(self.layer_overhead_s, dict):
-            raise PlanError(f"ClusterSpec.layer_overhead_s must map a layer kind to seconds, got "
-                            f"{self.layer_overhead_s!r}")
-        for kind, sec in self.layer_overhead_s.items():
-            ok = isinstance(sec, (int, float)) and not isinstance(sec, bool)
-            ok = ok and math.isfinite(sec) and sec >= 0
-            if kind not in OVERHEAD_KINDS or not ok:
-                raise PlanError(f"ClusterSpec.layer_overhead_s[{kind!r}] must be a layer kind of "
-                                f"{', '.join(OVERHEAD_KINDS)} with seconds >= 0, got {sec!r}")
+        for field in ("layer_overhead_s", "token_overhead_s"):
+            table = getattr(self, field)
+            if not isinstance(table, dict):
+                raise PlanError(f"ClusterSpec.{field} must map a layer kind to seconds, got {table!r}")
+            for kind, sec in table.items():
+                ok = isinstance(sec, (int, float)) and not isinstance(sec, bool)
+                ok = ok and math.isfinite(sec) and sec >= 0
+                if kind not in OVERHEAD_KINDS or not ok:
+                    raise PlanError(f"ClusterSpec.{field}[{kind!r}] must be a layer kind of "
+                                    f"{', '.join(OVERHEAD_KINDS)} with seconds >= 0, got {sec!r}")
         _positive_reals(self, ("gemm_eff", "attn_eff"), upper=1.0)
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise PlanError(f"ClusterSpec.peak_flops must map a dtype to FLOP/s, got {self.peak_flops!r}")
@@ -241,6 +246,14 @@ class ClusterSpec:
         if kind == "moe" and expert_parallel and "moe_ep" in self.layer_overhead_s:
             kind = "moe_ep"
         return float(self.layer_overhead_s.get(kind, self.op_overhead_s))
+
+    def host_s(self, kind: str, tokens: float, expert_parallel: bool = False) -> float:
+        """Host seconds of one forward of a layer of `kind` over a microbatch of `tokens` tokens on one
+        device: `overhead_s` plus `tokens` times the kind's `token_overhead_s`."""
+        per_token = self.token_overhead_s.get(kind, 0.0)
+        if kind == "moe" and expert_parallel:
+            per_token = self.token_overhead_s.get("moe_ep", per_token)
+        return self.overhead_s(kind, expert_parallel) + tokens * float(per_token)
 
     def replace(self, **changes: Any) -> ClusterSpec:
         """Returns a copy with `changes` applied (checked again)."""
