@@ -177,6 +177,13 @@ def main() -> None:
     concordant = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in pairs)
     print(f"pairs ordered alike: {concordant}/{len(pairs)} (Kendall tau "
           f"{(2 * concordant - len(pairs)) / len(pairs):.3f})")
+    # the pairs whose measured order is the same in every round (the round medians do not overlap)
+    steady = [(a, b) for a, b in pairs
+              if max(round_medians[a[0]]) < min(round_medians[b[0]])
+              or max(round_medians[b[0]]) < min(round_medians[a[0]])]
+    right = [(a, b) for a, b in steady if (a[1] < b[1]) == (a[2] < b[2])]
+    print(f"pairs ordered alike in every round: {len(steady)}, ordered alike by the prediction: {len(right)}"
+          + "".join(f"\n  not alike: {a[0]} / {b[0]}" for a, b in steady if (a, b) not in right))
     for side, col in (("measured", 2), ("predicted", 1)):
         apart = [(a, b) for a, b in pairs if abs(a[col] / b[col] - 1) > 0.10]
         alike = [(a, b) for a, b in apart if (a[1] < b[1]) == (a[2] < b[2])]

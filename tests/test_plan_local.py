@@ -137,20 +137,29 @@ def test_fit_host_recovers_a_host_model(f: dict[str, float], ratio: float, per_s
 @pytest.mark.parametrize("change, field", [
     ({"layer_overhead_s": {"mlp": 1e-3}}, "layer_overhead_s"), ({"layer_overhead_s": {"moe": -1.0}}, "moe"),
     ({"step_overhead_s": -1e-3}, "step_overhead_s"),
-    ({"i_overhead_ratio": float("nan")}, "i_overhead_ratio")])
+    ({"i_overhead_ratio": float("nan")}, "i_overhead_ratio"),
+    ({"token_overhead_s": {"moe": float("inf")}}, "token_overhead_s"),
+    ({"token_overhead_s": [1e-6]}, "token_overhead_s")])
 def test_bad_overhead_fields(change: dict, field: str) -> None:
     with pytest.raises(PlanError, match=field):
         _machine().replace(**change)
 
 
-@given(step_oh=st.floats(0.0, 1e-2), extra=st.floats(1e-6, 1e-2), kind=st.sampled_from(LAYER_KINDS))
-def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, kind: str) -> None:
+@given(step_oh=st.floats(0.0, 1e-2), extra=st.floats(1e-6, 1e-2), kind=st.sampled_from(LAYER_KINDS),
+       per_token=st.floats(0.0, 1e-5), micro_batch=st.sampled_from([1, 2, 4, 8, 16]))
+@example(step_oh=0.0, extra=1e-6, kind="moe", per_token=0.0, micro_batch=1)
+def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, kind: str,
+                                                  per_token: float, micro_batch: int) -> None:
     ctx, _ = _calibration_layout()
-    base = _machine().replace(step_overhead_s=step_oh, layer_overhead_s={k: 1e-3 for k in LAYER_KINDS})
+    base = _machine().replace(step_overhead_s=step_oh, layer_overhead_s={k: 1e-3 for k in LAYER_KINDS},
+                              token_overhead_s={k: per_token for k in LAYER_KINDS})
     more = base.replace(layer_overhead_s={**base.layer_overhead_s, kind: 1e-3 + extra},
+                        token_overhead_s={**base.token_overhead_s, kind: per_token + extra / 64},
                         step_overhead_s=step_oh + extra)
     for sched, pp, v in (("1f1b", 2, 1), ("zb_h1", 2, 1), ("interleaved", 2, 2), ("dualpipev", 2, 2)):
-        lay = Layout(tp=1, pp=pp, ep=1, dp=1, vpp=v, schedule=sched, overlap=False, micro_batch=4)
+        if sched == "dualpipev" and 32 // micro_batch < 4:
+            continue  # dualpipev needs 2 x pp microbatches
+        lay = Layout(tp=1, pp=pp, ep=1, dp=1, vpp=v, schedule=sched, overlap=False, micro_batch=micro_batch)
         t0 = evaluate(Context(ctx.model, base, 2, 32), lay).step_s
         t1 = evaluate(Context(ctx.model, more, 2, 32), lay).step_s
         assert t1 >= t0 * (1 - 1e-9), (sched, kind)
@@ -203,3 +212,43 @@ def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, 
     assert step(b_moved, "zb_h1") == pytest.approx(step(base, "zb_h1"), rel=1e-12)
     if abs(b_ratio - 1.0) > 1e-6:  # a dearer B makes 1f1b slower, a cheaper one faster
         assert (step(b_moved, "1f1b") > step(base, "1f1b")) == (b_ratio > 1.0)
+
+
+@given(fixed=st.fixed_dictionaries({k: st.floats(2e-4, 3e-3) for k in LAYER_KINDS}),
+       per_token=st.fixed_dictionaries({k: st.floats(0.0, 3e-6) for k in LAYER_KINDS}),
+       ratio=st.floats(0.5, 3.0), per_stage=st.floats(0.0, 3e-3), probe=st.sampled_from([2, 8]))
+@example(fixed={k: 1e-3 for k in LAYER_KINDS}, per_token={k: 0.0 for k in LAYER_KINDS}, ratio=1.0,
+         per_stage=0.0, probe=8)
+def test_fit_host_splits_host_time_per_token(fixed: dict[str, float], per_token: dict[str, float],
+                                             ratio: float, per_stage: float, probe: int) -> None:
+    """Calibration runs generated from host costs linear in the microbatch's tokens (a forward of kind k
+    costs fixed[k] + T x per_token[k], B = ratio x the stage's forward + per_stage; compute is nothing):
+    with the run at LARGE_MICRO_BATCH the fit recovers both parts, and the planner predicts the span of a
+    run at a microbatch size no calibration run used (`probe` sequences)."""
+    ctx, lay = _calibration_layout()
+    fast = _machine().replace(peak_flops={"fp32": 1e18})
+    model, m = ctx.model, LC.CALIBRATION_MICROBATCHES
+
+    def run(layers: int, micro_batch: int) -> LC.HostSample:
+        T = micro_batch * model.seq
+        f = {k: fixed[k] + T * per_token[k] for k in LAYER_KINDS}
+        fs = _stage_sums(f, layers, model.dense_layers)
+        b = ratio * fs + per_stage
+        return LC.HostSample(m * (fs + b), m * (fs + b), f, b, 0.0, 0.5)
+
+    mbs = lay.micro_batch
+    full, short = run(model.layers, mbs), run(LC.SHORT_LAYERS, mbs)
+    large = run(model.layers, LC.LARGE_MICRO_BATCH)
+    f0 = full.f_s
+    split = LC.HostSample(0.0, 0.0, f0, 0.0, 0.2 * _stage_sums(f0, model.layers, model.dense_layers), 0.5,
+                          _stage_sums(f0, model.layers, model.dense_layers))
+    fitted = LC.fit_host(fast, full, short, split, large=large)
+    assert fitted.layer_overhead_s == pytest.approx(fixed, rel=1e-6, abs=1e-12)
+    assert fitted.token_overhead_s == pytest.approx(per_token, rel=1e-6, abs=1e-12)  # compute: ~1e-11 s
+    tc = LC.calibration_config(micro_batch=probe)
+    probe_lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False, micro_batch=probe)
+    got = evaluate(Context(model, fitted, tc.world_size, tc.global_batch_size), probe_lay)
+    assert got.times["pipeline"] == pytest.approx(run(model.layers, probe).span_s, rel=1e-6)
+    # without the large run all of the host time counts as fixed
+    flat = LC.fit_host(fast, full, short, split)
+    assert flat.token_overhead_s == {k: 0.0 for k in LAYER_KINDS}
