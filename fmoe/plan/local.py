@@ -41,7 +41,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 3  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 4  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -64,6 +64,7 @@ def local_cluster(recalibrate: bool = False) -> ClusterSpec:
 
 
 def _median_s(fn: Callable[[], Any], reps: int = 15, warm: int = 3) -> float:
+    """The median seconds of `fn()` over `reps` timed calls after `warm` untimed ones."""
     for _ in range(warm):
         fn()
     times = []
@@ -104,26 +105,25 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     import fmoe.train.loop  # noqa: F401  (a rank's resident set includes the training code)
 
+    # medians after a warm-up (_median_s): this machine's outliers (a rank time-sliced out) would move a
+    # mean by several times, and the first calls set up gloo's pairs
     out = {}
     for n in (1, 2**20):  # fp32 elements: 4 B and 4 MiB
         x = torch.zeros(n)
-        reps = 50 if n == 1 else 10
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
+
+        def ping_pong(x: torch.Tensor = x) -> None:
             if rank == 0:
                 dist.send(x, 1)
                 dist.recv(x, 1)
             else:
                 dist.recv(x, 0)
                 dist.send(x, 0)
-        out[n] = (time.perf_counter() - t0) / (2 * reps)  # one way
+
+        dist.barrier()
+        out[n] = _median_s(ping_pong, 50 if n == 1 else 15, warm=5) / 2  # one way
     x = torch.zeros(2)
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        dist.all_to_all_single(x, x.clone())
-    out["a2a"] = (time.perf_counter() - t0) / 50
+    out["a2a"] = _median_s(lambda: dist.all_to_all_single(x, x.clone()), 50, warm=5)
     with open("/proc/self/status") as f:
         rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
     dist.barrier()
