@@ -6,8 +6,9 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - GEMM FLOP/s of a 512^3 fp32 matmul (the peak; gemm_eff 1) and of a 32 x 64 x 64 one (gemm_half_dim);
 - the causal attention kernel's FLOP/s at a small shape (attn_eff);
 - AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
-- the latency and bandwidth of a gloo send between two processes (ping-pong at 8 B and 4 MiB; one
-  machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s);
+- the latency and bandwidth of a gloo send between two processes (ping-pong at 4 B and 4 MiB; one
+  machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
+  after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
   every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs, see
   `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute (a fixed part and
