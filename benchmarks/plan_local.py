@@ -157,13 +157,13 @@ def main() -> None:
         pred = E.fastest_fitting(ctx, lay)
         rows.append((name, pred.step_s, statistics.median(step_times[name]), pred.mem_gib, max(peaks[name])))
     print(
-        f"{'layout':<20} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'rounds max/min':>14} "
+        f"{'layout':<24} {'pred step ms':>12} {'meas step ms':>12} {'ratio':>6} {'rounds max/min':>14} "
         f"{'pred GiB':>9} {'meas GiB':>9} {'ratio':>6}"
     )
     for name, ps, ms, pm, mm in rows:
         rm = round_medians[name]
         print(
-            f"{name:<20} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {max(rm) / min(rm):14.2f} "
+            f"{name:<24} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {max(rm) / min(rm):14.2f} "
             f"{pm:9.3f} {mm:9.3f} {pm / mm:6.3f}"
         )
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
@@ -172,25 +172,27 @@ def main() -> None:
     within_m = sum(abs(r[3] / r[4] - 1) <= 0.15 for r in rows)
     print(f"step time within 10%: {within_t}/{len(rows)}; peak memory within 15%: {within_m}/{len(rows)}")
     print(f"ranking predicted: {by_pred}\nranking measured:  {by_meas}\nsame ranking: {by_pred == by_meas}")
-    # the pairs the measurement itself separates (medians more than 10% apart): ordered alike?
     pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :]]
-    concordant = sum((a[1] < b[1]) == (a[2] < b[2]) for a, b in pairs)
+
+    def alike(pair: tuple[tuple, tuple]) -> bool:
+        """Whether the prediction orders the pair as the measurement does."""
+        a, b = pair
+        return (a[1] < b[1]) == (a[2] < b[2])
+
+    def count(label: str, subset: list[tuple[tuple, tuple]]) -> None:
+        """Prints how many pairs of `subset` are ordered alike, naming the others."""
+        print(f"pairs {label}: {len(subset)}, ordered alike: {sum(map(alike, subset))}"
+              + "".join(f"\n  not alike: {a[0]} / {b[0]}" for a, b in subset if not alike((a, b))))
+
+    concordant = sum(map(alike, pairs))
     print(f"pairs ordered alike: {concordant}/{len(pairs)} (Kendall tau "
           f"{(2 * concordant - len(pairs)) / len(pairs):.3f})")
     # the pairs whose measured order is the same in every round (the round medians do not overlap)
-    steady = [(a, b) for a, b in pairs
-              if max(round_medians[a[0]]) < min(round_medians[b[0]])
-              or max(round_medians[b[0]]) < min(round_medians[a[0]])]
-    right = [(a, b) for a, b in steady if (a[1] < b[1]) == (a[2] < b[2])]
-    print(f"pairs ordered alike in every round: {len(steady)}, ordered alike by the prediction: {len(right)}"
-          + "".join(f"\n  not alike: {a[0]} / {b[0]}" for a, b in steady if (a, b) not in right))
+    count("in the same measured order in every round",
+          [(a, b) for a, b in pairs if max(round_medians[a[0]]) < min(round_medians[b[0]])
+           or max(round_medians[b[0]]) < min(round_medians[a[0]])])
     for side, col in (("measured", 2), ("predicted", 1)):
-        apart = [(a, b) for a, b in pairs if abs(a[col] / b[col] - 1) > 0.10]
-        alike = [(a, b) for a, b in apart if (a[1] < b[1]) == (a[2] < b[2])]
-        print(f"pairs {side} more than 10% apart: {len(apart)}, ordered alike by the other side: "
-              f"{len(alike)}" + "".join(f"\n  not alike: {a[0]} / {b[0]}" for a, b in apart
-                                         if (a, b) not in alike))
-
+        count(f"{side} more than 10% apart", [(a, b) for a, b in pairs if abs(a[col] / b[col] - 1) > 0.10])
 
 if __name__ == "__main__":
     main()

@@ -379,14 +379,14 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     compute = {k: _phases(ctx, lay, c) for k, c in costs.items()}  # (F, I, W) per layer, no overhead
     host_f = {k: max(0.0, full.f_s.get(k, compute[k][0]) - compute[k][0]) for k in costs}
     per_token = {k: 0.0 for k in costs}
+    t0 = lay.micro_batch * model.seq  # tokens of one microbatch
     if large is not None:
         big = replace(lay, micro_batch=LARGE_MICRO_BATCH)
-        t0, t1 = lay.micro_batch * model.seq, big.micro_batch * model.seq
         for k, c in costs.items():
             f1 = _phases(ctx, big, c)[0]
             grown = large.f_s.get(k, f1) - f1 - host_f[k]
-            per_token[k] = max(0.0, grown) / (t1 - t0)
-    fixed = {k: max(0.0, h - per_token[k] * lay.micro_batch * model.seq) for k, h in host_f.items()}
+            per_token[k] = max(0.0, grown) / (big.micro_batch * model.seq - t0)
+    fixed = {k: max(0.0, h - per_token[k] * t0) for k, h in host_f.items()}
     m = CALIBRATION_MICROBATCHES
 
     def counts(layers: int) -> dict[str, int]:

@@ -156,6 +156,14 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
 
+def _per_kind(table: dict[str, float], kind: str, expert_parallel: bool, default: float) -> float:
+    """`table`'s figure for layer `kind` (an expert-parallel MoE layer: "moe_ep" where given, else "moe"),
+    or `default`."""
+    if kind == "moe" and expert_parallel and "moe_ep" in table:
+        kind = "moe_ep"
+    return float(table.get(kind, default))
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Devices and links. FLOP/s are dense peaks per device for the model's compute dtype; `gemm_eff` and
@@ -243,17 +251,13 @@ class ClusterSpec:
     def overhead_s(self, kind: str, expert_parallel: bool = False) -> float:
         """Host seconds of one forward of a layer of `kind` (one of LAYER_KINDS); an MoE layer with
         `expert_parallel` takes the "moe_ep" figure where the cluster gives one."""
-        if kind == "moe" and expert_parallel and "moe_ep" in self.layer_overhead_s:
-            kind = "moe_ep"
-        return float(self.layer_overhead_s.get(kind, self.op_overhead_s))
+        return _per_kind(self.layer_overhead_s, kind, expert_parallel, self.op_overhead_s)
 
     def host_s(self, kind: str, tokens: float, expert_parallel: bool = False) -> float:
         """Host seconds of one forward of a layer of `kind` over a microbatch of `tokens` tokens on one
         device: `overhead_s` plus `tokens` times the kind's `token_overhead_s`."""
-        per_token = self.token_overhead_s.get(kind, 0.0)
-        if kind == "moe" and expert_parallel:
-            per_token = self.token_overhead_s.get("moe_ep", per_token)
-        return self.overhead_s(kind, expert_parallel) + tokens * float(per_token)
+        per_token = _per_kind(self.token_overhead_s, kind, expert_parallel, 0.0)
+        return self.overhead_s(kind, expert_parallel) + tokens * per_token
 
     def replace(self, **changes: Any) -> ClusterSpec:
         """Returns a copy with `changes` applied (checked again)."""
