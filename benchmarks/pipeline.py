@@ -31,6 +31,9 @@ For the multi-stage torch schedules the script checks that the action lists torc
 rank by rank ("order"). The first step's loss and gradients of each torch schedule are compared with
 those of its fmoe pair.
 
+Both run in the same timing processes, whose malloc keeps freed memory (fmoe.train.host_memory, as `fmoe
+train` sets its CPU ranks; --default-malloc leaves glibc's defaults, under which fmoe's GPipe faults its
+backward's memory back in every microbatch).
 Order: one warm-up step of every variant, then --reps rounds running every variant once, each round
 starting --rotate variants later (medians). Peak memory comes from a second pair of processes in the
 same run (glibc malloc set to mmap every block >= 64 KiB, so freed tensors go back to the OS at once):
@@ -64,6 +67,7 @@ from fmoe import schedule as S
 from fmoe._compat import grouped_mm
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
+from fmoe.train.host_memory import keep_freed_memory
 
 WORLD = 2
 BUSY = ("F", "B", "I", "W")
@@ -342,6 +346,8 @@ def _reset(v: Variant) -> None:
 
 
 def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    if not args.default_malloc:
+        keep_freed_memory()  # as `fmoe train` sets its CPU ranks; the torch variants share these processes
     cfg = model_config(args)
     params = init_gpt(cfg, torch.Generator().manual_seed(0))
     state, data = init_gpt_state(cfg), batches(cfg, args)
@@ -571,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc malloc's defaults in the timing ranks (default: keep_freed_memory, as "
+                        "`fmoe train` sets its CPU ranks)")
     p.add_argument("--only", nargs="+", choices=S.registry.NAMES, metavar="SCHEDULE",
                    help="these fmoe schedules (and their torch pairs) only; default: all")
     args = p.parse_args(argv)

@@ -59,6 +59,7 @@ HELP = {
     "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
     "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
     "timeout": "seconds a collective may wait before the run fails",
+    "keep_host_memory": "CPU ranks keep freed heap memory for the next step (default on; glibc)",
 }
 
 

@@ -61,7 +61,8 @@ class TrainConfig:
     an overflowing step is skipped), data ("markov" or a file path),
     data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
     metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
-    run fails).
+    run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
+    step: fmoe/train/host_memory.py).
     """
 
     # model
@@ -134,6 +135,7 @@ class TrainConfig:
     loss_curve: str | None = None
     progress: bool = True
     timeout: float = 300.0
+    keep_host_memory: bool = True
 
     # ---- sources ----------------------------------------------------------------------------------------
 

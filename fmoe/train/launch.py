@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from fmoe.parallel import ParallelLayout, Topology
 from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
+from fmoe.train.host_memory import keep_freed_memory
 from fmoe.train.loop import Trainer, World
 from fmoe.train.report import Reporter, write_loss_curve, write_step_trace
 
@@ -48,6 +49,8 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     rank `rank` of `size`, CPU gloo) and builds this rank's layout; returns its World."""
     spawned = init_method is not None  # spawned local ranks are CPU gloo ranks
     backend, device = ("gloo", torch.device("cpu")) if spawned else _backend_and_device(local_rank)
+    if device.type == "cpu" and tc.keep_host_memory:
+        keep_freed_memory()  # the step's tensors live in host memory: keep it mapped between microbatches
     timeout = timedelta(seconds=tc.timeout)
     if init_method is None:
         dist.init_process_group(backend, timeout=timeout)
