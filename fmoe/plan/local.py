@@ -42,7 +42,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 4  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 5  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
