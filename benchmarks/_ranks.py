@@ -10,7 +10,6 @@ rendezvouses through the file store `store` and puts `(rank, value, error_or_Non
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import queue
 import resource
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from fmoe import GPTConfig, init_gpt
 from fmoe._compat import tree_flatten
 from fmoe.pipeline import ChunkSpec
+from fmoe.train.host_memory import set_malloc_thresholds
 
 
 def rss_kib(field: str) -> int:
@@ -37,9 +37,7 @@ def return_freed_memory() -> None:
     """Sets glibc malloc to mmap every block of 64 KiB or more (and trim at 64 KiB), so a freed tensor goes
     back to the OS at once and an RSS rise counts what a step holds, not what earlier steps left in the
     heap. Returns None; call it before the steps being measured."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    set_malloc_thresholds(trim_bytes=64 * 1024, mmap_bytes=64 * 1024)
 
 
 def measure_rss(fn: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fmoe.train.host_memory import _mallopt, keep_freed_memory
+from fmoe.train.host_memory import _mallopt, keep_freed_memory, set_malloc_thresholds
 
 # Allocate 64 tensors of 1 MiB, free them, three times; print the minor page faults of each round.
 _ROUNDS = """
@@ -44,6 +44,6 @@ def test_freed_memory_is_reused_without_page_faults():
 
 def test_bad_sizes_raise():
     with pytest.raises(ValueError, match="trim_bytes"):
-        keep_freed_memory(trim_bytes=-1)
+        set_malloc_thresholds(-1, 2**20)
     with pytest.raises(ValueError, match="mmap_bytes"):
-        keep_freed_memory(mmap_bytes=2**31)
+        set_malloc_thresholds(2**20, 2**31)

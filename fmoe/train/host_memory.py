@@ -46,16 +46,22 @@ def _mallopt():
     return fn
 
 
-def keep_freed_memory(trim_bytes: int = TRIM_THRESHOLD, mmap_bytes: int = MMAP_THRESHOLD_MAX) -> bool:
-    """Sets this process's malloc to serve blocks up to `mmap_bytes` from its heap and to keep up to
-    `trim_bytes` of free heap top instead of returning it to the OS (module docstring). Returns True when
-    both settings took effect, False where the C library has no mallopt (not glibc) or refused them.
+def set_malloc_thresholds(trim_bytes: int, mmap_bytes: int) -> bool:
+    """Sets this process's malloc to serve blocks up to `mmap_bytes` from its heap (larger ones get their
+    own mmap) and to return the free top of its heap to the OS once it exceeds `trim_bytes`. Returns True
+    when both settings took effect, False where the C library has no mallopt (not glibc) or refused them.
     Raises ValueError for sizes outside [0, 2**31)."""
     for name, v in (("trim_bytes", trim_bytes), ("mmap_bytes", mmap_bytes)):
         if not 0 <= v < 2**31:
-            raise ValueError(f"keep_freed_memory: {name} must be in [0, 2**31), got {v}")
+            raise ValueError(f"set_malloc_thresholds: {name} must be in [0, 2**31), got {v}")
     fn = _mallopt()
     if fn is None:
         return False
     # mallopt returns 1 on success, 0 on error (a threshold above glibc's maximum)
     return bool(fn(M_MMAP_THRESHOLD, mmap_bytes)) and bool(fn(M_TRIM_THRESHOLD, trim_bytes))
+
+
+def keep_freed_memory() -> bool:
+    """Keeps what this process frees for its next allocations (module docstring): blocks up to 32 MiB from
+    the heap, and up to 1 GiB of free heap top kept. Returns True when it took effect (glibc)."""
+    return set_malloc_thresholds(TRIM_THRESHOLD, MMAP_THRESHOLD_MAX)
