@@ -104,7 +104,7 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 
 
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
-            group: dist.ProcessGroup | None = None, recv_ahead: int = 2,
+            group: dist.ProcessGroup | None = None, recv_ahead: int = 4,
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
@@ -114,8 +114,10 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
     pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `recv_ahead`:
     how many compute actions before its consumer a receive is posted (each one posted early holds its
-    buffer that much longer; 2 rather than 1, because on gloo a receive posted while the peer's sends
-    wait for it costs milliseconds: 2-rank interleaved on 2 cores lost ~9% of rank 1's step to it). `overlap`
+    buffer that much longer). 4, because on gloo a receive posted while the peer is already sending that
+    message waits for the peer's transport thread, which on a machine with no spare core is a scheduler
+    quantum: with 2, posting took 7-52 ms of rank 1's 2-rank interleaved step on 2 cores (single calls up
+    to 7.6 ms), with 4 it takes 2.5-4.9 ms (0.1 ms a call), as on rank 0. `overlap`
     (default on): an Overlap pair interleaves its two ops phase by phase, and a lone B runs the dw of the
     phases it has differentiated while its exchanges travel; off: pairs run one op after the other.
     `engine`: how compute phases are differentiated (`split_vjp`'s engine; "autograd", the default, has
