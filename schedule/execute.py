@@ -77,6 +77,22 @@ class _Record:
 
     phases: list[tuple[Phase, str, Any, Any]] = field(default_factory=list)  # (phase, layer, closure, info)
     out_spec: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # set when the forward ends
+    # a whole stage whose dx pass adds its weight gradients into the step's sums (split_vjp's `into`):
+    # the params it was differentiated at, by path
+    sums_into: tuple[tuple[tuple[str, ...], Any], ...] | None = None
+
+
+class _Summed:
+    """A dw pass whose gradients already are the step's sums (the dx pass added into them): its results
+    are handed over, not added again."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
 
 
 class _Counter:
@@ -316,6 +332,10 @@ class _Executor:
 
         params = tuple(subtree(prog.params, q) for q in paths)
         out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
+        if not defer and self.engine == "autograd":
+            # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
+            # AccumulateGrad does, instead of a pass over every gradient afterwards
+            rec.sums_into = tuple(zip(paths, params))
         names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
         whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
         rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
@@ -385,7 +405,11 @@ class _Executor:
                     else:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                (ct,), vjp_dw = closure(full)
+                if rec.sums_into is not None:
+                    (ct,), vjp_dw = closure(full, into=tuple(self._sums_like(q, p) for q, p in rec.sums_into))
+                    vjp_dw = _Summed(vjp_dw)
+                else:
+                    (ct,), vjp_dw = closure(full)
                 ct = {k: v for k, v in ct.items() if v is not None}
                 del full, closure
                 queue.append((ph, layer, vjp_dw))
@@ -445,11 +469,24 @@ class _Executor:
         while queue:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
+            summed = isinstance(vjp_dw, _Summed)
             for path, g in zip(ph.param_paths, vjp_dw()):
-                _add_at(self.grads, path, g, self.grad_dtype, self.owned)
+                _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
             del vjp_dw
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
+
+    def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
+        """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for
+        it when the executor owns one of the leaf's shape and dtype, else None: split_vjp's `into`."""
+        if isinstance(params, Mapping):
+            return {k: self._sums_like((*path, k), v) for k, v in params.items()}
+        node: Any = self.grads
+        for k in path:
+            node = node.get(k) if isinstance(node, dict) else None
+        ok = (isinstance(node, torch.Tensor) and path in self.owned and isinstance(params, torch.Tensor)
+              and node.shape == params.shape and node.dtype == params.dtype)
+        return node if ok else None
 
     # ---- P2P -------------------------------------------------------------------------------------------
 
@@ -608,33 +645,42 @@ def _in_flight(pending: Any) -> bool:
 
 
 def _add_at(tree: dict[str, Any], path: tuple[str, ...], grads: Any, dtype: torch.dtype | None = None,
-            owned: set[tuple[str, ...]] | None = None) -> None:
+            owned: set[tuple[str, ...]] | None = None, summed: bool = False) -> None:
     """Adds gradient subtree `grads` into nested dict `tree` at `path` (creating the path), summing in
     `dtype` (None: the gradients' own). `owned` holds the full paths whose tensor was allocated here: those
     are summed into in place (as AccumulateGrad does), the others (a thunk's output, which may alias
-    something the caller still holds) are replaced by a new sum once, which is owned from then on."""
+    something the caller still holds) are replaced by a new sum once, which is owned from then on.
+    `summed`: `grads` came from a dx pass that added into the sums it was given (split_vjp's `into`):
+    a leaf that is the tree's sum already is left as it is, any other is a fresh gradient nothing else
+    holds, kept (owned) as the sum or added into it."""
     node = tree
     for k in path[:-1]:
         node = node.setdefault(k, {})
-    _add_tree(node, path, grads, dtype, set() if owned is None else owned)
+    _add_tree(node, path, grads, dtype, set() if owned is None else owned, summed)
 
 
 def _add_tree(node: dict[str, Any], path: tuple[str, ...], g: Any, dtype: torch.dtype | None,
-              owned: set[tuple[str, ...]]) -> None:
+              owned: set[tuple[str, ...]], summed: bool = False) -> None:
     key = path[-1]
     if isinstance(g, Mapping):
         child = node.setdefault(key, {})
         for k, v in g.items():
-            _add_tree(child, (*path, k), v, dtype, owned)
-    elif g is not None:
-        if dtype is not None and g.dtype != dtype:
-            g = g.to(dtype)
-            if key not in node:
-                owned.add(path)  # the cast made a new tensor
-        if key not in node:
-            node[key] = g
-        elif path in owned:
-            node[key].add_(g)  # a fresh sum per microbatch costs more than the add (page faults)
-        else:
-            node[key] = node[key] + g
+            _add_tree(child, (*path, k), v, dtype, owned, summed)
+        return
+    if g is None or (summed and node.get(key) is g):
+        return
+    if dtype is not None and g.dtype != dtype:
+        g = g.to(dtype)
+        summed = True  # the cast made a new tensor
+    if key not in node:
+        node[key] = g
+        if summed:
             owned.add(path)
+    elif path in owned:
+        node[key].add_(g)  # a fresh sum per microbatch costs more than the add (page faults)
+    elif summed:
+        node[key] = g.add_(node[key])
+        owned.add(path)
+    else:
+        node[key] = node[key] + g
+        owned.add(path)

@@ -165,6 +165,29 @@ def test_gradient_sums_never_write_into_a_tensor_they_did_not_allocate() -> None
         assert got.dtype == (dtype or torch.float32) and got.tolist() == [10.0, 10.0]
 
 
+def test_summed_gradients_are_kept_not_added_again() -> None:
+    """A dx pass that added into the sums it was given (split_vjp's `into`) hands back those sums, which
+    are not added again, and fresh gradients, which become (or are added into) the sums: the first kept
+    as it is, an unowned sum from another pass never written."""
+    from fmoe.schedule.execute import _add_at
+
+    tree: dict = {}
+    owned: set = set()
+    path = ("block", "w")
+    fresh = torch.full((2,), 1.0)
+    _add_at(tree, path, fresh, None, owned, summed=True)  # the first microbatch: kept, no copy
+    assert tree["block"]["w"] is fresh and path in owned
+    fresh.add_(2.0)  # what the next dx pass does to the sum it is given
+    _add_at(tree, path, fresh, None, owned, summed=True)
+    assert tree["block"]["w"] is fresh and fresh.tolist() == [3.0, 3.0]
+    other = torch.full((2,), 5.0)  # a deferred thunk's output: not owned
+    tree2: dict = {}
+    owned2: set = set()
+    _add_at(tree2, path, other, None, owned2)
+    _add_at(tree2, path, torch.full((2,), 1.0), None, owned2, summed=True)
+    assert other.tolist() == [5.0, 5.0] and tree2["block"]["w"].tolist() == [6.0, 6.0] and path in owned2
+
+
 def test_programs_that_do_not_match_the_placement_fail_before_running() -> None:
     s = S.one_f_one_b(2, 2)
     params = _params(2)

@@ -474,3 +474,56 @@ def test_vjp_dw_does_not_hold_inputs_its_thunks_do_not_read():
     gc.collect()
     assert ref() is None
     assert vjp_dw().shape == (3, 4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(depth=st.integers(1, 3), n=st.integers(1, 9), d=st.integers(1, 8), f=st.integers(1, 12),
+       seed=st.integers(0, 2**16), mask=st.integers(0, 2**13 - 1))
+@example(depth=1, n=1, d=1, f=1, seed=0, mask=0)  # no sums: every gradient fresh
+@example(depth=2, n=3, d=2, f=3, seed=0, mask=2**13 - 1)  # a sum for every leaf, the unused one too
+def test_into_adds_each_gradient_into_its_sum(depth, n, d, f, seed, mask):
+    """vjp_dx(ct, into=sums): each given sum gets this pass's gradient added in place and comes back as
+    itself; a leaf without one gets a fresh gradient that aliases nothing of the caller's. Oracle: the
+    unsplit torch.func.vjp, added to the sums by hand."""
+    params = make_params(depth, d, f, torch.float64, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    ct = torch.randn(n, d, generator=g, dtype=torch.float64)
+    leaves, spec = tree_flatten(params)
+    sums = [torch.randn(t.shape, generator=g, dtype=t.dtype) if mask >> k & 1 else None
+            for k, t in enumerate(leaves)]
+    before = [None if s is None else s.clone() for s in sums]
+    into = torch.utils._pytree.tree_unflatten(sums, spec)
+    _, ref_fn = torch.func.vjp(stack, params, x)
+    ref_dparams, ref_dx = ref_fn(ct)
+    ref = tree_flatten(ref_dparams)[0]
+    caller = [ct, x, *leaves, *(s for s in sums if s is not None)]
+    out, vjp_dx = split_vjp(stack, params, x, engine="autograd", defer=False)
+    (dx,), vjp_dw = vjp_dx(ct, into=into)
+    got = tree_flatten(vjp_dw())[0]
+    assert_close(dx, ref_dx)
+    for k, (s, b, r, t) in enumerate(zip(sums, before, ref, got)):
+        if s is None:
+            assert_close(t, r)
+            assert all(t.untyped_storage().data_ptr() != c.untyped_storage().data_ptr() for c in caller), k
+        else:
+            assert t is s, f"leaf {k}: the sum must come back as itself"
+            assert_close(t, b + r)
+
+
+def test_into_refuses_modes_and_sums_that_do_not_fit():
+    params = make_params(1, 2, 3, torch.float64, 0)
+    x, ct = torch.randn(2, 2, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+    zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)
+    for engine, defer in (("func", False), ("autograd", True)):
+        _, vjp_dx = split_vjp(stack, params, x, engine=engine, defer=defer)
+        with pytest.raises(ValueError, match="engine='autograd', defer=False"):
+            vjp_dx(ct, into=zeros)
+    _, vjp_dx = split_vjp(stack, params, x, engine="autograd", defer=False)
+    with pytest.raises(ValueError, match="structure of params"):
+        vjp_dx(ct, into={"blocks": zeros["blocks"]})
+    wrong = {**zeros, "unused_D": torch.zeros(5, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="its sum is"):
+        vjp_dx(ct, into=wrong)
+    (dx,), vjp_dw = vjp_dx(ct, into=zeros)  # the refusals did not use the pass up
+    assert_close(vjp_dw(), torch.func.vjp(stack, params, x)[1](ct)[0])

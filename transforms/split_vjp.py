@@ -116,6 +116,30 @@ def _zeros(meta: tuple[torch.Size, torch.dtype, torch.device]) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _accumulators(into: Any, p_spec: Any, diff_pos: list[int], n_param_leaves: int,
+                  leaf_meta: list[tuple], supported: bool) -> list[torch.Tensor | None]:
+    """Returns vjp_dx's `into` as one sum or None per differentiable leaf (None for the arguments);
+    raises ValueError unless `supported` (engine "autograd", defer=False) and `into` matches params."""
+    if not supported:
+        raise ValueError("vjp_dx(into=...) needs split_vjp(engine='autograd', defer=False): the other "
+                         "modes do not accumulate gradients as the backward produces them")
+    i_leaves, i_spec = flatten(into)
+    if i_spec != p_spec:
+        raise ValueError("vjp_dx(into=...): `into` must have the structure of params (None where there is "
+                         "no sum yet)")
+    acc: list[torch.Tensor | None] = []
+    for k, i in enumerate(diff_pos):
+        t = i_leaves[i] if i < n_param_leaves else None
+        if t is not None:
+            shape, dtype, device = leaf_meta[k]
+            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (shape, dtype, device):
+                got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"vjp_dx(into=...): params leaf {i} is {tuple(shape)} {dtype} on {device}, "
+                                 f"its sum is {got}")
+        acc.append(t)
+    return acc
+
+
 def _writable(g: Any) -> Any:
     """Return `g`, materialised when it is an expanded tensor (stride 0 along a dim of size > 1).
 
@@ -236,9 +260,17 @@ class DxFn(Protocol):
     arg of f after params (None for non-float leaves); `vjp_dw` is the deferred weight-grad pass. Callable
     once. A cotangent whose structure, a shape or a dtype differs from `out`'s raises ValueError naming the
     leaf, and does not use the pass up; under `torch.func.vmap` it raises RuntimeError.
+
+    `into` (engine "autograd" with defer=False only): a pytree like `params` holding, per leaf, a
+    gradient sum to add this pass's gradient into, or None. The pass then accumulates the parameter
+    gradients as autograd's AccumulateGrad does, each as soon as the backward produces it (while it is in
+    cache): in place into a given sum, which `vjp_dw` returns (the same tensor); for a None, the fresh
+    gradient itself, which nothing else holds (AccumulateGrad keeps it only then, else a copy), so the
+    caller may keep it as its sum and add into it. Raises ValueError when the structure differs from
+    `params` or a sum's shape, dtype or device differs from its leaf's.
     """
 
-    def __call__(self, cotangent: Any, /) -> tuple[tuple[Any, ...], DwFn]: ...
+    def __call__(self, cotangent: Any, /, *, into: Any = None) -> tuple[tuple[Any, ...], DwFn]: ...
 
 
 ENGINES = ("func", "autograd")
@@ -270,12 +302,22 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     differentiable = [k for k, o in enumerate(out_leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
     graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
 
-    def vjp_fn(ct_leaves: list[torch.Tensor], retain_graph: bool = False) -> tuple:
+    def vjp_fn(ct_leaves: list[torch.Tensor], retain_graph: bool = False,
+               into: list[torch.Tensor | None] | None = None) -> tuple:
         outs, ins = graph.pop("outs"), graph.pop("leaves")
         if not outs:
-            return tuple(None for _ in ins)
-        return torch.autograd.grad(outs, ins, [ct_leaves[k] for k in differentiable],
-                                   retain_graph=retain_graph, allow_unused=True)
+            return tuple(into) if into is not None else tuple(None for _ in ins)
+        cts = [ct_leaves[k] for k in differentiable]
+        if into is None:
+            return torch.autograd.grad(outs, ins, cts, retain_graph=retain_graph, allow_unused=True)
+        # AccumulateGrad into the leaves: in place where a sum is given, else the fresh gradient kept
+        for leaf, acc in zip(ins, into):
+            leaf.grad = acc
+        torch.autograd.backward(outs, cts, retain_graph=retain_graph, inputs=ins)
+        grads = tuple(leaf.grad for leaf in ins)
+        for leaf in ins:
+            leaf.grad = None
+        return grads
 
     detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     out = unflatten(detach, out_spec)
@@ -358,10 +400,12 @@ def split_vjp(
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
 
-    def vjp_dx(cotangent: Any) -> tuple[tuple[Any, ...], DwFn]:
+    def vjp_dx(cotangent: Any, *, into: Any = None) -> tuple[tuple[Any, ...], DwFn]:
         if under_vmap():
             raise RuntimeError(VMAP_MESSAGE)
         ct_leaves = _check_cotangent(cotangent, out_spec, out_meta)
+        acc = None if into is None else _accumulators(into, p_spec, diff_pos, n_param_leaves, leaf_meta,
+                                                      engine == "autograd" and not defer)
         dx_once.claim()
         # Weak references, for naming an input in vjp_dw's error only: holding them must not keep memory.
         arg_refs = [(i, weakref.ref(leaves[i])) for i in range(n_param_leaves, n_leaves)
@@ -369,7 +413,10 @@ def split_vjp(
         ct_refs = [weakref.ref(c) for c in ct_leaves]
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):
-            grads = fn(ct_leaves) if engine == "autograd" else fn(cotangent, retain_graph=False)
+            if engine != "autograd":
+                grads = fn(cotangent, retain_graph=False)
+            else:
+                grads = fn(ct_leaves) if acc is None else fn(ct_leaves, into=acc)
         del fn
         full: list[Any] = [None] * n_leaves
         for k, (i, g) in enumerate(zip(diff_pos, grads)):
