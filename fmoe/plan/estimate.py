@@ -113,6 +113,13 @@ def _link(c: ClusterSpec, intra: bool) -> tuple[float, float]:
     return (c.intra_bytes_per_s, c.intra_latency_s) if intra else (c.inter_bytes_per_s, c.inter_latency_s)
 
 
+def _remote_neighbours(s: S.Schedule, stage: int) -> int:
+    """How many of `stage`'s neighbours in the stage chain (the one before and the one after) run on
+    another rank: the pipeline messages it sends and receives per microbatch, each way."""
+    rank = s.placement.stage_rank
+    return sum(1 for nb in (stage - 1, stage + 1) if 0 <= nb < len(rank) and rank[nb] != rank[stage])
+
+
 def _collective_s(c: ClusterSpec, nbytes: float, intra: bool, steps: int = 1) -> float:
     bw, lat = _link(c, intra)
     return nbytes / bw + steps * lat + c.comm_overhead_s
@@ -325,11 +332,14 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         inf = float("inf")
         return Prediction(lay, m, inf, 0.0, 0.0, mem_gib, 0.0, 0.0, False, reason, False, {}, mem)
 
+    # each stage's messages to and from stages on other ranks: their host cost, in F (activations) and in
+    # I or B (gradients)
+    msg = [c.p2p_overhead_s * _remote_neighbours(s_full, st) for st in range(len(stage_chunk))]
     costs = S.Costs(
-        f=tuple(chunk_f[k] for k in stage_chunk),
-        i=tuple(chunk_i[k] for k in stage_chunk),
+        f=tuple(chunk_f[k] + msg[st] for st, k in enumerate(stage_chunk)),
+        i=tuple(chunk_i[k] + msg[st] for st, k in enumerate(stage_chunk)),
         w=tuple(chunk_w[k] for k in stage_chunk),
-        b=tuple(chunk_b[k] for k in stage_chunk),
+        b=tuple(chunk_b[k] + msg[st] for st, k in enumerate(stage_chunk)),
         p2p=p2p,
         a2a=a2a_unit,
         moe_layers=moe_per_chunk,

@@ -7,7 +7,8 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - the causal attention kernel's FLOP/s at a small shape (attn_eff);
 - AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 4 B and 4 MiB; one
-  machine: intra = inter), and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
+  machine: intra = inter), a tiny all-to-all's cost beyond that latency (comm_overhead_s), and what one
+  pipeline message costs each busy rank it leaves or reaches (p2p_overhead_s, `_message_cost`); medians
   after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
   every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs, see
@@ -42,7 +43,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 5  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 6  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -125,6 +126,7 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
     x = torch.zeros(2)
     dist.barrier()
     out["a2a"] = _median_s(lambda: dist.all_to_all_single(x, x.clone()), 50, warm=5)
+    out["p2p_host"] = _message_cost(rank)
     with open("/proc/self/status") as f:
         rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
     dist.barrier()
@@ -133,10 +135,57 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
         q.put((out, rss_kib))
 
 
-def _links() -> tuple[float, float, float]:
-    """(latency s, bytes/s, extra seconds per collective call) between two spawned gloo processes: the
-    one-way time of a 4-byte send, the bandwidth of a 4 MiB one, and what a tiny all-to-all costs beyond
-    that latency (its host-side overhead)."""
+# A pipeline stage's pattern, for _message_cost: rounds of one message each way around COMPUTE_MATMULS
+# small matmuls (about a millisecond here), messages the size of the tiny preset's [4, S, D] activations.
+MESSAGE_ROUNDS = 8
+COMPUTE_MATMULS = 200
+
+
+def _message_cost(rank: int) -> float:
+    """The host seconds one pipeline message costs each rank it leaves or reaches on this machine, busy:
+    both ranks run MESSAGE_ROUNDS rounds of compute, each with one send to the other rank and one receive
+    from it (posted before the compute, waited after it, as the executor does), against the same compute
+    alone; the difference per message and side (medians after a warm-up). On an idle machine a message
+    costs its latency; here the senders' and receivers' gloo threads take cores from the compute."""
+    import torch.distributed as dist
+
+    from fmoe.plan.specs import load_model
+
+    tiny = load_model("tiny")
+    msg = torch.zeros(4 * tiny.seq * tiny.hidden)
+    a = torch.randn(64, 64)
+    peer = 1 - rank
+
+    def compute() -> None:
+        for _ in range(COMPUTE_MATMULS):
+            a @ a
+
+    def alone() -> None:
+        for _ in range(MESSAGE_ROUNDS):
+            compute()
+
+    def with_messages() -> None:
+        sends = []
+        for k in range(MESSAGE_ROUNDS):
+            buf = torch.empty_like(msg)
+            recv = dist.irecv(buf, peer, tag=k)
+            sends.append(dist.isend(msg, peer, tag=k))
+            compute()
+            recv.wait()
+        for w in sends:
+            w.wait()
+
+    dist.barrier()
+    t_alone = _median_s(alone, 9, warm=2)
+    dist.barrier()
+    t_with = _median_s(with_messages, 9, warm=2)
+    return max(0.0, t_with - t_alone) / (2 * MESSAGE_ROUNDS)
+
+
+def _links() -> tuple[float, float, float, float]:
+    """(latency s, bytes/s, extra seconds per collective call, host seconds per pipeline message and
+    side) between two spawned gloo processes: the one-way time of a 4-byte send, the bandwidth of a 4 MiB
+    one, what a tiny all-to-all costs beyond that latency (its host-side overhead), and _message_cost."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -150,7 +199,7 @@ def _links() -> tuple[float, float, float]:
         p.join(timeout=60)
     latency = out[1]
     bandwidth = 4 * 2**20 / max(out[2**20] - latency, 1e-9)
-    return latency, bandwidth, max(0.0, out["a2a"] - latency)
+    return latency, bandwidth, max(0.0, out["a2a"] - latency), out["p2p_host"]
 
 
 # The tiny preset data-parallel over every core, 8 microbatches per rank through the executor: ranks of one
@@ -306,7 +355,7 @@ def measure_machine() -> ClusterSpec:
         hbm = _adamw_bytes_per_s()
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth, per_call = _links()
+    latency, bandwidth, per_call, per_message = _links()
     cores = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
         total_gib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) / 2**20
@@ -325,6 +374,7 @@ def measure_machine() -> ClusterSpec:
         hbm_bytes_per_s=hbm,
         op_overhead_s=0.0,
         comm_overhead_s=per_call,
+        p2p_overhead_s=per_message,
         base_mem_gib=0.0,
     )
 

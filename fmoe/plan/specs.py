@@ -183,7 +183,10 @@ class ClusterSpec:
     per step and per layer a device holds, outside the pipeline (optimizer, gradient norm and
     routing-state bookkeeping over each layer's tensors).
     `base_mem_gib`: memory a process holds before the model (runtime context, libraries).
-    `comm_overhead_s`: fixed host cost per collective call on top of the link latency."""
+    `comm_overhead_s`: fixed host cost per collective call on top of the link latency.
+    `p2p_overhead_s`: host cost of one pipeline message on each rank it leaves or reaches (posting the
+    send or receive, the transport's share of a busy host), charged to the stage that sends or receives
+    it: per remote neighbour stage, once in its forward and once in its backward."""
 
     name: str
     devices_per_node: int
@@ -207,6 +210,7 @@ class ClusterSpec:
     stage_overhead_s: float = 0.0
     b_overhead_ratio: float | None = None
     token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    p2p_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("devices_per_node",))
@@ -215,7 +219,7 @@ class ClusterSpec:
         _positive_reals(
             self,
             ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib",
-             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s"),
+             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s", "p2p_overhead_s"),
             allow_zero=True,
         )
         if self.b_overhead_ratio is not None:
