@@ -139,7 +139,7 @@ def test_fit_host_recovers_a_host_model(f: dict[str, float], ratio: float, per_s
     ({"step_overhead_s": -1e-3}, "step_overhead_s"),
     ({"i_overhead_ratio": float("nan")}, "i_overhead_ratio"),
     ({"token_overhead_s": {"moe": float("inf")}}, "token_overhead_s"),
-    ({"token_overhead_s": [1e-6]}, "token_overhead_s")])
+    ({"token_overhead_s": [1e-6]}, "token_overhead_s"), ({"p2p_overhead_s": -1e-6}, "p2p_overhead_s")])
 def test_bad_overhead_fields(change: dict, field: str) -> None:
     with pytest.raises(PlanError, match=field):
         _machine().replace(**change)
@@ -252,3 +252,37 @@ def test_fit_host_splits_host_time_per_token(fixed: dict[str, float], per_token:
     # without the large run all of the host time counts as fixed
     flat = LC.fit_host(fast, full, short, split)
     assert flat.token_overhead_s == {k: 0.0 for k in LAYER_KINDS}
+
+
+def test_remote_neighbours_follow_the_placement() -> None:
+    """The messages a stage sends and receives per microbatch each way: one per neighbour on another rank
+    (the turn of a V hands over in memory)."""
+    from fmoe import schedule as S
+    from fmoe.plan.estimate import _remote_neighbours
+
+    want = {"1f1b": (1, 1), "interleaved": (1, 2, 2, 1), "dualpipev": (1, 1, 1, 1), "zbv": (1, 1, 1, 1)}
+    for name, counts in want.items():
+        s = S.build(name, 2, 8)
+        assert tuple(_remote_neighbours(s, st) for st in range(len(counts))) == counts, name
+
+
+@given(h=st.floats(1e-6, 1e-2))
+@example(h=1e-6)
+def test_message_cost_is_charged_per_remote_neighbour(h: float) -> None:
+    """p2p_overhead_s adds h to each stage's forward and backward per remote neighbour: pp 1 is unmoved,
+    a pipeline never gets faster, and interleaved (two neighbours for its middle stages) grows more than
+    1f1b."""
+    ctx, lay = _calibration_layout()
+    base = _machine().replace(layer_overhead_s={k: 1e-3 for k in LAYER_KINDS})
+    more = base.replace(p2p_overhead_s=h)
+
+    def step(c: ClusterSpec, layout: Layout) -> float:
+        return evaluate(Context(ctx.model, c, 2, 32), layout).step_s
+
+    assert step(more, lay) == pytest.approx(step(base, lay))  # the calibration layout: pp 1, no messages
+    grown = {}
+    for sched, v in (("1f1b", 1), ("interleaved", 2)):
+        pp2 = Layout(tp=1, pp=2, ep=1, dp=1, vpp=v, schedule=sched, overlap=False, micro_batch=4)
+        grown[sched] = step(more, pp2) - step(base, pp2)
+        assert grown[sched] > 0
+    assert grown["interleaved"] > grown["1f1b"]
