@@ -485,7 +485,7 @@ class _Executor:
         for k in path:
             node = node.get(k) if isinstance(node, dict) else None
         ok = (isinstance(node, torch.Tensor) and path in self.owned and isinstance(params, torch.Tensor)
-              and node.shape == params.shape and node.dtype == params.dtype)
+              and (node.shape, node.dtype, node.device) == (params.shape, params.dtype, params.device))
         return node if ok else None
 
     # ---- P2P -------------------------------------------------------------------------------------------
