@@ -669,16 +669,17 @@ def _add_tree(node: dict[str, Any], path: tuple[str, ...], g: Any, dtype: torch.
         return
     if g is None or (summed and node.get(key) is g):
         return
+    fresh = summed  # g is a tensor nothing else holds: it may become the sum, or be added into
     if dtype is not None and g.dtype != dtype:
         g = g.to(dtype)
-        summed = True  # the cast made a new tensor
+        fresh = True  # the cast made a new tensor
     if key not in node:
         node[key] = g
-        if summed:
+        if fresh:
             owned.add(path)
     elif path in owned:
         node[key].add_(g)  # a fresh sum per microbatch costs more than the add (page faults)
-    elif summed:
+    elif fresh:
         node[key] = g.add_(node[key])
         owned.add(path)
     else:

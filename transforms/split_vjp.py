@@ -413,10 +413,7 @@ def split_vjp(
         ct_refs = [weakref.ref(c) for c in ct_leaves]
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):
-            if engine != "autograd":
-                grads = fn(cotangent, retain_graph=False)
-            else:
-                grads = fn(ct_leaves) if acc is None else fn(ct_leaves, into=acc)
+            grads = fn(ct_leaves, into=acc) if engine == "autograd" else fn(cotangent, retain_graph=False)
         del fn
         full: list[Any] = [None] * n_leaves
         for k, (i, g) in enumerate(zip(diff_pos, grads)):

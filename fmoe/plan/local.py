@@ -136,7 +136,7 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
 
 
 # A pipeline stage's pattern, for _message_cost: rounds of one message each way around COMPUTE_MATMULS
-# small matmuls (about a millisecond here), messages the size of the tiny preset's [4, S, D] activations.
+# small matmuls (about a millisecond here), messages the size of the calibration run's [B, S, D] activations.
 MESSAGE_ROUNDS = 8
 COMPUTE_MATMULS = 200
 
@@ -152,7 +152,7 @@ def _message_cost(rank: int) -> float:
     from fmoe.plan.specs import load_model
 
     tiny = load_model("tiny")
-    msg = torch.zeros(4 * tiny.seq * tiny.hidden)
+    msg = torch.zeros(CALIBRATION_RUN["micro_batch_size"] * tiny.seq * tiny.hidden)
     a = torch.randn(64, 64)
     peer = 1 - rank
 
