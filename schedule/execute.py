@@ -80,11 +80,12 @@ class _Record:
     # a whole stage whose dx pass adds its weight gradients into the step's sums (split_vjp's `into`):
     # the params it was differentiated at, by path
     sums_into: tuple[tuple[tuple[str, ...], Any], ...] | None = None
+    defer: bool = False  # its weight gradients wait on split_vjp tapes for the dw passes
 
 
 class _Summed:
-    """A dw pass whose gradients already are the step's sums (the dx pass added into them): its results
-    are handed over, not added again."""
+    """A dw pass whose gradients already are the step's sums (the dx pass added into them, or the dw pass
+    adds into them when called): its results are handed over, not added again."""
 
     __slots__ = ("fn",)
 
@@ -250,7 +251,7 @@ class _Executor:
         acts = self._take_boundary(Op(F, stage, mb), Kind.ACT, stage)
         meta = dict(self.data(mb))
         defer = self._defers(stage, mb)
-        rec = _Record()
+        rec = _Record(defer=defer)
         self.records[(stage, mb)] = rec
         self.live.add(1)
         phased = stage in self.remote
@@ -410,6 +411,8 @@ class _Executor:
                     vjp_dw = _Summed(vjp_dw)
                 else:
                     (ct,), vjp_dw = closure(full)
+                    if rec.defer:
+                        vjp_dw = self._dw_into_sums(stage, ph, vjp_dw)
                 ct = {k: v for k, v in ct.items() if v is not None}
                 del full, closure
                 queue.append((ph, layer, vjp_dw))
@@ -426,6 +429,8 @@ class _Executor:
                     side_ph, side_layer, side_dx = sides[k][0].side, sides[k][1], sides.pop(k)[2][1]
                     ts = self._now()
                     (side_ct[k],), vjp_dw = side_dx(side_in[k])
+                    if rec.defer:
+                        vjp_dw = self._dw_into_sums(stage, side_ph, vjp_dw)
                     queue.append((side_ph, side_layer, vjp_dw))
                     self._event("compute", f"{kind} {side_ph.name} s{stage} {side_layer} mb{mb}", kind, ts)
                 if _in_flight(pending):
@@ -475,6 +480,13 @@ class _Executor:
             del vjp_dw
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
+
+    def _dw_into_sums(self, stage: int, ph: Phase, vjp_dw: Callable[..., Any]) -> _Summed:
+        """Returns the deferred dw pass `vjp_dw` of phase `ph` (stage `stage`) as one that adds into the
+        step's sums when it runs (split_vjp's `vjp_dw(into=...)`): the deferred products accumulate
+        straight into them (a GEMM with beta = 1) instead of making a gradient and adding it."""
+        params = tuple((q, subtree(self.programs[stage].params, q)) for q in ph.param_paths)
+        return _Summed(lambda: vjp_dw(into=tuple(self._sums_like(q, p) for q, p in params)))
 
     def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
         """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for

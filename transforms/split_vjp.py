@@ -117,15 +117,16 @@ def _zeros(meta: tuple[torch.Size, torch.dtype, torch.device]) -> torch.Tensor:
 
 
 def _accumulators(into: Any, p_spec: Any, diff_pos: list[int], n_param_leaves: int,
-                  leaf_meta: list[tuple], supported: bool) -> list[torch.Tensor | None]:
-    """Returns vjp_dx's `into` as one sum or None per differentiable leaf (None for the arguments);
-    raises ValueError unless `supported` (engine "autograd", defer=False) and `into` matches params."""
+                  leaf_meta: list[tuple], supported: bool, who: str = "vjp_dx") -> list[torch.Tensor | None]:
+    """Returns `who`'s (vjp_dx's or vjp_dw's) `into` as one sum or None per differentiable leaf (None for
+    the arguments); raises ValueError unless `supported` and `into` matches params."""
     if not supported:
-        raise ValueError("vjp_dx(into=...) needs split_vjp(engine='autograd', defer=False): the other "
-                         "modes do not accumulate gradients as the backward produces them")
+        raise ValueError("vjp_dx(into=...) needs split_vjp(engine='autograd', defer=False) and "
+                         "vjp_dw(into=...) needs split_vjp(defer=True): in the other modes that pass does "
+                         "not make the weight gradients")
     i_leaves, i_spec = flatten(into)
     if i_spec != p_spec:
-        raise ValueError("vjp_dx(into=...): `into` must have the structure of params (None where there is "
+        raise ValueError(f"{who}(into=...): `into` must have the structure of params (None where there is "
                          "no sum yet)")
     acc: list[torch.Tensor | None] = []
     for k, i in enumerate(diff_pos):
@@ -134,7 +135,7 @@ def _accumulators(into: Any, p_spec: Any, diff_pos: list[int], n_param_leaves: i
             shape, dtype, device = leaf_meta[k]
             if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (shape, dtype, device):
                 got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"vjp_dx(into=...): params leaf {i} is {tuple(shape)} {dtype} on {device}, "
+                raise ValueError(f"{who}(into=...): params leaf {i} is {tuple(shape)} {dtype} on {device}, "
                                  f"its sum is {got}")
         acc.append(t)
     return acc
@@ -248,9 +249,16 @@ class DwFn(Protocol):
     neither activations nor tape entries are held. Raises `CaptureModifiedError`, naming the tensor and the
     weight, when a tensor a deferred weight gradient reads was modified in place after `vjp_dx` (and
     again on every call: it is not used up by the refusal).
+
+    `into` (defer=True only): a pytree like `params` holding, per leaf, a gradient sum to add this pass's
+    gradient into, or None. A given sum comes back as itself, the gradient added in place: the deferred
+    products add straight into it where the primitive can (a GEMM with beta = 1, a scatter-add), so no
+    gradient tensor is made and no pass adds it. For a None, a fresh gradient nothing else holds, which
+    the caller may keep as its sum. Raises ValueError when the structure differs from `params` or a
+    sum's shape, dtype or device differs from its leaf's (the pass is not used up).
     """
 
-    def __call__(self) -> Any: ...
+    def __call__(self, *, into: Any = None) -> Any: ...
 
 
 class DxFn(Protocol):
@@ -442,7 +450,9 @@ def split_vjp(
                              if isinstance(p, torch.Tensor)])
             return _modified_message(err, candidates, labels[param_diff[err.weight_index][1]])
 
-        def vjp_dw() -> Any:
+        def vjp_dw(*, into: Any = None) -> Any:
+            sums = None if into is None else _accumulators(into, p_spec, diff_pos, n_param_leaves, leaf_meta,
+                                                           defer, "vjp_dw")
             if not dw_once.done and state["tape"] is not None:
                 try:
                     state["tape"].check()  # before claiming: the error repeats, never "already called"
@@ -452,13 +462,16 @@ def split_vjp(
                                                current=err.current) from None
             dw_once.claim()
             tape = state.pop("tape")
-            deferred = tape.run() if tape is not None else [None] * len(param_diff)
+            targets = None if sums is None else [sums[k] for k, _ in param_diff]
+            deferred = tape.run(into=targets) if tape is not None else [None] * len(param_diff)
             flat_params: list[Any] = [None] * n_param_leaves
             for (k, i), now, later in zip(param_diff, dx_param_grads, deferred):
                 if now is None or (tape is not None and tape.is_placeholder(now)):  # a zero: skip the pass
                     g = later
-                else:
-                    g = now if later is None else later.add_(now)
+                elif later is not None:
+                    g = later.add_(now)  # later is the sum, a tape's own tensor or a copy
+                else:  # autograd's gradient may alias a cotangent: a sum for the caller is a copy
+                    g = now if sums is None else now.clone()
                 flat_params[i] = _writable(g) if g is not None else _zeros(leaf_meta[k])
             dx_param_grads.clear()
             if tape is not None:

@@ -68,8 +68,10 @@ class CaptureModifiedError(RuntimeError):
         self.tensor, self.weight_index, self.recorded, self.current = tensor, weight_index, recorded, current
 
 
-# One queued thunk: (weight index, thunk, captured tensors, their versions when recorded).
-_Entry = tuple[int, Callable[[], torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...]]
+# One queued thunk: (weight index, thunk, captured tensors, their versions when recorded, its accumulating
+# form or None).
+_Entry = tuple[int, Callable[[], torch.Tensor], tuple[torch.Tensor, ...], tuple[int, ...],
+               Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 class WeightGradTape:
@@ -109,16 +111,21 @@ class WeightGradTape:
         return id(w) in self._index
 
     def record(self, w: torch.Tensor, thunk: Callable[[], torch.Tensor],
-               captures: Sequence[torch.Tensor] = ()) -> None:
+               captures: Sequence[torch.Tensor] = (),
+               accumulate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Queue `thunk() -> dw` for weight `w` (which this tape must defer); returns None.
 
         `captures`: the tensors `thunk` reads; their version counters are kept, and `check()` / `run()`
-        refuse to run the thunk once one of them has been modified in place.
+        refuse to run the thunk once one of them has been modified in place. `accumulate(out)`, optional:
+        adds the same dw into `out` (w's shape and dtype) in place and returns `out`, with no dw tensor
+        of its own (a GEMM with beta = 1); giving it also declares that `thunk()` returns a tensor
+        nothing else holds. `run(into=...)` uses both.
         """
         if id(w) not in self._index:
             raise ValueError("record(): this tape does not defer that tensor; ask defers(w) first")
         caps = tuple(captures)
-        self._entries.append((self._index[id(w)], thunk, caps, tuple(tensor_version(t) for t in caps)))
+        self._entries.append((self._index[id(w)], thunk, caps, tuple(tensor_version(t) for t in caps),
+                              accumulate))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,7 +136,7 @@ class WeightGradTape:
         Reads the version counters only (no copies). Nothing is consumed, so the tape can still run
         once the caller knows better.
         """
-        for i, _, caps, versions in self._entries:
+        for i, _, caps, versions, _ in self._entries:
             for t, v in zip(caps, versions):
                 now = tensor_version(t)
                 if now != v:
@@ -139,26 +146,53 @@ class WeightGradTape:
                         f"it was recorded (version {v} -> {now}); the deferred gradient would use the new "
                         "contents", tensor=t, weight_index=i, recorded=v, current=now)
 
-    def run(self) -> list[torch.Tensor | None]:
+    def run(self, into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
         """Evaluate all thunks, summing per weight; returns [dw or None] per weight. Empties the tape.
 
+        `into` (one tensor or None per weight, each of its weight's shape and dtype): sums to add the
+        gradients into in place, as AccumulateGrad does. A weight with a sum gets the sum back (each of
+        its entries added by its `accumulate` form where it has one, so no dw tensor is made; else made
+        and added); a weight without one gets a tensor nothing else holds (a thunk's result that may
+        alias something, one with no `accumulate` form, is copied), which the caller may keep as its
+        sum. A weight with no entry gets its sum or None.
+
         Raises CaptureModifiedError (before running any thunk, leaving the tape as it was) when `check()`
-        fails.
+        fails, ValueError when `into` does not fit the weights.
         """
+        if into is not None:
+            self._check_into(into)
         self.check()
-        grads: list[torch.Tensor | None] = [None] * len(self._weights)
+        grads: list[torch.Tensor | None] = [None] * len(self._weights) if into is None else list(into)
         entries, self._entries = self._entries, []
         with torch.no_grad():
             while entries:
-                i, thunk, _, _ = entries.pop()
+                i, thunk, _, _, accumulate = entries.pop()
+                if grads[i] is not None and into is not None and accumulate is not None:
+                    grads[i] = accumulate(grads[i])
+                    continue
                 g = thunk()
                 if g.shape != self._weights[i].shape:
                     raise RuntimeError(
                         f"deferred weight grad has shape {tuple(g.shape)}, "
                         f"weight has {tuple(self._weights[i].shape)}"
                     )
-                grads[i] = g if grads[i] is None else grads[i].add_(g)
+                if grads[i] is not None:
+                    grads[i] = grads[i].add_(g)
+                elif into is not None and accumulate is None:
+                    grads[i] = g.clone()  # only a declared-fresh result may become the caller's sum
+                else:
+                    grads[i] = g
         return grads
+
+    def _check_into(self, into: Sequence[torch.Tensor | None]) -> None:
+        if len(into) != len(self._weights):
+            raise ValueError(f"run(into=...): {len(into)} sums for {len(self._weights)} weights")
+        for k, (s, w) in enumerate(zip(into, self._weights)):
+            if s is not None and (not isinstance(s, torch.Tensor)
+                                  or (s.shape, s.dtype, s.device) != (w.shape, w.dtype, w.device)):
+                got = (tuple(s.shape), s.dtype, s.device) if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ValueError(f"run(into=...): weight {k} is {tuple(w.shape)} {w.dtype} on {w.device}, "
+                                 f"its sum is {got}")
 
     def clear(self) -> None:
         """Drop every recorded thunk and the weight references."""
@@ -239,9 +273,13 @@ def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor],
     return tape.placeholder(w)
 
 
-def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], *args: Any,
+                         accumulate: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Return the gradient of weight `w` for a primitive's backward: `compute(*args)` now, or, when the
     active tape defers `w`, the stride-0 zero placeholder of w's shape, with `compute` queued on the tape.
+    `accumulate(out, *args)`, optional: adds `compute(*args)` into `out` in place without making it (for
+    `WeightGradTape.run(into=...)`) and returns `out`; giving it declares that `compute` returns a tensor
+    nothing else holds.
 
     The whole deferred-dw recipe in one call (`w` is the caller's tensor, kept in setup_context):
 
@@ -256,5 +294,6 @@ def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], 
     if tape is None or not tape.defers(unwrapped(w)):  # the common case first: no aliases to build
         return compute(*args)
     keep = [plain(a) if isinstance(a, torch.Tensor) else a for a in args]
-    dw = defer_weight_grad(w, lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)])
-    return compute(*args) if dw is None else dw
+    tape.record(unwrapped(w), lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)],
+                None if accumulate is None else lambda out: accumulate(out, *keep))
+    return tape.placeholder(unwrapped(w))

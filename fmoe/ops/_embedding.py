@@ -26,6 +26,15 @@ def _table_grad(ids_X: torch.Tensor, g_XD: torch.Tensor, V: int, dtype: torch.dt
     return dt_VD.to(dtype)
 
 
+def _table_grad_into(out_VD: torch.Tensor, ids_X: torch.Tensor, g_XD: torch.Tensor, V: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Adds _table_grad into out_VD in place; returns out_VD. A full-precision table's rows are added
+    straight into it (no [V, D] zeros, no pass adding them); a half-precision one keeps its fp32 sum."""
+    if compute_dtype(dtype) != dtype:
+        return out_VD.add_(_table_grad(ids_X, g_XD, V, dtype))
+    return out_VD.index_add_(0, ids_X.reshape(-1), g_XD.reshape(-1, g_XD.shape[-1]).to(dtype))
+
+
 class _Embedding(Function):
     generate_vmap_rule = True
 
@@ -45,7 +54,8 @@ class _Embedding(Function):
         (ids_X,) = ctx.saved_tensors
         dtable = None
         if ctx.needs_input_grad[1]:
-            dtable = weight_grad_or_defer(ctx.w_plain, _table_grad, ids_X, g_XD, ctx.V, ctx.dtype)
+            dtable = weight_grad_or_defer(ctx.w_plain, _table_grad, ids_X, g_XD, ctx.V, ctx.dtype,
+                                          accumulate=_table_grad_into)
         return None, dtable
 
 

@@ -132,6 +132,20 @@ def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...]
     return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(counts))])
 
 
+def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...],
+                      backend: str) -> torch.Tensor:
+    """out_EDF += _weight_grad(x, g): on CPU one GEMM with beta = 1 per expert into its slice (what the CPU
+    grouped kernel runs anyway, less the [E, D, F] result and the pass adding it); elsewhere the grouped
+    product, added (a device's grouped kernel beats a loop of per-expert launches)."""
+    if out_EDF.device.type != "cpu":
+        return out_EDF.add_(_weight_grad(x_MD, g_MF, counts, backend))
+    b = _bounds(counts)
+    for e in range(len(counts)):
+        if counts[e]:
+            out_EDF[e].addmm_(x_MD[b[e]:b[e + 1]].t(), g_MF[b[e]:b[e + 1]])
+    return out_EDF
+
+
 @dataclass(frozen=True)
 class Grouped:
     """The grouped product over expert row blocks, y = x @ w[e] for the rows of expert e, and its two
@@ -148,6 +162,10 @@ class Grouped:
 
     def dw(self, x_MD: torch.Tensor, g_MF: torch.Tensor) -> torch.Tensor:
         return _weight_grad(x_MD, g_MF, self.counts, self.backend)
+
+    def dw_into(self, out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Tensor) -> torch.Tensor:
+        """Adds dw(x, g) into out_EDF in place; returns out_EDF."""
+        return _weight_grad_into(out_EDF, x_MD, g_MF, self.counts, self.backend)
 
 
 class _GroupedLinear(Function):
@@ -171,7 +189,8 @@ class _GroupedLinear(Function):
         # A cotangent may be expanded (stride 0); the grouped kernels reject that, so materialise it.
         g_MF = g_MF.contiguous()
         dx = prod.dx(g_MF, w_EDF) if ctx.needs_input_grad[0] else None
-        dw = weight_grad_or_defer(ctx.w_plain, prod.dw, x_MD, g_MF) if ctx.needs_input_grad[1] else None
+        dw = (weight_grad_or_defer(ctx.w_plain, prod.dw, x_MD, g_MF, accumulate=prod.dw_into)
+              if ctx.needs_input_grad[1] else None)
         return dx, dw, None
 
 

@@ -21,6 +21,11 @@ def _weight_grad(x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
     return x_XD.reshape(-1, x_XD.shape[-1]).t() @ g_XF.reshape(-1, g_XF.shape[-1])
 
 
+def _weight_grad_into(out_DF: torch.Tensor, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
+    """out_DF += x^T g in one GEMM (beta = 1): no dw tensor, no separate pass to add it."""
+    return out_DF.addmm_(x_XD.reshape(-1, x_XD.shape[-1]).t(), g_XF.reshape(-1, g_XF.shape[-1]))
+
+
 @dataclass(frozen=True)
 class Dense:
     """The dense product y = x @ w (leading dims of x kept) and its two backward products: what `linear`
@@ -34,6 +39,10 @@ class Dense:
 
     def dw(self, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
         return _weight_grad(x_XD, g_XF)
+
+    def dw_into(self, out_DF: torch.Tensor, x_XD: torch.Tensor, g_XF: torch.Tensor) -> torch.Tensor:
+        """Adds dw(x, g) into out_DF in place; returns out_DF."""
+        return _weight_grad_into(out_DF, x_XD, g_XF)
 
 
 DENSE = Dense()
@@ -58,7 +67,7 @@ class _Linear(Function):
         dx = DENSE.dx(g_XF, w_DF) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = weight_grad_or_defer(ctx.w_plain, DENSE.dw, x_XD, g_XF)
+            dw = weight_grad_or_defer(ctx.w_plain, DENSE.dw, x_XD, g_XF, accumulate=DENSE.dw_into)
         return dx, dw
 
 

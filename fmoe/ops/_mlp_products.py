@@ -50,6 +50,12 @@ def _down_weight_grad(gate_MF: torch.Tensor, up_MF: torch.Tensor, g_MD: torch.Te
     return prod.dw(_h(gate_MF, up_MF), g_MD)
 
 
+def _down_weight_grad_into(out_FD: torch.Tensor, gate_MF: torch.Tensor, up_MF: torch.Tensor,
+                           g_MD: torch.Tensor, prod: Grouped | Dense) -> torch.Tensor:
+    """Adds _down_weight_grad into out_FD in place; returns out_FD."""
+    return prod.dw_into(out_FD, _h(gate_MF, up_MF), g_MD)
+
+
 class _SwiGLUDown(Function):
     generate_vmap_rule = True
 
@@ -72,7 +78,8 @@ class _SwiGLUDown(Function):
         g_MD = g_MD.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
         dw = None
         if ctx.needs_input_grad[2]:
-            dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod)
+            dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod,
+                                      accumulate=_down_weight_grad_into)
         dgate = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
@@ -128,7 +135,7 @@ class _Pair(Function):
                 dws.append(None)
                 continue
             g_MF = g_MF.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
-            dws.append(weight_grad_or_defer(ctx.w_plain[k], prod.dw, x_MD, g_MF)
+            dws.append(weight_grad_or_defer(ctx.w_plain[k], prod.dw, x_MD, g_MF, accumulate=prod.dw_into)
                        if ctx.needs_input_grad[1 + k] else None)
             if ctx.needs_input_grad[0]:
                 part = prod.dx(g_MF, w_DF)
