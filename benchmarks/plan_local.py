@@ -9,10 +9,11 @@ Measured per layout: the median `step_s` of the Trainer's steps after 2 warm-up 
 ranks), and the peak resident memory of a rank over its whole run (VmHWM, max over ranks). Rounds run
 every layout once, in an order rotated by one each round; medians over all measured steps. Predicted:
 `fmoe.plan.estimate.fastest_fitting` on the `local` cluster, calibrated in the same run: the machine's
-rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from five calibration
+rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from six calibration
 runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
-same with 2 layers, under zb_h1, with 16 sequences per microbatch, and expert-parallel under 1f1b without
-overlap; layouts none of the measured ones is), which take their turn in every round like a layout, so
+same with 2 layers, under zb_h1, with 16 sequences per microbatch, expert-parallel under 1f1b without
+overlap, and with 2 layers pipelined over the 2 ranks under 1f1b, which prices a pipeline message;
+layouts none of the measured ones is), which take their turn in every round like a layout, so
 that both see the same drift of this machine's speed (up to 2x between minutes). The fit uses the median
 over rounds of each calibration figure. Prints the ratio predicted / measured for step time and memory,
 whether the ranking by predicted step time matches the measured one, and how many of the pairs that
@@ -40,7 +41,7 @@ from fmoe.plan.layout import Layout  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
-CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_runs (all five) in each round
+CALIBRATION = "calibration"  # the turn of fmoe.plan.local.measure_runs (all six) in each round
 _PP2, _EP2, _DP2 = {"pp": 2, "ep": 1, "dp": 1}, {"pp": 1, "ep": 2, "dp": 1}, {"pp": 1, "ep": 1, "dp": 2}
 # (name, TrainConfig overrides, planner schedule, vpp): every schedule at the preset's 4 sequences per
 # microbatch, then layouts at other microbatch sizes (which the calibration runs, at 4 and 16, are not)
@@ -118,13 +119,15 @@ def main() -> None:
     splits: list[LC.HostSample] = []
     experts: list[LC.HostSample] = []
     larges: list[LC.HostSample] = []
+    pipes: list[LC.HostSample] = []
     names = [CALIBRATION, *tcs]
     t0 = time.perf_counter()
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if name == CALIBRATION:
-                for got, into in zip(LC.measure_runs(), (samples, shorts, splits, experts, larges)):
-                    into.append(got)
+                for got, into in zip(LC.measure_runs(), (samples, shorts, splits, experts, larges, pipes)):
+                    if got is not None:
+                        into.append(got)
                 continue
             per_step, peak = measure(tcs[name], args.steps)
             step_times[name] += per_step[2:]
@@ -132,7 +135,8 @@ def main() -> None:
             peaks[name].append(peak)
     sample = LC.median_sample(samples)
     cluster = LC.fit_host(machine, sample, LC.median_sample(shorts), LC.median_sample(splits),
-                          LC.median_sample(experts), LC.median_sample(larges))
+                          LC.median_sample(experts), LC.median_sample(larges),
+                          LC.median_sample(pipes) if pipes else None)
     print(f"measured in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     spread = max(s.wall_s for s in samples) / min(s.wall_s for s in samples)
     print(f"calibration run (median of {len(samples)}): step {sample.wall_s * 1e3:.1f} ms, executor span "

@@ -7,6 +7,7 @@ independent path from the fit's arithmetic).
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -286,3 +287,40 @@ def test_message_cost_is_charged_per_remote_neighbour(h: float) -> None:
         grown[sched] = step(more, pp2) - step(base, pp2)
         assert grown[sched] > 0
     assert grown["interleaved"] > grown["1f1b"]
+
+
+@given(h=st.floats(0.0, 2e-3))
+@example(h=0.0)
+def test_fit_host_prices_a_pipeline_message_from_the_pipelined_run(h: float) -> None:
+    """A pipelined calibration run as slow as the planner predicts with a message cost of h: the fit finds h
+    back, from the run's span alone; pp 1 layouts are unmoved, and a run faster than the planner predicts
+    without messages gives no negative cost."""
+    ctx, lay = _calibration_layout()
+    f = {k: 1e-3 for k in LAYER_KINDS}
+    fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
+    m = LC.CALIBRATION_MICROBATCHES
+    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
+    short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
+    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
+    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    base = LC.fit_host(_machine(), full, short, split)
+    tc = LC.calibration_config(LC.SHORT_LAYERS, pp=LC.PIPELINE_STAGES)
+    pp_lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+                    micro_batch=tc.micro_batch_size)
+    pp_ctx = Context(replace(ctx.model, layers=LC.SHORT_LAYERS), base.replace(p2p_overhead_s=h),
+                     tc.world_size, tc.global_batch_size)
+    span = evaluate(pp_ctx, pp_lay).times["pipeline"]
+    fitted = LC.fit_host(_machine(), full, short, split, pipeline=LC.HostSample(span, span, f, 0.0, 0.0, 0.5))
+    assert fitted.p2p_overhead_s == pytest.approx(h, rel=1e-6, abs=1e-12)
+    assert evaluate(Context(ctx.model, fitted, ctx.devices, ctx.global_batch), lay).step_s == pytest.approx(
+        evaluate(Context(ctx.model, base, ctx.devices, ctx.global_batch), lay).step_s)
+    fast = LC.fit_host(_machine(), full, short, split, pipeline=LC.HostSample(0.5 * span, 0.5 * span, f, 0.0,
+                                                                                0.0, 0.5))
+    assert fast.p2p_overhead_s == 0.0
+
+
+def test_calibration_config_refuses_stages_that_do_not_divide_the_cores() -> None:
+    import os
+
+    with pytest.raises(ValueError, match="does not divide"):
+        LC.calibration_config(pp=(os.cpu_count() or 1) + 1)

@@ -7,15 +7,15 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 - the causal attention kernel's FLOP/s at a small shape (attn_eff);
 - AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 4 B and 4 MiB; one
-  machine: intra = inter), a tiny all-to-all's cost beyond that latency (comm_overhead_s), and what one
-  pipeline message costs each busy rank it leaves or reaches (p2p_overhead_s, `_message_cost`); medians
+  machine: intra = inter) and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
   after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
   every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs, see
   `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute (a fixed part and
   a part per token, from two microbatch sizes); the backward's
-  as multiples of that plus a part per stage; the wall time outside the executor per layer held; and
-  the memory beyond what the planner counts (base_mem_gib).
+  as multiples of that plus a part per stage; the wall time outside the executor per layer held; the
+  memory beyond what the planner counts (base_mem_gib); and, from the same preset pipelined over two
+  ranks, what one pipeline message costs each rank it leaves or reaches (p2p_overhead_s).
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
 overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
 rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
@@ -43,7 +43,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 6  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 7  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -126,7 +126,6 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
     x = torch.zeros(2)
     dist.barrier()
     out["a2a"] = _median_s(lambda: dist.all_to_all_single(x, x.clone()), 50, warm=5)
-    out["p2p_host"] = _message_cost(rank)
     with open("/proc/self/status") as f:
         rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
     dist.barrier()
@@ -135,57 +134,10 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
         q.put((out, rss_kib))
 
 
-# A pipeline stage's pattern, for _message_cost: rounds of one message each way around COMPUTE_MATMULS
-# small matmuls (about a millisecond here), messages the size of the calibration run's [B, S, D] activations.
-MESSAGE_ROUNDS = 8
-COMPUTE_MATMULS = 200
-
-
-def _message_cost(rank: int) -> float:
-    """The host seconds one pipeline message costs each rank it leaves or reaches on this machine, busy:
-    both ranks run MESSAGE_ROUNDS rounds of compute, each with one send to the other rank and one receive
-    from it (posted before the compute, waited after it, as the executor does), against the same compute
-    alone; the difference per message and side (medians after a warm-up). On an idle machine a message
-    costs its latency; here the senders' and receivers' gloo threads take cores from the compute."""
-    import torch.distributed as dist
-
-    from fmoe.plan.specs import load_model
-
-    tiny = load_model("tiny")
-    msg = torch.zeros(CALIBRATION_RUN["micro_batch_size"] * tiny.seq * tiny.hidden)
-    a = torch.randn(64, 64)
-    peer = 1 - rank
-
-    def compute() -> None:
-        for _ in range(COMPUTE_MATMULS):
-            a @ a
-
-    def alone() -> None:
-        for _ in range(MESSAGE_ROUNDS):
-            compute()
-
-    def with_messages() -> None:
-        sends = []
-        for k in range(MESSAGE_ROUNDS):
-            buf = torch.empty_like(msg)
-            recv = dist.irecv(buf, peer, tag=k)
-            sends.append(dist.isend(msg, peer, tag=k))
-            compute()
-            recv.wait()
-        for w in sends:
-            w.wait()
-
-    dist.barrier()
-    t_alone = _median_s(alone, 9, warm=2)
-    dist.barrier()
-    t_with = _median_s(with_messages, 9, warm=2)
-    return max(0.0, t_with - t_alone) / (2 * MESSAGE_ROUNDS)
-
-
-def _links() -> tuple[float, float, float, float]:
-    """(latency s, bytes/s, extra seconds per collective call, host seconds per pipeline message and
-    side) between two spawned gloo processes: the one-way time of a 4-byte send, the bandwidth of a 4 MiB
-    one, what a tiny all-to-all costs beyond that latency (its host-side overhead), and _message_cost."""
+def _links() -> tuple[float, float, float]:
+    """(latency s, bytes/s, extra seconds per collective call) between two spawned gloo processes: the
+    one-way time of a 4-byte send, the bandwidth of a 4 MiB one, and what a tiny all-to-all costs beyond
+    that latency (its host-side overhead)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -199,7 +151,7 @@ def _links() -> tuple[float, float, float, float]:
         p.join(timeout=60)
     latency = out[1]
     bandwidth = 4 * 2**20 / max(out[2**20] - latency, 1e-9)
-    return latency, bandwidth, max(0.0, out["a2a"] - latency), out["p2p_host"]
+    return latency, bandwidth, max(0.0, out["a2a"] - latency)
 
 
 # The tiny preset data-parallel over every core, 8 microbatches per rank through the executor: ranks of one
@@ -213,20 +165,28 @@ SHORT_LAYERS = 2
 # And once with microbatches of LARGE_MICRO_BATCH sequences: the forward's growth beyond its FLOPs splits
 # each layer kind's host time into a fixed part and a part per token.
 LARGE_MICRO_BATCH = 16
+# And once with SHORT_LAYERS pipelined over PIPELINE_STAGES ranks: what its span takes beyond the
+# planner's pipeline time without messages prices one pipeline message (p2p_overhead_s). Timing messages
+# alone, two ranks alternating compute with sends, gave 0.07 to 0.45 ms a message from run to run here.
+PIPELINE_STAGES = 2
 
 
 def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
-                       micro_batch: int | None = None) -> Any:
+                       micro_batch: int | None = None, pp: int = 1) -> Any:
     """Returns the TrainConfig of a calibration run on this machine: data parallel over its cores (with
-    `ep`: expert parallel over them instead, fb overlap off), `layers` blocks (by default the preset's),
-    `schedule` "1f1b" (each backward one B) or "zb_h1" (I then W), `micro_batch` sequences per
-    microbatch (by default CALIBRATION_RUN's)."""
+    `ep`: expert parallel over them instead, fb overlap off; with `pp` > 1: that many pipeline stages,
+    data parallel over the rest), `layers` blocks (by default the preset's), `schedule` "1f1b" (each
+    backward one B) or "zb_h1" (I then W), `micro_batch` sequences per microbatch (by default
+    CALIBRATION_RUN's); CALIBRATION_MICROBATCHES microbatches per data rank."""
     from fmoe.train.config import TrainConfig
 
     n = os.cpu_count() or 1
+    if pp < 1 or n % pp:
+        raise ValueError(f"calibration_config: pp={pp} does not divide this machine's {n} cores")
     mbs = micro_batch or CALIBRATION_RUN["micro_batch_size"]
-    over = {**CALIBRATION_RUN, "dp": 1 if ep else n, "ep": n if ep else 1, "overlap": not ep,
-            "micro_batch_size": mbs, "global_batch_size": mbs * CALIBRATION_MICROBATCHES * n,
+    data = n // pp
+    over = {**CALIBRATION_RUN, "pp": pp, "dp": 1 if ep else data, "ep": data if ep else 1, "overlap": not ep,
+            "micro_batch_size": mbs, "global_batch_size": mbs * CALIBRATION_MICROBATCHES * data,
             "schedule": schedule}
     if layers is not None:
         over["num_layers"] = layers
@@ -302,13 +262,13 @@ def median_sample(samples: list[HostSample]) -> HostSample:
                       med(s.i_s for s in samples))
 
 
-def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_batch: int | None, store: str,
-                 q: Any) -> None:
+def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_batch: int | None, pp: int,
+                 store: str, q: Any) -> None:
     torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = calibration_config(layers, schedule, ep, micro_batch)
+    tc = calibration_config(layers, schedule, ep, micro_batch, pp)
     trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
     for _ in range(2):
         trainer.step()
@@ -324,17 +284,17 @@ def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_b
 
 
 def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
-                 micro_batch: int | None = None) -> HostSample:
-    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch): `fmoe
-    train`'s tiny preset over every core, one thread per rank, through the executor); the median over the
-    ranks."""
+                 micro_batch: int | None = None, pp: int = 1) -> HostSample:
+    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch, pp):
+    `fmoe train`'s tiny preset over every core, one thread per rank, through the executor); the median
+    over the ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config(layers, schedule, ep, micro_batch).world_size
-    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, micro_batch, store, q),
+    world = calibration_config(layers, schedule, ep, micro_batch, pp).world_size
+    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, micro_batch, pp, store, q),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -355,7 +315,7 @@ def measure_machine() -> ClusterSpec:
         hbm = _adamw_bytes_per_s()
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth, per_call, per_message = _links()
+    latency, bandwidth, per_call = _links()
     cores = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
         total_gib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) / 2**20
@@ -374,7 +334,6 @@ def measure_machine() -> ClusterSpec:
         hbm_bytes_per_s=hbm,
         op_overhead_s=0.0,
         comm_overhead_s=per_call,
-        p2p_overhead_s=per_message,
         base_mem_gib=0.0,
     )
 
@@ -384,15 +343,19 @@ def calibrate() -> ClusterSpec:
     return fit_host(measure_machine(), *measure_runs())
 
 
-def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample, HostSample]:
-    """The five calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
-    zb_h1 with the preset's layers, 1f1b expert parallel, and 1f1b with LARGE_MICRO_BATCH."""
+def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample, HostSample, HostSample | None]:
+    """The six calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
+    zb_h1 with the preset's layers, 1f1b expert parallel, 1f1b with LARGE_MICRO_BATCH, and 1f1b with
+    SHORT_LAYERS over PIPELINE_STAGES pipeline stages (None on a machine whose cores they do not divide)."""
+    n = os.cpu_count() or 1
     return (measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1"),
-            measure_host(None, "1f1b", ep=True), measure_host(micro_batch=LARGE_MICRO_BATCH))
+            measure_host(None, "1f1b", ep=True), measure_host(micro_batch=LARGE_MICRO_BATCH),
+            measure_host(SHORT_LAYERS, pp=PIPELINE_STAGES) if n % PIPELINE_STAGES == 0 else None)
 
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
-             expert: HostSample | None = None, large: HostSample | None = None) -> ClusterSpec:
+             expert: HostSample | None = None, large: HostSample | None = None,
+             pipeline: HostSample | None = None) -> ClusterSpec:
     """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
     layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W,
     `expert`: 1f1b expert parallel over the cores, `large`: 1f1b with LARGE_MICRO_BATCH):
@@ -410,7 +373,11 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
       gradient reduce, per layer held; `base_mem_gib`: the process memory beyond what the planner counts;
     - with `expert`: the "moe_ep" forward host time of an expert-parallel MoE layer, such that the
       planner's pipeline time of that run equals its span (the all-to-alls' host work and waits, and the
-      runtime's phase-by-phase execution, all go into it)."""
+      runtime's phase-by-phase execution, all go into it);
+    - with `pipeline` (1f1b with SHORT_LAYERS over PIPELINE_STAGES stages): `p2p_overhead_s`, the host
+      cost of one pipeline message on each rank it leaves or reaches, such that the planner's pipeline
+      time of that run equals its span (posting sends and receives, the gloo threads' share of the busy
+      cores)."""
     from fmoe.plan.estimate import Context, evaluate
     from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
     from fmoe.plan.layout import Layout
@@ -478,7 +445,9 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
         step_overhead_s=max(0.0, outside) / held,
         base_mem_gib=max(0.0, full.peak_gib - p1.mem_gib),
     )
-    return fitted if expert is None else _fit_expert(fitted, model, expert)
+    if expert is not None:
+        fitted = _fit_expert(fitted, model, expert)
+    return fitted if pipeline is None else _fit_messages(fitted, model, pipeline)
 
 
 def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpec:
@@ -498,6 +467,26 @@ def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpe
     t0, t1 = pipeline(0.0), pipeline(1e-3)
     x = max(0.0, (expert.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else spec.overhead_s("moe")
     return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
+
+
+def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> ClusterSpec:
+    """`spec` with p2p_overhead_s fitted to the pipelined calibration run's span (the planner's pipeline
+    time is linear in it; 0 where the run is no slower than the planner predicts without it)."""
+    from fmoe.plan.estimate import Context, evaluate
+    from fmoe.plan.layout import Layout
+
+    tc = calibration_config(SHORT_LAYERS, pp=PIPELINE_STAGES)
+    lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+                 micro_batch=tc.micro_batch_size)
+    short = replace(model, layers=SHORT_LAYERS)
+
+    def span(x: float) -> float:
+        c = spec.replace(p2p_overhead_s=x)
+        return evaluate(Context(short, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
+
+    t0, t1 = span(0.0), span(1e-3)
+    x = max(0.0, (pipeline.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else 0.0
+    return spec.replace(p2p_overhead_s=x)
 
 
 def _phases(ctx: Any, lay: Any, cost: Any) -> tuple[float, float, float]:
