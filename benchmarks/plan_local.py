@@ -12,8 +12,8 @@ every layout once, in an order rotated by one each round; medians over all measu
 rates and links once (`fmoe.plan.local.measure_machine`), and the host overheads from six calibration
 runs (`measure_runs`: the tiny preset data-parallel on 2 ranks with 8 microbatches each under 1f1b, the
 same with 2 layers, under zb_h1, with 16 sequences per microbatch, expert-parallel under 1f1b without
-overlap, and with 2 layers pipelined over the 2 ranks under 1f1b, which prices a pipeline message;
-layouts none of the measured ones is), which take their turn in every round like a layout, so
+overlap, and pipelined over the 2 ranks under dualpipev with 16 microbatches, which prices a pipeline
+message; layouts none of the measured ones is), which take their turn in every round like a layout, so
 that both see the same drift of this machine's speed (up to 2x between minutes). The fit uses the median
 over rounds of each calibration figure. Prints the ratio predicted / measured for step time and memory,
 whether the ranking by predicted step time matches the measured one, and how many of the pairs that

@@ -7,7 +7,6 @@ independent path from the fit's arithmetic).
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 
 import pytest
 import torch
@@ -304,11 +303,11 @@ def test_fit_host_prices_a_pipeline_message_from_the_pipelined_run(h: float) -> 
     short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
     split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
     base = LC.fit_host(_machine(), full, short, split)
-    tc = LC.calibration_config(LC.SHORT_LAYERS, pp=LC.PIPELINE_STAGES)
-    pp_lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+    tc = LC.calibration_config(None, LC.PIPELINE_SCHEDULE, pp=LC.PIPELINE_STAGES,
+                               microbatches=LC.PIPELINE_MICROBATCHES)
+    pp_lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=2, schedule=LC.PIPELINE_SCHEDULE, overlap=tc.overlap,
                     micro_batch=tc.micro_batch_size)
-    pp_ctx = Context(replace(ctx.model, layers=LC.SHORT_LAYERS), base.replace(p2p_overhead_s=h),
-                     tc.world_size, tc.global_batch_size)
+    pp_ctx = Context(ctx.model, base.replace(p2p_overhead_s=h), tc.world_size, tc.global_batch_size)
     span = evaluate(pp_ctx, pp_lay).times["pipeline"]
     fitted = LC.fit_host(_machine(), full, short, split, pipeline=LC.HostSample(span, span, f, 0.0, 0.0, 0.5))
     assert fitted.p2p_overhead_s == pytest.approx(h, rel=1e-6, abs=1e-12)

@@ -15,7 +15,8 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
   a part per token, from two microbatch sizes); the backward's
   as multiples of that plus a part per stage; the wall time outside the executor per layer held; the
   memory beyond what the planner counts (base_mem_gib); and, from the same preset pipelined over two
-  ranks, what one pipeline message costs each rank it leaves or reaches (p2p_overhead_s).
+  ranks in a V (dualpipev, 16 microbatches), what one pipeline message costs each rank it leaves or
+  reaches (p2p_overhead_s).
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
 overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
 rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
@@ -165,19 +166,25 @@ SHORT_LAYERS = 2
 # And once with microbatches of LARGE_MICRO_BATCH sequences: the forward's growth beyond its FLOPs splits
 # each layer kind's host time into a fixed part and a part per token.
 LARGE_MICRO_BATCH = 16
-# And once with SHORT_LAYERS pipelined over PIPELINE_STAGES ranks: what its span takes beyond the
-# planner's pipeline time without messages prices one pipeline message (p2p_overhead_s). Timing messages
-# alone, two ranks alternating compute with sends, gave 0.07 to 0.45 ms a message from run to run here.
+# And once pipelined over PIPELINE_STAGES ranks under PIPELINE_SCHEDULE with PIPELINE_MICROBATCHES
+# microbatches: what its span takes beyond the planner's pipeline time without messages prices one
+# pipeline message (p2p_overhead_s). A V, because its ranks hold two stages each, with twice the messages
+# of 1F1B's (a 1F1B run, whose stages each hold half the layers, came out no slower than the planner's
+# time without messages, while interleaved ran 12% over it). Timing messages alone, two ranks alternating
+# compute with sends, gave 0.07 to 0.45 ms a message from run to run here.
 PIPELINE_STAGES = 2
+PIPELINE_SCHEDULE = "dualpipev"
+PIPELINE_MICROBATCHES = 16
 
 
 def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
-                       micro_batch: int | None = None, pp: int = 1) -> Any:
+                       micro_batch: int | None = None, pp: int = 1,
+                       microbatches: int = CALIBRATION_MICROBATCHES) -> Any:
     """Returns the TrainConfig of a calibration run on this machine: data parallel over its cores (with
-    `ep`: expert parallel over them instead, fb overlap off; with `pp` > 1: that many pipeline stages,
-    data parallel over the rest), `layers` blocks (by default the preset's), `schedule` "1f1b" (each
-    backward one B) or "zb_h1" (I then W), `micro_batch` sequences per microbatch (by default
-    CALIBRATION_RUN's); CALIBRATION_MICROBATCHES microbatches per data rank."""
+    `ep`: expert parallel over them instead, fb overlap off; with `pp` > 1: that many pipeline ranks,
+    data parallel over the rest), `layers` blocks (by default the preset's), `schedule` ("1f1b": each
+    backward one B; "zb_h1": I then W; or a pipeline schedule), `micro_batch` sequences per microbatch
+    (by default CALIBRATION_RUN's), `microbatches` per data rank."""
     from fmoe.train.config import TrainConfig
 
     n = os.cpu_count() or 1
@@ -186,7 +193,7 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
     mbs = micro_batch or CALIBRATION_RUN["micro_batch_size"]
     data = n // pp
     over = {**CALIBRATION_RUN, "pp": pp, "dp": 1 if ep else data, "ep": data if ep else 1, "overlap": not ep,
-            "micro_batch_size": mbs, "global_batch_size": mbs * CALIBRATION_MICROBATCHES * data,
+            "micro_batch_size": mbs, "global_batch_size": mbs * microbatches * data,
             "schedule": schedule}
     if layers is not None:
         over["num_layers"] = layers
@@ -263,12 +270,12 @@ def median_sample(samples: list[HostSample]) -> HostSample:
 
 
 def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_batch: int | None, pp: int,
-                 store: str, q: Any) -> None:
+                 microbatches: int, store: str, q: Any) -> None:
     torch.set_num_threads(1)
     from fmoe.train.launch import _world
     from fmoe.train.loop import Trainer
 
-    tc = calibration_config(layers, schedule, ep, micro_batch, pp)
+    tc = calibration_config(layers, schedule, ep, micro_batch, pp, microbatches)
     trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
     for _ in range(2):
         trainer.step()
@@ -284,17 +291,19 @@ def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_b
 
 
 def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
-                 micro_batch: int | None = None, pp: int = 1) -> HostSample:
-    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch, pp):
-    `fmoe train`'s tiny preset over every core, one thread per rank, through the executor); the median
-    over the ranks."""
+                 micro_batch: int | None = None, pp: int = 1,
+                 microbatches: int = CALIBRATION_MICROBATCHES) -> HostSample:
+    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch, pp,
+    microbatches): `fmoe train`'s tiny preset over every core, one thread per rank, through the
+    executor); the median over the ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config(layers, schedule, ep, micro_batch, pp).world_size
-    procs = [ctx.Process(target=_tiny_worker, args=(r, layers, schedule, ep, micro_batch, pp, store, q),
+    world = calibration_config(layers, schedule, ep, micro_batch, pp, microbatches).world_size
+    procs = [ctx.Process(target=_tiny_worker,
+                         args=(r, layers, schedule, ep, micro_batch, pp, microbatches, store, q),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -345,12 +354,13 @@ def calibrate() -> ClusterSpec:
 
 def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample, HostSample, HostSample | None]:
     """The six calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
-    zb_h1 with the preset's layers, 1f1b expert parallel, 1f1b with LARGE_MICRO_BATCH, and 1f1b with
-    SHORT_LAYERS over PIPELINE_STAGES pipeline stages (None on a machine whose cores they do not divide)."""
+    zb_h1 with the preset's layers, 1f1b expert parallel, 1f1b with LARGE_MICRO_BATCH, and the pipelined
+    run (PIPELINE_SCHEDULE over PIPELINE_STAGES ranks; None on a machine whose cores they do not divide)."""
     n = os.cpu_count() or 1
     return (measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1"),
             measure_host(None, "1f1b", ep=True), measure_host(micro_batch=LARGE_MICRO_BATCH),
-            measure_host(SHORT_LAYERS, pp=PIPELINE_STAGES) if n % PIPELINE_STAGES == 0 else None)
+            measure_host(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES, microbatches=PIPELINE_MICROBATCHES)
+            if n % PIPELINE_STAGES == 0 else None)
 
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
@@ -374,7 +384,7 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     - with `expert`: the "moe_ep" forward host time of an expert-parallel MoE layer, such that the
       planner's pipeline time of that run equals its span (the all-to-alls' host work and waits, and the
       runtime's phase-by-phase execution, all go into it);
-    - with `pipeline` (1f1b with SHORT_LAYERS over PIPELINE_STAGES stages): `p2p_overhead_s`, the host
+    - with `pipeline` (the pipelined run, measure_runs): `p2p_overhead_s`, the host
       cost of one pipeline message on each rank it leaves or reaches, such that the planner's pipeline
       time of that run equals its span (posting sends and receives, the gloo threads' share of the busy
       cores)."""
@@ -475,14 +485,13 @@ def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> Cluste
     from fmoe.plan.estimate import Context, evaluate
     from fmoe.plan.layout import Layout
 
-    tc = calibration_config(SHORT_LAYERS, pp=PIPELINE_STAGES)
-    lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
+    tc = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES, microbatches=PIPELINE_MICROBATCHES)
+    lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=2, schedule=PIPELINE_SCHEDULE, overlap=tc.overlap,
                  micro_batch=tc.micro_batch_size)
-    short = replace(model, layers=SHORT_LAYERS)
 
     def span(x: float) -> float:
         c = spec.replace(p2p_overhead_s=x)
-        return evaluate(Context(short, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
+        return evaluate(Context(model, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
 
     t0, t1 = span(0.0), span(1e-3)
     x = max(0.0, (pipeline.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else 0.0
