@@ -323,3 +323,24 @@ def test_calibration_config_refuses_stages_that_do_not_divide_the_cores() -> Non
 
     with pytest.raises(ValueError, match="does not divide"):
         LC.calibration_config(pp=(os.cpu_count() or 1) + 1)
+
+
+@given(a2a_s=st.floats(1e-5, 5e-3), schedule=st.sampled_from(["combined_1f1b", "1f1b"]))
+@example(a2a_s=5e-3, schedule="combined_1f1b")
+def test_a_cluster_whose_exchanges_do_not_progress_gains_nothing_from_overlap(a2a_s: float,
+                                                                              schedule: str) -> None:
+    """comm_hides=False (the local cluster): fb overlap hides no all-to-all, so an expert-parallel layout
+    with overlap takes as long as without it; with comm_hides it is never slower than that."""
+    model = load_model("tiny")
+    base = _machine().replace(layer_overhead_s={k: 1e-3 for k in LAYER_KINDS}, comm_overhead_s=a2a_s)
+    steps = {}
+    for hides in (True, False):
+        for overlap in (True, False):
+            lay = Layout(tp=1, pp=1, ep=2, dp=1, vpp=1, schedule=schedule, overlap=overlap, micro_batch=4)
+            ctx = Context(model, base.replace(comm_hides=hides), 2, 32)
+            steps[hides, overlap] = evaluate(ctx, lay).step_s
+    assert steps[False, True] == pytest.approx(steps[False, False])
+    assert steps[True, True] <= steps[True, False] * (1 + 1e-9)
+    assert steps[True, False] == pytest.approx(steps[False, False])
+    with pytest.raises(PlanError, match="comm_hides must be a bool"):
+        base.replace(comm_hides=1)

@@ -344,8 +344,8 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         a2a=a2a_unit,
         moe_layers=moe_per_chunk,
         attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk),
-        lone_hide=LONE_HIDE if lay.overlap else 0.0,
-        pair_overlap=lay.overlap,
+        lone_hide=LONE_HIDE if lay.overlap and c.comm_hides else 0.0,
+        pair_overlap=lay.overlap and c.comm_hides,
     )
 
     # data-parallel gradient reduce and the optimizer step, per rank

@@ -186,7 +186,10 @@ class ClusterSpec:
     `comm_overhead_s`: fixed host cost per collective call on top of the link latency.
     `p2p_overhead_s`: host cost of one pipeline message on each rank it leaves or reaches (posting the
     send or receive, the transport's share of a busy host), charged to the stage that sends or receives
-    it: per remote neighbour stage, once in its forward and once in its backward."""
+    it: per remote neighbour stage, once in its forward and once in its backward.
+    `comm_hides`: whether an exchange progresses while the ranks compute, so that fb overlap can hide
+    it (True: a device's links and copy engines move the bytes; False: the transport needs the cores
+    the compute holds, as gloo on a CPU with no spare core, where fb overlap measured no faster)."""
 
     name: str
     devices_per_node: int
@@ -211,8 +214,11 @@ class ClusterSpec:
     b_overhead_ratio: float | None = None
     token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     p2p_overhead_s: float = 0.0
+    comm_hides: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.comm_hides, bool):
+            raise PlanError(f"ClusterSpec.comm_hides must be a bool, got {self.comm_hides!r}")
         _positive_ints(self, ("devices_per_node",))
         _positive_ints(self, ("gemm_half_dim",), minimum=0)
         _positive_reals(self, ("mem_gib", "intra_bytes_per_s", "inter_bytes_per_s", "hbm_bytes_per_s"))
