@@ -165,6 +165,18 @@ def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, 
         assert t1 >= t0 * (1 - 1e-9), (sched, kind)
 
 
+def _dense_samples(ctx: Context, f: dict[str, float]) -> tuple[LC.HostSample, ...]:
+    """The full, short and split data-parallel calibration samples of a host where every layer's forward
+    takes f[kind], its B twice that, its split I and W 1.5 and 0.5 times."""
+    fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
+    m = LC.CALIBRATION_MICROBATCHES
+    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
+    short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
+    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
+    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    return full, short, split
+
+
 @given(slower=st.floats(1.0, 3.0))
 @example(slower=1.0)
 def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
@@ -173,12 +185,7 @@ def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
     layout without expert parallelism."""
     ctx, lay = _calibration_layout()
     f = {k: 1e-3 for k in LAYER_KINDS}
-    fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
-    m = LC.CALIBRATION_MICROBATCHES
-    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
-    short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
-    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
-    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    full, short, split = _dense_samples(ctx, f)
     dense_only = LC.fit_host(_machine(), full, short, split)
     tc = LC.calibration_config(ep=True)
     ep_lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
@@ -296,12 +303,7 @@ def test_fit_host_prices_a_pipeline_message_from_the_pipelined_run(h: float) -> 
     without messages gives no negative cost."""
     ctx, lay = _calibration_layout()
     f = {k: 1e-3 for k in LAYER_KINDS}
-    fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
-    m = LC.CALIBRATION_MICROBATCHES
-    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
-    short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
-    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
-    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    full, short, split = _dense_samples(ctx, f)
     base = LC.fit_host(_machine(), full, short, split)
     tc = LC.calibration_config(None, LC.PIPELINE_SCHEDULE, pp=LC.PIPELINE_STAGES,
                                microbatches=LC.PIPELINE_MICROBATCHES)
