@@ -10,13 +10,15 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
   machine: intra = inter) and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
   after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
-  every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs, see
-  `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute (a fixed part and
-  a part per token, from two microbatch sizes); the backward's
-  as multiples of that plus a part per stage; the wall time outside the executor per layer held; the
+  every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs and a
+  pipelined sixth, see `measure_runs`): per layer kind, its forward events beyond the FLOP model's
+  compute (a fixed part and a part per token, from two microbatch sizes); the backward's as multiples
+  of that plus a part per stage; the wall time outside the executor per layer held; the
   memory beyond what the planner counts (base_mem_gib); and, from the same preset pipelined over two
   ranks in a V (dualpipev, 16 microbatches), what one pipeline message costs each rank it leaves or
   reaches (p2p_overhead_s).
+Exchanges do not progress while the ranks compute here (gloo's threads need the same cores): the spec
+says so (comm_hides=False), and fb overlap hides nothing in its predictions.
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
 overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
 rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
