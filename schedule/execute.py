@@ -481,10 +481,14 @@ class _Executor:
             if ph.param_paths:
                 self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
 
-    def _dw_into_sums(self, stage: int, ph: Phase, vjp_dw: Callable[..., Any]) -> _Summed:
+    def _dw_into_sums(self, stage: int, ph: Phase, vjp_dw: Callable[..., Any]) -> Callable[..., Any]:
         """Returns the deferred dw pass `vjp_dw` of phase `ph` (stage `stage`) as one that adds into the
         step's sums when it runs (split_vjp's `vjp_dw(into=...)`): the deferred products accumulate
-        straight into them (a GEMM with beta = 1) instead of making a gradient and adding it."""
+        straight into them (a GEMM with beta = 1) instead of making a gradient and adding it. Not when the
+        sums are kept in another dtype (`grad_dtype`, mixed precision): no sum would fit a gradient, and
+        each would be made, copied, then cast; `vjp_dw` is returned as it is."""
+        if self.grad_dtype is not None:
+            return vjp_dw
         params = tuple((q, subtree(self.programs[stage].params, q)) for q in ph.param_paths)
         return _Summed(lambda: vjp_dw(into=tuple(self._sums_like(q, p) for q, p in params)))
 

@@ -251,7 +251,8 @@ class DwFn(Protocol):
     again on every call: it is not used up by the refusal).
 
     `into` (defer=True only): a pytree like `params` holding, per leaf, a gradient sum to add this pass's
-    gradient into, or None. A given sum comes back as itself, the gradient added in place: the deferred
+    gradient into, or None (a sum for a non-float leaf, which has no gradient, is ignored: None comes
+    back). A given sum comes back as itself, the gradient added in place: the deferred
     products add straight into it where the primitive can (a GEMM with beta = 1, a scatter-add), so no
     gradient tensor is made and no pass adds it. For a None, a fresh gradient nothing else holds, which
     the caller may keep as its sum. Raises ValueError when the structure differs from `params` or a

@@ -157,7 +157,8 @@ class WeightGradTape:
         sum. A weight with no entry gets its sum or None.
 
         Raises CaptureModifiedError (before running any thunk, leaving the tape as it was) when `check()`
-        fails, ValueError when `into` does not fit the weights.
+        fails, ValueError when `into` does not fit the weights. A thunk that raises while it runs leaves
+        the tape emptied and the sums with the entries before it added.
         """
         if into is not None:
             self._check_into(into)
