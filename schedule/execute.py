@@ -77,9 +77,8 @@ class _Record:
 
     phases: list[tuple[Phase, str, Any, Any]] = field(default_factory=list)  # (phase, layer, closure, info)
     out_spec: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # set when the forward ends
-    # a whole stage whose dx pass adds its weight gradients into the step's sums (split_vjp's `into`):
-    # the params it was differentiated at, by path
-    sums_into: tuple[tuple[tuple[str, ...], Any], ...] | None = None
+    # a whole stage whose dx pass adds its weight gradients into the step's sums (split_vjp's `into`)
+    sums_in_dx: bool = False
     defer: bool = False  # its weight gradients wait on split_vjp tapes for the dw passes
 
 
@@ -333,10 +332,9 @@ class _Executor:
 
         params = tuple(subtree(prog.params, q) for q in paths)
         out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
-        if not defer and self.engine == "autograd":
-            # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
-            # AccumulateGrad does, instead of a pass over every gradient afterwards
-            rec.sums_into = tuple(zip(paths, params))
+        # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
+        # AccumulateGrad does, instead of a pass over every gradient afterwards
+        rec.sums_in_dx = not defer and self.engine == "autograd"
         names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
         whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
         rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
@@ -406,8 +404,8 @@ class _Executor:
                     else:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                if rec.sums_into is not None:
-                    (ct,), vjp_dw = closure(full, into=tuple(self._sums_like(q, p) for q, p in rec.sums_into))
+                if rec.sums_in_dx:
+                    (ct,), vjp_dw = closure(full, into=self._sums_of(stage, ph))
                     vjp_dw = _Summed(vjp_dw)
                 else:
                     (ct,), vjp_dw = closure(full)
@@ -489,8 +487,12 @@ class _Executor:
         each would be made, copied, then cast; `vjp_dw` is returned as it is."""
         if self.grad_dtype is not None:
             return vjp_dw
-        params = tuple((q, subtree(self.programs[stage].params, q)) for q in ph.param_paths)
-        return _Summed(lambda: vjp_dw(into=tuple(self._sums_like(q, p) for q, p in params)))
+        return _Summed(lambda: vjp_dw(into=self._sums_of(stage, ph)))
+
+    def _sums_of(self, stage: int, ph: Phase) -> tuple[Any, ...]:
+        """Returns split_vjp's `into` for phase `ph` of `stage`: per param path, its params subtree with the
+        step's gradient sums in place of the leaves (None where there is none yet)."""
+        return tuple(self._sums_like(q, subtree(self.programs[stage].params, q)) for q in ph.param_paths)
 
     def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
         """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for

@@ -465,42 +465,48 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     return fitted if pipeline is None else _fit_messages(fitted, model, pipeline)
 
 
-def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpec:
-    """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span (the
-    planner's pipeline time is linear in it)."""
+def _fit_linear(model: Any, tc: Any, lay: Any, with_value: Callable[[float], ClusterSpec], span_s: float,
+                fallback: float) -> float:
+    """The value x >= 0 at which the planner's pipeline time of calibration run `tc` (layout `lay`) under
+    `with_value(x)` equals its measured `span_s` (that time is linear in x); `fallback` where x moves it
+    not at all."""
     from fmoe.plan.estimate import Context, evaluate
+
+    def pipeline(x: float) -> float:
+        ctx = Context(model, with_value(x), tc.world_size, tc.global_batch_size)
+        return evaluate(ctx, lay).times["pipeline"]
+
+    t0, t1 = pipeline(0.0), pipeline(1e-3)
+    return max(0.0, (span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else fallback
+
+
+def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpec:
+    """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span."""
     from fmoe.plan.layout import Layout
 
     tc = calibration_config(ep=True)
     lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
                  micro_batch=tc.micro_batch_size)
 
-    def pipeline(x: float) -> float:
-        c = spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
-        return evaluate(Context(model, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
+    def with_moe_ep(x: float) -> ClusterSpec:
+        return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
 
-    t0, t1 = pipeline(0.0), pipeline(1e-3)
-    x = max(0.0, (expert.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else spec.overhead_s("moe")
-    return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
+    return with_moe_ep(_fit_linear(model, tc, lay, with_moe_ep, expert.span_s, spec.overhead_s("moe")))
 
 
 def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> ClusterSpec:
-    """`spec` with p2p_overhead_s fitted to the pipelined calibration run's span (the planner's pipeline
-    time is linear in it; 0 where the run is no slower than the planner predicts without it)."""
-    from fmoe.plan.estimate import Context, evaluate
+    """`spec` with p2p_overhead_s fitted to the pipelined calibration run's span (0 where the run is no
+    slower than the planner predicts without it)."""
     from fmoe.plan.layout import Layout
 
     tc = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES, microbatches=PIPELINE_MICROBATCHES)
     lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=2, schedule=PIPELINE_SCHEDULE, overlap=tc.overlap,
                  micro_batch=tc.micro_batch_size)
 
-    def span(x: float) -> float:
-        c = spec.replace(p2p_overhead_s=x)
-        return evaluate(Context(model, c, tc.world_size, tc.global_batch_size), lay).times["pipeline"]
+    def with_cost(x: float) -> ClusterSpec:
+        return spec.replace(p2p_overhead_s=x)
 
-    t0, t1 = span(0.0), span(1e-3)
-    x = max(0.0, (pipeline.span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else 0.0
-    return spec.replace(p2p_overhead_s=x)
+    return with_cost(_fit_linear(model, tc, lay, with_cost, pipeline.span_s, 0.0))
 
 
 def _phases(ctx: Any, lay: Any, cost: Any) -> tuple[float, float, float]:
