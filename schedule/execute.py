@@ -179,6 +179,8 @@ class _Executor:
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated
+        self.params_at: dict[tuple, tuple[Any, ...]] = {}  # (stage, param paths) -> their params subtrees
+        self.sums_at: dict[tuple, tuple[Any, ...]] = {}  # (stage, param paths) -> complete `into` trees
         self.stats: list[tuple[int, int, str, str, Any]] = []
         self.live, self.queued = _Counter(), _Counter()
         self.step = ""  # "pair" / "lone" while an Overlap / a single op runs: tags the trace events
@@ -330,8 +332,8 @@ class _Executor:
                     a = _with_side(a, ph, side)
             return {**a, **losses}, m
 
-        params = tuple(subtree(prog.params, q) for q in paths)
-        out, vjp_dx, _ = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
+        out, vjp_dx, _ = split_vjp(fn, self._params_at(prog, tuple(paths)), acts, has_aux=True,
+                                   engine=self.engine, defer=defer)
         # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
         # AccumulateGrad does, instead of a pass over every gradient afterwards
         rec.sums_in_dx = not defer and self.engine == "autograd"
@@ -347,14 +349,14 @@ class _Executor:
                       defer: bool) -> tuple[Acts, Any, dict]:
         """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns (its new acts, its dx
         closure, their specs)."""
-        params = tuple(subtree(prog.params, p) for p in ph.param_paths)
+        params = self._params_at(prog, ph.param_paths)
         out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True,
                                    engine=self.engine, defer=defer)
         return out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record, defer: bool) -> tuple[Acts, Meta]:
-        params = tuple(subtree(prog.params, p) for p in ph.param_paths)
+        params = self._params_at(prog, ph.param_paths)
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
             out, meta_out = ph.fn(p, a, meta)
@@ -489,10 +491,27 @@ class _Executor:
             return vjp_dw
         return _Summed(lambda: vjp_dw(into=self._sums_of(stage, ph)))
 
+    def _params_at(self, prog: StageProgram, paths: tuple[tuple[str, ...], ...]) -> tuple[Any, ...]:
+        """Returns the params subtrees of `prog` at `paths`, looked up once per step (every microbatch's
+        forward of a phase reads the same ones)."""
+        key = (prog.stage, paths)
+        got = self.params_at.get(key)
+        if got is None:
+            got = self.params_at[key] = tuple(subtree(prog.params, q) for q in paths)
+        return got
+
     def _sums_of(self, stage: int, ph: Phase) -> tuple[Any, ...]:
         """Returns split_vjp's `into` for phase `ph` of `stage`: per param path, its params subtree with the
-        step's gradient sums in place of the leaves (None where there is none yet)."""
-        return tuple(self._sums_like(q, subtree(self.programs[stage].params, q)) for q in ph.param_paths)
+        step's gradient sums in place of the leaves (None where there is none yet). Kept once every leaf
+        has its sum: an owned sum is only ever added into in place, so later microbatches reuse it."""
+        key = (stage, ph.param_paths)
+        got = self.sums_at.get(key)
+        if got is None:
+            params = self._params_at(self.programs[stage], ph.param_paths)
+            got = tuple(self._sums_like(q, p) for q, p in zip(ph.param_paths, params))
+            if _complete(got):
+                self.sums_at[key] = got
+        return got
 
     def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
         """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for
@@ -641,6 +660,15 @@ def _interleave(*gens: Iterator[None]) -> None:
             k += 1
         except StopIteration:
             live.remove(g)
+
+
+def _complete(tree: Any) -> bool:
+    """True when nested dicts / tuples / lists `tree` hold no None leaf."""
+    if isinstance(tree, Mapping):
+        return all(_complete(v) for v in tree.values())
+    if isinstance(tree, (tuple, list)):
+        return all(_complete(v) for v in tree)
+    return tree is not None
 
 
 def _check_floating(out: Acts, stage: int, layer: str, phase: str) -> None:
