@@ -148,10 +148,29 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     the reported losses do not."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
-    actions = verify(s).ranks[rank]
+    actions = _verified(s).ranks[rank]
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
                      on_stage_done, grad_dtype, loss_scale).run(actions)
+
+
+# schedule -> its verified form, by identity: a training loop runs one Schedule value every step, and
+# verifying it (a dependency replay of every rank's list) costs as much as the executor's own bookkeeping
+# of a step on small shapes. Schedules are frozen, so a verification stays valid; the entry holds its
+# schedule, so the id cannot be reused while it is cached.
+_VERIFIED: dict[int, tuple[Schedule, Schedule]] = {}
+_VERIFIED_MAX = 16
+
+
+def _verified(s: Schedule) -> Schedule:
+    hit = _VERIFIED.get(id(s))
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    full = verify(s)
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        _VERIFIED.pop(next(iter(_VERIFIED)))
+    _VERIFIED[id(s)] = (s, full)
+    return full
 
 
 class _Executor:
