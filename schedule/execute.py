@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
+from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
 from fmoe.schedule.timeline import TraceEvent
@@ -124,7 +125,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-            grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0) -> StepResult:
+            grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
+            fuse_iw: bool = True) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -145,31 +147,35 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     weight gradients are summed in over microbatches (None: as each dw pass produces them); a mixed-
     precision step passes fp32 so that bf16 dw results are added in fp32. `loss_scale`: the backward starts
     from loss_scale / m instead of 1 / m (fp16 loss scaling): the gradients come back multiplied by it,
-    the reported losses do not."""
+    the reported losses do not. `fuse_iw` (default on): a lone I whose W is the rank's next compute action,
+    with no send between them, runs as one B (`fmoe.schedule.fuse_adjacent_iw`: same results at the same
+    points of the list, less work); off runs every I and W as listed."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
-    actions = _verified(s).ranks[rank]
+    actions = _verified(s, fuse_iw).ranks[rank]
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
                      on_stage_done, grad_dtype, loss_scale).run(actions)
 
 
-# schedule -> its verified form, by identity: a training loop runs one Schedule value every step, and
-# verifying it (a dependency replay of every rank's list) costs as much as the executor's own bookkeeping
-# of a step on small shapes. Schedules are frozen, so a verification stays valid; the entry holds its
-# schedule, so the id cannot be reused while it is cached.
-_VERIFIED: dict[int, tuple[Schedule, Schedule]] = {}
+# (schedule, fuse_iw) -> the lists the executor runs, by identity: a training loop runs one Schedule value
+# every step, and verifying it (a dependency replay of every rank's list) costs as much as the executor's
+# own bookkeeping of a step on small shapes. Schedules are frozen, so a verification stays valid; the entry
+# holds its schedule, so the id cannot be reused while it is cached.
+_VERIFIED: dict[tuple[int, bool], tuple[Schedule, Schedule]] = {}
 _VERIFIED_MAX = 16
 
 
-def _verified(s: Schedule) -> Schedule:
-    hit = _VERIFIED.get(id(s))
+def _verified(s: Schedule, fuse_iw: bool) -> Schedule:
+    hit = _VERIFIED.get((id(s), fuse_iw))
     if hit is not None and hit[0] is s:
         return hit[1]
     full = verify(s)
+    if fuse_iw:
+        full = fuse_adjacent_iw(full)
     if len(_VERIFIED) >= _VERIFIED_MAX:
         _VERIFIED.pop(next(iter(_VERIFIED)))
-    _VERIFIED[id(s)] = (s, full)
+    _VERIFIED[(id(s), fuse_iw)] = (s, full)
     return full
 
 

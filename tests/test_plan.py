@@ -290,7 +290,7 @@ def test_extrapolated_makespan_matches_the_full_simulation(name: str, pp: int) -
     assert len(ms) >= 3
     checked = 0
     for m in sorted({ms[0], ms[1], ms[len(ms) // 2], ms[-1]}):
-        full = S.build(name, pp, m, v)
+        full = L.executed_schedule(name, pp, m, v)  # what the executor runs, as the planner simulates
         lay = L.Layout(tp=1, pp=pp, ep=2, dp=1, vpp=v, schedule=name, overlap=True, micro_batch=1)
         # the planner's own per-stage costs for this layout (embedding and head make the ends uneven) ...
         ctx = E.Context(toy_model(layers=8), toy_cluster(devices_per_node=8), 2 * pp, 2 * m)

@@ -204,8 +204,9 @@ def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
 
 @given(b_ratio=st.floats(0.0, 3.0), i_ratio=st.floats(0.0, 3.0), w_ratio=st.floats(0.0, 1.0))
 def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, w_ratio: float) -> None:
-    """1f1b runs every backward as one B, zb_h1 as I then W: b_overhead_ratio moves only the first, the I
-    and W ratios only the second."""
+    """1f1b runs every backward as one B, zb_h1's last stage as I then W (its first stage's W follow their I
+    and run with it as one B, fmoe.schedule.fuse_adjacent_iw): the I and W ratios never move 1f1b, and
+    move zb_h1 the way they go; b_overhead_ratio moves 1f1b the way it goes."""
     ctx, _ = _calibration_layout()
     base = _machine().replace(layer_overhead_s={k: 1e-3 for k in LAYER_KINDS}, b_overhead_ratio=1.0,
                               i_overhead_ratio=1.0, w_overhead_ratio=0.2)
@@ -217,7 +218,10 @@ def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, 
     b_moved = base.replace(b_overhead_ratio=b_ratio)
     split_moved = base.replace(i_overhead_ratio=i_ratio, w_overhead_ratio=w_ratio)
     assert step(split_moved, "1f1b") == pytest.approx(step(base, "1f1b"), rel=1e-12)
-    assert step(b_moved, "zb_h1") == pytest.approx(step(base, "zb_h1"), rel=1e-12)
+    if i_ratio >= 1.0 and w_ratio >= 0.2:
+        assert step(split_moved, "zb_h1") >= step(base, "zb_h1") * (1 - 1e-12)
+    if i_ratio <= 1.0 and w_ratio <= 0.2:
+        assert step(split_moved, "zb_h1") <= step(base, "zb_h1") * (1 + 1e-12)
     if abs(b_ratio - 1.0) > 1e-6:  # a dearer B makes 1f1b slower, a cheaper one faster
         assert (step(b_moved, "1f1b") > step(base, "1f1b")) == (b_ratio > 1.0)
 

@@ -119,14 +119,15 @@ def test_every_schedule_matches_the_single_process_oracle(pp: int) -> None:
             assert r.value[name][2] == r.value[name][3], f"{name} rank {r.rank}: peak activations"
 
 
-@pytest.mark.parametrize(("name", "local", "overlap", "deferred"), [
-    ("1f1b", True, True, False),    # a B, every exchange local: nothing to hide the dw behind
-    ("1f1b", False, False, False),  # a B with overlap off: the dw would run right after anyway
-    ("1f1b", False, True, True),    # a lone B hides its exchanges behind the dw it has: deferred
-    ("zb_h1", True, True, True),    # I and W are separate actions: always deferred
+@pytest.mark.parametrize(("name", "local", "overlap", "fuse", "deferred"), [
+    ("1f1b", True, True, True, False),    # a B, every exchange local: nothing to hide the dw behind
+    ("1f1b", False, False, True, False),  # a B with overlap off: the dw would run right after anyway
+    ("1f1b", False, True, True, True),    # a lone B hides its exchanges behind the dw it has: deferred
+    ("zb_h1", True, True, False, True),   # I and W run as listed: deferred
+    ("zb_h1", True, True, True, False),   # on one rank each W follows its I: they run as one B
 ])
 def test_a_b_with_nothing_to_hide_computes_its_weight_grads_in_the_dx_pass(
-        monkeypatch, name: str, local: bool, overlap: bool, deferred: bool) -> None:
+        monkeypatch, name: str, local: bool, overlap: bool, fuse: bool, deferred: bool) -> None:
     """One rank, three microbatches: the weight gradients are those of the oracle either way; they go on
     the weight-grad tape only where the schedule or an exchange can use the delay."""
     from fmoe.transforms.tape import WeightGradTape
@@ -141,12 +142,16 @@ def test_a_b_with_nothing_to_hide_computes_its_weight_grads_in_the_dx_pass(
     monkeypatch.setattr(WeightGradTape, "record", counting)
     s = S.build(name, 1, 3)
     params, data = _params(1), _data(3)
-    res = execute(s, 0, {0: _program(s, 0, params, local)}, lambda mb: data[mb], overlap=overlap)
+    res = execute(s, 0, {0: _program(s, 0, params, local)}, lambda mb: data[mb], overlap=overlap,
+                  fuse_iw=fuse)
     want_loss, want = _oracle(s, params)
     assert float(res.loss) == pytest.approx(want_loss, rel=1e-12)
     for k in want["c0"]:
         torch.testing.assert_close(res.grads["c0"][k], want["c0"][k], rtol=1e-10, atol=1e-12)
     assert (len(recorded) == 3) if deferred else not recorded, len(recorded)
+    kinds = {e.cat for e in res.events if e.lane == "compute"}
+    if name == "zb_h1":  # the timeline shows what ran: I and W, or the B they became
+        assert ({"I", "W"} <= kinds and "B" not in kinds) if not fuse else ("B" in kinds and "I" not in kinds)
 
 
 def test_gradient_sums_never_write_into_a_tensor_they_did_not_allocate() -> None:

@@ -36,7 +36,8 @@ HELP = {
     "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "
                 "pp 1 with ep > 1, accumulate otherwise)",
     "dualpipev_dw_detach": "DualPipeV's cooldown splits B into I and W",
-    "overlap": "fb overlap of F&B pairs (default on)", "dispatcher": ", ".join(DISPATCHERS),
+    "overlap": "fb overlap of F&B pairs (default on)",
+    "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),
     "ranks_per_node": "treat this many consecutive local ranks as one node",
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
     "lr": "peak learning rate", "min_lr": "final learning rate (cosine)", "warmup": "linear warmup steps",

@@ -105,7 +105,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       shared: SharedGrads | None = None, overlap: bool = True, engine: str = "autograd",
                       check: bool = True, timeout: timedelta = timedelta(seconds=120),
                       on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
-                      loss_scale: float = 1.0) -> PipelineStep:
+                      loss_scale: float = 1.0, fuse_iw: bool = True) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
@@ -116,7 +116,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     `on_stage_done(stage, grads)` is the executor's hook (fmoe.schedule.execute): grads are stage-keyed
     ("layers" a dict by index string), before the shared-weight sum. `grad_dtype`: the dtype weight
     gradients are summed in over microbatches (mixed precision: fp32 for bf16 params). `loss_scale`: the
-    gradients come back multiplied by it (fp16 loss scaling; the loss does not)."""
+    gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
+    `fmoe.schedule.execute` (an I whose W comes next runs as one B)."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -130,7 +131,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
-                     loss_scale=loss_scale)
+                     loss_scale=loss_scale, fuse_iw=fuse_iw)
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)

@@ -221,12 +221,12 @@ def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None,
     v = max(lay.vpp, 1)
     cap = SIM_CAP * lay.pp
     if m <= cap + lay.pp or lay.pp == 1 and m <= 16:
-        return L.build_schedule(lay.schedule, lay.pp, m, v), None, m
+        return L.executed_schedule(lay.schedule, lay.pp, m, v), None, m
     m1 = cap if lay.pp > 1 else 8
     step = lay.pp if lay.pp > 1 else 4
     return (
-        L.build_schedule(lay.schedule, lay.pp, m1, v),
-        L.build_schedule(lay.schedule, lay.pp, m1 + step, v),
+        L.executed_schedule(lay.schedule, lay.pp, m1, v),
+        L.executed_schedule(lay.schedule, lay.pp, m1 + step, v),
         m1,
     )
 
@@ -237,7 +237,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     a layout that does not fit returns before its time is computed (step_s = inf)."""
     model, c = ctx.model, ctx.cluster
     m = lay.microbatches(ctx.global_batch)
-    s_full = L.build_schedule(
+    s_full = L.executed_schedule(
         lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16), max(lay.vpp, 1)
     )
     _, layers_C = _chunks(ctx, lay, s_full)

@@ -104,6 +104,13 @@ def build_schedule(name: str, pp: int, m: int, v: int) -> S.Schedule:
     return S.build(name, pp, m, v)
 
 
+@functools.lru_cache(maxsize=4096)
+def executed_schedule(name: str, pp: int, m: int, v: int) -> S.Schedule:
+    """Returns the lists the executor runs for that schedule (cached): `build_schedule`'s, each I whose W
+    comes next on its rank run as one B (`fmoe.schedule.fuse_adjacent_iw`, the executor's default)."""
+    return S.fuse_adjacent_iw(build_schedule(name, pp, m, v))
+
+
 def placement_of(layout: Layout, m: int) -> S.Placement:
     """Returns the stage placement the layout's schedule uses."""
     return build_schedule(layout.schedule, layout.pp, m, max(layout.vpp, 1)).placement

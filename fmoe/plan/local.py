@@ -46,7 +46,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 8  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 9  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -194,9 +194,10 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
         raise ValueError(f"calibration_config: pp={pp} does not divide this machine's {n} cores")
     mbs = micro_batch or CALIBRATION_RUN["micro_batch_size"]
     data = n // pp
+    # fuse_iw off: the zb_h1 run is there to time I and W apart (pp 1 lists each W right after its I)
     over = {**CALIBRATION_RUN, "pp": pp, "dp": 1 if ep else data, "ep": data if ep else 1, "overlap": not ep,
             "micro_batch_size": mbs, "global_batch_size": mbs * microbatches * data,
-            "schedule": schedule}
+            "schedule": schedule, "fuse_iw": False}
     if layers is not None:
         over["num_layers"] = layers
     return TrainConfig.from_sources("tiny", None, over)

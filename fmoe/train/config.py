@@ -49,7 +49,8 @@ class TrainConfig:
     moe_pad_expert_input_to_capacity, moe_token_drop_policy.
     Batch: seq_length, micro_batch_size, global_batch_size (sequences per step over all ranks).
     Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
-    "accumulate" otherwise), dualpipev_dw_detach, overlap, dispatcher, ranks_per_node, link_model
+    "accumulate" otherwise), dualpipev_dw_detach, overlap, fuse_iw (an I whose W comes next runs as one B;
+    fmoe.schedule.fuse_adjacent_iw), dispatcher, ranks_per_node, link_model
     ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]").
     Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
@@ -98,6 +99,7 @@ class TrainConfig:
     schedule: str | None = None
     dualpipev_dw_detach: bool = False
     overlap: bool = True
+    fuse_iw: bool = True
     dispatcher: str = "alltoall"
     ranks_per_node: int | None = None
     link_model: str | None = None

@@ -274,7 +274,8 @@ class Trainer:
                                 shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
                                 timeout=self.timeout, on_stage_done=self._stage_done,
                                 grad_dtype=policy.grad_dtype if policy.mixed else None,
-                                loss_scale=self.loss_scale.scale if self.loss_scale else 1.0)
+                                loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
+                                fuse_iw=self.tc.fuse_iw)
         self.last_result = out.result
         found = {lf.key: _lookup(out.grads, lf.where) for lf in self.leaves}
         flat = {k: g for k, g in found.items() if g is not None}
