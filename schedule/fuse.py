@@ -7,8 +7,9 @@ rank's list runs W(s, mb) as the very next compute action after I(s, mb), with n
 is sent, or taken by the next stage on this rank, only after the W anyway. Running the pair as one B
 gives the same results at the same points of the list for less work: its forward keeps no deferrable
 weight gradients, and one autograd pass makes both (on this CPU a deferring forward plus separate dx and
-dw passes cost about 8% more than F + B). ZB-H1's first stage has every backward so; so have ZBV's first
-and third stages, and DualPipe(V)'s last backwards of the first stage when dw_detach is on.
+dw passes cost about 8% more than F + B). On 2 ranks and 8 microbatches: ZB-H1's first stage has every
+backward so, ZBV's first stage all and its third all but one, DualPipeV with dw_detach the first stage's
+last two, DualPipe one per rank.
 
 The executor runs this form by default (`execute(..., fuse_iw=True)`), so whatever predicts its time
 (`fmoe plan`) simulates it too. The result verifies like any schedule: B needs what I needed and makes
