@@ -135,6 +135,12 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     if summary is not None:
         with open(out_path, "w") as f:
             f.write(summary)
+    # The work is done and the group closed: leave without the interpreter's finalization, during which
+    # gloo's threads may still drop tensors (a GIL taken at teardown aborts the process: "terminate called
+    # without an active exception", twice in today's test runs, after every step had been written).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_and_close(tc: TrainConfig, world: World) -> str | None:
