@@ -250,8 +250,11 @@ def _closure_tensors(thunk: Callable[[], Any]) -> list[torch.Tensor]:
 
 
 def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor],
-                      captures: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+                      captures: Sequence[torch.Tensor] | None = None,
+                      accumulate: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> torch.Tensor | None:
     """Record `thunk` on the active tape if it defers `w`; returns the placeholder gradient, else None.
+    `accumulate`: the thunk's accumulating form, as in `WeightGradTape.record`.
 
     The low-level step (a primitive's backward calls `weight_grad_or_defer`, which wraps it):
 
@@ -270,7 +273,7 @@ def defer_weight_grad(w: torch.Tensor, thunk: Callable[[], torch.Tensor],
     w = unwrapped(w)
     if tape is None or not tape.defers(w):
         return None
-    tape.record(w, thunk, _closure_tensors(thunk) if captures is None else captures)
+    tape.record(w, thunk, _closure_tensors(thunk) if captures is None else captures, accumulate)
     return tape.placeholder(w)
 
 
@@ -295,6 +298,6 @@ def weight_grad_or_defer(w: torch.Tensor, compute: Callable[..., torch.Tensor], 
     if tape is None or not tape.defers(unwrapped(w)):  # the common case first: no aliases to build
         return compute(*args)
     keep = [plain(a) if isinstance(a, torch.Tensor) else a for a in args]
-    tape.record(unwrapped(w), lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)],
-                None if accumulate is None else lambda out: accumulate(out, *keep))
-    return tape.placeholder(unwrapped(w))
+    dw = defer_weight_grad(w, lambda: compute(*keep), [a for a in keep if isinstance(a, torch.Tensor)],
+                           None if accumulate is None else lambda out: accumulate(out, *keep))
+    return compute(*args) if dw is None else dw
