@@ -35,10 +35,14 @@ Both run in the same timing processes, whose malloc keeps freed memory (fmoe.tra
 train` sets its CPU ranks; --default-malloc leaves glibc's defaults, under which fmoe's GPipe faults its
 backward's memory back in every microbatch).
 Order: one warm-up step of every variant, then --reps rounds running every variant once, each round
-starting --rotate variants later (medians). Peak memory comes from a second pair of processes in the
-same run (glibc malloc set to mmap every block >= 64 KiB, so freed tensors go back to the OS at once):
-per rank, the RSS high-water mark during one step minus the RSS before it (/proc/self/clear_refs resets
-the mark), after one warm-up step: activations, gradients, buffers and temporaries of the step.
+starting --rotate units later (medians); a unit is a torch schedule with the fmoe schedules it is compared
+with, run back to back, in reverse order every other round. fmoe / torch is printed twice: the ratio of
+the medians, and "paired", the median over rounds of the ratio of the two steps of one unit (seconds
+apart, so a drift of the machine's speed between rounds cancels). Peak memory comes from a second pair
+of processes in the same run (glibc malloc set to mmap every block >= 64 KiB, so freed tensors go back to
+the OS at once): per rank, the RSS high-water mark during one step minus the RSS before it
+(/proc/self/clear_refs resets the mark), after one warm-up step: activations, gradients, buffers and
+temporaries of the step.
 """
 
 from __future__ import annotations
@@ -269,6 +273,24 @@ def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
     return out
 
 
+def _units(variants: list[Variant]) -> list[list[Variant]]:
+    """Returns the variants grouped into the units a round runs back to back: each torch schedule with the
+    fmoe schedules it is compared with (PAIRS), every other fmoe schedule alone; in build order."""
+    by = {v.name: v for v in variants}
+    units: list[list[Variant]] = []
+    placed: set[str] = set()
+    for v in variants:
+        if v.name in placed:
+            continue
+        mates = [c for n, c in PAIRS if n == v.name and f"torch:{c}" in by] if v.fmoe else [v.name[6:]]
+        names = ([n for n, c in PAIRS if c in mates and n in by] + [f"torch:{c}" for c in mates]
+                 if mates else [v.name])
+        unit = [by[n] for n in dict.fromkeys(names) if n not in placed]
+        placed.update(u.name for u in unit)
+        units.append(unit)
+    return units
+
+
 def torch_order(sched: Any) -> dict[int, list[str]] | None:
     """Returns a multi-stage torch schedule's compute actions per rank (the list its runtime executes),
     written as fmoe prints them (F3.1, F0.3&B3.1); None for a single-stage schedule."""
@@ -370,10 +392,12 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             out["grad_diff"][v.name] = _grad_diff(last_fmoe, mods)
         del res
     del last_fmoe
-    n = len(variants)
+    units = _units(variants)
     for rep in range(args.reps):
-        k = (rep * args.rotate) % n
-        for v in variants[k:] + variants[:k]:
+        k = (rep * args.rotate) % len(units)
+        # a pair runs back to back, in the opposite order every other round: the paired ratio of one round
+        # compares steps seconds apart, and neither side always follows the other
+        for v in [v for u in units[k:] + units[:k] for v in (u if rep % 2 == 0 else u[::-1])]:
             _reset(v)
             dist.barrier()
             t = time.perf_counter()
@@ -501,6 +525,15 @@ def _wall(timing: list[dict], name: str) -> float:
     return statistics.median(max(t["wall"][name][k] for t in timing) for k in range(n))
 
 
+def _paired(timing: list[dict], name: str, other: str) -> float:
+    """Median over repetitions of `name`'s step time / `other`'s in the same repetition (max over ranks):
+    the two ran back to back (_units), so a drift of this machine's speed between rounds cancels."""
+    def step(who: str, k: int) -> float:
+        return max(t["wall"][who][k] for t in timing)
+
+    return statistics.median(step(name, k) / step(other, k) for k in range(len(timing[0]["wall"][name])))
+
+
 def _ms(x: float) -> str:
     return f"{1e3 * x:.0f}"
 
@@ -546,9 +579,10 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
         print()
         print("fmoe vs torch.distributed.pipelining on the same model and weights (torch: nn.Modules, tape "
               "autograd);\norder: the torch schedule's compute actions equal fmoe's, rank by rank; |dloss|: "
-              "first step; grad: max relative gradient difference")
+              "first step; grad: max relative gradient difference;\nfmoe/torch: the medians' ratio; paired: "
+              "the median over rounds of the ratio of the two steps run back to back")
         print(f"{'fmoe':<20} {'torch':<30} {'order':>5} {'fmoe ms':>7} {'torch ms':>8} {'spread':>6} "
-              f"{'fmoe/torch':>10}  "
+              f"{'fmoe/torch':>10} {'paired':>6}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
         ran = [(n, c) for n, c in PAIRS if n in args.schedules and TORCH[c][0] in args.schedules]
@@ -561,7 +595,7 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             tw = _wall(timing, tn)
             print(f"{name:<20} {cls_name:<30} {'-' if same is None else 'same' if same else 'diff':>5} "
                   f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
-                  f"{by[name]['wall'] / tw:>10.3f}  "
+                  f"{by[name]['wall'] / tw:>10.3f} {_paired(timing, name, tn):>6.3f}  "
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
@@ -574,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model and 2 repetitions (smoke test)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--rotate", type=int, default=3, help="each round starts this many variants later")
+    p.add_argument("--rotate", type=int, default=3, help="each round starts this many units later")
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
     p.add_argument("--default-malloc", action="store_true",
