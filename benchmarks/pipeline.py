@@ -38,16 +38,19 @@ Order: one warm-up step of every variant, then --reps rounds running every varia
 starting --rotate units later (medians); a unit is a torch schedule with the fmoe schedules it is compared
 with, run back to back, in reverse order every other round. fmoe / torch is printed twice: the ratio of
 the medians, and "paired", the median over rounds of the ratio of the two steps of one unit (seconds
-apart, so a drift of the machine's speed between rounds cancels). Peak memory comes from a second pair
-of processes in the same run (glibc malloc set to mmap every block >= 64 KiB, so freed tensors go back to
-the OS at once): per rank, the RSS high-water mark during one step minus the RSS before it
-(/proc/self/clear_refs resets the mark), after one warm-up step: activations, gradients, buffers and
-temporaries of the step.
+apart, so a drift of the machine's speed between rounds cancels). A control, a second instance of torch's
+Schedule1F1B run in that schedule's unit, prints both ratios of two identical steps: how far apart this
+machine puts the same work in the same run, the resolution of every other ratio.
+Peak memory comes from a second pair of processes in the same run (glibc malloc set to mmap every block
+>= 64 KiB, so freed tensors go back to the OS at once): per rank, the RSS high-water mark during one step
+minus the RSS before it (/proc/self/clear_refs resets the mark), after one warm-up step: activations,
+gradients, buffers and temporaries of the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -79,6 +82,9 @@ BUSY = ("F", "B", "I", "W")
 TORCH = {"ScheduleGPipe": ("gpipe", 1), "Schedule1F1B": ("1f1b", 1),
          "ScheduleInterleaved1F1B": ("interleaved", 2), "ScheduleInterleavedZeroBubble": ("zb_h1", 1),
          "ScheduleZBVZeroBubble": ("zbv", 2), "ScheduleDualPipeV": ("dualpipev+dw_detach", 2)}
+# the control: a second instance of one torch schedule, run in its unit like a pair, whose ratio to the
+# first says how far this machine moves two identical steps apart in the same run (the noise floor)
+CONTROL_OF, CONTROL = "torch:Schedule1F1B", "torch:Schedule1F1B (control)"
 # the comparison table: (fmoe schedule, torch schedule)
 PAIRS = [("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B"),
          ("zb_h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
@@ -270,6 +276,10 @@ def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
             if after == name and not args.no_torch:
                 out.append(_torch_variant(cfg, cls_name, stages_per_rank, args.microbatches, rank, params,
                                           data))
+                if f"torch:{cls_name}" == CONTROL_OF and not args.no_control:
+                    twin = _torch_variant(cfg, cls_name, stages_per_rank, args.microbatches, rank, params,
+                                          data)
+                    out.append(dataclasses.replace(twin, name=CONTROL))
     return out
 
 
@@ -280,7 +290,7 @@ def _units(variants: list[Variant]) -> list[list[Variant]]:
     units: list[list[Variant]] = []
     placed: set[str] = set()
     for v in variants:
-        if v.name in placed:
+        if v.name in placed or v.name == CONTROL:
             continue
         mates = [c for n, c in PAIRS if n == v.name and f"torch:{c}" in by] if v.fmoe else [v.name[6:]]
         names = ([n for n, c in PAIRS if c in mates and n in by] + [f"torch:{c}" for c in mates]
@@ -288,6 +298,8 @@ def _units(variants: list[Variant]) -> list[list[Variant]]:
         unit = [by[n] for n in dict.fromkeys(names) if n not in placed]
         placed.update(u.name for u in unit)
         units.append(unit)
+    if CONTROL in by:  # the control runs next to the schedule it copies
+        next(u for u in units if any(x.name == CONTROL_OF for x in u)).append(by[CONTROL])
     return units
 
 
@@ -599,6 +611,10 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
+        if CONTROL in timing[0]["wall"]:
+            print(f"control: {CONTROL_OF[6:]} against a second instance of itself (same weights, run next to "
+                  f"it): medians' ratio {_wall(timing, CONTROL) / _wall(timing, CONTROL_OF):.3f}, paired "
+                  f"{_paired(timing, CONTROL, CONTROL_OF):.3f} (the resolution of this run's ratios)")
         first = args.schedules[0]
         print(f"first-step loss {by[first]['loss']:.6f} (fmoe {first})")
     print(f"total {seconds:.0f} s (both passes)")
@@ -611,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rotate", type=int, default=3, help="each round starts this many units later")
     _ranks.add_model_arguments(p)
     p.add_argument("--no-torch", action="store_true", help="fmoe and the simulator only")
+    p.add_argument("--no-control", action="store_true",
+                   help="leave out the control (a second instance of torch's Schedule1F1B)")
     p.add_argument("--default-malloc", action="store_true",
                    help="leave glibc malloc's defaults in the timing ranks (default: keep_freed_memory, as "
                         "`fmoe train` sets its CPU ranks)")
