@@ -17,7 +17,9 @@ message; layouts none of the measured ones is), which take their turn in every r
 that both see the same drift of this machine's speed (up to 2x between minutes). The fit uses the median
 over rounds of each calibration figure. Prints the ratio predicted / measured for step time and memory,
 whether the ranking by predicted step time matches the measured one, and how many of the pairs that
-either side separates by more than 10% the other orders alike.
+either side separates by more than 10% the other orders alike. A control, the first layout measured a
+second time in every round as a layout of its own, says how far apart this machine puts the same work in
+one run: pairs measured further apart than that are counted too.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ LAYOUTS = (
      "combined_1f1b", 1),
     ("dp2 1f1b mbs16", {**_DP2, "schedule": "1f1b", "micro_batch_size": 16}, "1f1b", 1),
 )
+# the control: the first layout measured a second time in every round, as a layout of its own; how far apart
+# its two medians come is how far this machine puts the same work in one run (out of every tally)
+CONTROL_OF = LAYOUTS[0][0]
+CONTROL = f"{CONTROL_OF} (control)"
 
 
 def _rank(rank: int, tc: TrainConfig, steps: int, store: str, q: Any) -> None:
@@ -111,6 +117,7 @@ def main() -> None:
     tcs = {
         name: TrainConfig.from_sources(args.preset, None, {**base, **over}) for name, over, _, _ in LAYOUTS
     }
+    tcs[CONTROL] = tcs[CONTROL_OF]
     step_times: dict[str, list[float]] = {name: [] for name in tcs}
     round_medians: dict[str, list[float]] = {name: [] for name in tcs}
     peaks: dict[str, list[float]] = {name: [] for name in tcs}
@@ -170,6 +177,10 @@ def main() -> None:
             f"{name:<24} {ps * 1e3:12.1f} {ms * 1e3:12.1f} {ps / ms:6.3f} {max(rm) / min(rm):14.2f} "
             f"{pm:9.3f} {mm:9.3f} {pm / mm:6.3f}"
         )
+    twice = (statistics.median(step_times[CONTROL]), statistics.median(step_times[CONTROL_OF]))
+    resolution = max(twice) / min(twice)
+    print(f"control: {CONTROL_OF} measured twice in every round, {twice[0] * 1e3:.1f} and "
+          f"{twice[1] * 1e3:.1f} ms: the same work {resolution:.3f}x apart (this run's resolution)")
     by_pred = [r[0] for r in sorted(rows, key=lambda r: r[1])]
     by_meas = [r[0] for r in sorted(rows, key=lambda r: r[2])]
     within_t = sum(abs(r[1] / r[2] - 1) <= 0.10 for r in rows)
@@ -195,6 +206,8 @@ def main() -> None:
     count("in the same measured order in every round",
           [(a, b) for a, b in pairs if max(round_medians[a[0]]) < min(round_medians[b[0]])
            or max(round_medians[b[0]]) < min(round_medians[a[0]])])
+    count(f"measured further apart than the control ({resolution:.3f}x)",
+          [(a, b) for a, b in pairs if max(a[2], b[2]) / min(a[2], b[2]) > resolution])
     for side, col in (("measured", 2), ("predicted", 1)):
         count(f"{side} more than 10% apart", [(a, b) for a, b in pairs if abs(a[col] / b[col] - 1) > 0.10])
 
