@@ -428,6 +428,8 @@ def _memory(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     state, data = init_gpt_state(cfg), batches(cfg, args)
     out = {}
     for v in build_variants(cfg, args, rank, params, state, data):
+        if v.name == CONTROL:  # its memory is its twin's
+            continue
         _reset(v)
         dist.barrier()
         res = v.run()  # warm-up
