@@ -292,9 +292,8 @@ def _units(variants: list[Variant]) -> list[list[Variant]]:
     for v in variants:
         if v.name in placed or v.name == CONTROL:
             continue
-        mates = [c for n, c in PAIRS if n == v.name and f"torch:{c}" in by] if v.fmoe else [v.name[6:]]
-        names = ([n for n, c in PAIRS if c in mates and n in by] + [f"torch:{c}" for c in mates]
-                 if mates else [v.name])
+        mates = [f"torch:{c}" for n, c in PAIRS if n == v.name and f"torch:{c}" in by]
+        names = [n for n, c in PAIRS if f"torch:{c}" in mates and n in by] + mates or [v.name]
         unit = [by[n] for n in dict.fromkeys(names) if n not in placed]
         placed.update(u.name for u in unit)
         units.append(unit)
