@@ -11,8 +11,9 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
   after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
   every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs and a
-  pipelined sixth, see `measure_runs`): per layer kind, its forward events beyond the FLOP model's
-  compute (a fixed part and a part per token, from two microbatch sizes); the backward's as multiples
+  pipelined sixth, live side by side and stepped in turn, see `measure_runs`): per layer kind, its
+  forward events beyond the FLOP model's compute (a fixed part and a part per token, from two
+  microbatch sizes); the backward's as multiples
   of that plus a part per stage; the wall time outside the executor per layer held; the
   memory beyond what the planner counts (base_mem_gib); and, from the same preset pipelined over two
   ranks in a V (dualpipev, 16 microbatches), what one pipeline message costs each rank it leaves or
@@ -20,8 +21,8 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
 Exchanges do not progress while the ranks compute here (gloo's threads need the same cores): the spec
 says so (comm_hides=False), and fb overlap hides nothing in its predictions.
 On this CPU the tiny model's step is almost all host time (Python, dispatch, small kernels), so these
-overheads decide the predictions; benchmarks/plan_local.py measures the calibration run in the same
-rounds as the layouts it predicts, since this machine's speed drifts by up to 2x between minutes.
+overheads decide the predictions; benchmarks/plan_local.py steps the calibration runs in turn with the
+layouts it predicts, since this machine's speed drifts by up to 2x within seconds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 9  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 10  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -272,50 +273,6 @@ def median_sample(samples: list[HostSample]) -> HostSample:
                       med(s.i_s for s in samples))
 
 
-def _tiny_worker(rank: int, layers: int | None, schedule: str, ep: bool, micro_batch: int | None, pp: int,
-                 microbatches: int, store: str, q: Any) -> None:
-    torch.set_num_threads(1)
-    from fmoe.train.launch import _world
-    from fmoe.train.loop import Trainer
-
-    tc = calibration_config(layers, schedule, ep, micro_batch, pp, microbatches)
-    trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
-    for _ in range(2):
-        trainer.step()
-    walls, events = [], []
-    for _ in range(7):
-        walls.append(trainer.step()["step_s"])
-        events.append(trainer.last_result.events)
-    with open("/proc/self/status") as f:
-        hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    q.put(sample_of(walls, events, tc.first_k_dense, tc.microbatches, hwm_kib / 2**20))
-
-
-def measure_host(layers: int | None = None, schedule: str = "1f1b", ep: bool = False,
-                 micro_batch: int | None = None, pp: int = 1,
-                 microbatches: int = CALIBRATION_MICROBATCHES) -> HostSample:
-    """The HostSample of a calibration run (calibration_config(layers, schedule, ep, micro_batch, pp,
-    microbatches): `fmoe train`'s tiny preset over every core, one thread per rank, through the
-    executor); the median over the ranks."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = tempfile.mktemp(prefix="fmoe_plan_")
-    world = calibration_config(layers, schedule, ep, micro_batch, pp, microbatches).world_size
-    procs = [ctx.Process(target=_tiny_worker,
-                         args=(r, layers, schedule, ep, micro_batch, pp, microbatches, store, q),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    outs = [q.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    return median_sample(outs)
-
-
 def measure_machine() -> ClusterSpec:
     """This machine's rates and links (GEMM, attention, optimizer bytes, gloo latency and bandwidth), with
     no host overhead yet (see fit_host)."""
@@ -355,18 +312,35 @@ def measure_machine() -> ClusterSpec:
 
 def calibrate() -> ClusterSpec:
     """Measures this machine (see the module docstring) and returns its ClusterSpec."""
-    return fit_host(measure_machine(), *measure_runs())
+    return fit_host(measure_machine(), **measure_runs())
 
 
-def measure_runs() -> tuple[HostSample, HostSample, HostSample, HostSample, HostSample, HostSample | None]:
-    """The six calibration runs fit_host takes: 1f1b with the preset's layers, 1f1b with SHORT_LAYERS,
-    zb_h1 with the preset's layers, 1f1b expert parallel, 1f1b with LARGE_MICRO_BATCH, and the pipelined
-    run (PIPELINE_SCHEDULE over PIPELINE_STAGES ranks; None on a machine whose cores they do not divide)."""
-    n = os.cpu_count() or 1
-    return (measure_host(), measure_host(SHORT_LAYERS), measure_host(None, "zb_h1"),
-            measure_host(None, "1f1b", ep=True), measure_host(micro_batch=LARGE_MICRO_BATCH),
-            measure_host(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES, microbatches=PIPELINE_MICROBATCHES)
-            if n % PIPELINE_STAGES == 0 else None)
+def calibration_configs() -> dict[str, Any]:
+    """The calibration runs fit_host takes, by its argument names: "full" (1f1b with the preset's layers),
+    "short" (1f1b with SHORT_LAYERS), "split" (zb_h1), "expert" (1f1b expert parallel), "large" (1f1b with
+    LARGE_MICRO_BATCH) and "pipeline" (PIPELINE_SCHEDULE over PIPELINE_STAGES ranks; left out on a machine
+    whose cores they do not divide); each a TrainConfig (calibration_config)."""
+    runs = {"full": calibration_config(), "short": calibration_config(SHORT_LAYERS),
+            "split": calibration_config(None, "zb_h1"), "expert": calibration_config(None, "1f1b", ep=True),
+            "large": calibration_config(micro_batch=LARGE_MICRO_BATCH)}
+    if (os.cpu_count() or 1) % PIPELINE_STAGES == 0:
+        runs["pipeline"] = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES,
+                                              microbatches=PIPELINE_MICROBATCHES)
+    return runs
+
+
+CALIBRATION_STEPS = 15  # measured steps of each calibration run, after 2 warm-up steps
+
+
+def measure_runs(steps: int = CALIBRATION_STEPS) -> dict[str, HostSample]:
+    """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
+    each in turn, `steps` rounds (fmoe.plan.jobs.LiveJobs; this machine's speed drifts within seconds)."""
+    from fmoe.plan.jobs import LiveJobs
+
+    configs = calibration_configs()
+    with LiveJobs(configs, events=set(configs)) as jobs:
+        runs = jobs.step_in_turn(steps)
+    return {name: run.host_sample() for name, run in runs.items()}
 
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
