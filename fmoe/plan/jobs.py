@@ -108,9 +108,13 @@ class LiveJobs:
                 for rank in range(tc.world_size)]
             for p in self._procs[name]:
                 p.start()
-        for name in self.configs:
-            self._gather(name, _READY)
-            self._signal(name, signal.SIGSTOP)
+        try:
+            for name in self.configs:
+                self._gather(name, _READY)
+                self._signal(name, signal.SIGSTOP)
+        except BaseException:  # a job that cannot start: leave no rank of any job behind
+            self.__exit__()
+            raise
 
     def __enter__(self) -> LiveJobs:
         return self
