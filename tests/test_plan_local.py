@@ -228,22 +228,30 @@ def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, 
 
 @given(fixed=st.fixed_dictionaries({k: st.floats(2e-4, 3e-3) for k in LAYER_KINDS}),
        per_token=st.fixed_dictionaries({k: st.floats(0.0, 3e-6) for k in LAYER_KINDS}),
-       ratio=st.floats(0.5, 3.0), per_stage=st.floats(0.0, 3e-3), probe=st.sampled_from([2, 8]))
+       ratio=st.floats(0.5, 3.0), per_stage=st.floats(0.0, 3e-3), probe=st.sampled_from([2, 8]),
+       steeper=st.fixed_dictionaries({k: st.floats(0.0, 0.9) for k in LAYER_KINDS}))
 @example(fixed={k: 1e-3 for k in LAYER_KINDS}, per_token={k: 0.0 for k in LAYER_KINDS}, ratio=1.0,
-         per_stage=0.0, probe=8)
+         per_stage=0.0, probe=8, steeper={k: 0.0 for k in LAYER_KINDS})
+@example(fixed={k: 1e-3 for k in LAYER_KINDS}, per_token={k: 1e-6 for k in LAYER_KINDS}, ratio=1.0,
+         per_stage=0.0, probe=2, steeper={k: 0.9 for k in LAYER_KINDS})
 def test_fit_host_splits_host_time_per_token(fixed: dict[str, float], per_token: dict[str, float],
-                                             ratio: float, per_stage: float, probe: int) -> None:
-    """Calibration runs generated from host costs linear in the microbatch's tokens (a forward of kind k
-    costs fixed[k] + T x per_token[k], B = ratio x the stage's forward + per_stage; compute is nothing):
-    with the run at LARGE_MICRO_BATCH the fit recovers both parts, and the planner predicts the span of a
-    run at a microbatch size no calibration run used (`probe` sequences)."""
+                                             ratio: float, per_stage: float, probe: int,
+                                             steeper: dict[str, float]) -> None:
+    """Calibration runs generated from host costs piecewise linear in the microbatch's tokens T (a forward
+    of kind k costs fixed[k] + T x per_token[k] from the preset's T0 tokens up, and below T0 falls by
+    below[k] = per_token[k] + steeper[k] x fixed[k] / T0 per token short of it; B = ratio x the stage's
+    forward + per_stage; compute is nothing): with the runs at LARGE_MICRO_BATCH and SMALL_MICRO_BATCH the
+    fit recovers every part, and the planner predicts the span of a run at a microbatch size no
+    calibration run used (`probe` sequences: 2 is below the knee, 8 above)."""
     ctx, lay = _calibration_layout()
     fast = _machine().replace(peak_flops={"fp32": 1e18})
     model, m = ctx.model, LC.CALIBRATION_MICROBATCHES
+    t0 = lay.micro_batch * model.seq
+    below = {k: per_token[k] + steeper[k] * fixed[k] / t0 for k in LAYER_KINDS}
 
     def run(layers: int, micro_batch: int) -> LC.HostSample:
         T = micro_batch * model.seq
-        f = {k: fixed[k] + T * per_token[k] for k in LAYER_KINDS}
+        f = {k: fixed[k] + max(T, t0) * per_token[k] - max(0, t0 - T) * below[k] for k in LAYER_KINDS}
         fs = _stage_sums(f, layers, model.dense_layers)
         b = ratio * fs + per_stage
         return LC.HostSample(m * (fs + b), m * (fs + b), f, b, 0.0, 0.5)
@@ -254,16 +262,19 @@ def test_fit_host_splits_host_time_per_token(fixed: dict[str, float], per_token:
     f0 = full.f_s
     split = LC.HostSample(0.0, 0.0, f0, 0.0, 0.2 * _stage_sums(f0, model.layers, model.dense_layers), 0.5,
                           _stage_sums(f0, model.layers, model.dense_layers))
-    fitted = LC.fit_host(fast, full, short, split, large=large)
+    fitted = LC.fit_host(fast, full, short, split, large=large, small=run(model.layers, LC.SMALL_MICRO_BATCH))
     assert fitted.layer_overhead_s == pytest.approx(fixed, rel=1e-6, abs=1e-12)
     assert fitted.token_overhead_s == pytest.approx(per_token, rel=1e-6, abs=1e-12)  # compute: ~1e-11 s
+    assert fitted.small_token_overhead_s == pytest.approx(below, rel=1e-6, abs=1e-12)
+    assert fitted.token_knee == t0
     tc = LC.calibration_config(micro_batch=probe)
     probe_lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False, micro_batch=probe)
     got = evaluate(Context(model, fitted, tc.world_size, tc.global_batch_size), probe_lay)
     assert got.times["pipeline"] == pytest.approx(run(model.layers, probe).span_s, rel=1e-6)
-    # without the large run all of the host time counts as fixed
+    # without the large run all of the host time counts as fixed; without the small one there is no knee
     flat = LC.fit_host(fast, full, short, split)
     assert flat.token_overhead_s == {k: 0.0 for k in LAYER_KINDS}
+    assert (flat.small_token_overhead_s, flat.token_knee) == ({}, 0.0)
 
 
 def test_remote_neighbours_follow_the_placement() -> None:

@@ -47,7 +47,7 @@ def _cache_path() -> Path:
     return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
 
 
-CALIBRATION_VERSION = 10  # bump when what is measured changes: older caches are measured again
+CALIBRATION_VERSION = 11  # bump when what is measured changes: older caches are measured again
 
 
 def _key() -> str:
@@ -169,6 +169,11 @@ SHORT_LAYERS = 2
 # And once with microbatches of LARGE_MICRO_BATCH sequences: the forward's growth beyond its FLOPs splits
 # each layer kind's host time into a fixed part and a part per token.
 LARGE_MICRO_BATCH = 16
+# And once with microbatches of SMALL_MICRO_BATCH sequences: below the preset's size the host time falls
+# faster per token than above it (a dense layer's forward, per sequence: 0.25 ms from 1 to 2 sequences,
+# 0.17 from 8 to 16), so the line through 4 and 16 priced 2 sequences 4-6% high; this run gives the slope
+# below (ClusterSpec.small_token_overhead_s, with the knee at the preset's size).
+SMALL_MICRO_BATCH = 1
 # And once pipelined over PIPELINE_STAGES ranks under PIPELINE_SCHEDULE with PIPELINE_MICROBATCHES
 # microbatches: what its span takes beyond the planner's pipeline time without messages prices one
 # pipeline message (p2p_overhead_s). A V, because its ranks hold two stages each, with twice the messages
@@ -317,12 +322,14 @@ def calibrate() -> ClusterSpec:
 
 def calibration_configs() -> dict[str, Any]:
     """The calibration runs fit_host takes, by its argument names: "full" (1f1b with the preset's layers),
-    "short" (1f1b with SHORT_LAYERS), "split" (zb_h1), "expert" (1f1b expert parallel), "large" (1f1b with
-    LARGE_MICRO_BATCH) and "pipeline" (PIPELINE_SCHEDULE over PIPELINE_STAGES ranks; left out on a machine
-    whose cores they do not divide); each a TrainConfig (calibration_config)."""
+    "short" (1f1b with SHORT_LAYERS), "split" (zb_h1), "expert" (1f1b expert parallel), "large" and "small"
+    (1f1b with LARGE_MICRO_BATCH and SMALL_MICRO_BATCH sequences) and "pipeline" (PIPELINE_SCHEDULE over
+    PIPELINE_STAGES ranks; left out on a machine whose cores they do not divide); each a TrainConfig
+    (calibration_config)."""
     runs = {"full": calibration_config(), "short": calibration_config(SHORT_LAYERS),
             "split": calibration_config(None, "zb_h1"), "expert": calibration_config(None, "1f1b", ep=True),
-            "large": calibration_config(micro_batch=LARGE_MICRO_BATCH)}
+            "large": calibration_config(micro_batch=LARGE_MICRO_BATCH),
+            "small": calibration_config(micro_batch=SMALL_MICRO_BATCH)}
     if (os.cpu_count() or 1) % PIPELINE_STAGES == 0:
         runs["pipeline"] = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES,
                                               microbatches=PIPELINE_MICROBATCHES)
@@ -345,13 +352,15 @@ def measure_runs(steps: int = CALIBRATION_STEPS) -> dict[str, HostSample]:
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
              expert: HostSample | None = None, large: HostSample | None = None,
-             pipeline: HostSample | None = None) -> ClusterSpec:
+             pipeline: HostSample | None = None, small: HostSample | None = None) -> ClusterSpec:
     """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
     layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W,
     `expert`: 1f1b expert parallel over the cores, `large`: 1f1b with LARGE_MICRO_BATCH):
     - per layer kind, the forward's time beyond the FLOP model's compute (from `full`); with `large`,
       split into a fixed part (`layer_overhead_s`) and a part per token (`token_overhead_s`: its growth
-      to the larger microbatch beyond the FLOP model's, per token), else all fixed;
+      to the larger microbatch beyond the FLOP model's, per token), else all fixed; with `small` (1f1b
+      with SMALL_MICRO_BATCH) too, the growth per token below the preset's microbatch
+      (`small_token_overhead_s`, `token_knee` the preset microbatch's tokens);
     - the backward: B's host time (beyond its compute) = b_overhead_ratio x the stage's forward host time
       + a part per stage and microbatch; the two 1f1b runs give both. The time between the executor's
       events goes to the per-stage part too (`stage_overhead_s`). The I and W of `split`, beyond their
@@ -379,7 +388,7 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
                  micro_batch=tc.micro_batch_size)
     bare = spec.replace(op_overhead_s=0.0, layer_overhead_s={}, token_overhead_s={}, i_overhead_ratio=0.0,
                         w_overhead_ratio=0.0, b_overhead_ratio=None, step_overhead_s=0.0,
-                        stage_overhead_s=0.0)
+                        stage_overhead_s=0.0, small_token_overhead_s={}, token_knee=0.0)
     ctx = Context(model, bare, tc.world_size, tc.global_batch_size)
     costs = {"embed": embed_cost(model), "dense": block_cost(model, False), "moe": block_cost(model, True),
              "head": head_cost(model)}
@@ -394,6 +403,13 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
             grown = large.f_s.get(k, f1) - f1 - host_f[k]
             per_token[k] = max(0.0, grown) / (big.micro_batch * model.seq - t0)
     fixed = {k: max(0.0, h - per_token[k] * t0) for k, h in host_f.items()}
+    below: dict[str, float] = {}
+    if small is not None:
+        little = replace(lay, micro_batch=SMALL_MICRO_BATCH)
+        t1 = little.micro_batch * model.seq
+        for k, c in costs.items():
+            f1 = _phases(ctx, little, c)[0]
+            below[k] = max(0.0, host_f[k] - max(0.0, small.f_s.get(k, f1) - f1)) / (t0 - t1)
     m = CALIBRATION_MICROBATCHES
 
     def counts(layers: int) -> dict[str, int]:
@@ -430,6 +446,8 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
     fitted = hosted.replace(
         layer_overhead_s={k: v * scale for k, v in fixed.items()},
         token_overhead_s={k: v * scale for k, v in per_token.items()},
+        small_token_overhead_s={k: v * scale for k, v in below.items()},
+        token_knee=float(t0) if below else 0.0,
         op_overhead_s=statistics.median(fixed.values()) * scale,
         stage_overhead_s=stage * scale,
         step_overhead_s=max(0.0, outside) / held,

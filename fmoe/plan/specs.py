@@ -175,7 +175,9 @@ class ClusterSpec:
     `layer_overhead_s` overrides it per layer kind (OVERHEAD_KINDS) for the forward, and
     `token_overhead_s` adds host seconds per token of the microbatch per layer kind (work that grows
     with the tokens but is not GEMM or attention FLOPs: norms, softmax, routing, row copies; an MoE layer
-    under EP without a "moe_ep" figure takes the "moe" one). The
+    under EP without a "moe_ep" figure takes the "moe" one). Below `token_knee` tokens (0: no knee) that
+    growth is `small_token_overhead_s` per token instead, per layer kind, continuous at the knee (on a
+    CPU a few tokens cost more each than many do). The
     backward's input- and weight-gradient parts run apart (I, then W later) cost `i_overhead_ratio` and
     `w_overhead_ratio` times the forward's; run as one B, `b_overhead_ratio` times (None: the sum).
     `stage_overhead_s`: host cost per stage and microbatch on top (a pipeline runtime's bookkeeping:
@@ -215,6 +217,8 @@ class ClusterSpec:
     token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     p2p_overhead_s: float = 0.0
     comm_hides: bool = True
+    small_token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    token_knee: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.comm_hides, bool):
@@ -225,12 +229,13 @@ class ClusterSpec:
         _positive_reals(
             self,
             ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib",
-             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s", "p2p_overhead_s"),
+             "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s", "p2p_overhead_s",
+             "token_knee"),
             allow_zero=True,
         )
         if self.b_overhead_ratio is not None:
             _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
-        for field in ("layer_overhead_s", "token_overhead_s"):
+        for field in ("layer_overhead_s", "token_overhead_s", "small_token_overhead_s"):
             table = getattr(self, field)
             if not isinstance(table, dict):
                 raise PlanError(f"ClusterSpec.{field} must map a layer kind to seconds, got {table!r}")
@@ -265,9 +270,14 @@ class ClusterSpec:
 
     def host_s(self, kind: str, tokens: float, expert_parallel: bool = False) -> float:
         """Host seconds of one forward of a layer of `kind` over a microbatch of `tokens` tokens on one
-        device: `overhead_s` plus `tokens` times the kind's `token_overhead_s`."""
+        device: `overhead_s` plus `tokens` times the kind's `token_overhead_s` (below `token_knee`: its
+        host seconds at the knee less `small_token_overhead_s` per token short of it)."""
         per_token = _per_kind(self.token_overhead_s, kind, expert_parallel, 0.0)
-        return self.overhead_s(kind, expert_parallel) + tokens * per_token
+        at = self.overhead_s(kind, expert_parallel) + max(tokens, self.token_knee) * per_token
+        if tokens < self.token_knee:
+            at -= (self.token_knee - tokens) * _per_kind(self.small_token_overhead_s, kind, expert_parallel,
+                                                         per_token)
+        return max(0.0, at)
 
     def replace(self, **changes: Any) -> ClusterSpec:
         """Returns a copy with `changes` applied (checked again)."""
