@@ -5,11 +5,12 @@ local` predicts for the same layout.
     .venv/bin/python benchmarks/plan_local.py                 # tiny preset, 12 layouts, 20 steps each
     .venv/bin/python benchmarks/plan_local.py --preset small --steps 8
 
-Every layout and the seven calibration runs (`fmoe.plan.local.calibration_configs`: the tiny preset
+Every layout and the eight calibration runs (`fmoe.plan.local.calibration_configs`: the tiny preset
 data-parallel on 2 ranks with 8 microbatches each under 1f1b, the same with 2 layers, under zb_h1, with
-16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap, and pipelined over the 2 ranks
+16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap (with 4 and with 16
+sequences per microbatch), and pipelined over the 2 ranks
 under dualpipev with 16 microbatches, which prices a pipeline message; none of them a measured layout)
-run as live jobs side by side (`fmoe.plan.jobs.LiveJobs`, 40 processes, 0.4 GiB each): a step of
+run as live jobs side by side (`fmoe.plan.jobs.LiveJobs`, 42 processes, 0.4 GiB each): a step of
 each in turn, the order rotated by one every round, so that all of them meet the same phases of this
 machine's speed (it moves by up to 2x within seconds). Measured per layout: the median `step_s` over
 its steps after 2 warm-up steps (max over the two ranks), and the peak resident memory of a rank over

@@ -202,6 +202,37 @@ def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
     assert no_ep[0] == pytest.approx(no_ep[1])
 
 
+@given(fixed=st.floats(1e-4, 2e-2), per_token=st.floats(0.0, 2e-5))
+@example(fixed=1e-4, per_token=0.0)
+@example(fixed=2e-2, per_token=2e-5)
+def test_fit_host_splits_the_expert_parallel_layer_per_token(fixed: float, per_token: float) -> None:
+    """Expert-parallel calibration runs at the preset's microbatch and at LARGE_MICRO_BATCH whose spans
+    come from a known "moe_ep" host cost (`fixed` + T x `per_token`): the fit recovers both parts and so
+    predicts an expert-parallel run at a microbatch size neither used."""
+    ctx, _ = _calibration_layout()
+    f = {k: 1e-3 for k in LAYER_KINDS}
+    dense_only = LC.fit_host(_machine(), *_dense_samples(ctx, f))
+    truth = dense_only.replace(layer_overhead_s={**dense_only.layer_overhead_s, "moe_ep": fixed},
+                               token_overhead_s={**dense_only.token_overhead_s, "moe_ep": per_token})
+
+    def span(cluster: ClusterSpec, micro_batch: int | None) -> float:
+        tc = LC.calibration_config(ep=True, micro_batch=micro_batch)
+        ep_lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
+                        micro_batch=tc.micro_batch_size)
+        return evaluate(Context(ctx.model, cluster, tc.world_size, tc.global_batch_size), ep_lay).times[
+            "pipeline"]
+
+    def sample(micro_batch: int | None) -> LC.HostSample:
+        t = span(truth, micro_batch)
+        return LC.HostSample(t, t, f, 0.0, 0.0, 0.5)
+
+    fitted = LC.fit_host(_machine(), *_dense_samples(ctx, f), expert=sample(None),
+                         expert_large=sample(LC.LARGE_MICRO_BATCH))
+    assert fitted.layer_overhead_s["moe_ep"] == pytest.approx(fixed, rel=1e-6, abs=1e-9)
+    assert fitted.token_overhead_s["moe_ep"] == pytest.approx(per_token, rel=1e-6, abs=1e-12)
+    assert span(fitted, 8) == pytest.approx(span(truth, 8), rel=1e-6)
+
+
 @given(b_ratio=st.floats(0.0, 3.0), i_ratio=st.floats(0.0, 3.0), w_ratio=st.floats(0.0, 1.0))
 def test_b_and_split_backwards_are_priced_apart(b_ratio: float, i_ratio: float, w_ratio: float) -> None:
     """1f1b runs every backward as one B, zb_h1's last stage as I then W (its first stage's W follow their I

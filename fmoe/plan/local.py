@@ -322,14 +322,16 @@ def calibrate() -> ClusterSpec:
 
 def calibration_configs() -> dict[str, Any]:
     """The calibration runs fit_host takes, by its argument names: "full" (1f1b with the preset's layers),
-    "short" (1f1b with SHORT_LAYERS), "split" (zb_h1), "expert" (1f1b expert parallel), "large" and "small"
-    (1f1b with LARGE_MICRO_BATCH and SMALL_MICRO_BATCH sequences) and "pipeline" (PIPELINE_SCHEDULE over
+    "short" (1f1b with SHORT_LAYERS), "split" (zb_h1), "expert" and "expert_large" (1f1b expert parallel,
+    the second with LARGE_MICRO_BATCH sequences), "large" and "small" (1f1b with LARGE_MICRO_BATCH and
+    SMALL_MICRO_BATCH sequences) and "pipeline" (PIPELINE_SCHEDULE over
     PIPELINE_STAGES ranks; left out on a machine whose cores they do not divide); each a TrainConfig
     (calibration_config)."""
     runs = {"full": calibration_config(), "short": calibration_config(SHORT_LAYERS),
             "split": calibration_config(None, "zb_h1"), "expert": calibration_config(None, "1f1b", ep=True),
             "large": calibration_config(micro_batch=LARGE_MICRO_BATCH),
-            "small": calibration_config(micro_batch=SMALL_MICRO_BATCH)}
+            "small": calibration_config(micro_batch=SMALL_MICRO_BATCH),
+            "expert_large": calibration_config(None, "1f1b", ep=True, micro_batch=LARGE_MICRO_BATCH)}
     if (os.cpu_count() or 1) % PIPELINE_STAGES == 0:
         runs["pipeline"] = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES,
                                               microbatches=PIPELINE_MICROBATCHES)
@@ -352,7 +354,8 @@ def measure_runs(steps: int = CALIBRATION_STEPS) -> dict[str, HostSample]:
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
              expert: HostSample | None = None, large: HostSample | None = None,
-             pipeline: HostSample | None = None, small: HostSample | None = None) -> ClusterSpec:
+             pipeline: HostSample | None = None, small: HostSample | None = None,
+             expert_large: HostSample | None = None) -> ClusterSpec:
     """Returns `spec` with the host overheads the calibration runs measured (`full`: 1f1b with the preset's
     layers, `short`: 1f1b with SHORT_LAYERS of them, `split`: zb_h1, whose backwards run as I then W,
     `expert`: 1f1b expert parallel over the cores, `large`: 1f1b with LARGE_MICRO_BATCH):
@@ -372,7 +375,8 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
       gradient reduce, per layer held; `base_mem_gib`: the process memory beyond what the planner counts;
     - with `expert`: the "moe_ep" forward host time of an expert-parallel MoE layer, such that the
       planner's pipeline time of that run equals its span (the all-to-alls' host work and waits, and the
-      runtime's phase-by-phase execution, all go into it);
+      runtime's phase-by-phase execution, all go into it); with `expert_large` (the same at
+      LARGE_MICRO_BATCH) too, split into a fixed part and a part per token that predict both spans;
     - with `pipeline` (the pipelined run, measure_runs): `p2p_overhead_s`, the host
       cost of one pipeline message on each rank it leaves or reaches, such that the planner's pipeline
       time of that run equals its span (posting sends and receives, the gloo threads' share of the busy
@@ -454,7 +458,7 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
         base_mem_gib=max(0.0, full.peak_gib - p1.mem_gib),
     )
     if expert is not None:
-        fitted = _fit_expert(fitted, model, expert)
+        fitted = _fit_expert(fitted, model, expert, expert_large)
     return fitted if pipeline is None else _fit_messages(fitted, model, pipeline)
 
 
@@ -473,18 +477,49 @@ def _fit_linear(model: Any, tc: Any, lay: Any, with_value: Callable[[float], Clu
     return max(0.0, (span_s - t0) / (t1 - t0) * 1e-3) if t1 > t0 else fallback
 
 
-def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample) -> ClusterSpec:
-    """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span."""
+def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample,
+                large: HostSample | None = None) -> ClusterSpec:
+    """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span; with
+    `large` (the same run at LARGE_MICRO_BATCH) also token_overhead_s["moe_ep"], so that the planner
+    predicts both spans (where that needs a negative part, that part is 0 and the other fits `expert`)."""
+    from fmoe.plan.estimate import Context, evaluate
     from fmoe.plan.layout import Layout
 
-    tc = calibration_config(ep=True)
-    lay = Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
-                 micro_batch=tc.micro_batch_size)
+    def with_moe_ep(x: float, y: float | None = None) -> ClusterSpec:
+        tokens = spec.token_overhead_s if y is None else {**spec.token_overhead_s, "moe_ep": y}
+        return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x}, token_overhead_s=tokens)
 
-    def with_moe_ep(x: float) -> ClusterSpec:
-        return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x})
+    def run(micro_batch: int | None) -> tuple[Any, Any]:
+        tc = calibration_config(ep=True, micro_batch=micro_batch)
+        return tc, Layout(tp=1, pp=1, ep=tc.ep, dp=1, vpp=1, schedule="1f1b", overlap=False,
+                          micro_batch=tc.micro_batch_size)
 
-    return with_moe_ep(_fit_linear(model, tc, lay, with_moe_ep, expert.span_s, spec.overhead_s("moe")))
+    tc, lay = run(None)
+    x = _fit_linear(model, tc, lay, with_moe_ep, expert.span_s, spec.overhead_s("moe"))
+    if large is None:
+        return with_moe_ep(x)
+    per_token = spec.token_overhead_s.get("moe", 0.0)
+
+    def pipeline(case: tuple[Any, Any], x: float, y: float) -> float:
+        tc, lay = case
+        return evaluate(Context(model, with_moe_ep(x, y), tc.world_size, tc.global_batch_size), lay).times[
+            "pipeline"]
+
+    # both spans are linear in (x, y): solve the 2 x 2 system from three evaluations of each run
+    cases = (run(None), run(LARGE_MICRO_BATCH))
+    rows = []
+    for case, span in zip(cases, (expert.span_s, large.span_s)):
+        t0 = pipeline(case, 0.0, 0.0)
+        rows.append(((pipeline(case, 1e-3, 0.0) - t0) / 1e-3, (pipeline(case, 0.0, 1e-6) - t0) / 1e-6,
+                     span - t0))
+    (a, b, e), (c, d, f) = rows
+    det = a * d - b * c
+    x2, y2 = ((e * d - b * f) / det, (a * f - e * c) / det) if det else (x, per_token)
+    if x2 >= 0.0 and y2 >= 0.0:
+        return with_moe_ep(x2, y2)
+    if y2 < 0.0:  # the spans call for less than no growth per token: none, and the fixed part fits `expert`
+        return with_moe_ep(max(0.0, e / a) if a else x, 0.0)
+    return with_moe_ep(0.0, max(0.0, e / b) if b else per_token)  # all of it grows with the tokens
 
 
 def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> ClusterSpec:
