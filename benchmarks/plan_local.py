@@ -15,8 +15,10 @@ each in turn, the order rotated by one every round, so that all of them meet the
 machine's speed (it moves by up to 2x within seconds). Measured per layout: the median `step_s` over
 its steps after 2 warm-up steps (max over the two ranks), and the peak resident memory of a rank over
 its whole run (VmHWM, max over ranks). Predicted: `fmoe.plan.estimate.fastest_fitting` on the `local`
-cluster fitted to the calibration runs of the same run (the machine's rates and links are measured once
-before, `fmoe.plan.local.measure_machine`). Prints the ratio predicted / measured for step time and
+cluster fitted to the calibration runs of the same run (the machine's GEMM, attention and optimizer
+rates measured once per round while the jobs are stopped, `fmoe.plan.local.measure_rates`, and its gloo
+links once after, `measure_machine`; a rate measured once in a slow phase put the GEMM peak at 80
+GFLOP/s against 117-155 in the other runs, and every host time fitted beyond it went wrong). Prints the ratio predicted / measured for step time and
 memory, whether the ranking by predicted step time matches the measured one, and how many of the pairs
 that either side separates by more than 10% the other orders alike. A control, the first layout run a
 second time as a job of its own, says how far apart this machine puts the same work in one run: pairs
@@ -73,7 +75,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20,
                     help="measured steps of every job, a step of each in turn (after 2 warm-up steps)")
     args = ap.parse_args()
-    machine = LC.measure_machine()
     model = load_model(args.preset)
     base = {"progress": False, "steps": 10**6}
     tcs = {
@@ -85,9 +86,10 @@ def main() -> None:
     jobs = {**{CALIBRATION + name: tc for name, tc in calibration.items()}, **tcs}
     with LiveJobs(jobs, events={CALIBRATION + name for name in calibration}) as live:
         started = time.perf_counter()
-        runs = live.step_in_turn(args.steps)
+        rates: list[dict[str, float]] = []
+        runs = live.step_in_turn(args.steps, each_round=lambda: rates.append(LC.measure_rates()))
     samples = {name: runs[CALIBRATION + name].host_sample() for name in calibration}
-    cluster = LC.fit_host(machine, **samples)
+    cluster = LC.fit_host(LC.measure_machine(rates), **samples)
     sample = samples["full"]
     print(f"{len(jobs)} jobs started in {started - t0:.0f} s, {args.steps} steps of each in turn in "
           f"{time.perf_counter() - started:.0f} s; local cluster: {cluster}")

@@ -36,7 +36,11 @@ def test_jobs_step_in_turn_and_return_their_samples() -> None:
         # between steps every rank is stopped: an idle job takes no CPU from the one that steps
         procs = [p for ps in jobs._procs.values() for p in ps]
         assert len(procs) == 4 and {_state(p.pid) for p in procs} == {"T"}
-        runs = jobs.step_in_turn(steps=3, warm=1)
+        # the caller's measurement once per timed round, with every rank stopped
+        seen: list[set[str]] = []
+        runs = jobs.step_in_turn(steps=3, warm=1,
+                                 each_round=lambda: seen.append({_state(p.pid) for p in procs}))
+    assert seen == [{"T"}] * 3
     assert set(runs) == {"dp", "pp"}
     for run in runs.values():
         assert len(run.step_s) == 3 and all(t > 0 for t in run.step_s)

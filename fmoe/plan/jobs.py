@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -170,14 +171,19 @@ class LiveJobs:
                 p.join(timeout=60)
         return peaks
 
-    def step_in_turn(self, steps: int, warm: int = 2) -> dict[str, JobRun]:
+    def step_in_turn(self, steps: int, warm: int = 2,
+                     each_round: Callable[[], None] | None = None) -> dict[str, JobRun]:
         """Runs `warm` untimed then `steps` timed rounds, each a step of every job, in an order rotated by one
-        every round; stops the jobs; returns each one's JobRun."""
+        every round, and `each_round()` at the start of every timed round (while every job is stopped: a
+        measurement of the caller's that should meet the same phases of the machine); stops the jobs;
+        returns each one's JobRun."""
         if steps < 1 or warm < 0:
             raise ValueError(f"step_in_turn: steps={steps} must be >= 1 and warm={warm} >= 0")
         names = list(self.configs)
         runs = {name: JobRun(samples=[[] for _ in self._commands[name]]) for name in names}
         for r in range(warm + steps):
+            if each_round is not None and r >= warm:
+                each_round()
             for name in names[r % len(names):] + names[: r % len(names)]:
                 answers = self.step(name)
                 if r < warm:

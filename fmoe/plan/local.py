@@ -4,8 +4,9 @@ A device is a CPU process with one thread (as `fmoe train` splits the cores betw
 is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_CLUSTER` (default
 ~/.cache/fmoe/local-cluster.json, keyed by torch version and core count; delete it to measure again):
 - GEMM FLOP/s of a 512^3 fp32 matmul (the peak; gemm_eff 1) and of a 32 x 64 x 64 one (gemm_half_dim);
-- the causal attention kernel's FLOP/s at a small shape (attn_eff);
-- AdamW's bytes per second over 2M fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter);
+  the causal attention kernel's FLOP/s at a small shape (attn_eff); AdamW's bytes per second over 2M
+  fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter): `measure_rates`, once in every round of
+  the calibration runs below, medians over the rounds;
 - the latency and bandwidth of a gloo send between two processes (ping-pong at 4 B and 4 MiB; one
   machine: intra = inter) and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
   after a warm-up;
@@ -278,17 +279,28 @@ def median_sample(samples: list[HostSample]) -> HostSample:
                       med(s.i_s for s in samples))
 
 
-def measure_machine() -> ClusterSpec:
-    """This machine's rates and links (GEMM, attention, optimizer bytes, gloo latency and bandwidth), with
-    no host overhead yet (see fit_host)."""
+def measure_rates() -> dict[str, float]:
+    """One measurement of this machine's single-thread rates: "peak" (GEMM FLOP/s), "half"
+    (gemm_half_dim), "attn_eff" and "hbm" (AdamW bytes/s). A fraction of a second: calibrations take the
+    median over many, spread over their run (this machine's speed moves within seconds)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         peak, half = _gemm_rates()
-        attn_eff = _attention_rate(peak)
-        hbm = _adamw_bytes_per_s()
+        return {"peak": peak, "half": float(half), "attn_eff": _attention_rate(peak),
+                "hbm": _adamw_bytes_per_s()}
     finally:
         torch.set_num_threads(threads)
+
+
+def measure_machine(rates: list[dict[str, float]] | None = None) -> ClusterSpec:
+    """This machine's rates and links (GEMM, attention, optimizer bytes, gloo latency and bandwidth), with
+    no host overhead yet (see fit_host); the rates the field-by-field median of `rates` (measure_rates
+    results), or measured once now."""
+    rates = rates or [measure_rates()]
+    peak, half, attn_eff, hbm = (statistics.median(r[k] for r in rates) for k in ("peak", "half", "attn_eff",
+                                                                                   "hbm"))
+    half = int(round(half))
     latency, bandwidth, per_call = _links()
     cores = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
@@ -317,7 +329,8 @@ def measure_machine() -> ClusterSpec:
 
 def calibrate() -> ClusterSpec:
     """Measures this machine (see the module docstring) and returns its ClusterSpec."""
-    return fit_host(measure_machine(), **measure_runs())
+    samples, rates = measure_runs()
+    return fit_host(measure_machine(rates), **samples)
 
 
 def calibration_configs() -> dict[str, Any]:
@@ -341,15 +354,17 @@ def calibration_configs() -> dict[str, Any]:
 CALIBRATION_STEPS = 15  # measured steps of each calibration run, after 2 warm-up steps
 
 
-def measure_runs(steps: int = CALIBRATION_STEPS) -> dict[str, HostSample]:
+def measure_runs(steps: int = CALIBRATION_STEPS) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
     """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
-    each in turn, `steps` rounds (fmoe.plan.jobs.LiveJobs; this machine's speed drifts within seconds)."""
+    each in turn, `steps` rounds (fmoe.plan.jobs.LiveJobs; this machine's speed drifts within seconds);
+    and the machine's rates (measure_rates) measured once in every round, with the jobs stopped."""
     from fmoe.plan.jobs import LiveJobs
 
     configs = calibration_configs()
+    rates: list[dict[str, float]] = []
     with LiveJobs(configs, events=set(configs)) as jobs:
-        runs = jobs.step_in_turn(steps)
-    return {name: run.host_sample() for name, run in runs.items()}
+        runs = jobs.step_in_turn(steps, each_round=lambda: rates.append(measure_rates()))
+    return {name: run.host_sample() for name, run in runs.items()}, rates
 
 
 def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: HostSample,
