@@ -7,23 +7,24 @@ local` predicts for the same layout.
 
 Every layout and the eight calibration runs (`fmoe.plan.local.calibration_configs`: the tiny preset
 data-parallel on 2 ranks with 8 microbatches each under 1f1b, the same with 2 layers, under zb_h1, with
-16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap (with 4 and with 16
-sequences per microbatch), and pipelined over the 2 ranks
-under dualpipev with 16 microbatches, which prices a pipeline message; none of them a measured layout)
-run as live jobs side by side (`fmoe.plan.jobs.LiveJobs`, 42 processes, 0.4 GiB each): a step of
-each in turn, the order rotated by one every round, so that all of them meet the same phases of this
-machine's speed (it moves by up to 2x within seconds). Measured per layout: the median `step_s` over
-its steps after 2 warm-up steps (max over the two ranks), and the peak resident memory of a rank over
-its whole run (VmHWM, max over ranks). Predicted: `fmoe.plan.estimate.fastest_fitting` on the `local`
-cluster fitted to the calibration runs of the same run (the machine's GEMM, attention and optimizer
-rates measured once per round while the jobs are stopped, `fmoe.plan.local.measure_rates`, and its gloo
-links once after, `measure_machine`; a rate measured once in a slow phase put the GEMM peak at 80
-GFLOP/s against 117-155 in the other runs, and every host time fitted beyond it went wrong). Prints the ratio predicted / measured for step time and
-memory, whether the ranking by predicted step time matches the measured one, and how many of the pairs
-that either side separates by more than 10% the other orders alike. A control, the first layout run a
-second time as a job of its own, says how far apart this machine puts the same work in one run: pairs
-measured further apart than that are counted too, and so are pairs that both halves of the steps order
-alike.
+16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap with 4 and with 16
+sequences per microbatch, and pipelined over the 2 ranks under dualpipev with 16 microbatches, which
+prices a pipeline message; none of them a measured layout) run as live jobs side by side
+(`fmoe.plan.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order rotated by
+one every round, so that all of them meet the same phases of this machine's speed (it moves by up to 2x
+within seconds), over two sessions of fresh processes (one process keeps a speed of its own, a few
+percent from a copy's). Measured per layout: the median `step_s` over its steps after 2 warm-up steps a
+session (max over the two ranks), and the peak resident memory of a rank over its whole run (VmHWM, max
+over ranks and sessions). Predicted: `fmoe.plan.estimate.fastest_fitting` on the `local` cluster fitted
+to the calibration runs of the same run, with the machine's GEMM, attention and optimizer rates measured
+once per round while the jobs are stopped (`fmoe.plan.local.measure_rates`; measured once in a slow
+phase, the GEMM peak came out 80 GFLOP/s against 117-155 in the other runs, and every host time fitted
+beyond it went wrong) and its gloo links once after (`measure_machine`). Prints the ratio predicted /
+measured for step time and memory, whether the ranking by predicted step time matches the measured one,
+and how many of the pairs that either side separates by more than 10% the other orders alike. A
+control, the first layout run a second time as a job of its own, says how far apart this machine puts
+the same work in one run: pairs measured further apart than that are counted too, and so are pairs that
+both halves of the steps order alike.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fmoe.plan import estimate as E  # noqa: E402
 from fmoe.plan import local as LC  # noqa: E402
-from fmoe.plan.jobs import LiveJobs  # noqa: E402
+from fmoe.plan.jobs import step_live  # noqa: E402
 from fmoe.plan.layout import Layout  # noqa: E402
 from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny", choices=("tiny", "small"))
     ap.add_argument("--steps", type=int, default=20,
                     help="measured steps of every job, a step of each in turn (after 2 warm-up steps)")
+    ap.add_argument("--sessions", type=int, default=2,
+                    help="sets of fresh processes the steps are split over (a job's own speed averages out)")
     args = ap.parse_args()
     model = load_model(args.preset)
     base = {"progress": False, "steps": 10**6}
@@ -84,15 +87,15 @@ def main() -> None:
     calibration = LC.calibration_configs()
     t0 = time.perf_counter()
     jobs = {**{CALIBRATION + name: tc for name, tc in calibration.items()}, **tcs}
-    with LiveJobs(jobs, events={CALIBRATION + name for name in calibration}) as live:
-        started = time.perf_counter()
-        rates: list[dict[str, float]] = []
-        runs = live.step_in_turn(args.steps, each_round=lambda: rates.append(LC.measure_rates()))
+    rates: list[dict[str, float]] = []
+    runs = step_live(jobs, args.steps, sessions=args.sessions,
+                     events={CALIBRATION + name for name in calibration},
+                     each_round=lambda: rates.append(LC.measure_rates()))
     samples = {name: runs[CALIBRATION + name].host_sample() for name in calibration}
     cluster = LC.fit_host(LC.measure_machine(rates), **samples)
     sample = samples["full"]
-    print(f"{len(jobs)} jobs started in {started - t0:.0f} s, {args.steps} steps of each in turn in "
-          f"{time.perf_counter() - started:.0f} s; local cluster: {cluster}")
+    print(f"{len(jobs)} jobs, {args.steps} steps of each in turn over {args.sessions} sessions of fresh "
+          f"processes, in {time.perf_counter() - t0:.0f} s; local cluster: {cluster}")
     walls = runs[CALIBRATION + "full"].step_s
     print(f"calibration run (median of {len(walls)} steps): step {sample.wall_s * 1e3:.1f} ms, executor span "
           f"{sample.span_s * 1e3:.1f} ms, forward per layer "

@@ -1,7 +1,7 @@
 """Live `fmoe train` jobs stepped in turn (fmoe/plan/jobs.py): every job answers each step with its ranks'
 times, the jobs asked for events with a HostSample whose parts fit inside its step, idle ranks are stopped
-(they take no CPU between their steps), and a rank's failure raises with the job and rank named instead of
-hanging the caller.
+(they take no CPU between their steps), sessions of fresh processes join their steps, and a rank's failure
+raises with the job and rank named instead of hanging the caller.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from fmoe.plan.jobs import LiveJobs
+from fmoe.plan.jobs import LiveJobs, step_live
 from fmoe.train.config import TrainConfig
 
 # two ranks a job, two blocks, 8 sequences a step in microbatches of 2: a step of a few tens of milliseconds
@@ -71,3 +71,15 @@ def test_a_failing_rank_raises_with_its_job_named() -> None:
         LiveJobs({"a": tc}, events={"b"})
     with pytest.raises(ValueError, match="steps=0"):
         LiveJobs({}).step_in_turn(steps=0)
+
+
+def test_step_live_joins_sessions_of_fresh_processes() -> None:
+    rounds: list[int] = []
+    runs = step_live({"dp": _config(pp=1, dp=2)}, steps=3, sessions=2, warm=1, events={"dp"},
+                     each_round=lambda: rounds.append(1), timeout_s=120)
+    run = runs["dp"]
+    assert len(run.step_s) == 3 and len(rounds) == 3  # 2 steps in the first session, 1 in the second
+    assert [len(steps) for steps in run.samples] == [3, 3] and run.peak_gib > 0
+    with pytest.raises(ValueError, match="sessions=4"):
+        step_live({}, steps=3, sessions=4)
+

@@ -196,3 +196,29 @@ class LiveJobs:
             runs[name].peak_gib = peak
         return runs
 
+
+def step_live(configs: dict[str, TrainConfig], steps: int, sessions: int = 2, warm: int = 2,
+              events: set[str] | frozenset[str] = frozenset(),
+              each_round: Callable[[], None] | None = None, timeout_s: float = 600.0) -> dict[str, JobRun]:
+    """Every job of `configs` stepped in turn (LiveJobs.step_in_turn) for `steps` timed rounds in all,
+    split over `sessions` sets of fresh processes, one after the other; returns each job's JobRun with the
+    sessions' steps and samples joined and its largest peak. Why sessions: a job keeps for its whole life
+    a speed of its own, a few percent from another job of the same config (two copies of one layout
+    measured 1.004-1.066x apart over 20 rounds), and a calibration fitted on one slow copy moves every
+    prediction with it; fresh copies average that out."""
+    if sessions < 1 or steps < sessions:
+        raise ValueError(f"step_live: sessions={sessions} must be >= 1 and at most steps={steps}")
+    runs: dict[str, JobRun] = {}
+    for k in range(sessions):
+        share = steps // sessions + (k < steps % sessions)
+        with LiveJobs(configs, events=events, timeout_s=timeout_s) as jobs:
+            got = jobs.step_in_turn(share, warm=warm, each_round=each_round)
+        for name, run in got.items():
+            if name not in runs:
+                runs[name] = run
+                continue
+            joined = runs[name]
+            joined.step_s += run.step_s
+            joined.samples = [a + b for a, b in zip(joined.samples, run.samples)]
+            joined.peak_gib = max(joined.peak_gib, run.peak_gib)
+    return runs

@@ -351,19 +351,19 @@ def calibration_configs() -> dict[str, Any]:
     return runs
 
 
-CALIBRATION_STEPS = 15  # measured steps of each calibration run, after 2 warm-up steps
+CALIBRATION_STEPS = 16  # measured steps of each calibration run, after 2 warm-up steps a session
 
 
 def measure_runs(steps: int = CALIBRATION_STEPS) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
     """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
-    each in turn, `steps` rounds (fmoe.plan.jobs.LiveJobs; this machine's speed drifts within seconds);
+    each in turn, `steps` rounds over two sets of fresh processes (fmoe.plan.jobs.step_live; this
+    machine's speed drifts within seconds, and one process keeps a speed of its own);
     and the machine's rates (measure_rates) measured once in every round, with the jobs stopped."""
-    from fmoe.plan.jobs import LiveJobs
+    from fmoe.plan.jobs import step_live
 
     configs = calibration_configs()
     rates: list[dict[str, float]] = []
-    with LiveJobs(configs, events=set(configs)) as jobs:
-        runs = jobs.step_in_turn(steps, each_round=lambda: rates.append(measure_rates()))
+    runs = step_live(configs, steps, events=set(configs), each_round=lambda: rates.append(measure_rates()))
     return {name: run.host_sample() for name, run in runs.items()}, rates
 
 
