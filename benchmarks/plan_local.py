@@ -10,8 +10,8 @@ data-parallel on 2 ranks with 8 microbatches each under 1f1b, the same with 2 la
 16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap with 4 and with 16
 sequences per microbatch, and pipelined over the 2 ranks under dualpipev with 16 microbatches, which
 prices a pipeline message; none of them a measured layout) run as live jobs side by side
-(`fmoe.plan.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order rotated by
-one every round, so that all of them meet the same phases of this machine's speed (it moves by up to 2x
+(`fmoe.plan.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order shuffled
+every round, so that all of them meet the same phases of this machine's speed (it moves by up to 2x
 within seconds), over two sessions of fresh processes (one process keeps a speed of its own, a few
 percent from a copy's). Measured per layout: the median `step_s` over its steps after 2 warm-up steps a
 session (max over the two ranks), and the peak resident memory of a rank over its whole run (VmHWM, max

@@ -5,7 +5,7 @@
 
 Why: this machine's speed moves by up to 2x within seconds (other tenants of the host), and a job that
 runs all its steps in one stretch is timed in whatever phase it met. Jobs stepped alternately, a step of
-each in turn with the order rotated every round, meet the same phases, so their medians compare (one
+each in turn with the order shuffled every round, meet the same phases, so their medians compare (one
 job's step is a few hundred milliseconds; the phases last seconds). The cost is a cold cache at the start
 of every step, the same for every job. Each rank runs with one thread, as `fmoe train` splits the cores.
 Between its steps a job's ranks are stopped (SIGSTOP): an idle rank's gloo threads still wake (about 1%
@@ -15,6 +15,7 @@ of a core each), and forty of them would take a fifth of this machine from the j
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -171,20 +172,23 @@ class LiveJobs:
                 p.join(timeout=60)
         return peaks
 
-    def step_in_turn(self, steps: int, warm: int = 2,
-                     each_round: Callable[[], None] | None = None) -> dict[str, JobRun]:
-        """Runs `warm` untimed then `steps` timed rounds, each a step of every job, in an order rotated by one
-        every round, and `each_round()` at the start of every timed round (while every job is stopped: a
-        measurement of the caller's that should meet the same phases of the machine); stops the jobs;
-        returns each one's JobRun."""
+    def step_in_turn(self, steps: int, warm: int = 2, each_round: Callable[[], None] | None = None,
+                     seed: int = 0) -> dict[str, JobRun]:
+        """Runs `warm` untimed then `steps` timed rounds, each a step of every job, in an order shuffled every
+        round (by `seed`: a rotation would keep each job behind the same one, and two copies of one job came
+        out up to 6.5% apart that way), and `each_round()` at the start of every timed round (while every
+        job is stopped: a measurement of the caller's that should meet the same phases of the machine);
+        stops the jobs; returns each one's JobRun."""
         if steps < 1 or warm < 0:
             raise ValueError(f"step_in_turn: steps={steps} must be >= 1 and warm={warm} >= 0")
         names = list(self.configs)
         runs = {name: JobRun(samples=[[] for _ in self._commands[name]]) for name in names}
+        order = random.Random(seed)
         for r in range(warm + steps):
             if each_round is not None and r >= warm:
                 each_round()
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            order.shuffle(names)
+            for name in names:
                 answers = self.step(name)
                 if r < warm:
                     continue
@@ -212,7 +216,7 @@ def step_live(configs: dict[str, TrainConfig], steps: int, sessions: int = 2, wa
     for k in range(sessions):
         share = steps // sessions + (k < steps % sessions)
         with LiveJobs(configs, events=events, timeout_s=timeout_s) as jobs:
-            got = jobs.step_in_turn(share, warm=warm, each_round=each_round)
+            got = jobs.step_in_turn(share, warm=warm, each_round=each_round, seed=k)
         for name, run in got.items():
             if name not in runs:
                 runs[name] = run
