@@ -19,6 +19,7 @@ import random
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,16 @@ def _job_rank(tc: TrainConfig, rank: int, store: str, events: bool, commands: An
     results.join_thread()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (or gone), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2] in "TtZX"
 
 
 @dataclass
@@ -130,10 +141,17 @@ class LiveJobs:
             p.join(timeout=10)
 
     def _signal(self, name: str, sig: int) -> None:
-        """Sends `sig` to every live rank of job `name` (SIGSTOP between its steps, SIGCONT before one)."""
-        for p in self._procs[name]:
-            if p.is_alive():
-                os.kill(p.pid, sig)
+        """Sends `sig` to every live rank of job `name` (SIGSTOP between its steps, SIGCONT before one); after
+        SIGSTOP, waits (up to a second) until they are stopped: a signal takes effect when the process is
+        next scheduled, and the next job's step should not share the cores with it."""
+        live = [p for p in self._procs[name] if p.is_alive()]
+        for p in live:
+            os.kill(p.pid, sig)
+        deadline = time.monotonic() + 1.0
+        while sig == signal.SIGSTOP and time.monotonic() < deadline:
+            if all(_stopped(p.pid) for p in live):
+                return
+            time.sleep(1e-4)
 
     def _gather(self, name: str, expect: str | None = None) -> list[Any]:
         """Every rank's answer of job `name`, by rank; raises on a rank's error or a silent rank."""
