@@ -57,7 +57,7 @@ def _key() -> str:
 
 def local_cluster(recalibrate: bool = False) -> ClusterSpec:
     """Returns this machine's ClusterSpec, from the cache or (first use, or `recalibrate`) measured now
-    (a minute or two)."""
+    (a few minutes)."""
     path = _cache_path()
     if not recalibrate and path.is_file():
         data = json.loads(path.read_text())
