@@ -12,8 +12,8 @@ sequences per microbatch, and pipelined over the 2 ranks under dualpipev with 16
 prices a pipeline message; none of them a measured layout) run as live jobs side by side
 (`fmoe.plan.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order shuffled
 every round, so that all of them meet the same phases of this machine's speed (it moves by up to 2x
-within seconds), over two sessions of fresh processes (one process keeps a speed of its own, a few
-percent from a copy's). Measured per layout: the median `step_s` over its steps after 2 warm-up steps a
+within seconds), over two sessions of fresh processes (two copies of one layout in one set of processes
+came out up to 1.066x apart). Measured per layout: the median `step_s` over its steps after 2 warm-up steps a
 session (max over the two ranks), and the peak resident memory of a rank over its whole run (VmHWM, max
 over ranks and sessions). Predicted: `fmoe.plan.estimate.fastest_fitting` on the `local` cluster fitted
 to the calibration runs of the same run, with the machine's GEMM, attention and optimizer rates measured

@@ -193,8 +193,8 @@ class LiveJobs:
     def step_in_turn(self, steps: int, warm: int = 2, each_round: Callable[[], None] | None = None,
                      seed: int = 0) -> dict[str, JobRun]:
         """Runs `warm` untimed then `steps` timed rounds, each a step of every job, in an order shuffled every
-        round (by `seed`: a rotation would keep each job behind the same one, and two copies of one job came
-        out up to 6.5% apart that way), and `each_round()` at the start of every timed round (while every
+        round (by `seed`: a rotation would keep each job behind the same one, whatever that one leaves in
+        the caches), and `each_round()` at the start of every timed round (while every
         job is stopped: a measurement of the caller's that should meet the same phases of the machine);
         stops the jobs; returns each one's JobRun."""
         if steps < 1 or warm < 0:
@@ -224,10 +224,10 @@ def step_live(configs: dict[str, TrainConfig], steps: int, sessions: int = 2, wa
               each_round: Callable[[], None] | None = None, timeout_s: float = 600.0) -> dict[str, JobRun]:
     """Every job of `configs` stepped in turn (LiveJobs.step_in_turn) for `steps` timed rounds in all,
     split over `sessions` sets of fresh processes, one after the other; returns each job's JobRun with the
-    sessions' steps and samples joined and its largest peak. Why sessions: a job keeps for its whole life
-    a speed of its own, a few percent from another job of the same config (two copies of one layout
-    measured 1.004-1.066x apart over 20 rounds), and a calibration fitted on one slow copy moves every
-    prediction with it; fresh copies average that out."""
+    sessions' steps and samples joined and its largest peak. Why sessions: two copies of one layout, side
+    by side in one set of processes, measured 1.004-1.066x apart over 20 rounds; if a process keeps a
+    speed of its own, a calibration fitted on one slow copy moves every prediction with it, and fresh
+    copies average that out."""
     if sessions < 1 or steps < sessions:
         raise ValueError(f"step_live: sessions={sessions} must be >= 1 and at most steps={steps}")
     runs: dict[str, JobRun] = {}

@@ -357,7 +357,7 @@ CALIBRATION_STEPS = 16  # measured steps of each calibration run, after 2 warm-u
 def measure_runs(steps: int = CALIBRATION_STEPS) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
     """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
     each in turn, `steps` rounds over two sets of fresh processes (fmoe.plan.jobs.step_live; this
-    machine's speed drifts within seconds, and one process keeps a speed of its own);
+    machine's speed drifts within seconds, and two copies of one job came out up to 1.066x apart);
     and the machine's rates (measure_rates) measured once in every round, with the jobs stopped."""
     from fmoe.plan.jobs import step_live
 
