@@ -103,7 +103,7 @@ def main() -> None:
           + f" ms, B {sample.b_s * 1e3:.2f} ms, W {sample.w_s * 1e3:.2f} ms per microbatch; "
           f"max / min step {max(walls) / min(walls):.2f}")
     step_times = {name: runs[name].step_s for name in tcs}
-    # the steps' halves stand in for rounds: a pair is in a stable order when both halves order it alike
+    # the steps' halves (with two sessions, one each): a pair is in a stable order when both order it alike
     halves = {name: (statistics.median(t[: len(t) // 2]), statistics.median(t[len(t) // 2 :]))
               for name, t in step_times.items()}
     rows = []

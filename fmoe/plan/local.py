@@ -11,10 +11,11 @@ is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_
   machine: intra = inter) and a tiny all-to-all's cost beyond that latency (comm_overhead_s); medians
   after a warm-up;
 - the host overheads (`fit_host`): `fmoe train`'s `tiny` preset through the executor, data parallel over
-  every core (one thread per rank, 8 microbatches each; `calibration_config`; five runs and a
-  pipelined sixth, live side by side and stepped in turn, see `measure_runs`): per layer kind, its
-  forward events beyond the FLOP model's compute (a fixed part and a part per token, from two
-  microbatch sizes); the backward's as multiples
+  every core (one thread per rank, 8 microbatches each; `calibration_config`; seven runs and a
+  pipelined eighth, live side by side and stepped in turn, see `calibration_configs` and
+  `measure_runs`): per layer kind, its forward events beyond the FLOP model's compute (a fixed part and
+  a part per token, steeper below the preset's microbatch, from three microbatch sizes; for an
+  expert-parallel MoE layer both parts from two expert-parallel runs); the backward's as multiples
   of that plus a part per stage; the wall time outside the executor per layer held; the
   memory beyond what the planner counts (base_mem_gib); and, from the same preset pipelined over two
   ranks in a V (dualpipev, 16 microbatches), what one pipeline message costs each rank it leaves or
