@@ -17,11 +17,14 @@ Contract:
   runs two of them in turn overlaps one microbatch's exchange with the other's compute without changing
   the op code.
 - Activations live from F until W (or B); after that nothing of the microbatch is held.
-- Pipeline P2P on `group`: receives are posted `recv_ahead` compute actions before their consumer (a
-  gradient's receive, whose shapes its own forward gives, no earlier than right after that forward) and
-  waited just before use; sends are issued when their data exists and waited at the end of the step.
-  Adjacent stages on one rank (the turn of a V) hand over in memory. Every message has its own buffer:
-  nothing is reused while a deferred dw could still read it.
+- Pipeline P2P on `group`, in the wire order (wire.py): every rank issues its sends and receives in the
+  order of one global list of messages, so NCCL and HCCL, which ignore tags and run a pair's messages in
+  issue order on one stream, match them as gloo's tags do. Sends are issued when their Send action runs
+  (the data exists), receives up to `recv_ahead` compute actions before their consumer (a gradient's
+  once its own forward gave the shapes) but never past an op before them on the wire, and waited just
+  before use; sends are waited at the end of the step. Adjacent stages on one rank (the turn of a V) hand
+  over in memory. Every message has its own buffer, on the stage's device: nothing is reused while a
+  deferred dw could still read it.
 - Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
 - A measured timeline: compute phases on the compute lane, exchanges (issue to completion) on the comm
   lane, and every wait as its own compute-lane event.
@@ -48,6 +51,7 @@ from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
+from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
@@ -126,7 +130,7 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
             grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-            fuse_iw: bool = True) -> StepResult:
+            fuse_iw: bool = True, device: torch.device | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -149,34 +153,49 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     from loss_scale / m instead of 1 / m (fp16 loss scaling): the gradients come back multiplied by it,
     the reported losses do not. `fuse_iw` (default on): a lone I whose W is the rank's next compute action,
     with no send between them, runs as one B (`fmoe.schedule.fuse_adjacent_iw`: same results at the same
-    points of the list, less work); off runs every I and W as listed."""
+    points of the list, less work); off runs every I and W as listed. `device`: where receive buffers and
+    loss sums live (None: the device of the stages' parameters)."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
-    actions = _verified(s, fuse_iw).ranks[rank]
+    full, wire = _verified(s, fuse_iw)
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done, grad_dtype, loss_scale).run(actions)
+                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs)
+                     ).run(full.ranks[rank], wire[rank])
 
 
-# (schedule, fuse_iw) -> the lists the executor runs, by identity: a training loop runs one Schedule value
-# every step, and verifying it (a dependency replay of every rank's list) costs as much as the executor's
-# own bookkeeping of a step on small shapes. Schedules are frozen, so a verification stays valid; the entry
-# holds its schedule, so the id cannot be reused while it is cached.
-_VERIFIED: dict[tuple[int, bool], tuple[Schedule, Schedule]] = {}
+def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
+    """Returns the device of the first parameter of `programs` (CPU when they hold none)."""
+    stack: list[Any] = [prog.params for prog in programs.values()]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            return node.device
+        stack.extend(node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple))
+                     else ())
+    return torch.device("cpu")
+
+
+# (schedule, fuse_iw) -> the lists the executor runs and their wire order, by identity: a training loop
+# runs one Schedule value every step, and verifying it (a dependency replay of every rank's list) costs as
+# much as the executor's own bookkeeping of a step on small shapes. Schedules are frozen, so a verification
+# stays valid; the entry holds its schedule, so the id cannot be reused while it is cached.
+_VERIFIED: dict[tuple[int, bool], tuple[Schedule, Schedule, tuple]] = {}
 _VERIFIED_MAX = 16
 
 
-def _verified(s: Schedule, fuse_iw: bool) -> Schedule:
+def _verified(s: Schedule, fuse_iw: bool) -> tuple[Schedule, tuple[tuple[Send | Recv, ...], ...]]:
     hit = _VERIFIED.get((id(s), fuse_iw))
     if hit is not None and hit[0] is s:
-        return hit[1]
+        return hit[1], hit[2]
     full = verify(s)
     if fuse_iw:
         full = fuse_adjacent_iw(full)
+    wire = wire_order(full)  # of the lists as they run: fusing moves no Send, but the replay says so
     if len(_VERIFIED) >= _VERIFIED_MAX:
         _VERIFIED.pop(next(iter(_VERIFIED)))
-    _VERIFIED[(id(s), fuse_iw)] = (s, full)
-    return full
+    _VERIFIED[(id(s), fuse_iw)] = (s, full, wire)
+    return full, wire
 
 
 class _Executor:
@@ -184,10 +203,11 @@ class _Executor:
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
                  timeout: timedelta, overlap: bool, engine: str,
                  on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-                 grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0):
+                 grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
+                 device: torch.device | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
-        self.engine = engine
+        self.engine, self.device = engine, device or torch.device("cpu")
         self.on_stage_done = on_stage_done
         self.grad_dtype = grad_dtype
         self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
@@ -199,7 +219,8 @@ class _Executor:
         self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
         self.local: dict[Dep, Acts] = {}
         self.posted: dict[Dep, tuple[list, Acts, float]] = {}
-        self.grad_recv_after_f: dict[tuple[int, int], Recv] = {}  # (stage, mb) -> GRAD receive to post
+        self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
+        self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
         self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
@@ -216,7 +237,8 @@ class _Executor:
 
     # ---- driver ---------------------------------------------------------------------------------------
 
-    def run(self, actions: tuple) -> StepResult:
+    def run(self, actions: tuple, wire: tuple[Send | Recv, ...]) -> StepResult:
+        self.wire = list(reversed(wire))  # popped from the end
         self.backward_is_b = {(o.stage, o.mb) for a in actions for o in ops_of(a) if o.kind == B}
         compute_at = [k for k, a in enumerate(actions) if ops_of(a)]
         recv_before: dict[int, list[Recv]] = {}
@@ -244,10 +266,13 @@ class _Executor:
         for work, _, what in self.sends:
             self._wait_work(work, what)
         self.sends.clear()
+        if self.wire:
+            left = [str(a) for a in reversed(self.wire)]
+            raise ScheduleError(f"rank {self.rank}: P2P ops {left} never ran")
         if self.records or self.deferred:
             left = sorted(set(self.records) | set(self.deferred))
             raise ScheduleError(f"rank {self.rank}: (stage, mb) {left} still held at the end of the step")
-        loss = sum(self.losses.values(), torch.zeros(()))
+        loss = sum(self.losses.values(), torch.zeros((), device=self.device))
         return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
                           self.queued.peak)
 
@@ -274,7 +299,7 @@ class _Executor:
 
     def _forward(self, stage: int, mb: int) -> Iterator[None]:
         prog = self.programs[stage]
-        acts = self._take_boundary(Op(F, stage, mb), Kind.ACT, stage)
+        acts = self._take_boundary(Op(F, stage, mb), Kind.ACT)
         meta = dict(self.data(mb))
         defer = self._defers(stage, mb)
         rec = _Record(defer=defer)
@@ -311,8 +336,7 @@ class _Executor:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
-        if (stage, mb) in self.grad_recv_after_f:  # its gradient's receive waited for these shapes
-            self._irecv(carried(self.grad_recv_after_f.pop((stage, mb))), rec.out_spec)
+        self._pump()  # a gradient receive may have waited for these shapes
 
     def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
                              rec: _Record, defer: bool) -> Acts:
@@ -404,13 +428,14 @@ class _Executor:
 
     def _add_loss(self, name: str, v: torch.Tensor) -> None:
         """Adds microbatch loss `v` (scalar) into the step's mean loss `name`."""
-        self.losses[name] = self.losses.get(name, torch.zeros((), dtype=v.dtype)) + v.detach() * self.scale
+        mine = v.detach() * self.scale
+        self.losses[name] = mine if name not in self.losses else self.losses[name] + mine
 
     def _backward(self, stage: int, mb: int, weights: bool, paired: bool = False) -> Iterator[None]:
         rec = self.records.pop((stage, mb), None)
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
-        ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, stage, rec.out_spec)
+        ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, rec.out_spec)
         queue: list[tuple[Phase, str, Callable[[], Any]]] = []
         kind = "B" if weights else "I"
         # side phases whose backward has not run yet (index in rec.phases -> record), and the input
@@ -559,8 +584,7 @@ class _Executor:
         w = 0 if dep.kind is Kind.ACT else 1
         return ((w * self.s.placement.num_stages + dep.stage) * self.s.m + dep.mb) * _MAX_KEYS + k
 
-    def _take_boundary(self, op: Op, kind: Kind, here: int,
-                       spec: Mapping[str, tuple] | None = None) -> Acts:
+    def _take_boundary(self, op: Op, kind: Kind, spec: Mapping[str, tuple] | None = None) -> Acts:
         """Returns what `op` needs from another stage (its `kind` Dep: ACT for F, GRAD for a backward), or
         {} when it needs none (the start of a path for F, the loss stage for I)."""
         dep = next((d for d in needs(self.s, op) if d.kind is kind), None)
@@ -569,7 +593,8 @@ class _Executor:
         if dep in self.local:  # the producer ran on this rank (the turn of a V)
             return self.local.pop(dep)
         if dep not in self.posted:
-            self._irecv(dep, self.programs[here].in_spec if kind is Kind.ACT else spec or {})
+            peer = self.s.placement.stage_rank[dep.stage]
+            self._issue_through(Recv(dep.kind.value, dep.stage, dep.mb, peer), spec)
         works, bufs, t_post = self.posted.pop(dep)
         t = self._now()
         what = f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank " \
@@ -591,9 +616,14 @@ class _Executor:
 
     def _send(self, a: Send) -> None:
         dep = carried(a)
-        acts = self.local.pop(dep, None)
-        if acts is None:
+        if dep not in self.local:
             raise ScheduleError(f"rank {self.rank}: {a} before the data exists")
+        self._issue_through(a)
+        self._pump()  # receives asked for early that waited behind this send
+
+    def _isend(self, a: Send) -> None:
+        dep = carried(a)
+        acts = self.local.pop(dep)
         if len(acts) > _MAX_KEYS:
             raise ScheduleError(f"stage {a.stage}: {len(acts)} acts in one message (at most {_MAX_KEYS})")
         t = self._now()
@@ -606,29 +636,58 @@ class _Executor:
         self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
 
     def _post_recv(self, a: Recv) -> None:
-        """Posts the receive of `a` early when the receive buffers' shapes are known: a stage's input spec
-        for ACT; for GRAD, the output spec our own F recorded (else it is posted when consumed)."""
-        dep = carried(a)
-        if dep.kind is Kind.ACT:
-            spec = self.programs[self.s.next_stage(dep.stage, dep.mb)].in_spec
-        else:
-            key = (self.s.prev_stage(dep.stage, dep.mb), dep.mb)
-            rec = self.records.get(key)
-            if rec is None or rec.out_spec is None:  # posted as soon as that forward has run
-                self.grad_recv_after_f[key] = a
-                return
-            spec = rec.out_spec
-        self._irecv(dep, spec)
+        """Asks for the receive of `a` early: it goes out as soon as the wire order lets it (every P2P op
+        before it issued) and its buffers' shapes are known."""
+        self.wanted.add(carried(a))
+        self._pump()
 
-    def _irecv(self, dep: Dep, spec: Mapping[str, tuple]) -> None:
-        if dep in self.posted:
-            return
+    def _pump(self) -> None:
+        """Issues the receives at the head of the wire that were asked for early and whose shapes are known;
+        stops at the first op that is not one (a send waits for its Send action)."""
+        while self.wire and isinstance(self.wire[-1], Recv) and carried(self.wire[-1]) in self.wanted:
+            spec = self._recv_spec(carried(self.wire[-1]))
+            if spec is None:
+                return
+            self._irecv(carried(self.wire.pop()), spec)
+
+    def _issue_through(self, target: Send | Recv, spec: Mapping[str, tuple] | None = None) -> None:
+        """Issues the wire's ops up to and including `target` (a Recv is given `spec` when its forward's
+        record is gone, at its consumer). What comes before it must be receives that can go out now: by the
+        wire order's construction a send before it has run already, and a gradient's shapes are known."""
+        while self.wire:
+            op = self.wire.pop()
+            if op == target:
+                if isinstance(op, Send):
+                    self._isend(op)
+                else:
+                    self._irecv(carried(op), spec if spec is not None else self._recv_spec(carried(op)))
+                return
+            got = self._recv_spec(carried(op)) if isinstance(op, Recv) else None
+            if got is None:
+                raise ScheduleError(f"rank {self.rank}: {target} is due but {op} comes before it in the wire "
+                                    "order and cannot be issued yet (a schedule whose lists do not match "
+                                    "the order its replay sends in)")
+            self._irecv(carried(op), got)
+        raise ScheduleError(f"rank {self.rank}: {target} is not in this rank's wire order (or ran twice)")
+
+    def _recv_spec(self, dep: Dep) -> Mapping[str, tuple] | None:
+        """Returns the shapes and dtypes of the message `dep` this rank receives: a stage's input spec for
+        an ACT, for a GRAD the output spec of our own forward (None until that forward has run)."""
+        if dep.kind is Kind.ACT:
+            return self.programs[self.s.next_stage(dep.stage, dep.mb)].in_spec
+        rec = self.records.get((self.s.prev_stage(dep.stage, dep.mb), dep.mb))
+        return None if rec is None else rec.out_spec
+
+    def _irecv(self, dep: Dep, spec: Mapping[str, tuple] | None) -> None:
+        if spec is None:
+            raise ScheduleError(f"rank {self.rank}: the receive of {dep.kind.value} s{dep.stage} mb{dep.mb} "
+                                "has no shapes to allocate (its forward has not run on this rank)")
         pp_peer = self.s.placement.stage_rank[dep.stage]
         peer = self._global(pp_peer)
         bufs: Acts = {}
         works = []
         for k, name in enumerate(sorted(spec)):
-            bufs[name] = torch.empty(spec[name][0], dtype=spec[name][1])
+            bufs[name] = torch.empty(spec[name][0], dtype=spec[name][1], device=self.device)
             with self._peer_failure(f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank "
                                     f"{pp_peer}"):
                 works.append(dist.irecv(bufs[name], peer, group=self.group, tag=self._tag(dep, k)))

@@ -106,10 +106,14 @@ def _check_local_order(s: Schedule) -> None:
             have.update(deps.produces(s, a))
 
 
-def _run(s: Schedule) -> None:
+def replay(s: Schedule) -> tuple[tuple[int, int, Dep], ...]:
+    """Runs `s` (with explicit comms) with blocking receives, every rank as far as it can in turn; returns
+    (src rank, dst rank, Dep) of every message in the order the replay sent them: one order all ranks can
+    agree on, in which each rank's own sends come in its list order and each message comes after
+    everything it depends on. Raises ScheduleError on an order error or a deadlock."""
     have: list[set[Dep]] = [set() for _ in s.ranks]
     ptr = [0] * len(s.ranks)
-    posted: set[tuple[int, int, Dep]] = set()  # (src, dst, Dep) of sends issued so far
+    posted: dict[tuple[int, int, Dep], None] = {}  # (src, dst, Dep) of sends issued so far, in order
 
     while True:
         progress = False
@@ -119,7 +123,7 @@ def _run(s: Schedule) -> None:
                 if isinstance(a, Send):
                     if not have[r].issuperset(deps.needs(s, a)):
                         raise ScheduleError(f"{s.name}: r{r} position {ptr[r]} {a}: sends uncomputed data")
-                    posted.add((r, a.peer, deps.carried(a)))
+                    posted[(r, a.peer, deps.carried(a))] = None
                 elif isinstance(a, Recv):
                     if (a.peer, r, deps.carried(a)) not in posted:
                         break  # a blocking receive waits for its send
@@ -131,7 +135,7 @@ def _run(s: Schedule) -> None:
                 ptr[r] += 1
                 progress = True
         if all(ptr[r] == len(acts) for r, acts in enumerate(s.ranks)):
-            return
+            return tuple(posted)
         if not progress:
             stuck = "; ".join(f"r{r} blocks at position {ptr[r]} on {s.ranks[r][ptr[r]]}"
                               for r in range(len(s.ranks)) if ptr[r] < len(s.ranks[r]))
@@ -150,5 +154,5 @@ def verify(s: Schedule) -> Schedule:
     _check_local_order(s)
     full = with_comms(s)
     _check_messages(full)
-    _run(full)
+    replay(full)
     return full

@@ -237,19 +237,26 @@ def _grad_posts(rank: int, world: int) -> list:
     return [(e.name, e.lane, e.start, e.end) for e in res.events]
 
 
-def test_a_gradient_receive_is_posted_right_after_its_forward() -> None:
-    """Its buffer's shapes come from this rank's own forward: with a lookahead that reaches back to the
-    start of the step, the receive goes out as soon as that forward has run, not when it is consumed."""
+def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them() -> None:
+    """With a lookahead that reaches back to the start of the step, every P2P op goes out in the wire order
+    (what NCCL needs, tests/test_nccl_rules.py), and a receive right after the op before it on the wire:
+    no compute runs in between (its gradient's shapes came from a forward that ran earlier)."""
+    from fmoe.schedule.wire import wire_order
+
     events = next(r.value for r in spawn(_grad_posts, 2, timeout_s=120) if r.rank == 0)
-    compute = sorted((e for e in events if e[1] == "compute"), key=lambda e: e[2])
-    posts = [e for e in events if e[1] == "comm" and e[0].startswith("p2p recv grad")]
-    assert len(posts) == 4
-    for name, _, posted, _ in posts:
-        mb = name.split("mb")[-1]
-        f_end = max(e[3] for e in compute  # its phases and its exchanges' waits
-                    if (e[0].startswith("F ") or "-F " in e[0]) and e[0].endswith(f" mb{mb}"))
-        next_start = min(e[2] for e in compute if e[2] >= f_end)
-        assert f_end <= posted <= next_start, (name, f_end, posted, next_start)
+    p2p = sorted((e for e in events if e[1] == "comm" and e[0].startswith("p2p")), key=lambda e: e[2])
+
+    def short(name: str) -> str:  # "p2p recv grad s1 mb0" -> "rg1.0"; "p2p send act s0 mb2 r1" -> "sa0.2"
+        _, op, what, stage, mb = name.split()[:5]
+        return f"{op[0]}{what[0]}{stage[1:]}.{mb[2:]}"
+
+    want = [str(a).split(">")[0].split("<")[0] for a in wire_order(S.verify(S.one_f_one_b(2, 4)))[0]]
+    assert [short(e[0]) for e in p2p] == want
+    assert any(w.startswith("rg") for w in want[:-2])  # gradients are received before the last send
+    for before, post in zip(p2p, p2p[1:]):
+        if post[0].startswith("p2p recv"):
+            ran = [e[0] for e in events if e[1] == "compute" and before[2] < e[2] < post[2]]
+            assert not ran, (post[0], ran)
 
 
 def _dies(rank: int, world: int) -> None:
