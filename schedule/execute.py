@@ -706,7 +706,7 @@ class _Executor:
 
     def _wait_work(self, work: Any, what: str) -> None:
         with self._peer_failure(what):
-            ok = work.wait(self.timeout)
+            ok = wait_work(work, self.timeout, self.device)
         if ok is False:
             raise RuntimeError(f"pipeline rank {self.rank}: {what} did not complete within {self.timeout}")
 
@@ -725,6 +725,15 @@ class _Executor:
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
         self._event("comm", f"a2a {label}", "a2a", issued, end)
         self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end)
+
+
+def wait_work(work: Any, timeout: timedelta, device: torch.device) -> Any:
+    """Waits c10d `work` the way its device wants; returns what `work.wait` returns. On CPU (gloo) the host
+    blocks, bounded by `timeout`. On a device (NCCL, HCCL) wait() only orders the current stream after the
+    op, but with an explicit timeout ProcessGroupNCCL's WorkNCCL::wait also spins the host until the op
+    completed, so the host could never run ahead of the device: no timeout is given there, and a hung peer
+    is caught by the process group's own timeout (its watchdog)."""
+    return work.wait(timeout) if device.type == "cpu" else work.wait()
 
 
 def _drain(gen: Iterator[None]) -> None:

@@ -22,15 +22,15 @@ D, T = 8, 6
 
 def _params(num_chunks: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    return {f"c{c}": {"w": torch.randn(D, D, generator=g, dtype=torch.float64) / D ** 0.5,
-                      "b": torch.randn(D, generator=g, dtype=torch.float64)}
+    return {f"c{c}": {"w": torch.randn(D, D, generator=g, dtype=torch.float64, device="cpu") / D ** 0.5,
+                      "b": torch.randn(D, generator=g, dtype=torch.float64, device="cpu")}
             for c in range(num_chunks)}
 
 
 def _data(m: int) -> list[dict]:
     g = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(T, D, generator=g, dtype=torch.float64),
-             "y": torch.randn(T, D, generator=g, dtype=torch.float64)} for _ in range(m)]
+    return [{"x": torch.randn(T, D, generator=g, dtype=torch.float64, device="cpu"),
+             "y": torch.randn(T, D, generator=g, dtype=torch.float64, device="cpu")} for _ in range(m)]
 
 
 def _chunk(p: dict, h: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,24 @@ CASES = {2: (S.registry.NAMES, 4), 4: (("1f1b", "interleaved", "dualpipev"), 8)}
 @pytest.mark.parametrize("pp", sorted(CASES))
 def test_every_schedule_matches_the_single_process_oracle(pp: int) -> None:
     names, m = CASES[pp]
-    results = spawn(_rank, pp, names, m, timeout_s=240)
+    _check_against_oracle(spawn(_rank, pp, names, m, timeout_s=240), names, pp, m)
+
+
+def test_the_executor_allocates_on_the_device_of_its_stages() -> None:
+    """Under the default-device trap (tests/device_trap.py: default device `meta`, data and params on CPU)
+    a receive buffer or a loss sum made without a device fails; the results are the oracle's."""
+    names = ("1f1b", "zb_h1", "dualpipev")
+    _check_against_oracle(spawn(_trapped_rank, 2, names, 4, timeout_s=240), names, 2, 4)
+
+
+def _trapped_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
+    from device_trap import default_device_trap
+
+    with default_device_trap():
+        return _rank(rank, world, names, m)
+
+
+def _check_against_oracle(results: list, names: tuple[str, ...], pp: int, m: int) -> None:
     for name in names:
         s = S.build(name, pp, m)
         want_loss, want = _oracle(s, _params(max(s.placement.layer_chunk) + 1))
@@ -275,3 +292,22 @@ def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
     err = results[0].error or ""
     # rank 0 fails at its first P2P call with the dead rank: the send of mb 1 or a receive, either way named
     assert re.search(r"(from|to) pipeline rank 1 failed", err), err
+
+
+def test_a_device_wait_leaves_the_host_free_and_a_cpu_wait_is_bounded() -> None:
+    """NCCL's Work.wait(timeout) spins the host until the op completed; wait() only orders the stream."""
+    from fmoe.schedule.execute import wait_work
+
+    class Work:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def wait(self, *args: object) -> bool:
+            self.calls.append(args)
+            return True
+
+    limit = datetime.timedelta(seconds=5)
+    for device, want in (("cpu", [(limit,)]), ("meta", [()])):
+        work = Work()
+        assert wait_work(work, limit, torch.device(device)) is True
+        assert work.calls == want, device
