@@ -116,6 +116,28 @@ def _trapped_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict
         return _rank(rank, world, names, m)
 
 
+@pytest.mark.parametrize(("pp", "names"), [(2, ("interleaved", "interleaved+extra")),
+                                           (4, ("interleaved", "zbv", "dualpipev"))])
+def test_every_schedule_is_right_when_messages_match_by_order_alone(pp: int, names: tuple[str, ...]) -> None:
+    """Every P2P tag forced to 0: gloo then matches each pair's messages in the order they were posted, as
+    NCCL and HCCL do whatever the tag. A receiver that took two messages in another order than they were
+    sent would get them swapped (same shapes, wrong gradients), as these schedules did before the wire
+    order."""
+    _check_against_oracle(spawn(_untagged_rank, pp, names, 2 * pp, timeout_s=240), names, pp, 2 * pp)
+
+
+def _untagged_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
+    import torch.distributed as dist
+
+    isend, irecv = dist.isend, dist.irecv
+    dist.isend = lambda *a, **k: isend(*a, **{**k, "tag": 0})
+    dist.irecv = lambda *a, **k: irecv(*a, **{**k, "tag": 0})
+    try:
+        return _rank(rank, world, names, m)
+    finally:
+        dist.isend, dist.irecv = isend, irecv
+
+
 def _check_against_oracle(results: list, names: tuple[str, ...], pp: int, m: int) -> None:
     for name in names:
         s = S.build(name, pp, m)
