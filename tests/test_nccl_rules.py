@@ -73,7 +73,8 @@ def _executor_logs(rank: int, world: int, m: int) -> dict:
     for name in _schedules(world):
         s = S.build(name, world, m)
         params, data = _params(max(s.placement.layer_chunk) + 1), _data(m)
-        programs = {st: _program(s, st, params) for st in s.placement.stages_of(rank)}
+        # an exchange in flight: an overlapped pair switches ops there, as with a real all-to-all
+        programs = {st: _program(s, st, params, travelling=True) for st in s.placement.stages_of(rank)}
         for overlap in (True, False):
             with recording() as log:
                 execute(s, rank, programs, lambda mb, data=data: data[mb], overlap=overlap)

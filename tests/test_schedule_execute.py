@@ -37,13 +37,21 @@ def _chunk(p: dict, h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(linear(h, p["w"]) + p["b"])
 
 
-def _doubling(local: bool = False) -> Phase:
+class _Travelling(Ready):
+    """A Pending the executor treats as in flight: an fb-overlap pair switches ops at it."""
+
+    in_flight = True
+
+
+def _doubling(local: bool = False, travelling: bool = False) -> Phase:
     """A linear comm phase (x2 there, x2 back), so the executor's exchange path runs without a group."""
-    return Phase("double", "comm", start=lambda a, m: Ready(({"h": 2 * a["h"]}, m)),
-                 start_transpose=lambda ct, m: Ready({"h": 2 * ct["h"]}), local=local)
+    pending = _Travelling if travelling else Ready
+    return Phase("double", "comm", start=lambda a, m: pending(({"h": 2 * a["h"]}, m)),
+                 start_transpose=lambda ct, m: pending({"h": 2 * ct["h"]}), local=local)
 
 
-def _program(s: S.Schedule, stage: int, params: dict, local: bool = False) -> StageProgram:
+def _program(s: S.Schedule, stage: int, params: dict, local: bool = False,
+             travelling: bool = False) -> StageProgram:
     chunk = s.placement.layer_chunk[stage]
     first = {s.path(mb)[0] for mb in range(s.m)}
     last = {s.path(mb)[-1] for mb in range(s.m)}
@@ -56,7 +64,7 @@ def _program(s: S.Schedule, stage: int, params: dict, local: bool = False) -> St
     def loss(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         return {"mse": ((acts["h"] - meta["y"]) ** 2).mean()}, meta
 
-    phases = [Phase("body", "compute", fn=body, param_paths=((key,),)), _doubling(local)]
+    phases = [Phase("body", "compute", fn=body, param_paths=((key,),)), _doubling(local, travelling)]
     if stage in last:
         phases.append(Phase("loss", "compute", fn=loss, losses=("mse",)))
     spec = {} if stage in first else {"h": ((T, D), torch.float64)}
