@@ -44,7 +44,7 @@ from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import shared_experts
-from fmoe.init import scaled_normal
+from fmoe.init import param_device, scaled_normal
 from fmoe.layer import (
     MoEAux,
     MoERoute,
@@ -67,7 +67,7 @@ def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D]}."""
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"attn_norm": torch.ones(D, dtype=dtype),
+    return {"attn_norm": torch.ones(D, dtype=dtype, device=param_device(generator)),
             "w_q": scaled_normal((D, Hd), D, generator, dtype),
             "w_k": scaled_normal((D, Gd), D, generator, dtype),
             "w_v": scaled_normal((D, Gd), D, generator, dtype),
@@ -81,7 +81,7 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
     if dense:
         p["mlp"] = init_swiglu_mlp(cfg.d_model, cfg.d_ff_dense, generator, dtype)
     else:
-        p["mlp_norm"] = torch.ones(cfg.d_model, dtype=dtype)
+        p["mlp_norm"] = torch.ones(cfg.d_model, dtype=dtype, device=param_device(generator))
         p["moe"] = init_moe(cfg.moe, generator, dtype)
     return p
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fmoe._checks import positive
-from fmoe.init import scaled_normal
+from fmoe.init import param_device, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 
 
@@ -23,8 +23,8 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
     def normal(*shape: int) -> torch.Tensor:
         return scaled_normal(shape, shape[0], generator, dtype)
 
-    return {"norm": torch.ones(d_model, dtype=dtype), "w_gate": normal(d_model, d_ff),
-            "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
+    return {"norm": torch.ones(d_model, dtype=dtype, device=param_device(generator)),
+            "w_gate": normal(d_model, d_ff), "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
 
 
 def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from fmoe.block import block, dense_block, init_block
 from fmoe.config import GPTConfig
 from fmoe.dispatch.base import Dispatcher
-from fmoe.init import scaled_normal
+from fmoe.init import param_device, scaled_normal
 from fmoe.layer import MoEAux, init_moe_state
 from fmoe.ops import cross_entropy, embedding, linear, rms_norm
 from fmoe.structure import check_gpt, local_experts
@@ -55,19 +55,23 @@ class GPTAux:
 
 def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Return the GPT parameter pytree (layout in the module docstring)."""
+    """Return the GPT parameter pytree (layout in the module docstring), on the generator's device
+    (fmoe/init.py)."""
     D, V = cfg.d_model, cfg.vocab_size
+    dev = param_device(generator)
     params: dict[str, Any] = {
-        "embed": {"table": (torch.randn(V, D, generator=generator) * 0.02).to(dtype)},
+        "embed": {"table": (torch.randn(V, D, generator=generator, device=dev) * 0.02).to(dtype)},
         "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
                    for i in range(cfg.n_layers)],
-        "norm": torch.ones(D, dtype=dtype),
+        "norm": torch.ones(D, dtype=dtype, device=dev),
         "head": {"w": scaled_normal((D, V), D, generator, dtype)},
     }
     if cfg.mtp:
-        params["mtp"] = {"hidden_norm": torch.ones(D, dtype=dtype), "embed_norm": torch.ones(D, dtype=dtype),
+        params["mtp"] = {"hidden_norm": torch.ones(D, dtype=dtype, device=dev),
+                         "embed_norm": torch.ones(D, dtype=dtype, device=dev),
                          "w_proj": scaled_normal((2 * D, D), 2 * D, generator, dtype),
-                         "block": init_block(cfg, generator, dtype), "norm": torch.ones(D, dtype=dtype)}
+                         "block": init_block(cfg, generator, dtype),
+                         "norm": torch.ones(D, dtype=dtype, device=dev)}
     return params
 
 

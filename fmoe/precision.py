@@ -155,4 +155,4 @@ def unscale_(grads: Iterable[torch.Tensor], loss_scale: LossScale) -> torch.Tens
             g.mul_(inv)
         ok = torch.isfinite(g).all()
         finite = ok if finite is None else finite & ok
-    return torch.ones((), dtype=torch.bool) if finite is None else finite
+    return torch.ones((), dtype=torch.bool, device="cpu") if finite is None else finite

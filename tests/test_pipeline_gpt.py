@@ -25,7 +25,7 @@ def _batches(cfg: GPTConfig, m: int, B: int = 2, S_: int = 5) -> list[tuple[torc
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(m):
-        seq = torch.randint(0, cfg.vocab_size, (B, S_ + 1), generator=g)
+        seq = torch.randint(0, cfg.vocab_size, (B, S_ + 1), generator=g, device="cpu")
         out.append((seq[:, :-1], seq[:, 1:]))
     return out
 

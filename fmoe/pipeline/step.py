@@ -136,7 +136,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
         shared.reduce(result.grads)
-    loss = result.loss.clone()
+    loss = _step_loss(result, params)
     if s.pp > 1:
         dist.all_reduce(loss, group=group)
     loads: dict[tuple[str, ...], LayerLoad] = {}
@@ -146,6 +146,17 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                          bool(route.capacity_missed))
         loads[path] = load if path not in loads else loads[path].merge(load)
     return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
+
+
+def _step_loss(result: StepResult, params: dict[str, Any]) -> torch.Tensor:
+    """This rank's part of the step loss, a new tensor to all-reduce over the pipeline group. A rank whose
+    stages add no loss contributes a zero made here, on the params' device and in the loss dtype of the
+    ranks that have one (the executor's empty sum is not to be trusted for either: NCCL / HCCL reduce
+    device tensors only, and every rank must reduce the same dtype)."""
+    if result.losses:
+        return result.loss.clone()
+    table = params["embed"]["table"]  # every rank's params hold the whole tree's top-level leaves
+    return torch.zeros((), dtype=torch.promote_types(table.dtype, torch.float32), device=table.device)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: Any,
     for layer, tensors in moe_state.items():
         for name, t in tensors.items():
             items[f"moe_state/{layer}/{name}"] = t
-    items["train/step"] = torch.tensor(step, dtype=torch.int64)
+    items["train/step"] = torch.tensor(step, dtype=torch.int64, device="cpu")  # host-side, as the RNG state
     if with_rng:
         items[f"rng/rank{rank}"] = torch.get_rng_state()
     return items

@@ -13,6 +13,8 @@ sequences; `windows_NS1` is [N, S + 1] (a window holds S inputs and their S next
   file at byte level. Both are memory-mapped; only the rows a rank asks for are read.
 - The batch of global step k is a pure function of (num_windows, G, k, seed): resuming at step k needs no
   other data state, and each epoch visits every window exactly once.
+- Everything here lives on the host, `device="cpu"` spelled out (not torch's default device): the trainer
+  moves each microbatch to its rank's device.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def chain_from_transition(transition_VV: torch.Tensor) -> MarkovChain:
     The chain must have a unique stationary distribution (e.g. irreducible); ValueError otherwise, or when
     the matrix is not square, has negative entries, or rows that do not sum to 1.
     """
-    P_VV = torch.as_tensor(transition_VV, dtype=torch.float64)
+    P_VV = torch.as_tensor(transition_VV, dtype=torch.float64, device="cpu")
     if P_VV.dim() != 2 or P_VV.shape[0] != P_VV.shape[1] or P_VV.shape[0] == 0:
         raise ValueError(f"transition_VV must be a non-empty square matrix, got shape {tuple(P_VV.shape)}")
     if not bool(torch.isfinite(P_VV).all()) or bool((P_VV < 0).any()):
@@ -85,8 +87,10 @@ def chain_from_transition(transition_VV: torch.Tensor) -> MarkovChain:
     V = P_VV.shape[0]
     # pi (P - I) = 0 with sum(pi) = 1, solved as one least-squares system: exact to rounding, unlike a
     # fixed number of power iterations whose error depends on the chain's mixing time.
-    A_V1V = torch.cat([P_VV.T - torch.eye(V, dtype=torch.float64), torch.ones(1, V, dtype=torch.float64)])
-    b_V1 = torch.cat([torch.zeros(V, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    A_V1V = torch.cat([P_VV.T - torch.eye(V, dtype=torch.float64, device="cpu"),
+                       torch.ones(1, V, dtype=torch.float64, device="cpu")])
+    b_V1 = torch.cat([torch.zeros(V, dtype=torch.float64, device="cpu"),
+                      torch.ones(1, dtype=torch.float64, device="cpu")])
     # Full column rank <=> the eigenvalue 1 is simple <=> one stationary distribution (else lstsq would
     # quietly return one of many).
     if int(torch.linalg.matrix_rank(A_V1V)) < V:
@@ -112,7 +116,7 @@ def markov_chain(vocab_size: int, seed: int, sharpness: float = 3.0) -> MarkovCh
     V = integer("vocab_size", vocab_size)
     sharpness = real("sharpness", sharpness, 0.0, strict=False)
     generator = torch.Generator().manual_seed(integer("seed", seed, minimum=0))
-    logits_VV = sharpness * torch.randn(V, V, generator=generator, dtype=torch.float64)
+    logits_VV = sharpness * torch.randn(V, V, generator=generator, dtype=torch.float64, device="cpu")
     return chain_from_transition(torch.softmax(logits_VV, dim=1))
 
 
@@ -125,7 +129,7 @@ def markov_corpus(chain: MarkovChain, num_sequences: int, length: int, seed: int
     N = integer("num_sequences", num_sequences)
     L = integer("length", length)
     generator = torch.Generator().manual_seed(integer("seed", seed, minimum=0))
-    ids_NL = torch.empty(N, L, dtype=torch.int64)
+    ids_NL = torch.empty(N, L, dtype=torch.int64, device="cpu")
     ids_NL[:, 0] = torch.multinomial(chain.stationary_V, N, replacement=True, generator=generator)
     for t in range(1, L):
         ids_NL[:, t] = torch.multinomial(chain.transition_VV[ids_NL[:, t - 1]], 1, generator=generator)[:, 0]
@@ -201,7 +205,7 @@ class Dataset:
 
         For a file only those rows are read from the memmap; ValueError if one holds a token >= vocab_size.
         """
-        indices_N = torch.as_tensor(indices_N)
+        indices_N = torch.as_tensor(indices_N, device="cpu")
         if indices_N.dim() != 1 or indices_N.dtype.is_floating_point or indices_N.dtype == torch.bool:
             raise ValueError(f"indices_N must be a 1-D integer tensor, got {indices_N.dtype} "
                              f"{tuple(indices_N.shape)}")
@@ -261,7 +265,7 @@ def _epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
     """int64 [num_windows]: the visiting order of `epoch`. Cached: consecutive steps share an epoch.
     Callers must not modify the returned tensor (it is the cache's)."""
     generator = torch.Generator().manual_seed(seed * _EPOCH_SEED_STRIDE + epoch)
-    return torch.randperm(num_windows, generator=generator)
+    return torch.randperm(num_windows, generator=generator, device="cpu")
 
 
 def batch_indices(num_windows: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
@@ -276,9 +280,9 @@ def batch_indices(num_windows: int, global_batch: int, step: int, seed: int) -> 
     seed = integer("seed", seed, minimum=0)
     if seed >= _MAX_SEED:
         raise ValueError(f"seed must be < 2**40, got {seed}")
-    p_G = step * G + torch.arange(G, dtype=torch.int64)
+    p_G = step * G + torch.arange(G, dtype=torch.int64, device="cpu")
     epoch_G, slot_G = p_G // N, p_G % N
-    out_G = torch.empty(G, dtype=torch.int64)
+    out_G = torch.empty(G, dtype=torch.int64, device="cpu")
     for epoch in range(int(epoch_G[0]), int(epoch_G[-1]) + 1):
         mask_G = epoch_G == epoch
         out_G[mask_G] = _epoch_permutation(N, seed, epoch)[slot_G[mask_G]]

@@ -240,7 +240,7 @@ class Trainer:
         # microbatch's backward has work for them (issuing the all-reduce buckets).
         hooks = ([leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                  if policy.mixed else [])
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device="cpu")  # host-side sums for the metrics
         loads: dict[tuple[str, ...], LayerLoad] = {}
         dropped = 0
         try:
@@ -310,7 +310,7 @@ class Trainer:
         # [loss, main, mtp] summed over the pipeline ranks (each holds part of the loss) and averaged over
         # the data ranks; waits and step times averaged over all ranks; loads: the largest ratio.
         vec = torch.cat([losses, torch.tensor([float(dropped), waited / step_s, step_s, 0.0],
-                                              dtype=torch.float64)])
+                                              dtype=torch.float64, device="cpu")])
         vec[-1] = max(ratios, default=0.0)
         if self.world_group is not None:  # on the collective's device (NCCL / HCCL reduce device tensors)
             vec = vec.to(self.world.device)
@@ -340,7 +340,7 @@ class Trainer:
         if self.loss_scale is not None:  # fp16: the scale and its counters, so a resumed run goes on alike
             ls = self.loss_scale
             items["train/loss_scale"] = torch.tensor([ls.scale, ls.good_steps, ls.hysteresis_left],
-                                                     dtype=torch.float64)
+                                                     dtype=torch.float64, device="cpu")
         return items
 
     def save(self, directory: str) -> str:

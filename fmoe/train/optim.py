@@ -34,6 +34,18 @@ def _groups(tc: TrainConfig, leaves: list[Leaf], tensors: dict[str, torch.Tensor
                         {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
+def initial_step(p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Returns AdamW's `step` state for parameter `p` of param group `group`, exactly as torch's lazy init
+    makes it (torch/optim/adam.py, `_init_group`): fused or capturable, a 0-dim fp32 tensor on p's device
+    (the fused kernel reads it through a device pointer); otherwise a 0-dim CPU tensor (kept on the host
+    so reading it launches no kernel) in fp64 under a float64 default dtype, else fp32. torch checks the
+    device only when it creates the state itself, so a state created here must follow the same rule."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.zeros((), dtype=torch.float32, device=p.device)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.zeros((), dtype=dtype, device="cpu")
+
+
 class LeafOptimizer:
     """torch.optim.AdamW over this rank's leaves: one plain AdamW, or with `--use-distributed-optimizer`
     (ZeRO-1) torch's ZeroRedundancyOptimizer, one over the dense leaves sharded across the data group and
@@ -73,8 +85,10 @@ class LeafOptimizer:
             for group in local.param_groups:
                 for p in group["params"]:
                     if not local.state[p]:
-                        local.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                          "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                        keep = torch.preserve_format
+                        local.state[p] = {"step": initial_step(p, group),
+                                          "exp_avg": torch.zeros_like(p, memory_format=keep),
+                                          "exp_avg_sq": torch.zeros_like(p, memory_format=keep)}
 
     def _locals(self) -> list[torch.optim.Optimizer]:
         return [getattr(o, "optim", o) for o in self.optimizers]  # a ZeRO's own shard is its .optim
