@@ -5,8 +5,10 @@ Legend: A, B chunk axes, M rows, E experts, N rows.
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
+from datetime import timedelta
 
 import pytest
 import torch
@@ -101,116 +103,115 @@ def test_tp_extends_ep_partition(E, tp, ep):
     assert owned == list(range(E))  # every expert owned once, whole
 
 
-# ---- the CUDA / NPU stream path, against fake streams (no accelerator here) ------------------------
+# ---- c10d work handles order the streams (NCCL's rule), against a fake work / stream model ------------
 
-class _FakeEvent:
+class _Stream:
+    """A device stream in the model: `after` holds every op it is ordered after."""
+
     def __init__(self, name: str):
-        self.name, self.device = name, torch.device("cuda", 0)
+        self.name, self.after = name, set()
 
 
-class _FakeStream:
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
+class _NCCL:
+    """ProcessGroupNCCL's rule (fmoe/parallel/async_comm.py): a collective runs on the group's internal
+    stream, which waits on the current stream at issue; Work.wait() makes the current stream wait on it
+    (host not blocked); Work.wait(timeout) also blocks the host until the collective completes."""
 
-    def wait_stream(self, other):
-        self.log.append(("wait_stream", self.name, other.name))
+    def __init__(self):
+        self.current, self.internal = _Stream("compute"), _Stream("nccl")
+        self.host_blocked: list[str] = []
 
-    def record_event(self):
-        ev = _FakeEvent(f"ev{len(self.log)}@{self.name}")
-        self.log.append(("record_event", self.name, ev.name))
-        return ev
-
-    def wait_event(self, ev):
-        self.log.append(("wait_event", self.name, ev.name))
+    def issue(self, name: str) -> _NcclWork:
+        self.internal.after |= self.current.after  # syncStream: sees every write queued before it
+        self.internal.after.add(name)
+        return _NcclWork(self, name)
 
 
-def _fake_comm(monkeypatch, log: list):
-    """A CommGroup of 2 ranks on a fake device with a fake comm stream; the accelerator API is faked."""
-    from fmoe.parallel.async_comm import CommStream
+class _NcclWork:
+    def __init__(self, pg: _NCCL, name: str):
+        self.pg, self.name, self.waits = pg, name, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        self.pg.current.after |= self.pg.internal.after  # synchronize(): current waits on the end event
+        if timeout is not None:
+            self.pg.host_blocked.append(self.name)  # busy-waits the host until the work completes
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def _comm(timeout=None):
     from fmoe.parallel.collectives import CommGroup
 
-    compute = _FakeStream("compute", log)
-    current = [compute]
-    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: current[0])
-
-    def set_stream(s):
-        log.append(("set_stream", s.name))
-        current[0] = s
-
-    monkeypatch.setattr(torch.accelerator, "set_stream", set_stream)
-    cs = object.__new__(CommStream)
-    cs.device, cs.stream = torch.device("cuda", 0), _FakeStream("comm", log)
     comm = object.__new__(CommGroup)
-    comm.group, comm.topology, comm.counters, comm.link_model, comm.stream = None, None, None, None, cs
+    comm.group, comm.topology, comm.counters, comm.link_model = None, None, None, None
     comm.size, comm.rank, comm.global_ranks = 2, 0, [0, 1]
-    return comm, current
+    comm.timeout = timeout
+    return comm
 
 
-class _FakeWork:
-    def __init__(self, log: list, fail: bool = False):
-        self.log, self.fail = log, fail
-
-    def wait(self):
-        self.log.append(("work.wait",))
-        if self.fail:
-            raise RuntimeError("Connection closed by peer")
-
-
-def test_stream_path_orders_streams_and_keeps_buffers(monkeypatch):
-    """Issue: comm waits compute, launch with comm current, event on comm after it, compute restored.
-    wait(): works, then current and issuing stream wait on that event, then the buffers are released."""
-    log: list = []
-    comm, current = _fake_comm(monkeypatch, log)
-    x, out = torch.ones(3), torch.empty(3)
+def test_on_a_device_the_work_orders_the_compute_stream_and_the_host_runs_on() -> None:
+    """A handle on device tensors (meta stands for CUDA) waits its work with no timeout: the compute stream
+    is ordered after the collective (which ran on NCCL's own stream), the host never blocks, and the
+    collective's buffers stay alive until then."""
+    nccl = _NCCL()
+    comm = _comm(timeout=timedelta(seconds=5))
+    x, out = torch.empty(3, device="meta"), torch.empty(3, device="meta")
     x_ref = weakref.ref(x)
-
-    def launch():
-        log.append(("launch", current[0].name))
-        return _FakeWork(log)
-
-    h = comm._issue("op", [0, 12], launch, x, out)
-    ev = log[3][2]
-    assert log == [("wait_stream", "comm", "compute"), ("set_stream", "comm"), ("launch", "comm"),
-                   ("record_event", "comm", ev), ("set_stream", "compute")]
-    assert current[0].name == "compute"
+    h = comm._issue("a2a", [0, 12], lambda: nccl.issue("a2a"), x, out)
+    assert "a2a" not in nccl.current.after  # compute queued now may overlap the collective
     del x
     gc.collect()
     assert x_ref() is not None, "the collective's input was freed before wait()"
-    log.clear()
     h.wait()
-    assert log == [("work.wait",), ("wait_event", "compute", ev), ("wait_event", "compute", ev)]
+    assert "a2a" in nccl.current.after and nccl.host_blocked == []
     gc.collect()
     assert x_ref() is None, "wait() did not release the kept buffers"
     h.wait()  # idempotent
-    assert len(log) == 3
 
 
-def test_stream_path_dropped_handle_orders_before_release(monkeypatch):
-    log: list = []
-    comm, _ = _fake_comm(monkeypatch, log)
-    x = torch.ones(3)
+def test_wait_passes_a_timeout_on_cpu_only() -> None:
+    """gloo blocks in wait() anyway and the timeout bounds it; NCCL / HCCL would busy-wait the host."""
+    works = {}
+    for device in ("meta", "cpu"):
+        nccl = _NCCL()
+        h = _comm(timeout=timedelta(seconds=5))._issue("op", [0, 12], functools.partial(nccl.issue, "op"),
+                                                        torch.empty(3, device=device))
+        h.wait()
+        works[device] = (h._works[0].waits, nccl.host_blocked)
+    assert works["meta"] == ([None], [])
+    assert works["cpu"] == ([timedelta(seconds=5)], ["op"])
+
+
+def test_a_dropped_device_handle_orders_the_stream_before_release() -> None:
+    nccl = _NCCL()
+    x = torch.empty(3, device="meta")
     x_ref = weakref.ref(x)
-    h = comm._issue("op", [0, 12], lambda: _FakeWork(log), x)
-    (ev,) = [e[2] for e in log if e[0] == "record_event"]
-    log.clear()
+    h = _comm()._issue("op", [0, 12], lambda: nccl.issue("op"), x)
+    work = h._works[0]
     del x, h
     gc.collect()
-    assert log == [("wait_event", "compute", ev)] and x_ref() is None
+    assert work.waits == [None] and "op" in nccl.current.after and x_ref() is None
 
 
-def test_stream_path_failure_restores_stream_and_names_collective(monkeypatch):
+class _FailingWork:
+    def wait(self, timeout=None):
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_failed_collectives_name_themselves_at_issue_and_at_every_wait() -> None:
     from fmoe.parallel import CollectiveError
 
-    log: list = []
-    comm, current = _fake_comm(monkeypatch, log)
+    comm = _comm()
 
     def launch():
         raise RuntimeError("Connection reset by peer")
 
     with pytest.raises(CollectiveError, match=r"collective .op. over ranks \[0, 1\] failed.*Connection"):
         comm._issue("op", [0, 12], launch, torch.ones(3))
-    assert current[0].name == "compute"
-    h = comm._issue("op2", [0, 12], lambda: _FakeWork(log, fail=True), torch.ones(3))
+    h = comm._issue("op2", [0, 12], _FailingWork, torch.ones(3))
     for _ in range(2):  # a failed handle fails again at every wait
         with pytest.raises(CollectiveError, match=r"collective 'op2'.*Connection closed by peer"):
             h.wait()

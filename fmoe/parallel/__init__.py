@@ -1,14 +1,14 @@
 """Expert parallelism: process layout, differentiable collectives, and the dispatchers that use them.
 
 See docs/parallel.md. Everything is an explicit object (no module state): a `ParallelLayout` gives
-process groups, a `CommGroup` wraps one with its topology / counters / link model / stream, and a
+process groups, a `CommGroup` wraps one with its topology / counters / link model / CPU wait timeout, and a
 dispatcher holds CommGroups and implements the dispatch/combine seam (fmoe/dispatch/base.py).
 """
 
 from fmoe.parallel.agreement import AgreementError, agree
 from fmoe.parallel.allgather import AllGatherDispatcher
 from fmoe.parallel.alltoall import AllToAllDispatcher
-from fmoe.parallel.async_comm import CommHandle, CommStream
+from fmoe.parallel.async_comm import CommHandle, wait_work
 from fmoe.parallel.collectives import (
     CommGroup,
     all_gather,
@@ -43,7 +43,6 @@ __all__ = [
     "CommCounters",
     "CommGroup",
     "CommHandle",
-    "CommStream",
     "HierarchicalDispatcher",
     "LinkModel",
     "ParallelLayout",
@@ -66,4 +65,5 @@ __all__ = [
     "hierarchical_dispatch_bytes",
     "reduce_scatter",
     "reduce_scatter_async",
+    "wait_work",
 ]

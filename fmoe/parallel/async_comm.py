@@ -1,28 +1,29 @@
-"""Wait handles for asynchronous collectives, and the communication stream they are issued on.
+"""Wait handles for asynchronous collectives: c10d's work handles order the streams, fmoe adds no stream.
 
     out, handle = all_to_all_async(x, ...)   # issued now
     ...compute that does not need `out`...
-    handle.wait()                            # now `out` may be read
+    handle.wait()                            # now `out` may be read (on a device: queued reads may)
 
-On CUDA / NPU a collective is issued on a side `CommStream`, and the ordering is, step by step:
-  1. issue: the comm stream waits on the current (compute) stream, so the collective sees every write
-     to its input queued so far; the collective is launched with the comm stream current; an event is
-     recorded on the comm stream after it; the compute stream is made current again.
-  2. the handle keeps the collective's input and output tensors alive (they were allocated on the
-     compute stream). No `record_stream`: like c10d's TORCH_NCCL_AVOID_RECORD_STREAMS, the references
-     are stashed instead, so the caching allocator cannot hand their memory to compute-stream work that
-     would run while the collective still reads or writes it.
-  3. wait(): waits the c10d works (for NCCL / HCCL this orders the current stream after c10d's internal
-     stream, without blocking the host), then makes the current stream and the issuing compute stream
-     wait on the comm event, and only then drops the stashed tensors: from here on any reuse of their
-     memory is queued after the collective.
-  4. a handle dropped without wait(): its finaliser orders the issuing stream after the event before the
-     tensors are released (the same guarantee for memory reuse; reading `out` is then a caller bug).
-The stream calls go through torch's generic `torch.Stream` / `torch.Event` / `torch.accelerator` API, so
-one code path serves CUDA and Ascend (torch_npu registers its device there). This path has been checked
-only against fake streams on CPU (tests/test_parallel_units.py), never on a GPU or NPU.
-On CPU there is no stream: gloo runs the work asynchronously on its own threads (it keeps its buffers
-alive itself) and `wait()` blocks. A handle dropped without wait() neither hangs nor leaks.
+What NCCL does (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp; HCCL's ProcessGroupHCCL in torch_npu
+follows the same design, not checked against its source here):
+  1. issue (`async_op=True`): the collective runs on the process group's own internal stream, which is
+     made to wait on the current stream first (`syncStream`), so it sees every write queued before it.
+     With TORCH_NCCL_AVOID_RECORD_STREAMS (the default) the work stashes its input and output tensors.
+  2. `Work.wait()` with no timeout: `synchronize()` makes the *current* stream wait on the work's end
+     event ("block the current stream on the NCCL stream") and unstashes the tensors; the host does not
+     block (unless TORCH_NCCL_BLOCKING_WAIT). Kernels queued afterwards on the current stream read the
+     collective's result; the caching allocator reuses its buffers only after it.
+  3. `Work.wait(timeout)`: the same, and then, because a timeout was given, the host busy-waits until
+     the work completes ("In case of blockingWait or a timeout value is specified by the user, we block
+     the CPU thread until the work is completed or timed out"): the CPU can no longer run ahead.
+So a side stream of fmoe's own orders nothing useful: an event recorded on it after the issue completes
+before the collective does (the collective is on NCCL's stream, not on it). This module therefore has no
+stream: on a device `wait()` calls `work.wait()` without a timeout, from the stream that will read the
+result (the process group's own timeout and watchdog bound a hung collective there); on CPU gloo runs
+the work on its own threads and `wait(timeout)` blocks the host, bounded by the handle's `timeout`.
+The handle keeps the collective's tensors alive until wait() (as c10d's stash does), and a handle
+dropped without wait() still orders the current stream after the work before releasing them.
+Checked on CPU against a fake work/stream model (tests/test_parallel_units.py), never on a GPU or NPU.
 
 A `LinkModel` (link_model.py) gives a handle a `not_before` time: `wait()` does not return before it.
 """
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -41,62 +43,51 @@ from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
 
 
-class CommStream:
-    """A communication stream on an accelerator `device`; a no-op stand-in on CPU."""
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self.stream: torch.Stream | None = None
-        if self.device.type != "cpu":
-            self.stream = torch.Stream(device=self.device)
-
-    @contextlib.contextmanager
-    def issue(self) -> Iterator[torch.Stream | None]:
-        """Run the block with the comm stream current, ordered after the work queued so far on the current
-        (compute) stream; yield that compute stream (None on CPU) and make it current again on exit."""
-        if self.stream is None:
-            yield None
-            return
-        compute = torch.accelerator.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the collective sees every write queued before it
-        torch.accelerator.set_stream(self.stream)
-        try:
-            yield compute
-        finally:
-            torch.accelerator.set_stream(compute)
-
-    def done_event(self) -> torch.Event | None:
-        """An event recorded on the comm stream after the collectives issued so far (None on CPU)."""
-        return None if self.stream is None else self.stream.record_event()
+def wait_work(work: dist.Work, device: torch.device | None, timeout: timedelta | None = None) -> None:
+    """Waits c10d work `work` whose tensors live on `device` (None: CPU) as its backend wants: on an
+    accelerator `work.wait()` with no timeout (orders the current stream after the collective; a timeout
+    would make NCCL / HCCL block the host until it completes); on CPU `work.wait(timeout)` (gloo blocks
+    anyway; the timeout bounds it). Raises RuntimeError when a CPU wait reports it timed out."""
+    if (device is not None and device.type != "cpu") or timeout is None:
+        work.wait()
+        return
+    if work.wait(timeout) is False:
+        raise RuntimeError(f"the collective did not complete within {timeout}")
 
 
 class CommHandle:
     """Completion of one or more collectives; `wait()` once before reading their outputs.
 
-    `wait()` waits the c10d works, then (on a device) makes the current stream and the issuing stream
-    wait on the comm event and releases the tensors kept alive for the collective (`keep`), then (with a
-    link model) sleeps until `not_before` (a `time.perf_counter()` value), then runs the `on_wait`
-    callbacks. A failed collective raises `CollectiveError` (failure.py), again at every further wait().
-    The blocked time is added to `counters.wait_s[op]`. A second wait() after success is a no-op.
+    `wait()` waits the c10d works (`wait_work`: on `device` an accelerator, stream ordering only; on CPU
+    blocking, bounded by `timeout`), then releases the tensors kept alive for the collective (`keep`),
+    then (with a link model) sleeps until `not_before` (a `time.perf_counter()` value), then runs the
+    `on_wait` callbacks. A failed collective raises `CollectiveError` (failure.py), again at every
+    further wait(). The blocked time is added to `counters.wait_s[op]`. A second wait() after success
+    is a no-op.
     """
 
-    def __init__(self, op: str, works: Sequence[dist.Work | None] = (), *, event: torch.Event | None = None,
-                 issue_stream: torch.Stream | None = None, keep: Sequence[torch.Tensor] = (),
-                 not_before: float = 0.0, counters: CommCounters | None = None,
-                 on_wait: Sequence[Callable[[], None]] = (), ranks: list[int] | None = None):
+    def __init__(self, op: str, works: Sequence[dist.Work | None] = (), *, device: torch.device | None = None,
+                 timeout: timedelta | None = None, keep: Sequence[torch.Tensor] = (), not_before: float = 0.0,
+                 counters: CommCounters | None = None, on_wait: Sequence[Callable[[], None]] = (),
+                 ranks: list[int] | None = None):
         self.op = op
         self.ranks = ranks
         self._works = [w for w in works if w is not None]
-        self._event = event
-        self._issue_stream = issue_stream
-        self._keep = tuple(keep)  # input / output buffers of the collective, alive until the streams wait
+        self.device = device
+        self.timeout = timeout
+        self._keep = tuple(keep)  # input / output buffers of the collective, alive until it is waited
         self.not_before = not_before
         self._counters = counters
         self._on_wait = list(on_wait)
         self.done = False
 
+    @property
+    def on_device(self) -> bool:
+        """True when the collective's tensors live on an accelerator (its wait orders streams only)."""
+        return self.device is not None and self.device.type != "cpu"
+
     def wait(self) -> None:
-        """Block (or order the current stream) until the collectives are complete. Idempotent."""
+        """Block (CPU) or order the current stream (device) until the collectives are complete. Idempotent."""
         if self.done:
             return
         t0 = time.perf_counter()
@@ -105,13 +96,10 @@ class CommHandle:
         try:
             with disable_functorch():
                 for w in self._works:
-                    w.wait()
+                    wait_work(w, self.device, self.timeout)
         except Exception as e:  # a peer raised, died or timed out: say so, don't leave a raw gloo error
             raise describe_failure(self.op, self.ranks, e) from e
-        if self._event is not None:
-            torch.accelerator.current_stream(self._event.device).wait_event(self._event)
-            self._order_issue_stream()
-        self._keep = ()  # every stream that may reuse these buffers is now queued after the collective
+        self._keep = ()  # the current stream (the one that reuses memory) is now queued after the works
         delay = self.not_before - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
@@ -121,19 +109,16 @@ class CommHandle:
         if self._counters is not None:
             self._counters.add_wait(self.op, time.perf_counter() - t0)
 
-    def _order_issue_stream(self) -> None:
-        if self._issue_stream is not None and self._event is not None:
-            self._issue_stream.wait_event(self._event)
-
     def __del__(self) -> None:
-        # Dropped without wait(): before the kept buffers go back to the allocator, queue the issuing
-        # stream (where they were allocated, hence where they are reused) after the collective.
-        if not self.done and self._keep:
-            with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to protect
-                self._order_issue_stream()
+        # Dropped without wait() on a device: queue the current stream after the works (no host block)
+        # before the kept buffers go back to the allocator. On CPU gloo keeps its own buffers alive.
+        if not self.done and self._keep and self.on_device:
+            with contextlib.suppress(Exception):  # interpreter shutdown, a failed work: nothing to protect
+                for w in self._works:
+                    w.wait()
 
     def is_completed(self) -> bool:
-        """True when `wait()` would not block (the works are done and `not_before` has passed)."""
+        """True when the works are done and `not_before` has passed (on a device: done on the device)."""
         return self.done or (all(w.is_completed() for w in self._works)
                              and time.perf_counter() >= self.not_before)
 

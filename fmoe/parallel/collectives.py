@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from fmoe._compat import Function
-from fmoe.parallel.async_comm import CommHandle, CommStream
+from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
 from fmoe.parallel.link_model import LinkModel
@@ -38,19 +39,21 @@ from fmoe.parallel.mesh import INTRA, Topology
 
 
 class CommGroup:
-    """A process group plus what its collectives report to: topology, counters, link model, stream.
+    """A process group plus what its collectives report to: topology, counters, link model, and the
+    `timeout` a CPU (gloo) wait is bounded by (on a device the process group's own timeout bounds it:
+    fmoe/parallel/async_comm.py says why a device wait takes none).
 
     Explicit object, no module state. `topology` None counts every transfer as intra-node.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, topology: Topology | None = None,
                  counters: CommCounters | None = None, link_model: LinkModel | None = None,
-                 stream: CommStream | None = None):
+                 timeout: timedelta | None = None):
         self.group = group
         self.topology = topology
         self.counters = counters
         self.link_model = link_model
-        self.stream = stream
+        self.timeout = timeout
         self.size: int = dist.get_world_size(group)
         self.rank: int = dist.get_rank(group)
         self.global_ranks: list[int] = dist.get_process_group_ranks(group)
@@ -77,21 +80,17 @@ class CommGroup:
         return time.perf_counter() + self.link_model.duration(by_link)
 
     def _issue(self, op: str, sent_to_P: Sequence[int], launch, *tensors: torch.Tensor) -> CommHandle:
-        """Launch a collective (on the comm stream if any); return its handle, which keeps `tensors` (its
-        input and output buffers) alive until wait() has ordered the streams after it."""
+        """Launch a collective (c10d runs it on its own stream on a device); return its handle, which keeps
+        `tensors` (its input and output buffers) alive until wait() has ordered the current stream after
+        it. The handle's device is the tensors' (a CPU handle's wait blocks, bounded by `timeout`)."""
         not_before = self._account(op, sent_to_P)
-        event, compute = None, None
         try:
-            if self.stream is None:
-                work = launch()
-            else:
-                with self.stream.issue() as compute:
-                    work = launch()
-                    event = self.stream.done_event()  # on the comm stream, right after the collective
+            work = launch()
         except Exception as e:  # a broken group fails at issue time: same clear error as at wait time
             raise describe_failure(op, self.global_ranks, e) from e
-        return CommHandle(op, [work], event=event, issue_stream=compute, keep=tensors, not_before=not_before,
-                          counters=self.counters, ranks=self.global_ranks)
+        device = tensors[0].device if tensors else None
+        return CommHandle(op, [work], device=device, timeout=self.timeout, keep=tensors,
+                          not_before=not_before, counters=self.counters, ranks=self.global_ranks)
 
 
 # torch >= 2.10 names them *_single; older ones only have *_tensor.

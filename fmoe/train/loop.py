@@ -153,7 +153,8 @@ class Trainer:
         tc, layout = self.tc, self.world.layout
         link = parse_link_model(tc.link_model) if tc.link_model else None
         def comm(name: str) -> CommGroup:
-            return CommGroup(layout.group(name), topology=layout.topology, link_model=link)
+            return CommGroup(layout.group(name), topology=layout.topology, link_model=link,
+                             timeout=self.timeout)
         E = self.cfg.moe.num_experts
         if tc.dispatcher == "alltoall":
             return AllToAllDispatcher(comm("expert"), E)
