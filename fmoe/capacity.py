@@ -25,7 +25,7 @@ from einops import rearrange
 
 from fmoe._index import exclusive_cumsum
 from fmoe.config import MoEConfig
-from fmoe.ops import Layout, sort_layout
+from fmoe.ops import Layout, expert_counts, sort_layout
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
         order_N = torch.sort(ids_N, stable=True).indices
     else:
         raise ValueError(f"drop_layout: policy must be 'probs' or 'position', got {policy!r}")
-    counts_E = torch.bincount(ids_N, minlength=E)
+    counts_E = expert_counts(ids_N, E)
     starts_E = exclusive_cumsum(counts_E)
     rank_N = torch.arange(N, device=dev) - starts_E[ids_N[order_N]]
     keep_N = torch.empty(N, dtype=torch.bool, device=dev)
@@ -85,7 +85,7 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
     # Kept pairs sorted by expert in token order; dropped pairs get key E and go last.
     key_N = torch.where(keep_N, ids_N, torch.full_like(ids_N, E))
     order2_N = torch.sort(key_N, stable=True).indices
-    kept_E1 = torch.bincount(key_N, minlength=E + 1)
+    kept_E1 = expert_counts(key_N, E + 1)
     kept_E = kept_E1[:E]
     arange_N = torch.arange(N, device=dev)
     if pad:
@@ -145,7 +145,7 @@ def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
             raise ValueError("make_layout: dynamic-capacity state must hold load_history_W "
                              f"[{cfg.dynamic_capacity_window}], capacity_misses and capacity_steps "
                              f"(fmoe.init_moe_state), got {sorted(cap_state)}")
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        counts_E = expert_counts(ids_TK, E)
         max_load = counts_E.max() if counts_E.numel() else zero
         C = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)
         fits = bool(max_load <= C)  # the cheap flag; the true maximum is read only on a miss

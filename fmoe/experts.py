@@ -10,8 +10,9 @@ shared one), E experts (the local ones, L, in expert parallelism).
 Parameter layout (weights are [in, out], y = x @ w):
 - routed: {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
 - shared: {"w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]} plus "w_out_gate": [D, 1] when gated.
-Host sync: `routed_experts` reads counts once (when not already python ints) and hands the python
-list to its three grouped_linear calls.
+Host syncs: `routed_experts` makes one `fmoe.ops.Counts` for its three grouped products (and their
+backward): counts on an accelerator stay there (no sync); on CPU, or for the "loop" backend, they are
+read once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
 from fmoe.ops import (
+    Counts,
+    group_counts,
     grouped_linear,
     grouped_linear_pair,
     linear,
@@ -55,14 +58,15 @@ def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
     return p
 
 
-def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_E: torch.Tensor | Sequence[int],
+def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor,
+                   counts_E: torch.Tensor | Sequence[int] | Counts,
                    probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Return y_MD [M, D] = w_down(swiglu(w_gate x, w_up x) [* probs_M]) per expert block of rows.
 
     `probs_M` (optional) multiplies each row's activation by its gate weight before w_down (gate
     weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
     """
-    counts = tuple(int(c) for c in (counts_E.tolist() if isinstance(counts_E, torch.Tensor) else counts_E))
+    counts = group_counts(counts_E, x_MD, p["w_gate"], backend)  # once for the three products
     g_MF, u_MF = grouped_linear_pair(x_MD, p["w_gate"], p["w_up"], counts, backend)
     if probs_M is None:  # fused: a split backward then holds gate and up, not also their product
         return swiglu_grouped_linear(g_MF, u_MF, p["w_down"], counts, backend)

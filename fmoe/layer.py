@@ -35,7 +35,7 @@ from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import init_experts, init_shared, routed_experts, shared_experts
-from fmoe.ops import Layout, permute, permute_probs, unpermute
+from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import check_seq_len, init_router, route
 from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree, local_experts
@@ -224,9 +224,10 @@ def dispatch_rows(x_RD: torch.Tensor, probs_R: torch.Tensor | None, route: MoERo
     the rows per local expert (python ints when known on the host) and the dispatcher's meta.
     """
     x_MD, counts_L, probs_M, meta = dispatcher.dispatch(x_RD, route.layout.counts_E, probs_R)
-    # Unchanged counts of a padded layout are known on the host: hand the python ints on (no sync).
+    # Unchanged counts of a padded layout are known on the host too: hand both forms on (no sync, and no
+    # upload of host ints for the grouped GEMM's offsets on a device).
     if counts_L is route.layout.counts_E and route.layout.counts is not None:
-        counts_L = route.layout.counts
+        counts_L = Counts(route.layout.counts, route.layout.counts_E)
     return x_MD, probs_M, (counts_L, meta)
 
 

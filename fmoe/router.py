@@ -24,7 +24,7 @@ from einops import rearrange, repeat
 from fmoe.balance import aux_loss, graph_zero, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops import compute_dtype, linear
+from fmoe.ops import compute_dtype, expert_counts, linear
 from fmoe.structure import check_router
 
 
@@ -121,7 +121,7 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny)
     if cfg.topk_scale != 1.0:
         probs_TK = probs_TK * cfg.topk_scale
-    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+    counts_E = expert_counts(ids_TK, E)
 
     # Balance losses see a distribution over experts per token: sigmoid scores are normalised first.
     dist_TE = scores_TE if cfg.score_func == "softmax" else (

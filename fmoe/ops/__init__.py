@@ -9,7 +9,9 @@ from fmoe.ops._attention import rope as rope
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
 from fmoe.ops._dtypes import compute_dtype as compute_dtype
 from fmoe.ops._embedding import embedding as embedding
+from fmoe.ops._grouped_linear import Counts as Counts
 from fmoe.ops._grouped_linear import available_backends as available_backends
+from fmoe.ops._grouped_linear import group_counts as group_counts
 from fmoe.ops._grouped_linear import grouped_linear as grouped_linear
 from fmoe.ops._linear import linear as linear
 from fmoe.ops._mlp_products import grouped_linear_pair as grouped_linear_pair
@@ -17,6 +19,7 @@ from fmoe.ops._mlp_products import linear_pair as linear_pair
 from fmoe.ops._mlp_products import swiglu_grouped_linear as swiglu_grouped_linear
 from fmoe.ops._mlp_products import swiglu_linear as swiglu_linear
 from fmoe.ops._permute import Layout as Layout
+from fmoe.ops._permute import expert_counts as expert_counts
 from fmoe.ops._permute import permute as permute
 from fmoe.ops._permute import permute_probs as permute_probs
 from fmoe.ops._permute import sort_layout as sort_layout

@@ -13,9 +13,20 @@ Backends (`available_backends(dtype, device)` lists those usable):
 `backend=None` picks npu on npu devices, else grouped_mm when it supports the dtype, device and
 shapes, else loop.
 
-Host syncs: `counts_E` is read to the host exactly once per call (one `.tolist()` in the wrapper); the
-forward and both backward products reuse that python list (and offsets built from it), so neither the
-dx nor the deferred dw pass syncs again.
+Host syncs: none on an accelerator with "grouped_mm" or "npu": the counts stay on the device, and the
+grouped GEMM's offsets are their cumulative sum made there (`Counts`). The host ints are read (one
+`.tolist()`) only where a backend needs them, "loop", or where reading them costs nothing
+(`HOST_READS_FREE`, the CPU: the host is the device, and its dw then accumulates per expert in place).
+A caller that runs several products on one routing (the MoE layer's experts) makes one `Counts` with
+`group_counts` and hands it to each, so the forward and both backward products share one read (or none).
+The range checks (counts non-negative, summing to M) run where the host ints are known; device-only counts
+are not checked (that would be a sync).
+
+Ascend: "npu" follows torch_npu's documented `npu_grouped_matmul` (group_type 0 groups the rows M of x,
+2 groups the shared dimension K; group_list_type 1 means group_list holds the rows per group, a device
+int64 tensor; split_item 2 / 3: x / y a single tensor): y and dx are one M-grouped call each, dw one
+K-grouped call with x given as a transposed view [D, M] (tests/test_ops_grouped_linear.py checks the calls
+against a fake torch_npu with those semantics). An empty group is a zero count (a zero dw slice).
 """
 
 from __future__ import annotations
@@ -86,7 +97,8 @@ def _bounds(counts: tuple[int, ...]) -> list[int]:
 
 
 def _offsets(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # Built from the host list: a host-to-device copy, never a device-to-host sync.
+    # Built from host ints: on an accelerator a blocking host-to-device copy, which `Counts` avoids by
+    # making offsets from device counts; host ints reach a device only from a caller that has no others.
     if device.type == "cpu":
         return _cpu_offsets(counts, dtype)
     return torch.tensor(_bounds(counts)[1:], dtype=dtype, device=device)
@@ -96,62 +108,112 @@ def _offsets(counts: tuple[int, ...], device: torch.device, dtype: torch.dtype) 
 def _cpu_offsets(counts: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # Cached on CPU only: an MoE layer's three products and their backward ones share one routing, and
     # nothing writes to offsets. (A device tensor kept here could be freed under a side stream's kernel.)
-    return torch.tensor(_bounds(counts)[1:], dtype=dtype)
+    return torch.tensor(_bounds(counts)[1:], dtype=dtype, device="cpu")
+
+
+HOST_READS_FREE: tuple[str, ...] = ("cpu",)
+"""Device types whose counts the host reads without waiting for an accelerator (the host is the device).
+Tests empty it to run the accelerator path on CPU tensors (tests/test_host_syncs.py)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Counts:
+    """The rows per group (expert) of grouped products, in the forms the backends read.
+
+    host: python ints, or None where reading them would be a host sync; dev_E: integer [E] on the rows'
+    device, or None when only host ints exist. `offsets` gives torch._grouped_mm's int32 cumulative ends,
+    from dev_E by a cumsum on the device (made once, then shared) unless host ints serve for free.
+    """
+
+    host: tuple[int, ...] | None
+    dev_E: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.host) if self.host is not None else self.dev_E.shape[0]
+
+    @functools.cached_property
+    def _dev_offs_E(self) -> torch.Tensor:
+        return torch.cumsum(self.dev_E, 0, dtype=torch.int32)
+
+    def offsets(self, device: torch.device) -> torch.Tensor:
+        """int32 [E] cumulative row ends on `device` (no host read)."""
+        if self.dev_E is not None and (self.host is None or device.type not in HOST_READS_FREE):
+            return self._dev_offs_E
+        return _offsets(self.host, device, torch.int32)
+
+    def group_list(self, device: torch.device) -> torch.Tensor:
+        """int64 [E] rows per group on `device`: npu_grouped_matmul's group_list (group_list_type 1)."""
+        if self.dev_E is not None:
+            return self.dev_E.to(torch.int64)
+        return torch.tensor(self.host, dtype=torch.int64, device=device)
+
+    def read(self) -> tuple[int, ...]:
+        """The host ints (a host sync when only the device has them)."""
+        return self.host if self.host is not None else tuple(self.dev_E.tolist())
 
 
 # ---- the three products, per backend. a_MK rows grouped by counts ------------------------------
 
-def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: tuple[int, ...], backend: str) -> torch.Tensor:
+def _npu_call(x: torch.Tensor, w: torch.Tensor, counts: Counts, split_item: int,
+              group_type: int) -> torch.Tensor:
+    return _npu_module().npu_grouped_matmul([x], [w], bias=None, group_list=counts.group_list(x.device),
+                                            split_item=split_item, group_type=group_type,
+                                            group_list_type=1)[0]
+
+
+def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
     """y_MF[rows of e] = x_MD[rows of e] @ w_EDF[e] (also the dx product with w transposed)."""
     if backend == "grouped_mm":
-        return grouped_mm(x_MD.contiguous(), w_EDF, offs=_offsets(counts, x_MD.device, torch.int32))
+        return grouped_mm(x_MD.contiguous(), w_EDF, offs=counts.offsets(x_MD.device))
     if backend == "npu":
-        torch_npu = _npu_module()
-        group_list = _offsets(counts, x_MD.device, torch.int64)
-        return torch_npu.npu_grouped_matmul([x_MD.contiguous()], [w_EDF.contiguous()], group_list=group_list,
-                                            split_item=2, group_type=0, group_list_type=0)[0]
+        # group_type 0: the rows M of the single x are grouped; y is one [M, F] tensor (split_item 2).
+        return _npu_call(x_MD.contiguous(), w_EDF, counts, split_item=2, group_type=0)
     # Out-of-place products joined by cat (not matmul(out=...)): stays differentiable for grad-of-grad.
-    b = _bounds(counts)
-    if not counts:
+    host = counts.read()
+    b = _bounds(host)
+    if not host:
         return x_MD.new_zeros(x_MD.shape[0], w_EDF.shape[-1])
-    return torch.cat([x_MD[b[e]:b[e + 1]] @ w_EDF[e] for e in range(len(counts))])
+    return torch.cat([x_MD[b[e]:b[e + 1]] @ w_EDF[e] for e in range(len(host))])
 
 
-def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...],
-                 backend: str) -> torch.Tensor:
+def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
     """dw_EDF[e] = x_MD[rows of e]^T @ g_MF[rows of e]; zero for an expert with no rows."""
     if backend == "grouped_mm":
         # 2D x 2D with offs groups the shared (row) dimension: one product per expert.
-        return grouped_mm(x_MD.contiguous().t(), g_MF.contiguous(),
-                          offs=_offsets(counts, x_MD.device, torch.int32))
-    # "npu" uses the loop too: npu_grouped_matmul's K-grouped mode is not available on every release.
+        return grouped_mm(x_MD.contiguous().t(), g_MF.contiguous(), offs=counts.offsets(x_MD.device))
+    if backend == "npu":
+        # group_type 2: the shared dimension K (= the rows M) is grouped; y is one [E, D, F] tensor
+        # (split_item 3). x goes in as the transposed view [D, M] of the row-major rows.
+        return _npu_call(x_MD.contiguous().t(), g_MF.contiguous(), counts, split_item=3, group_type=2)
     # An expert with no rows gives a [D, 0] @ [0, F] product: zeros, as required.
-    b = _bounds(counts)
-    if not counts:
+    host = counts.read()
+    b = _bounds(host)
+    if not host:
         return x_MD.new_zeros(0, x_MD.shape[-1], g_MF.shape[-1])
-    return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(counts))])
+    return torch.stack([x_MD[b[e]:b[e + 1]].t() @ g_MF[b[e]:b[e + 1]] for e in range(len(host))])
 
 
-def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Tensor, counts: tuple[int, ...],
+def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Tensor, counts: Counts,
                       backend: str) -> torch.Tensor:
-    """out_EDF += _weight_grad(x, g): on CPU one GEMM with beta = 1 per expert into its slice (what the CPU
-    grouped kernel runs anyway, less the [E, D, F] result and the pass adding it); elsewhere the grouped
-    product, added (a device's grouped kernel beats a loop of per-expert launches)."""
-    if out_EDF.device.type != "cpu":
+    """out_EDF += _weight_grad(x, g): on CPU (host ints known) one GEMM with beta = 1 per expert into its
+    slice (what the CPU grouped kernel runs anyway, less the [E, D, F] result and the pass adding it);
+    elsewhere the grouped product, added (a device's grouped kernel beats a loop of per-expert launches,
+    and a loop would need the host ints)."""
+    if out_EDF.device.type != "cpu" or counts.host is None:
         return out_EDF.add_(_weight_grad(x_MD, g_MF, counts, backend))
-    b = _bounds(counts)
-    for e in range(len(counts)):
-        if counts[e]:
+    b = _bounds(counts.host)
+    for e in range(len(counts.host)):
+        if counts.host[e]:
             out_EDF[e].addmm_(x_MD[b[e]:b[e + 1]].t(), g_MF[b[e]:b[e + 1]])
     return out_EDF
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Grouped:
     """The grouped product over expert row blocks, y = x @ w[e] for the rows of expert e, and its two
     backward products: what `grouped_linear` and the fused MLP products (_mlp_products.py) run."""
 
-    counts: tuple[int, ...]
+    counts: Counts
     backend: str
 
     def fwd(self, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> torch.Tensor:
@@ -220,11 +282,13 @@ def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backe
 
 
 def check_grouped_args(name: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
-                       counts_E: torch.Tensor | Sequence[int]) -> tuple[int, ...]:
-    """Check a grouped product's x [M, D], w [E, D, F] and counts; return the counts as python ints.
+                       counts_E: torch.Tensor | Sequence[int] | Counts,
+                       backend: str | None = None) -> Grouped:
+    """Check a grouped product's x [M, D], w [E, D, F] and counts; return its `Grouped` product (the
+    backend chosen, the counts as `group_counts` gives them).
 
-    Raises ValueError (messages prefixed with `name`) on a bad shape, dtype or count; a counts tensor is
-    read to the host here, once.
+    Raises ValueError (messages prefixed with `name`) on a bad shape or dtype, and on a bad count where the
+    host ints are known (see the module docstring).
     """
     if x_MD.dim() != 2:
         raise ValueError(f"{name}: x must be 2-D [M, D], got shape {tuple(x_MD.shape)}")
@@ -237,37 +301,57 @@ def check_grouped_args(name: str, x_MD: torch.Tensor, w_EDF: torch.Tensor,
         raise ValueError(f"{name}: x is {x_MD.dtype} but w is {w_EDF.dtype}; cast one first")
     if not x_MD.is_floating_point():
         raise ValueError(f"{name}: x must be floating point, got {x_MD.dtype}")
+    backend = _choose_backend(x_MD, w_EDF, backend)
+    counts = _group_counts(counts_E, x_MD.device, backend, name)
+    if len(counts) != w_EDF.shape[0]:
+        raise ValueError(f"{name}: counts has {len(counts)} entries but w has "
+                         f"{w_EDF.shape[0]} experts")
+    if counts.host is not None:
+        if any(c < 0 for c in counts.host):
+            raise ValueError(f"{name}: counts must be non-negative, got {list(counts.host)}")
+        if sum(counts.host) != x_MD.shape[0]:
+            raise ValueError(f"{name}: sum(counts) = {sum(counts.host)} but x has {x_MD.shape[0]} rows")
+    return Grouped(counts, backend)
+
+
+def group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, x_MD: torch.Tensor, w_EDF: torch.Tensor,
+                 backend: str | None = None) -> Counts:
+    """Return `counts_E` (an integer tensor, python ints or a `Counts`) as the `Counts` that products of
+    rows like x_MD with weights like w_EDF share: the host ints are read (the one host sync) only when the
+    backend chosen needs them ("loop") or reading is free (`HOST_READS_FREE`); a device tensor is kept for
+    the grouped kernels."""
+    return _group_counts(counts_E, x_MD.device, _choose_backend(x_MD, w_EDF, backend), "group_counts")
+
+
+def _group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, device: torch.device, backend: str,
+                  name: str) -> Counts:
+    need_host = backend == "loop" or device.type in HOST_READS_FREE
+    if isinstance(counts_E, Counts):
+        if counts_E.host is None and need_host:
+            return Counts(counts_E.read(), counts_E.dev_E)
+        return counts_E
     if isinstance(counts_E, torch.Tensor):
         if counts_E.dim() != 1 or counts_E.is_floating_point() or counts_E.is_complex():
             raise ValueError(f"{name}: counts must be a 1-D integer tensor, got {counts_E.dtype} "
                              f"of shape {tuple(counts_E.shape)}")
-        counts = tuple(int(c) for c in counts_E.tolist())  # the one host sync of this call
-    else:
-        counts = tuple(int(c) for c in counts_E)
-    if len(counts) != w_EDF.shape[0]:
-        raise ValueError(f"{name}: counts has {len(counts)} entries but w has "
-                         f"{w_EDF.shape[0]} experts")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"{name}: counts must be non-negative, got {list(counts)}")
-    if sum(counts) != x_MD.shape[0]:
-        raise ValueError(f"{name}: sum(counts) = {sum(counts)} but x has {x_MD.shape[0]} rows")
-    return counts
+        return Counts(tuple(int(c) for c in counts_E.tolist()) if need_host else None, counts_E)
+    return Counts(tuple(int(c) for c in counts_E))
 
 
-def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
+def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor | Sequence[int] | Counts,
                    backend: str | None = None) -> torch.Tensor:
     """Return y_MF where the rows of expert e are x_MD[rows of e] @ w_EDF[e].
 
     Rows are contiguous per-expert blocks: expert e owns counts_E[e] consecutive rows, in expert order,
-    and sum(counts_E) must equal M (empty experts allowed). `counts_E` is an integer tensor on any
-    device (or a sequence of ints); it is read to the host once per call. Differentiable in x_MD and
-    w_EDF; the weight gradient is deferred when a `split_vjp` tape defers w_EDF.
+    and sum(counts_E) must equal M (empty experts allowed). `counts_E` is an integer tensor on x's device,
+    python ints, or a `Counts` (`group_counts`) shared by several products; see the module docstring
+    for when it is read to the host. Differentiable in x_MD and w_EDF; the weight gradient is deferred
+    when a `split_vjp` tape defers w_EDF.
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
     """
-    counts = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E)
-    backend = _choose_backend(x_MD, w_EDF, backend)
-    if backend != "npu" and not (may_defer() or functorch_active()):
+    prod = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E, backend)
+    if prod.backend != "npu" and not (may_defer() or functorch_active()):
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
         # ops (torch._grouped_mm has its own backward) with no Python backward per call.
-        return _fwd(x_MD, w_EDF, counts, backend)
-    return _GroupedLinear.apply(x_MD, w_EDF, Grouped(counts, backend))
+        return _fwd(x_MD, w_EDF, prod.counts, prod.backend)
+    return _GroupedLinear.apply(x_MD, w_EDF, prod)

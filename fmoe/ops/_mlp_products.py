@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from fmoe._compat import Function
-from fmoe.ops._grouped_linear import Grouped, _choose_backend, check_grouped_args, grouped_linear
+from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear
 from fmoe.ops._linear import DENSE, Dense, linear
 from fmoe.ops._swiglu import swiglu
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
@@ -92,7 +92,8 @@ class _SwiGLUDown(Function):
 
 
 def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: torch.Tensor,
-                          counts_E: torch.Tensor | Sequence[int], backend: str | None = None) -> torch.Tensor:
+                          counts_E: torch.Tensor | Sequence[int] | Counts,
+                          backend: str | None = None) -> torch.Tensor:
     """Return y_MD = grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E) ([M, D], the inputs' dtype).
 
     Same contract, errors and backends as `grouped_linear` (whose input is h = silu(gate) * up). Where a
@@ -104,8 +105,7 @@ def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: tor
                          f"{tuple(up_MF.shape)} {up_MF.dtype} must share one shape and dtype")
     if not may_defer():
         return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend)
-    counts = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E)
-    prod = Grouped(counts, _choose_backend(gate_MF, w_EFD, backend))
+    prod = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E, backend)
     return _SwiGLUDown.apply(gate_MF, up_MF, w_EFD, prod)
 
 
@@ -144,7 +144,7 @@ class _Pair(Function):
 
 
 def grouped_linear_pair(x_MD: torch.Tensor, wa_EDF: torch.Tensor, wb_EDF: torch.Tensor,
-                        counts_E: torch.Tensor | Sequence[int],
+                        counts_E: torch.Tensor | Sequence[int] | Counts,
                         backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (grouped_linear(x_MD, wa_EDF, counts_E), grouped_linear(x_MD, wb_EDF, counts_E)), each [M, F].
 
@@ -158,8 +158,8 @@ def grouped_linear_pair(x_MD: torch.Tensor, wa_EDF: torch.Tensor, wb_EDF: torch.
     if not may_defer():
         return (grouped_linear(x_MD, wa_EDF, counts_E, backend),
                 grouped_linear(x_MD, wb_EDF, counts_E, backend))
-    counts = check_grouped_args("grouped_linear_pair", x_MD, wa_EDF, counts_E)
-    return _Pair.apply(x_MD, wa_EDF, wb_EDF, Grouped(counts, _choose_backend(x_MD, wa_EDF, backend)))
+    return _Pair.apply(x_MD, wa_EDF, wb_EDF, check_grouped_args("grouped_linear_pair", x_MD, wa_EDF, counts_E,
+                                                                backend))
 
 
 def _check_dense(name: str, x_XD: torch.Tensor, w_DF: torch.Tensor) -> None:

@@ -65,6 +65,18 @@ def _inverse(order_N: torch.Tensor) -> torch.Tensor:
     return inv_N
 
 
+def expert_counts(ids_X: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Return counts_E int64 [E]: how many entries of ids_X (any shape, ids in [0, E)) name each expert.
+
+    No host sync: E sizes the output (`torch.bincount` reads the largest id back from the device to size
+    its own). The scatter-add of integer ones is exact in any order, so it is deterministic on
+    accelerators too.
+    """
+    ids_N = ids_X.reshape(-1).to(torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
+        0, ids_N, torch.ones_like(ids_N))
+
+
 def sort_layout(ids_TK: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None = None) -> Layout:
     """Return the dropless layout: pairs stably sorted by expert id (ties keep token order). No host sync.
     `counts_E`: the pairs per expert when the caller has them (the router's load), else counted here."""
@@ -72,7 +84,7 @@ def sort_layout(ids_TK: torch.Tensor, num_experts: int, counts_E: torch.Tensor |
     ids_N = ids_TK.reshape(-1)  # pair n = t * K + k
     order_N = torch.sort(ids_N, stable=True).indices
     if counts_E is None:
-        counts_E = torch.bincount(ids_N, minlength=num_experts)
+        counts_E = expert_counts(ids_N, num_experts)
     return Layout(row_src_R=order_N, row_dst_N=_inverse(order_N), tok_R=order_N // K, counts_E=counts_E,
                   counts=None, num_tokens=T, top_k=K, full=True)
 

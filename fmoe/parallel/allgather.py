@@ -16,9 +16,9 @@ and builds the row index while they travel; the local experts' rows are picked w
 expanded gather index). Combine writes the expert outputs back with `index_put` into a zero
 [P*R_max, D] buffer and reduce-scatters it: every row has exactly one owner, so the sum is a placement.
 
-Host synchronisation (explicit), per dispatch: one blocking all-gather of counts (counts_E, or T at
-token level) read to the host for R_max (T_max), and one read of the local row count M (index sizes).
-Combine: none.
+Host synchronisation (explicit), per dispatch: one blocking all-gather of counts. Row level reads R_max
+and the rows per local expert in one host sync (`gather_sizes`); the token level reads T_max and the
+local row count M (two). Combine and the backward: none.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fmoe._index import exclusive_cumsum
+from fmoe.ops import Counts, expert_counts
 from fmoe.parallel.collectives import (
     CommGroup,
     all_gather,
@@ -59,17 +60,27 @@ class AllGatherTokenMeta:
     tokens: int
 
 
-def gather_index(counts_PE: torch.Tensor, rank: int, L: int, r_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_sizes(counts_PE: torch.Tensor, rank: int, L: int) -> tuple[int, tuple[int, ...]]:
+    """Return (r_max, counts_L): the most rows any rank holds (the padded rows per rank) and the rows per
+    local expert of `rank`, as host ints read in one host sync (the one of the layer's forward)."""
+    P = counts_PE.shape[0]
+    sizes = torch.cat([counts_PE.sum(1), counts_PE[:, rank * L:(rank + 1) * L].sum(0)]).tolist()
+    return max(sizes[:P], default=0), tuple(sizes[P:])
+
+
+def gather_index(counts_PE: torch.Tensor, rank: int, L: int, r_max: int,
+                 m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (idx_M, counts_L): the index into all ranks' gathered rows ([P * R_max], rank p's at
     p * R_max) of each row of `rank`'s L local experts, grouped by local expert then source rank, and the
-    rows per local expert. counts_PE[p, e]: rows rank p holds for expert e, expert-sorted."""
+    rows per local expert. counts_PE[p, e]: rows rank p holds for expert e, expert-sorted. `m`: the rows
+    of the local experts when the caller knows it (no host sync), else read here."""
     P = counts_PE.shape[0]
     start_PE = exclusive_cumsum(counts_PE, dim=1)  # first row of expert e within rank p's rows
     mine_PL = counts_PE[:, rank * L:(rank + 1) * L]
     base_PL = start_PE[:, rank * L:(rank + 1) * L] + r_max * torch.arange(P, device=counts_PE.device)[:, None]
     # the chunks in (local expert, rank) order: their gathered start and their length
     base_LP, len_LP = rearrange(base_PL, "p l -> (l p)"), rearrange(mine_PL, "p l -> (l p)")
-    m = int(len_LP.sum())
+    m = int(len_LP.sum()) if m is None else m
     idx_M = torch.arange(m, device=counts_PE.device) + torch.repeat_interleave(
         base_LP - exclusive_cumsum(len_LP), len_LP, output_size=m)
     return idx_M, mine_PL.sum(0)
@@ -88,14 +99,14 @@ class AllGatherDispatcher:
         """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
         L, me = self.num_local_experts, self.comm.rank
         counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
-        r_max = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
+        r_max, counts_L = gather_sizes(counts_PE, me, L)  # the host sync: padded rows, rows per expert
         r = x_RD.shape[0]
         x_pad = F.pad(x_RD, (0, 0) * (x_RD.dim() - 1) + (0, r_max - r))
         x_all, hx = all_gather_async(x_pad, self.comm, op="allgather.dispatch")
         hp = None
         if probs_R is not None:
             p_all, hp = all_gather_async(F.pad(probs_R, (0, r_max - r)), self.comm, op="allgather.probs")
-        idx_M, counts_L = gather_index(counts_PE, me, L, r_max)  # while the gathers travel
+        idx_M, counts_L_dev = gather_index(counts_PE, me, L, r_max, sum(counts_L))  # while the gathers travel
         hx.wait()
         x_MD = x_all.index_select(0, idx_M.to(x_all.device))
         probs_M = None
@@ -103,7 +114,7 @@ class AllGatherDispatcher:
             hp.wait()
             probs_M = p_all.index_select(0, idx_M.to(p_all.device))
         meta = AllGatherMeta(idx_M.to(x_RD.device), r_max, r)
-        return x_MD, counts_L.to(x_RD.device), probs_M, meta
+        return x_MD, Counts(counts_L, counts_L_dev.to(x_RD.device)), probs_M, meta
 
     def combine(self, y_MD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
         """Return y_RD: expert outputs in this rank's original expert-sorted row order."""
@@ -133,7 +144,7 @@ class AllGatherDispatcher:
         key = torch.where(local, ids_all - me * L, L).reshape(-1)
         m = int(local.sum())  # host sync: rows for the local experts
         order_M = torch.argsort(key, stable=True)[:m]
-        counts_L = torch.bincount(key.index_select(0, order_M), minlength=L)
+        counts_L = expert_counts(key.index_select(0, order_M), L)
         row_tok = order_M // k
         hx.wait()
         x_MD = x_all.index_select(0, row_tok.to(x_all.device))

@@ -5,8 +5,9 @@ experts (rank p owns experts p*L .. p*L+L-1), R rows of this rank's layout sorte
 M rows received for the local experts, D width. recv_PL[p, l]: rows source rank p sends to local
 expert l.
 
-Host synchronisation (explicit): `exchange_counts` blocks, and the split sizes are read to the host
-(`.tolist()`) once per dispatch; combine reuses them and does not synchronise.
+Host synchronisation (explicit): `exchange_counts` blocks, and the split sizes and the rows per local
+expert are read to the host in one `.tolist()` per dispatch; combine and the backward reuse them and
+do not synchronise.
 """
 
 from __future__ import annotations
@@ -16,9 +17,19 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
+from fmoe.ops import Counts
 from fmoe.parallel.collectives import CommGroup, all_to_all, exchange_counts
 from fmoe.parallel.rows import TokenLevelMixin, chunk_transpose_index
 from fmoe.parallel.tp_extends_ep import experts_per_rank
+
+
+def split_sizes(counts_PL: torch.Tensor,
+                recv_PL: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...]]:
+    """Return (send_P, recv_P, counts_L): rows to / from each rank and rows per local expert, read to the
+    host in one `.tolist()` (the one host sync of a layer's forward)."""
+    P = counts_PL.shape[0]
+    sizes = torch.cat([counts_PL.sum(1), recv_PL.sum(1), recv_PL.sum(0)]).tolist()
+    return sizes[:P], sizes[P:2 * P], tuple(sizes[2 * P:])
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class AllToAllDispatcher(TokenLevelMixin):
         # expert-major: rank p owns the L consecutive experts p*L .. p*L+L-1
         counts_PL = rearrange(counts_E.to(torch.int64), "(p l) -> p l", p=P)
         recv_PL = exchange_counts(counts_PL, self.comm, op="alltoall.counts")  # blocks
-        send_P, recv_P = counts_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync (split sizes)
+        send_P, recv_P, counts_L = split_sizes(counts_PL, recv_PL)  # the host sync
         x_MD = all_to_all(x_RD, self.comm, recv_P, send_P, op="alltoall.dispatch")
         # permute-2: (source, local expert) -> (local expert, source)
         idx_M = chunk_transpose_index(recv_PL, sum(recv_P))
@@ -55,7 +66,7 @@ class AllToAllDispatcher(TokenLevelMixin):
             probs_M = all_to_all(probs_R, self.comm, recv_P, send_P, op="alltoall.probs")
             probs_M = probs_M.index_select(0, idx_M)
         meta = AllToAllMeta(torch.argsort(idx_M), send_P, recv_P)
-        return x_MD, recv_PL.sum(0).to(x_RD.device), probs_M, meta
+        return x_MD, Counts(counts_L, recv_PL.sum(0).to(x_RD.device)), probs_M, meta
 
     def combine(self, y_MD: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
         """Return y_RD: expert outputs in this rank's original expert-sorted row order."""

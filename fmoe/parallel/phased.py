@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.parallel.allgather import AllGatherDispatcher, gather_index
-from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.ops import Counts, expert_counts
+from fmoe.parallel.allgather import AllGatherDispatcher, gather_index, gather_sizes
+from fmoe.parallel.alltoall import AllToAllDispatcher, split_sizes
 from fmoe.parallel.collectives import CommGroup, all_gather_async, all_to_all_async, reduce_scatter_async
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
@@ -164,8 +165,8 @@ class _LocalExchange(_RowExchange):
         self.d = d
 
     def start_plan(self, route: Any) -> Any:
-        layout = route.layout
-        return Chain((RowPlan(counts_L=layout.counts if layout.counts is not None else layout.counts_E), []))
+        layout = route.layout  # a padded layout's counts are host ints too: both forms, no sync
+        return Chain((RowPlan(counts_L=Counts(layout.counts, layout.counts_E)), []))
 
     def move(self, plan: RowPlan, rows: dict, reverse: bool) -> tuple[dict, list, Any]:
         return dict(rows), [], _same
@@ -182,10 +183,10 @@ class _AllToAllExchange(_RowExchange):
 
         def plan(got: dict) -> tuple[RowPlan, list]:
             recv_PL = got["counts"]
-            send_P, recv_P = counts_PL.sum(1).tolist(), recv_PL.sum(1).tolist()  # host sync: split sizes
+            send_P, recv_P, counts_L = split_sizes(counts_PL, recv_PL)  # the host sync of the layer
             idx_M = chunk_transpose_index(recv_PL, sum(recv_P))
-            return RowPlan(counts_L=recv_PL.sum(0).tolist(), idx_M=idx_M, inverse_M=torch.argsort(idx_M),
-                           send_P=send_P, recv_P=recv_P), []
+            return RowPlan(counts_L=Counts(counts_L, recv_PL.sum(0)), idx_M=idx_M,
+                           inverse_M=torch.argsort(idx_M), send_P=send_P, recv_P=recv_P), []
 
         return Chain((recv, handles), plan)
 
@@ -221,10 +222,10 @@ class _AllGatherExchange(_RowExchange):
 
         def plan(counts_PE: torch.Tensor) -> tuple[RowPlan, list]:
             counts_PE = counts_PE.reshape(comm.size, -1)
-            r_max = int(counts_PE.sum(1).max())  # host sync: padded rows per rank
-            idx_M, counts_L = gather_index(counts_PE, comm.rank, L, r_max)
+            r_max, counts_L = gather_sizes(counts_PE, comm.rank, L)  # the host sync of the layer
+            idx_M, counts_L_dev = gather_index(counts_PE, comm.rank, L, r_max, sum(counts_L))
             gather = _GatherPlan(idx_M, r_max, route.layout.num_rows)
-            return RowPlan(counts_L=counts_L.tolist(), hier=gather), []
+            return RowPlan(counts_L=Counts(counts_L, counts_L_dev), hier=gather), []
 
         return Chain((got, [h]), plan)
 
@@ -303,18 +304,18 @@ class _HierarchicalExchange:
             order_R = torch.argsort(key, stable=True)[:r]
             row_e = key.index_select(0, order_R)
             I = d.intra.size
-            counts_IL = torch.bincount(row_e, minlength=d.node_experts).reshape(I, -1).contiguous()
+            counts_IL = expert_counts(row_e, d.node_experts).reshape(I, -1).contiguous()
             box.update(order_R=order_R, counts_IL=counts_IL)
             return _a2a({"c": counts_IL}, d.intra, [1] * I, [1] * I, "hier.intra.counts")
 
         def plan(got: dict) -> tuple[RowPlan, list]:
             recv_IL, counts_IL = got["c"], box["counts_IL"]
-            send_I, recv_I = counts_IL.sum(1).tolist(), recv_IL.sum(1).tolist()  # host sync: split sizes
+            send_I, recv_I, counts_L = split_sizes(counts_IL, recv_IL)  # host sync: split sizes
             idx_M = chunk_transpose_index(recv_IL, sum(recv_I))
             hier = _HierPlan(box["send_item"], box["send_A"], box["recv_A"], box["order_R"],
                              box["order_R"] // K, send_I, recv_I, ids_XK.shape[0], K)
-            return RowPlan(counts_L=recv_IL.sum(0).tolist(), idx_M=idx_M, inverse_M=torch.argsort(idx_M),
-                           hier=hier), []
+            return RowPlan(counts_L=Counts(counts_L, recv_IL.sum(0)), idx_M=idx_M,
+                           inverse_M=torch.argsort(idx_M), hier=hier), []
 
         return Chain((recv, handles), ids_step, intra_counts, plan)
 
