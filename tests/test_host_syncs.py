@@ -160,3 +160,54 @@ def test_expert_parallel_one_sync_forward_none_backward(device) -> None:
     for r in spawn(_ep_rank, 2, device, timeout_s=180):
         for name, got in r.value.items():
             assert (got["forward"], got["dx"], got["dw"]) == (1, 0, 0), (r.rank, name, got)
+
+
+# ---- determinism (issue 29, item 10) ----------------------------------------------------------------
+
+_ATOMIC = {torch.ops.aten.index_add.default, torch.ops.aten.index_add_.default,
+           torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_add_.default,
+           torch.ops.aten.scatter_reduce.two, torch.ops.aten.scatter_reduce_.two,
+           torch.ops.aten.embedding_dense_backward.default}
+
+
+class _FloatAtomics(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that sum floats by atomic adds on CUDA (nondeterministic order there): scatter /
+    index adds and index_put with accumulate=True on a floating tensor. Integer ones are exact in any
+    order (expert_counts). A scatter_add whose every destination receives at most one value is a
+    placement, exact in any order: the backward of the router's gather of each token's K distinct
+    experts (scatter_add into [T, E] zeros, one value per (t, e)) is recorded separately."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.placements = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        acc = func in (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default) and (
+            kwargs.get("accumulate", len(args) > 3 and args[3]))
+        if (func in _ATOMIC or acc) and args[0].is_floating_point():
+            placement = func is torch.ops.aten.scatter_add.default and _distinct_per_row(args[2])
+            (self.placements if placement else self.seen).append(str(func))
+        return func(*args, **kwargs)
+
+
+def _distinct_per_row(index_TK: torch.Tensor) -> bool:
+    """True when no row of a 2-D scatter index names one column twice."""
+    return index_TK.dim() == 2 and bool((index_TK.sort(1).values.diff(dim=1) != 0).all())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_layer_is_deterministic_by_construction(monkeypatch, mode) -> None:
+    """On the accelerator path the MoE block's forward, dx and dw run under
+    torch.use_deterministic_algorithms(True) and sum no float by atomic adds: the permute's backward is a
+    gather by the inverse permutation, so the bitwise claims hold on CUDA with no tolerance."""
+    monkeypatch.setattr(gl, "HOST_READS_FREE", ())
+    cfg, params, x = _tiny(**MODES[mode])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with _FloatAtomics() as mode_:
+            block_syncs(params, x, cfg)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert mode_.seen == [] and mode_.placements == ["aten.scatter_add.default"]

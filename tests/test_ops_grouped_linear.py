@@ -294,3 +294,55 @@ def test_validation_dtypes() -> None:
         grouped_linear(torch.zeros(2, 4), torch.zeros(1, 4, 3, dtype=torch.float64), torch.tensor([2]))
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
         grouped_linear(torch.zeros(2, 4), torch.zeros(1, 4, 3), torch.tensor([2]), backend="grouped_mm")
+
+
+# ---- Ascend: the npu_grouped_matmul calls against a fake torch_npu with the documented semantics -------
+
+class _FakeTorchNpu:
+    """torch_npu.npu_grouped_matmul as documented (torch_npu 7.0 API reference, ptaoplist_000524; the
+    forms MindSpeed's gmm uses): x, weight lists of one tensor; group_type 0 groups the rows M of x [M, K]
+    against weight [E, K, N] (y [M, N], split_item 2), 2 groups the shared K of x [K_x, K] (a transposed
+    view) and weight [K, N] (y [E, K_x, N], split_item 3); group_list a device int64 tensor, rows per
+    group (group_list_type 1) or their cumulative sum (0). Anything else raises."""
+
+    def __init__(self):
+        self.calls = []
+
+    def npu_grouped_matmul(self, x, weight, *, bias=None, group_list=None, split_item=0, group_type=-1,
+                           group_list_type=0, **unused):
+        assert isinstance(x, list) and isinstance(weight, list) and len(x) == len(weight) == 1
+        assert bias is None
+        assert isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
+        assert group_list_type in (0, 1)
+        (a,), (b,) = x, weight
+        counts = group_list if group_list_type == 1 else torch.diff(group_list,
+                                                                    prepend=group_list.new_zeros(1))
+        assert bool((counts >= 0).all())
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]
+        self.calls.append((group_type, split_item))
+        if group_type == 0:
+            assert split_item == 2 and a.dim() == 2 and b.dim() == 3 and b.shape[0] == len(counts)
+            assert bounds[-1] == a.shape[0]
+            return [torch.cat([a[bounds[e]:bounds[e + 1]] @ b[e] for e in range(len(counts))])]
+        assert group_type == 2 and split_item == 3 and a.dim() == b.dim() == 2 and bounds[-1] == a.shape[1]
+        assert a.stride(0) == 1  # x as the transposed view [D, M]
+        return [torch.stack([a[:, bounds[e]:bounds[e + 1]] @ b[bounds[e]:bounds[e + 1]]
+                             for e in range(len(counts))])]
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 2, 5], [0, 0, 4, 0], [0, 0, 0, 0]])
+def test_npu_backend_matches_loop_with_a_fake_torch_npu(monkeypatch, counts) -> None:
+    fake = _FakeTorchNpu()
+    monkeypatch.setattr(gl_mod, "_npu_module", lambda: fake)
+    g = torch.Generator().manual_seed(0)
+    M, D, F = sum(counts), 4, 3
+    x = torch.randn(M, D, generator=g, dtype=torch.float64)
+    w = torch.randn(len(counts), D, F, generator=g, dtype=torch.float64)
+    ct = torch.randn(M, F, generator=g, dtype=torch.float64)
+    for c in (torch.tensor(counts), counts):  # device counts, or host ints only
+        npu = gl_mod.Grouped(gl_mod._group_counts(c, x.device, "npu", "t"), "npu")
+        loop = gl_mod.Grouped(gl_mod.Counts(tuple(counts)), "loop")
+        assert torch.equal(npu.fwd(x, w), loop.fwd(x, w))
+        assert torch.equal(npu.dx(ct, w), loop.dx(ct, w))
+        assert torch.equal(npu.dw(x, ct), loop.dw(x, ct))  # one K-grouped call, not a loop over experts
+    assert fake.calls == [(0, 2), (0, 2), (2, 3)] * 2
