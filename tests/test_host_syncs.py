@@ -211,3 +211,21 @@ def test_layer_is_deterministic_by_construction(monkeypatch, mode) -> None:
     finally:
         torch.use_deterministic_algorithms(was)
     assert mode_.seen == [] and mode_.placements == ["aten.scatter_add.default"]
+
+
+def test_embedding_and_loss_range_checks_do_not_sync_on_a_device(monkeypatch) -> None:
+    """On an accelerator the ids' and targets' range checks are device-side asserts: no host sync, and a
+    bad id still fails (on CPU tensors the assert raises at once)."""
+    from fmoe.ops import cross_entropy, embedding
+
+    monkeypatch.setattr(gl, "HOST_READS_FREE", ())
+    table_VD, ids_X = torch.randn(5, 3), torch.tensor([0, 4, 2])
+    with count_syncs() as c:
+        cross_entropy(embedding(ids_X, table_VD), ids_X.remainder(3))
+    assert c.total == 0, c.events
+    for bad in (torch.tensor([0, 5]), torch.tensor([-1, 1])):
+        with pytest.raises(RuntimeError, match="ids must lie in"):
+            embedding(bad, table_VD)
+    with pytest.raises(RuntimeError, match="targets must lie in"):
+        cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]))
+    assert cross_entropy(torch.randn(2, 3), torch.tensor([0, -100]), ignore_index=-100).isfinite()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fmoe._compat import Function, functorch_active
+from fmoe.ops import _grouped_linear  # HOST_READS_FREE, read at call time (tests empty it)
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -60,7 +61,8 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
     """Return the scalar mean cross-entropy over rows whose target != ignore_index (0 when none are).
 
     `logits_XV` floating [X, V]; `targets_X` integer [X] with values in [0, V) or ignore_index. With
-    `check_range` (default) that is verified with one host sync, raising ValueError; pass False inside
+    `check_range` (default) that is verified with one host sync, raising ValueError (on an accelerator
+    with a device-side assert, no sync); pass False inside
     vmap or to skip the sync (under tape autograd on CPU aten's own bounds check stands in, at no cost,
     and a bad target still raises the ValueError). The loss is fp32 (fp64 for fp64 logits); the gradient
     w.r.t. logits is (softmax - onehot) / count, in the logits dtype. No class weights.
@@ -96,8 +98,13 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
 
 
 def _check_targets(targets_X: torch.Tensor, V: int, ignore_index: int) -> None:
-    """Raise ValueError unless every target lies in [0, V) or equals ignore_index (one host sync)."""
+    """Raise ValueError unless every target lies in [0, V) or equals ignore_index (one host sync). On an
+    accelerator a device-side assert instead, so the host can run ahead."""
     if not targets_X.numel():
+        return
+    if targets_X.device.type not in _grouped_linear.HOST_READS_FREE:
+        ok = ((targets_X == ignore_index) | ((targets_X >= 0) & (targets_X < V))).all()
+        torch._assert_async(ok, f"cross_entropy: targets must lie in [0, {V}) or equal ignore_index")
         return
     lo, hi = torch.aminmax(torch.where(targets_X == ignore_index, 0, targets_X))
     lo, hi = torch.stack([lo, hi]).tolist()  # both bounds of the kept targets at once

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fmoe._compat import Function, functorch_active
+from fmoe.ops import _grouped_linear  # HOST_READS_FREE, read at call time (tests empty it)
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
@@ -63,7 +64,8 @@ def embedding(ids_X: torch.Tensor, table_VD: torch.Tensor, *, check_range: bool 
     """Return out_XD = table_VD[ids_X] with shape ids.shape + (D,), in the table's dtype.
 
     `ids_X` is an integer tensor of any shape with values in [0, V). With `check_range` (default) the
-    range is verified with one host sync (ids.min/max), raising ValueError; pass False inside vmap or
+    range is verified with one host sync (ids.min/max), raising ValueError (on an accelerator with a
+    device-side assert, no sync); pass False inside vmap or
     to skip the sync (under tape autograd on CPU aten's own bounds check stands in, at no cost).
     Differentiable in the table only; its gradient is deferrable on a tape.
     """
@@ -89,8 +91,13 @@ def embedding(ids_X: torch.Tensor, table_VD: torch.Tensor, *, check_range: bool 
 
 
 def _check_ids(ids_X: torch.Tensor, V: int) -> None:
-    """Raise ValueError unless every id lies in [0, V) (one host sync for both bounds)."""
+    """Raise ValueError unless every id lies in [0, V) (one host sync for both bounds). On an accelerator
+    a device-side assert instead, so the host can run ahead (a bad id fails at the next sync, as aten's
+    own index kernels do there)."""
     if not ids_X.numel():
+        return
+    if ids_X.device.type not in _grouped_linear.HOST_READS_FREE:
+        torch._assert_async(((ids_X >= 0) & (ids_X < V)).all(), f"embedding: ids must lie in [0, {V})")
         return
     lo, hi = torch.stack(list(torch.aminmax(ids_X))).tolist()
     if lo < 0 or hi >= V:
