@@ -156,3 +156,34 @@ def unscale_(grads: Iterable[torch.Tensor], loss_scale: LossScale) -> torch.Tens
         ok = torch.isfinite(g).all()
         finite = ok if finite is None else finite & ok
     return torch.ones((), dtype=torch.bool, device="cpu") if finite is None else finite
+
+
+# ---- defaults that fit the device ---------------------------------------------------------------------
+
+_FP32_ON_DEVICE = ("fp32 on {device}: the fast grouped GEMM (torch._grouped_mm) is bf16 on sm90+ and fp32 "
+                   "takes a per-group fallback with a host sync; --bf16 (the default there) is faster")
+
+
+def default_policy(device_type: str, *, bf16: bool | None, fp16: bool,
+                   dtype: torch.dtype) -> tuple[Policy, str | None]:
+    """Returns (the precision policy, a warning or None) of a run on `device_type` ("cpu", "cuda", "npu")
+    from its flags: `bf16` True / False / None (not given), `fp16`, `dtype` (of everything, without mixed
+    precision). fp16 or bf16 given: that mixed policy. Not given: bf16-mixed on an accelerator when dtype
+    is fp32 (the fast grouped GEMM is bf16), else everything in `dtype`. An accelerator run in fp32 by
+    choice (bf16 False) comes with the warning. On CPU nothing changes: fp32 unless a flag says otherwise."""
+    if fp16:
+        return POLICIES["fp16-mixed"], None
+    if bf16:
+        return POLICIES["bf16-mixed"], None
+    if device_type != "cpu" and dtype == torch.float32:
+        if bf16 is None:
+            return POLICIES["bf16-mixed"], None
+        return POLICIES["fp32"], _FP32_ON_DEVICE.format(device=device_type)
+    return Policy(dtype, dtype, dtype), None
+
+
+def float32_matmul_precision(device_type: str, tf32: bool) -> str | None:
+    """Returns what `torch.set_float32_matmul_precision` should be set to on `device_type`: "high" (TF32
+    tensor cores for fp32 matmuls; torch's default "highest" never uses them) on CUDA unless `tf32` is
+    False; None (leave torch's setting alone) on CPU, and on NPU, where torch_npu has its own switch."""
+    return "high" if device_type == "cuda" and tf32 else None

@@ -46,7 +46,10 @@ HELP = {
     "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW eps",
     "steps": "training steps",
     "seed": "weights and data order", "dtype": ", ".join(DTYPES) + " (weights and compute alike)",
-    "bf16": "mixed precision: fp32 master weights and gradient sums, bf16 compute",
+    "bf16": "mixed precision: fp32 master weights and gradient sums, bf16 compute (default on CUDA/NPU; "
+            "--no-bf16 computes in fp32 there)",
+    "tf32": "fp32 matmuls on TF32 tensor cores on CUDA (default on)",
+    "device": "auto (CUDA if there are GPUs, else NPUs, else CPU), cpu, cuda or npu",
     "fp16": "mixed precision with fp16 compute and loss scaling (dynamic unless --loss-scale)",
     "loss_scale": "a fixed loss scale for --fp16 (default: dynamic)",
     "initial_loss_scale": "--fp16's first dynamic loss scale", "min_loss_scale": "the dynamic scale's floor",

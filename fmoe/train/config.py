@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.precision import POLICIES, LossScale, Policy
+from fmoe.precision import LossScale, Policy, default_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,6 +34,7 @@ else:  # pragma: no cover - Python 3.10
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DISPATCHERS = ("alltoall", "allgather", "hierarchical")
 DATA_KINDS = ("markov", "bin16", "bin32", "text")
+DEVICES = ("auto", "cpu", "cuda", "npu")
 ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
 
 
@@ -56,14 +57,16 @@ class TrainConfig:
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
     Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
-    master weights, optimizer state and gradient sums, bf16 compute), fp16 (the same with fp16 compute
-    and loss scaling: loss_scale fixes the scale, else dynamic from initial_loss_scale, halved after
-    `hysteresis` overflowing steps down to min_loss_scale, doubled after loss_scale_window clean ones;
-    an overflowing step is skipped), data ("markov" or a file path),
+    master weights, optimizer state and gradient sums, bf16 compute; None = not given: on with CUDA / NPU
+    and dtype float32, off on CPU), tf32 (fp32 matmuls on TF32 tensor cores on CUDA), fp16 (the same
+    with fp16 compute and loss scaling: loss_scale fixes the scale, else dynamic from
+    initial_loss_scale, halved after `hysteresis` overflowing steps down to min_loss_scale, doubled
+    after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
     data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
     metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
-    step: fmoe/train/host_memory.py).
+    step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
+    CPU; or cpu / cuda / npu).
     """
 
     # model
@@ -117,8 +120,9 @@ class TrainConfig:
     steps: int = 150
     seed: int = 1234
     dtype: str = "float32"
-    bf16: bool = False
+    bf16: bool | None = None
     fp16: bool = False
+    tf32: bool = True
     loss_scale: float | None = None
     initial_loss_scale: float = 65536.0
     min_loss_scale: float = 1.0
@@ -138,6 +142,7 @@ class TrainConfig:
     progress: bool = True
     timeout: float = 300.0
     keep_host_memory: bool = True
+    device: str = "auto"
 
     # ---- sources ----------------------------------------------------------------------------------------
 
@@ -215,14 +220,19 @@ class TrainConfig:
 
     @property
     def policy(self) -> Policy:
-        """The precision policy: --bf16 / --fp16 are mixed precision (fp32 master weights and gradients,
-        bf16 / fp16 compute, as Megatron's flags); otherwise everything in --dtype."""
-        if self.bf16:
-            return POLICIES["bf16-mixed"]
-        if self.fp16:
-            return POLICIES["fp16-mixed"]
-        d = DTYPES[self.dtype]
-        return Policy(d, d, d)
+        """The precision policy on CPU: --bf16 / --fp16 are mixed precision (fp32 master weights and
+        gradients, bf16 / fp16 compute, as Megatron's flags); otherwise everything in --dtype."""
+        return self.policy_for("cpu")
+
+    def policy_for(self, device_type: str) -> Policy:
+        """The precision policy on `device_type`: as `policy`, except that on CUDA / NPU a run that gives
+        neither --bf16 / --no-bf16 nor --fp16 (nor another --dtype) is bf16-mixed
+        (fmoe.precision.default_policy)."""
+        return default_policy(device_type, bf16=self.bf16, fp16=self.fp16, dtype=DTYPES[self.dtype])[0]
+
+    def precision_warning(self, device_type: str) -> str | None:
+        """One line when this run computes in fp32 on an accelerator by choice (--no-bf16), else None."""
+        return default_policy(device_type, bf16=self.bf16, fp16=self.fp16, dtype=DTYPES[self.dtype])[1]
 
     def loss_scaler(self) -> LossScale | None:
         """The initial loss-scaling state of an --fp16 run (None otherwise); ValueError on bad flags."""
@@ -279,6 +289,8 @@ class TrainConfig:
             self.loss_scaler()  # its own checks, with the flags named
         elif self.loss_scale is not None:
             raise ValueError("--loss-scale applies to --fp16 only (bf16 and fp32 need no loss scaling)")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.data != "markov" and self.data_kind not in DATA_KINDS[1:]:

@@ -1,13 +1,21 @@
-"""Start `fmoe train`: under torchrun use the ranks it gives; alone, spawn the local gloo ranks the layout
+"""Start `fmoe train`: under torchrun use the ranks it gives; alone, spawn the local ranks the layout
 needs (or run in this process when it needs one). Then every rank runs `train_rank`.
 
-Backends: gloo on CPU, NCCL with CUDA devices, HCCL with Ascend NPUs (torch_npu), one device per local
-rank. A rank that dies (an error, SIGKILL) stops the others at once: the launcher terminates them and
-exits non-zero; the last complete checkpoint stays the latest.
+Devices (`--device auto`, the default): on a machine with CUDA GPUs every rank is an NCCL rank on its own
+GPU (local rank i on cuda:i), with Ascend NPUs (torch_npu) an HCCL rank on npu:i, else a gloo rank on the
+CPU; `--device cpu` forces the CPU. A rank binds its device before joining the group and passes it as
+`init_process_group(device_id=...)`, so the communicator is created on that device at once. Spawned
+alone, a layout needing more ranks than the machine has devices fails before any rank starts. The
+choices are pure functions (`choose_device`, `rank_device`) tested on CPU with faked device counts;
+nothing here has run on a GPU or NPU.
+
+A rank that dies (an error, SIGKILL) stops the others at once: the launcher terminates them and exits
+non-zero; the last complete checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -20,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fmoe.parallel import ParallelLayout, Topology
+from fmoe.precision import float32_matmul_precision
 from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
 from fmoe.train.host_memory import keep_freed_memory
@@ -32,30 +41,66 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def _backend_and_device(local_rank: int) -> tuple[str, torch.device]:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return "nccl", torch.device("cuda", local_rank)
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        npu.set_device(local_rank)
-        return "hccl", torch.device("npu", local_rank)
-    return "gloo", torch.device("cpu")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def device_counts() -> dict[str, int]:
+    """The accelerators of this machine: {"cuda": N, "npu": M} (torch_npu imported when installed)."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    npu = 0
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        npu = torch.npu.device_count() if torch.npu.is_available() else 0
+    return {"cuda": cuda, "npu": npu}
+
+
+def choose_device(requested: str, counts: dict[str, int]) -> str:
+    """Returns the device type the ranks run on: `requested` ("cpu", "cuda", "npu"), or for "auto" CUDA
+    when the machine has a GPU, else an NPU, else the CPU. ValueError for a device the machine lacks."""
+    if requested == "auto":
+        return next((d for d in ("cuda", "npu") if counts.get(d, 0) > 0), "cpu")
+    if requested != "cpu" and counts.get(requested, 0) < 1:
+        raise ValueError(f"--device {requested}: this machine has no {requested} device")
+    return requested
+
+
+def rank_device(device_type: str, local_rank: int) -> tuple[str, torch.device, torch.device | None]:
+    """Returns (backend, device, device_id for init_process_group) of local rank `local_rank`: gloo on
+    the CPU (no device_id, as before), NCCL on cuda:local_rank, HCCL on npu:local_rank."""
+    if device_type == "cpu":
+        return "gloo", torch.device("cpu"), None
+    device = torch.device(device_type, local_rank)
+    return BACKENDS[device_type], device, device
+
+
+def _set_device(device: torch.device) -> None:
+    # before the group exists: NCCL / HCCL create the communicator on the current device
+    torch.cuda.set_device(device) if device.type == "cuda" else torch.npu.set_device(device)
 
 
 def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, rank: int = 0,
-           size: int = 1) -> World:
+           size: int = 1, device_type: str | None = None) -> World:
     """Joins the process group (env:// under torchrun when `init_method` is None, else `init_method` as
-    rank `rank` of `size`, CPU gloo) and builds this rank's layout; returns its World."""
-    spawned = init_method is not None  # spawned local ranks are CPU gloo ranks
-    backend, device = ("gloo", torch.device("cpu")) if spawned else _backend_and_device(local_rank)
+    rank `rank` of `size`) on `device_type` (None: what --device picks on this machine) and builds this
+    rank's layout; returns its World."""
+    if device_type is None:
+        device_type = choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
+    backend, device, device_id = rank_device(device_type, local_rank)
+    if device_id is not None:
+        _set_device(device)
+        precision = float32_matmul_precision(device.type, tc.tf32)
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
     if device.type == "cpu" and tc.keep_host_memory:
         keep_freed_memory()  # the step's tensors live in host memory: keep it mapped between microbatches
     timeout = timedelta(seconds=tc.timeout)
+    kw = {"device_id": device_id} if device_id is not None else {}
     if init_method is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **kw)
     else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
+                                **kw)
     rank, size = dist.get_rank(), dist.get_world_size()
     rpn = tc.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", size))
     layout = None
@@ -127,11 +172,12 @@ def _describe(tc: TrainConfig, trainer: Trainer) -> str:
             f"{trainer.dataset.describe()}")
 
 
-def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_path: str) -> None:
+def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_path: str,
+             device_type: str) -> None:
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size))
+    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size, device_type))
     if summary is not None:
         with open(out_path, "w") as f:
             f.write(summary)
@@ -173,16 +219,27 @@ def launch(tc: TrainConfig) -> int:
         if summary:
             print(summary)
         return 0
+    try:
+        device_type = choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
+        available = device_counts()[device_type] if device_type != "cpu" else tc.world_size
+        if tc.world_size > available:
+            raise ValueError(f"--pp {tc.pp} x --ep {tc.ep} x --dp {tc.dp} = {tc.world_size} ranks, one per "
+                             f"device, but this machine has {available} {device_type} devices (--device cpu "
+                             "runs them on the CPU)")
+    except ValueError as exc:
+        print(f"fmoe train: error: {exc}", file=sys.stderr)
+        return 2
     fd, out_path = tempfile.mkstemp(prefix="fmoe_train_summary_")
     os.close(fd)
     try:
         if tc.world_size == 1:
             store = tempfile.mktemp(prefix="fmoe_train_store_")
-            print(_train_and_close(tc, _world(tc, 0, f"file://{store}", 0, 1)))
+            print(_train_and_close(tc, _world(tc, 0, f"file://{store}", 0, 1, device_type)))
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:
-            mp.start_processes(_spawned, args=(tc, init, tc.world_size, out_path), nprocs=tc.world_size,
+            mp.start_processes(_spawned, args=(tc, init, tc.world_size, out_path, device_type),
+                               nprocs=tc.world_size,
                                join=True, start_method="spawn")
         except mp.ProcessExitedException as exc:
             print(f"fmoe train: rank {exc.error_index} exited with code {exc.exit_code}; the other ranks "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -81,7 +82,10 @@ class Trainer:
         self.world_group = dist.group.WORLD if world.size > 1 else None
         self.timeout = timedelta(seconds=tc.timeout)
 
-        self.policy = tc.policy
+        self.policy = tc.policy_for(world.device.type)  # bf16-mixed by default on CUDA / NPU
+        warning = tc.precision_warning(world.device.type)
+        if warning is not None and world.rank == 0:  # once per run, not once per rank
+            warnings.warn(warning, stacklevel=2)
         self.loss_scale = tc.loss_scaler()  # fp16: the loss-scaling state, carried from step to step
         full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), self.policy.param_dtype)
         def to_device(t: Any) -> Any:
