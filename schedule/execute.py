@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fmoe._work import wait_work
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
@@ -705,10 +706,8 @@ class _Executor:
                                f"{first}") from exc
 
     def _wait_work(self, work: Any, what: str) -> None:
-        with self._peer_failure(what):
-            ok = wait_work(work, self.timeout, self.device)
-        if ok is False:
-            raise RuntimeError(f"pipeline rank {self.rank}: {what} did not complete within {self.timeout}")
+        with self._peer_failure(what):  # a CPU wait that times out raises RuntimeError, named here
+            wait_work(work, self.device, self.timeout)
 
     # ---- timeline --------------------------------------------------------------------------------------
 
@@ -725,15 +724,6 @@ class _Executor:
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
         self._event("comm", f"a2a {label}", "a2a", issued, end)
         self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end)
-
-
-def wait_work(work: Any, timeout: timedelta, device: torch.device) -> Any:
-    """Waits c10d `work` the way its device wants; returns what `work.wait` returns. On CPU (gloo) the host
-    blocks, bounded by `timeout`. On a device (NCCL, HCCL) wait() only orders the current stream after the
-    op, but with an explicit timeout ProcessGroupNCCL's WorkNCCL::wait also spins the host until the op
-    completed, so the host could never run ahead of the device: no timeout is given there, and a hung peer
-    is caught by the process group's own timeout (its watchdog)."""
-    return work.wait(timeout) if device.type == "cpu" else work.wait()
 
 
 def _drain(gen: Iterator[None]) -> None:

@@ -5,7 +5,6 @@ trap (tests/device_trap.py: default device `meta` while the real data lives on C
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 
 import pytest
@@ -141,37 +140,9 @@ def _ops_offsets_on_cpu() -> bool:
         return not gl._cpu_offsets.__wrapped__((1, 2), torch.int32).is_meta
 
 
-@contextlib.contextmanager
-def _cpu_offsets_shim():
-    """The body of `ops_offsets_on_cpu`, as a context (a spawned rank has no fixtures)."""
-    from fmoe.ops import _grouped_linear as gl
-
-    made = gl._cpu_offsets
-    if not _ops_offsets_on_cpu():
-        def on_cpu(counts, dtype):
-            with torch.device("cpu"):
-                return made(counts, dtype)
-
-        gl._cpu_offsets = on_cpu
-    try:
-        yield
-    finally:
-        gl._cpu_offsets = made
-
-
-@pytest.fixture
-def ops_offsets_on_cpu():
-    """fmoe/ops/_grouped_linear.py builds its CPU offsets with `torch.tensor(...)` and no device (a site in
-    another engineer's file, reported with this change): until it says device="cpu", they are built
-    under a CPU device context here, so the trap goes on checking the train step's other sites (and the
-    lru cache never keeps a meta tensor for later tests). A no-op once that file is fixed."""
-    with _cpu_offsets_shim():
-        yield
-
-
 def test_grouped_linear_cpu_offsets_are_made_on_the_cpu() -> None:
-    """Fails until fmoe/ops/_grouped_linear.py's `_cpu_offsets` says device="cpu" (then the shim above is
-    a no-op and can go)."""
+    """The grouped GEMM's cached CPU offsets are made on the CPU whatever the default device (an lru cache
+    that kept a meta tensor would hand it to every later call)."""
     assert _ops_offsets_on_cpu()
 
 
@@ -196,7 +167,7 @@ def _trainer_run(fn, **flags):
 
 
 @pytest.mark.parametrize("flags", [{}, {"bf16": True}], ids=["fp32", "bf16"])
-def test_train_steps_saves_and_loads_under_the_trap(tmp_path, flags: dict, ops_offsets_on_cpu) -> None:
+def test_train_steps_saves_and_loads_under_the_trap(tmp_path, flags: dict) -> None:
     """One process (the accumulate path): build, two steps, a checkpoint, a load, all inside the trap,
     and the same numbers as outside it."""
     def run(trainer: Trainer) -> list[float]:
@@ -211,14 +182,14 @@ def test_train_steps_saves_and_loads_under_the_trap(tmp_path, flags: dict, ops_o
     assert got == want
 
 
-def test_fp16_train_step_body_under_the_trap(tmp_path, ops_offsets_on_cpu) -> None:
+def test_fp16_train_step_body_under_the_trap(tmp_path) -> None:
     """test_train's fp16 test (skipped steps, loss-scale state checkpointed) run as is, inside the trap."""
     with default_device_trap():
         test_train.test_fp16_overflowing_steps_are_skipped_and_the_scale_state_is_checkpointed(tmp_path)
 
 
 def _trapped_rank(rank: int, world: int, runs: list, m: int) -> dict:
-    with _cpu_offsets_shim(), default_device_trap():
+    with default_device_trap():
         return test_pipeline_gpt._rank(rank, world, runs, m)
 
 

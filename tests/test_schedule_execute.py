@@ -323,21 +323,3 @@ def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
     # rank 0 fails at its first P2P call with the dead rank: the send of mb 1 or a receive, either way named
     assert re.search(r"(from|to) pipeline rank 1 failed", err), err
 
-
-def test_a_device_wait_leaves_the_host_free_and_a_cpu_wait_is_bounded() -> None:
-    """NCCL's Work.wait(timeout) spins the host until the op completed; wait() only orders the stream."""
-    from fmoe.schedule.execute import wait_work
-
-    class Work:
-        def __init__(self) -> None:
-            self.calls: list[tuple] = []
-
-        def wait(self, *args: object) -> bool:
-            self.calls.append(args)
-            return True
-
-    limit = datetime.timedelta(seconds=5)
-    for device, want in (("cpu", [(limit,)]), ("meta", [()])):
-        work = Work()
-        assert wait_work(work, limit, torch.device(device)) is True
-        assert work.calls == want, device

@@ -39,20 +39,9 @@ import torch
 import torch.distributed as dist
 
 from fmoe._compat import disable_functorch
+from fmoe._work import wait_work
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
-
-
-def wait_work(work: dist.Work, device: torch.device | None, timeout: timedelta | None = None) -> None:
-    """Waits c10d work `work` whose tensors live on `device` (None: CPU) as its backend wants: on an
-    accelerator `work.wait()` with no timeout (orders the current stream after the collective; a timeout
-    would make NCCL / HCCL block the host until it completes); on CPU `work.wait(timeout)` (gloo blocks
-    anyway; the timeout bounds it). Raises RuntimeError when a CPU wait reports it timed out."""
-    if (device is not None and device.type != "cpu") or timeout is None:
-        work.wait()
-        return
-    if work.wait(timeout) is False:
-        raise RuntimeError(f"the collective did not complete within {timeout}")
 
 
 class CommHandle:

@@ -245,9 +245,11 @@ class Trainer:
         # microbatch's backward has work for them (issuing the all-reduce buckets).
         hooks = ([leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                  if policy.mixed else [])
-        sums = torch.zeros(3, dtype=torch.float64, device="cpu")  # host-side sums for the metrics
+        # the metrics' sums stay where they are made and are read once per step (_metrics): a read per
+        # microbatch or per layer would make the host wait for the device each time
+        sums: torch.Tensor | int = 0
         loads: dict[tuple[str, ...], LayerLoad] = {}
-        dropped = 0
+        dropped: torch.Tensor | int = 0
         try:
             for j, (ids, targets) in enumerate(batches):
                 last[0] = j == m - 1
@@ -255,12 +257,12 @@ class Trainer:
                     hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                 loss, aux = gpt_loss(params, ids, targets, cfg, self.state, check=not self._checked)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
-                sums += torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).double().cpu()
+                sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
                 for path, a in zip(_moe_paths(cfg), aux.layers):
                     tokens_E = a.tokens_per_expert_E
                     load = LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed))
                     loads[path] = load if path not in loads else loads[path].merge(load)
-                    dropped += int(a.dropped)
+                    dropped = dropped + a.dropped
         finally:
             for h in hooks:
                 h.remove()
@@ -269,7 +271,7 @@ class Trainer:
             for t in leaves.values():
                 t.requires_grad_(False)
                 t.grad = None
-        return grads, sums / m, loads, dropped, 0.0
+        return grads, (sums / m).double().cpu(), loads, dropped, 0.0
 
     def _pipeline(self, batches: list) -> tuple:
         policy = self.policy
@@ -289,7 +291,7 @@ class Trainer:
         w = self.cfg.mtp_loss_weight
         losses = torch.stack([r.loss, r.losses.get("ce", r.loss.new_zeros(())),
                               mtp / w if w else mtp]).double().cpu()
-        dropped = sum(int(stats["route"].dropped) for *_, stats in r.stats)
+        dropped = sum(stats["route"].dropped for *_, stats in r.stats)  # read once, in _metrics
         waited = sum(e.end - e.start for e in r.events if e.cat == "wait")
         return flat, losses, out.loads, dropped, waited
 
@@ -307,8 +309,8 @@ class Trainer:
             out[path] = LayerLoad(tokens, peak[0].to(load.max_load.dtype), bool(peak[1]))
         return out
 
-    def _metrics(self, losses: torch.Tensor, loads: dict, dropped: int, waited: float, norm: float, lr: float,
-                 step_s: float) -> dict[str, Any]:
+    def _metrics(self, losses: torch.Tensor, loads: dict, dropped: torch.Tensor | int, waited: float,
+                 norm: float, lr: float, step_s: float) -> dict[str, Any]:
         tc = self.tc
         ratios = [float(ld.tokens_per_expert_E.max()) / max(float(ld.tokens_per_expert_E.double().mean()),
                                                               1e-9) for ld in loads.values()]
