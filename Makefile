@@ -25,7 +25,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# On a machine with a GPU or NPU (and torch's device build installed): benchmarks/device_check.py's parts,
+# figures in device_check_out/ (about 5-8 minutes on one GPU).
+device-check: $(STAMP)
+	$(BIN)/python benchmarks/device_check.py --out device_check_out
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint device-check

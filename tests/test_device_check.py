@@ -1,0 +1,23 @@
+"""benchmarks/device_check.py, dry-run on the CPU: its parts run and their checks pass here, so the script a
+device session runs once has not rotted (what it measures on a GPU is in BENCHMARKS.md when one ran it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def test_device_check_parts_run_on_cpu(tmp_path) -> None:
+    parts = "env,ops,optim,comm,syncs,bench"
+    script = os.path.join(ROOT, "benchmarks", "device_check.py")
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--parts", parts, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    for part in parts.split(","):
+        assert report[part]["status"] == "ok", (part, report[part])
+    assert len(report["ops"]["checks"]) == 8 and report["syncs"]["figures"]["fmoe_count_dx"] == 0
