@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def test_device_check_parts_run_on_cpu(tmp_path) -> None:
     parts = "env,ops,optim,comm,syncs,bench"
     script = os.path.join(ROOT, "benchmarks", "device_check.py")
-    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--parts", parts, "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--parts", parts, "--out", tmp_path],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "device_check.json").read_text())
