@@ -107,3 +107,30 @@ def test_the_config_resolves_its_policy_per_device() -> None:
     assert explicit.policy_for("cuda") == FP32 and "fp32 on cuda" in explicit.precision_warning("cuda")
     assert TrainConfig(pp=1, ep=1, tf32=False, device="cpu").problem() is None
     assert "--device" in TrainConfig(pp=1, ep=1, device="tpu").problem()
+
+
+def test_deterministic_mode_pins_cublas_and_nccl_on_cuda_only() -> None:
+    assert launch.deterministic_env("cuda") == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+    assert launch.deterministic_env("cpu") == {} and launch.deterministic_env("npu") == {}
+
+
+def test_deterministic_training_runs_with_torch_in_deterministic_mode(tmp_path) -> None:
+    """`fmoe train --deterministic` (one process, CPU): every rank turns torch's deterministic mode on
+    (an op without a deterministic kernel would raise there), and the losses are the same as without."""
+    import json
+    import subprocess
+    import sys
+
+    losses = {}
+    for flag in ("--deterministic", "--no-deterministic"):
+        metrics = tmp_path / f"m{flag}.jsonl"
+        code = ("import sys, torch, atexit; from fmoe.cli.main import main; atexit.register(lambda: "
+                "print('deterministic', torch.are_deterministic_algorithms_enabled())); sys.exit(main())")
+        proc = subprocess.run([sys.executable, "-c", code, "train", "--pp", "1", "--ep", "1", "--steps", "2",
+                               "--device", "cpu", "--no-progress", "--global-batch-size", "4",
+                               "--micro-batch-size", "2", flag, "--metrics", str(metrics)],
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"deterministic {flag == '--deterministic'}" in proc.stdout
+        losses[flag] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert losses["--deterministic"] == losses["--no-deterministic"] and len(losses["--deterministic"]) == 2

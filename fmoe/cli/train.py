@@ -49,6 +49,8 @@ HELP = {
     "bf16": "mixed precision: fp32 master weights and gradient sums, bf16 compute (default on CUDA/NPU; "
             "--no-bf16 computes in fp32 there)",
     "tf32": "fp32 matmuls on TF32 tensor cores on CUDA (default on)",
+    "deterministic": "bitwise-reproducible steps on a device: torch.use_deterministic_algorithms, cuBLAS "
+                     "workspace and NCCL's ring algorithm pinned (Megatron's --deterministic-mode; slower)",
     "device": "auto (CUDA if there are GPUs, else NPUs, else CPU), cpu, cuda or npu",
     "fp16": "mixed precision with fp16 compute and loss scaling (dynamic unless --loss-scale)",
     "loss_scale": "a fixed loss scale for --fp16 (default: dynamic)",

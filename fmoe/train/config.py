@@ -58,7 +58,8 @@ class TrainConfig:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
     Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
     master weights, optimizer state and gradient sums, bf16 compute; None = not given: on with CUDA / NPU
-    and dtype float32, off on CPU), tf32 (fp32 matmuls on TF32 tensor cores on CUDA), fp16 (the same
+    and dtype float32, off on CPU), tf32 (fp32 matmuls on TF32 tensor cores on CUDA), deterministic
+    (Megatron's --deterministic-mode: torch.use_deterministic_algorithms on every rank), fp16 (the same
     with fp16 compute and loss scaling: loss_scale fixes the scale, else dynamic from
     initial_loss_scale, halved after `hysteresis` overflowing steps down to min_loss_scale, doubled
     after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
@@ -123,6 +124,7 @@ class TrainConfig:
     bf16: bool | None = None
     fp16: bool = False
     tf32: bool = True
+    deterministic: bool = False
     loss_scale: float | None = None
     initial_loss_scale: float = 65536.0
     min_loss_scale: float = 1.0

@@ -79,6 +79,17 @@ def _set_device(device: torch.device) -> None:
     torch.cuda.set_device(device) if device.type == "cuda" else torch.npu.set_device(device)
 
 
+def deterministic_env(device_type: str) -> dict[str, str]:
+    """Returns the environment a deterministic run on `device_type` needs besides
+    `torch.use_deterministic_algorithms(True)`: on CUDA a fixed cuBLAS workspace (without it cuBLAS may
+    split a GEMM's reduction differently run to run, and torch raises in deterministic mode) and NCCL's
+    ring algorithm (NVLS / tree reductions may sum in another order); nothing on CPU (gloo reduces in rank
+    order) or NPU (torch_npu's own settings are not checked here)."""
+    if device_type == "cuda":
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+    return {}
+
+
 def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, rank: int = 0,
            size: int = 1, device_type: str | None = None) -> World:
     """Joins the process group (env:// under torchrun when `init_method` is None, else `init_method` as
@@ -87,6 +98,10 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     if device_type is None:
         device_type = choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
     backend, device, device_id = rank_device(device_type, local_rank)
+    if tc.deterministic:
+        for name, value in deterministic_env(device.type).items():
+            os.environ.setdefault(name, value)  # before the first cuBLAS / NCCL call; a user's value wins
+        torch.use_deterministic_algorithms(True)
     if device_id is not None:
         _set_device(device)
         precision = float32_matmul_precision(device.type, tc.tf32)
