@@ -62,7 +62,9 @@ def default_device_trap() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.set_default_device(old)
+        # back to no default device at all when that was CPU: set_default_device("cpu") would leave a
+        # global DeviceContext function mode behind, which later tests' torch-function hooks would see
+        torch.set_default_device(None if old == torch.device("cpu") else old)
         for n, fn in saved.items():
             setattr(dist, n, fn)
 
