@@ -56,6 +56,8 @@ from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
+# (kind F/B/I/W, phase, stage, layer, mb, started perf_counter) -> returns at the phase's modelled end
+ComputeModel = Callable[[str, str, int, str, int, float], None]
 
 
 @dataclass
@@ -131,7 +133,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             engine: str = "autograd",
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
             grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-            fuse_iw: bool = True, device: torch.device | None = None) -> StepResult:
+            fuse_iw: bool = True, device: torch.device | None = None,
+            compute_model: ComputeModel | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -155,13 +158,17 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     the reported losses do not. `fuse_iw` (default on): a lone I whose W is the rank's next compute action,
     with no send between them, runs as one B (`fmoe.schedule.fuse_adjacent_iw`: same results at the same
     points of the list, less work); off runs every I and W as listed. `device`: where receive buffers and
-    loss sums live (None: the device of the stages' parameters)."""
+    loss sums live (None: the device of the stages' parameters). `compute_model(kind, phase, stage, layer,
+    mb, started)`: called as each compute phase ends (kind F/B/I/W, `started` a time.perf_counter()
+    value), it returns no earlier than the phase's modelled end, so that ranks sharing a few cores run as
+    devices that compute while their exchanges travel (as a LinkModel does for the exchanges); the
+    computation itself runs as always."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
     full, wire = _verified(s, fuse_iw)
     check_programs(s, rank, programs)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs)
+                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs), compute_model
                      ).run(full.ranks[rank], wire[rank])
 
 
@@ -205,10 +212,11 @@ class _Executor:
                  timeout: timedelta, overlap: bool, engine: str,
                  on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
                  grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, compute_model: ComputeModel | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.engine, self.device = engine, device or torch.device("cpu")
+        self.compute_model = compute_model
         self.on_stage_done = on_stage_done
         self.grad_dtype = grad_dtype
         self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
@@ -316,7 +324,7 @@ class _Executor:
                     t = self._now()
                     acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec,
                                                        defer)
-                    self._event("compute", f"F {label}", "F", t)
+                    self._computed("F", ph.name, stage, layer.name, mb, t)
                 else:
                     t = self._now()
                     pending = ph.start(acts, meta)
@@ -324,7 +332,7 @@ class _Executor:
                     if ph.side is not None:  # runs while the exchange travels
                         ts = self._now()
                         side = self._side_forward(prog, ph.side, layer.name, acts, meta, defer)
-                        self._event("compute", f"F {ph.side.name} s{stage} {layer.name} mb{mb}", "F", ts)
+                        self._computed("F", ph.side.name, stage, layer.name, mb, ts)
                     if _in_flight(pending):
                         yield
                     tw = self._now()
@@ -367,14 +375,14 @@ class _Executor:
                 if ph.kind == "compute":
                     a, m = run_phase(ph, layer, it, a, m)
                     losses.update((k, a.pop(k)) for k in ph.losses)
-                    self._event("compute", f"F {label}", "F", t)
+                    self._computed("F", ph.name, stage, layer, mb, t)
                     continue
                 pending = ph.start(a, m)
                 side = None
                 if ph.side is not None:
                     ts = self._now()
                     side, _ = run_phase(ph.side, layer, it, a, m)
-                    self._event("compute", f"F {ph.side.name} s{stage} {layer} mb{mb}", "F", ts)
+                    self._computed("F", ph.side.name, stage, layer, mb, ts)
                 tw = self._now()
                 a, m = pending.wait()
                 self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
@@ -467,7 +475,7 @@ class _Executor:
                 ct = {k: v for k, v in ct.items() if v is not None}
                 del full, closure
                 queue.append((ph, layer, vjp_dw))
-                self._event("compute", f"{kind} {label}", kind, t)
+                self._computed(kind, ph.name, stage, layer, mb, t)
             else:
                 t = self._now()
                 # sides whose output cotangents are all here (or that ride on this exchange) run now
@@ -483,7 +491,7 @@ class _Executor:
                     if rec.defer:
                         vjp_dw = self._dw_into_sums(stage, side_ph, vjp_dw)
                     queue.append((side_ph, side_layer, vjp_dw))
-                    self._event("compute", f"{kind} {side_ph.name} s{stage} {side_layer} mb{mb}", kind, ts)
+                    self._computed(kind, side_ph.name, stage, side_layer, mb, ts)
                 if _in_flight(pending):
                     if weights and self.overlap and not paired:
                         # a lone B: the dw of the phases already differentiated (the routed experts')
@@ -530,7 +538,7 @@ class _Executor:
                 _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
             del vjp_dw
             if ph.param_paths:
-                self._event("compute", f"W {ph.name} s{stage} {layer} mb{mb}", "W", t)
+                self._computed("W", ph.name, stage, layer, mb, t)
 
     def _dw_into_sums(self, stage: int, ph: Phase, vjp_dw: Callable[..., Any]) -> Callable[..., Any]:
         """Returns the deferred dw pass `vjp_dw` of phase `ph` (stage `stage`) as one that adds into the
@@ -713,6 +721,13 @@ class _Executor:
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
+
+    def _computed(self, kind: str, phase: str, stage: int, layer: str, mb: int, start: float) -> None:
+        """Records compute phase `phase` of (stage, mb) that started at `start` (F, B, I or W), after the
+        compute model (if any) has held it to its modelled duration."""
+        if self.compute_model is not None:
+            self.compute_model(kind, phase, stage, layer, mb, self.t0 + start)
+        self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start)
 
     def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None) -> None:
         self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end,

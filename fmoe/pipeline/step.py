@@ -105,7 +105,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       shared: SharedGrads | None = None, overlap: bool = True, engine: str = "autograd",
                       check: bool = True, timeout: timedelta = timedelta(seconds=120),
                       on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
-                      loss_scale: float = 1.0, fuse_iw: bool = True) -> PipelineStep:
+                      loss_scale: float = 1.0, fuse_iw: bool = True,
+                      compute_model: Any = None) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
@@ -117,7 +118,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     ("layers" a dict by index string), before the shared-weight sum. `grad_dtype`: the dtype weight
     gradients are summed in over microbatches (mixed precision: fp32 for bf16 params). `loss_scale`: the
     gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
-    `fmoe.schedule.execute` (an I whose W comes next runs as one B)."""
+    `fmoe.schedule.execute` (an I whose W comes next runs as one B). `compute_model`: the executor's
+    (each compute phase held to a modelled duration; None: off)."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -131,7 +133,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
-                     loss_scale=loss_scale, fuse_iw=fuse_iw)
+                     loss_scale=loss_scale, fuse_iw=fuse_iw, compute_model=compute_model)
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
