@@ -69,13 +69,17 @@ class Chain:
     """A Pending of exchanges in sequence. `first` = (result, handles) of the exchange issued at
     construction (no handles: the result is already there); each later step is a function of the previous
     result that issues the next exchange and returns (result, handles). `wait()` waits each step's
-    handles, then runs the next; it returns the last result. `completed_at`: the link model's completion
-    time of the last exchange, else when its wait returned."""
+    handles, then runs the next; it returns the last result. `completed_at` (a time.perf_counter() value,
+    set by wait()): when the last exchange that sent something completed, the later of its link-model
+    completion and the moment its works finished (a late EP peer included); a trailing step that issues
+    nothing (a rename, a slice) does not move it, nor does the wait itself when the exchange finished
+    while compute hid it. None before wait(), and when no step sent anything."""
 
     def __init__(self, first: tuple[Any, list], *later: Any):
         self.result, self.handles = first
         self.later = list(later)
         self.completed_at: float | None = None
+        self._finished = _finish_stamps(self.handles)
 
     @property
     def in_flight(self) -> bool:
@@ -84,16 +88,38 @@ class Chain:
 
     def wait(self) -> Any:
         """Runs the chain to the end; returns its result."""
-        modelled = 0.0  # the latest link-model completion of the exchanges waited (0: no link model)
         while True:
             for h in self.handles:
                 h.wait()
-            modelled = max([modelled] + [h.not_before for h in self.handles])
+            if self.handles:
+                stamps, n = self._finished
+                # a work without a finish stamp (a device's, a fake's): its wait's return stands for it
+                done = max(stamps) if n and len(stamps) == n else time.perf_counter()
+                self.completed_at = max([done] + [getattr(h, "not_before", 0.0) for h in self.handles])
             if not self.later:
-                # steps that issue nothing (a rename, a slice) do not end the exchange
-                self.completed_at = modelled if modelled > 0 else time.perf_counter()
                 return self.result
             self.result, self.handles = self.later.pop(0)(self.result)
+            self._finished = _finish_stamps(self.handles)
+
+
+def _finish_stamps(handles: list) -> tuple[list[float], int]:
+    """Returns (stamps, n): `stamps` gets time.perf_counter() appended as each of the n works of `handles`
+    finishes, from its future's callback on the thread that completes it (gloo's), so an exchange that
+    finished while compute hid it is not dated at its wait. n = 0 when any handle has no CPU works with
+    futures: a device's future completes at launch, so its time says nothing (fake handles have none)."""
+    stamps: list[float] = []
+    works = []
+    for h in handles:
+        ws = getattr(h, "_works", None)  # CommHandle's c10d works (fmoe/parallel/async_comm.py)
+        if not ws or getattr(h, "on_device", True):
+            return stamps, 0
+        works += ws
+    try:
+        for w in works:
+            w.get_future().add_done_callback(lambda _f: stamps.append(time.perf_counter()))
+    except (AttributeError, RuntimeError):  # a backend whose works have no future
+        return stamps, 0
+    return stamps, len(works)
 
 
 def _a2a(rows: dict[str, torch.Tensor], comm: CommGroup, out_s: list[int], in_s: list[int],
