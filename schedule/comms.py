@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fmoe.schedule import deps
-from fmoe.schedule.ir import Action, Recv, Schedule, Send, ops_of
+from fmoe.schedule.ir import Action, Overlap, Recv, Schedule, Send, ops_of
 
 
 def recvs(s: Schedule, action: Action) -> tuple[Recv, ...]:
@@ -23,10 +23,14 @@ def recvs(s: Schedule, action: Action) -> tuple[Recv, ...]:
 
 def sends(s: Schedule, action: Action) -> tuple[Send, ...]:
     """Returns the sends (to other ranks) of what a compute action produced, right after it on its
-    rank; none for a Send or Recv."""
-    if not ops_of(action):
-        return ()
-    return tuple(pair[0] for d in deps.produces(s, action) if (pair := deps.link(s, d)))
+    rank; none for a Send or Recv. An overlapped pair's backward's first: under fb overlap the pair
+    starts and ends with its backward's phases, so its gradient exists first, and an executor that
+    sends each message the moment it exists (in this order, the wire order) sends it without waiting
+    for the forward."""
+    ops = ops_of(action)
+    if isinstance(action, Overlap):
+        ops = ops[::-1]
+    return tuple(pair[0] for op in ops for d in deps.produces(s, op) if (pair := deps.link(s, d)))
 
 
 def has_comms(s: Schedule) -> bool:

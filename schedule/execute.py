@@ -230,6 +230,7 @@ class _Executor:
         self.posted: dict[Dep, tuple[list, Acts, float]] = {}
         self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
         self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
+        self.sent: set[Dep] = set()  # messages sent before their Send action (the moment they existed)
         self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
@@ -266,7 +267,12 @@ class _Executor:
                 _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
                 self.step = "pair"
-                _interleave(self.op(a.f), self.op(a.b, paired=True))
+                if a.b.stage in self.remote:
+                    # the backward first: its combine goes out, the forward's attention hides it, and so on
+                    # by turns: seed 000's pairing (docs/pipeline.md, "fb overlap: what pairs with what")
+                    _interleave(self.op(a.b, paired=True), self.op(a.f))
+                else:  # nothing of the backward travels, nothing to pair it with: as listed
+                    _interleave(self.op(a.f), self.op(a.b, paired=True))
             elif isinstance(a, Overlap):
                 self.step = "pair"
                 _drain(self.op(a.f))
@@ -333,7 +339,7 @@ class _Executor:
                         ts = self._now()
                         side = self._side_forward(prog, ph.side, layer.name, acts, meta, defer)
                         self._computed("F", ph.side.name, stage, layer.name, mb, ts)
-                    if _in_flight(pending):
+                    if _in_flight(pending) and ph.switch:
                         yield
                     tw = self._now()
                     acts, meta = pending.wait()
@@ -492,7 +498,7 @@ class _Executor:
                         vjp_dw = self._dw_into_sums(stage, side_ph, vjp_dw)
                     queue.append((side_ph, side_layer, vjp_dw))
                     self._computed(kind, side_ph.name, stage, side_layer, mb, ts)
-                if _in_flight(pending):
+                if _in_flight(pending) and ph.switch:
                     if weights and self.overlap and not paired:
                         # a lone B: the dw of the phases already differentiated (the routed experts')
                         # hides the exchange
@@ -505,7 +511,8 @@ class _Executor:
                     for name, g in side_ct.pop(at).items():
                         if g is not None:
                             ct[name] = g if name not in ct else ct[name] + g
-        self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct)
+        if self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct):
+            self._pump()  # the gradient goes out now, before any dw and before the paired op's rest
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)
         if weights:
@@ -624,7 +631,10 @@ class _Executor:
         return True
 
     def _send(self, a: Send) -> None:
+        """The schedule's Send: issues it unless it went out already, the moment its data existed."""
         dep = carried(a)
+        if dep in self.sent:
+            return
         if dep not in self.local:
             raise ScheduleError(f"rank {self.rank}: {a} before the data exists")
         self._issue_through(a)
@@ -633,6 +643,7 @@ class _Executor:
     def _isend(self, a: Send) -> None:
         dep = carried(a)
         acts = self.local.pop(dep)
+        self.sent.add(dep)
         if len(acts) > _MAX_KEYS:
             raise ScheduleError(f"stage {a.stage}: {len(acts)} acts in one message (at most {_MAX_KEYS})")
         t = self._now()
@@ -651,18 +662,22 @@ class _Executor:
         self._pump()
 
     def _pump(self) -> None:
-        """Issues the receives at the head of the wire that were asked for early and whose shapes are known;
-        stops at the first op that is not one (a send waits for its Send action)."""
-        while self.wire and isinstance(self.wire[-1], Recv) and carried(self.wire[-1]) in self.wanted:
-            spec = self._recv_spec(carried(self.wire[-1]))
-            if spec is None:
+        """Issues what can go out at the head of the wire: a send whose data exists (the moment its op made
+        it, not at its Send action), a receive asked for early whose shapes are known; stops at the first
+        op that cannot."""
+        while self.wire:
+            op, dep = self.wire[-1], carried(self.wire[-1])
+            if isinstance(op, Send) and dep in self.local:
+                self._isend(self.wire.pop())
+            elif isinstance(op, Recv) and dep in self.wanted and self._recv_spec(dep) is not None:
+                self._irecv(carried(self.wire.pop()), self._recv_spec(dep))
+            else:
                 return
-            self._irecv(carried(self.wire.pop()), spec)
 
     def _issue_through(self, target: Send | Recv, spec: Mapping[str, tuple] | None = None) -> None:
         """Issues the wire's ops up to and including `target` (a Recv is given `spec` when its forward's
-        record is gone, at its consumer). What comes before it must be receives that can go out now: by the
-        wire order's construction a send before it has run already, and a gradient's shapes are known."""
+        record is gone, at its consumer). What comes before it must be able to go out now: by the wire
+        order's construction a send before it has its data, and a gradient receive its shapes."""
         while self.wire:
             op = self.wire.pop()
             if op == target:
@@ -671,6 +686,9 @@ class _Executor:
                 else:
                     self._irecv(carried(op), spec if spec is not None else self._recv_spec(carried(op)))
                 return
+            if isinstance(op, Send) and carried(op) in self.local:
+                self._isend(op)
+                continue
             got = self._recv_spec(carried(op)) if isinstance(op, Recv) else None
             if got is None:
                 raise ScheduleError(f"rank {self.rank}: {target} is due but {op} comes before it in the wire "

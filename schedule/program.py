@@ -76,6 +76,10 @@ class Phase:
     side: Phase | None = None
     side_consumes: tuple[str, ...] = ()
     local: bool = False  # comm: the exchange never leaves this process (nothing travels, nothing to hide)
+    # comm: an fb-overlap pair hands over to its other op while this exchange travels. False for an
+    # exchange whose result the op's very next step needs (a count exchange that sizes the dispatch):
+    # handing over there would shift every later pairing of the pair by one phase
+    switch: bool = True
 
     def __post_init__(self) -> None:
         if self.side is not None and (self.kind != "comm" or self.side.kind != "compute" or self.side.losses):

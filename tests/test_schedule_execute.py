@@ -93,7 +93,10 @@ def _rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
         s = S.build(name, world, m)
         params = _params(max(s.placement.layer_chunk) + 1)
         data = _data(m)
-        programs = {st: _program(s, st, params) for st in s.placement.stages_of(rank)}
+        # the exchange in flight, as an all-to-all would be: an fb-overlap pair interleaves its two ops,
+        # so both microbatches' activations live at once, as the simulator counts them (with nothing in
+        # flight the pair's backward would run and free its activations before the forward starts)
+        programs = {st: _program(s, st, params, travelling=True) for st in s.placement.stages_of(rank)}
         res = execute(s, rank, programs, lambda mb, data=data: data[mb])
         sim = S.simulate(s, S.Costs(f=1, i=1, w=1))
         grads = {c: {k: v.tolist() for k, v in g.items()} for c, g in res.grads.items()}  # no shared memory

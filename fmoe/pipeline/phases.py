@@ -99,7 +99,9 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
 
     return Layer(name, (
         Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
-        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local),
+        # the dispatch needs the counts at once: an fb-overlap pair does not hand over here (switch=False)
+        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
+              switch=False),
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct),
               # the shared expert reads the tokens only: it runs while the dispatch travels
