@@ -1,0 +1,123 @@
+"""The compute model holds each phase to its modelled duration: a fake clock, then real short sleeps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fmoe.schedule.compute_model import ComputeModel, table_from_events, table_from_flops
+from fmoe.schedule.timeline import TraceEvent
+
+TABLE = {("F", "attention"): 2.0, ("I", "attention"): 3.0, ("W", "attention"): 1.0,
+         ("F", "mlp"): 4.0, ("I", "mlp"): 5.0, ("W", "mlp"): 6.0}
+
+
+class _Clock:
+    """A fake perf_counter that sleeping advances."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += s
+
+
+def _model(clock: _Clock, **kw) -> ComputeModel:
+    return ComputeModel(TABLE, clock=clock, sleep=clock.sleep, **kw)
+
+
+def test_a_faster_phase_returns_at_start_plus_its_duration() -> None:
+    clock = _Clock()
+    cm = _model(clock)
+    start = clock.now
+    clock.now += 0.5  # the real computation took 0.5 s of the modelled 4
+    cm("F", "mlp", 0, "L0", 0, start)
+    assert clock.now == start + 4.0 and clock.slept == [3.5]
+    assert cm.stats.modelled == {"F": 4.0} and cm.stats.real == {"F": 0.5} and cm.stats.overruns == {"F": 0}
+
+
+def test_a_slower_phase_returns_at_once_and_counts_as_an_overrun() -> None:
+    clock = _Clock()
+    cm = _model(clock)
+    start = clock.now
+    clock.now += 7.0
+    cm("F", "mlp", 0, "L0", 0, start)
+    assert clock.slept == [] and clock.now == start + 7.0
+    assert cm.stats.overruns == {"F": 1} and cm.stats.excess == {"F": 3.0}
+    assert "1 overran" in cm.stats.line()
+
+
+def test_unknown_phases_raise_unless_there_is_a_default() -> None:
+    clock = _Clock()
+    with pytest.raises(KeyError, match="no duration for F 'head'"):
+        _model(clock)("F", "head", 1, "L3", 0, clock.now)
+    cm = _model(clock, default=0.25)
+    start = clock.now
+    cm("F", "head", 1, "L3", 0, start)
+    assert clock.now == start + 0.25
+    with pytest.raises(ValueError, match="kind 'X'"):
+        cm.duration("X", "mlp")
+    with pytest.raises(ValueError, match="kinds are F, I, W"):
+        ComputeModel({("B", "mlp"): 1.0})
+
+
+def test_b_is_dx_when_the_dw_is_deferred_and_dx_plus_dw_otherwise() -> None:
+    cm = _model(_Clock())
+    assert cm.duration("B", "mlp") == cm.duration("I", "mlp") == 5.0 and cm.duration("W", "mlp") == 6.0
+    cm.deferred_dw = False  # fb overlap off: a B's dx pass computes its dw too
+    assert cm.duration("B", "mlp") == 11.0
+
+
+def test_a_whole_stage_sums_the_phases_its_forward_reported() -> None:
+    clock = _Clock()
+    cm = _model(clock)
+    for layer in ("L0", "L1"):  # the executor reports a whole stage's forward phase by phase
+        for phase in ("attention", "mlp"):
+            cm("F", phase, 3, layer, 0, clock.now)
+    assert cm.duration("I", "stage", 3) == 2 * (3.0 + 5.0)
+    assert cm.duration("W", "stage", 3) == 2 * (1.0 + 6.0)
+    assert cm.duration("B", "stage", 3) == 2 * (3.0 + 5.0 + 1.0 + 6.0)  # never deferred
+    start = clock.now
+    cm("B", "stage", 3, "L0-L1", 1, start)
+    assert clock.now == start + 30.0 and cm.stats.per_op[("B", 3, 1)] == 30.0
+    with pytest.raises(KeyError):  # a stage whose forward it never saw
+        cm.duration("I", "stage", 4)
+    assert cm.reset().calls == {"F": 4, "B": 1} and cm.stats.calls == {}
+
+
+def test_real_sleeps_hold_a_phase_to_its_duration() -> None:
+    cm = ComputeModel({("F", "mlp"): 0.03})
+    start = time.perf_counter()
+    cm("F", "mlp", 0, "L0", 0, start)
+    assert time.perf_counter() - start >= 0.03
+    late = time.perf_counter() - 0.05  # it ran 0.05 s already: no sleep
+    t = time.perf_counter()
+    cm("F", "mlp", 0, "L0", 0, late)
+    assert time.perf_counter() - t < 0.01 and cm.stats.overruns == {"F": 1}
+
+
+def _ev(name: str, cat: str, d: float) -> TraceEvent:
+    return TraceEvent(0, "compute", name, cat, 1.0, 1.0 + d)
+
+
+def test_tables_from_measured_events_and_from_flops() -> None:
+    events = [_ev("F mlp s0 L0 mb0", "F", 1.0), _ev("F mlp s0 L0 mb1", "F", 3.0),
+              _ev("F mlp s0 L0 mb2", "F", 2.0),
+              _ev("B mlp s0 L0 mb0", "B", 4.0), _ev("W mlp s0 L0 mb0", "W", 5.0),
+              _ev("F unpermute s0 L0 mb0", "F", 1.0), _ev("B unpermute s0 L0 mb0", "B", 1.0),
+              _ev("F embed s0 L0 mb0", "F", 0.5), _ev("B stage s1 L2-L3 mb0", "B", 9.0),
+              _ev("wait a2a dispatch-F s0 L0 mb0", "wait", 7.0),
+              TraceEvent(0, "comm", "a2a dispatch-F s0 L0 mb0", "a2a", 0.0, 8.0)]
+    table = table_from_events(events, scale=2.0)
+    assert table == {("F", "mlp"): 4.0, ("I", "mlp"): 8.0, ("W", "mlp"): 10.0,
+                     ("F", "unpermute"): 2.0, ("I", "unpermute"): 2.0, ("W", "unpermute"): 0.0,
+                     ("F", "embed"): 1.0, ("I", "embed"): 1.0, ("W", "embed"): 1.0}
+    with pytest.raises(ValueError, match="dx and dw together"):
+        table_from_events(events, b_is_dx=False)
+    assert table_from_flops({("F", "mlp"): 2e9}, 1e12) == {("F", "mlp"): 2e-3}
