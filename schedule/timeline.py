@@ -1,23 +1,30 @@
 """Pictures of a schedule, simulated or measured: a timeline PNG (matplotlib, optional) and Chrome /
 Perfetto trace JSON, both drawn from one list of lane events.
 
-Legend: one row pair per rank, the compute lane on top and the communication lane (all-to-all, P2P)
-below it; colour by category. A simulated Report becomes lane events with `report_events`; the executor
-records them directly (`StepResult.events`). Trace format: pid = rank, a "compute" (tid 0) and a "comm"
-(tid 1) thread named by thread_name metadata, complete "X" events in microseconds.
+Legend: one row group per rank: the compute lane on top, the communication lane (all-to-all spans from
+issue to completion, P2P sends) below it, and receives posted early ("p2p recv", from posting to the
+wait's end) on a "p2p" lane of their own, so that a rank's comm lane stays readable; colour by category.
+A simulated Report becomes lane events with `report_events`; the executor records them directly
+(`StepResult.events`). Trace format: pid = rank, one thread per lane ("compute" tid 0, "comm" tid 1,
+"p2p" tid 2) named by thread_name metadata; spans that overlap on one lane (two microbatches' exchanges
+in flight at once) go to further threads "comm 2", "comm 3", ... (tid lane + 3 k), since a Chrome thread
+nests its slices; complete "X" events in microseconds; `meta` (e.g. whether a compute model was on) in
+otherData and on every process_name. `hidden_shares` reads the hidden share of the all-to-all back from
+a written trace alone.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fmoe.schedule.ir import Overlap
 from fmoe.schedule.simulate import Report
 
-LANES = ("compute", "comm")
+LANES = ("compute", "comm", "p2p")
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "F&B": "#8172b3",
           "wait": "#e5ae38", "a2a": "#bbbbbb", "exposed": "#333333", "p2p": "#8c8c8c"}
 
@@ -63,19 +70,47 @@ def _events(source: Report | Sequence[TraceEvent]) -> tuple[list[TraceEvent], st
     return list(source), "measured"
 
 
+def lane_of(e: TraceEvent) -> str:
+    """Returns the lane `e` is drawn on: its own, except a receive posted early, which gets "p2p"."""
+    return "p2p" if e.cat == "p2p" and e.name.startswith("p2p recv") else e.lane
+
+
+def _rows(events: Sequence[TraceEvent]) -> list[int]:
+    """Returns each event's row on its rank's lane: the first row free at its start (greedy packing), so
+    that spans on one row never overlap."""
+    rows = [0] * len(events)
+    ends: dict[tuple[int, str], list[float]] = {}
+    for k in sorted(range(len(events)), key=lambda k: (events[k].start, events[k].end)):
+        e = events[k]
+        free = ends.setdefault((e.rank, lane_of(e)), [])
+        j = next((j for j, end in enumerate(free) if end <= e.start), len(free))
+        if j == len(free):
+            free.append(e.end)
+        free[j] = e.end
+        rows[k] = j
+    return rows
+
+
 def write_trace(source: Report | Sequence[TraceEvent], path: str | Path, us_per_unit: float = 1000.0,
-                name: str | None = None) -> Path:
+                name: str | None = None, meta: Mapping[str, Any] | None = None) -> Path:
     """Writes Chrome/Perfetto trace JSON of a simulated Report or of measured lane events (one time unit
-    = `us_per_unit` microseconds: 1e6 for measured seconds) to `path`; returns the path."""
+    = `us_per_unit` microseconds: 1e6 for measured seconds) to `path`; returns the path. `meta` (JSON
+    values) goes into otherData and onto every process_name event."""
     events, default_name = _events(source)
+    rows = _rows(events)
     ranks = sorted({e.rank for e in events})
+    used = sorted({(e.rank, LANES.index(lane_of(e)), j) for e, j in zip(events, rows)} |
+                  {(r, k, 0) for r in ranks for k in (0, 1)})
     ev: list[dict] = []
     for r in ranks:
-        ev.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
-        for tid, lane in enumerate(LANES):
-            ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": lane}})
-    for e in events:
-        x = {"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank, "tid": LANES.index(e.lane),
+        ev.append({"ph": "M", "name": "process_name", "pid": r,
+                   "args": {"name": f"rank {r}", **(meta or {})}})
+    for r, k, j in used:
+        ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": k + len(LANES) * j,
+                   "args": {"name": LANES[k] + (f" {j + 1}" if j else "")}})
+    for e, j in zip(events, rows):
+        x = {"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
+             "tid": LANES.index(lane_of(e)) + len(LANES) * j,
              "ts": e.start * us_per_unit, "dur": (e.end - e.start) * us_per_unit}
         if e.step:
             x["args"] = {"step": e.step}
@@ -83,8 +118,52 @@ def write_trace(source: Report | Sequence[TraceEvent], path: str | Path, us_per_
     makespan = max((e.end for e in events), default=0.0) - min((e.start for e in events), default=0.0)
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": ev, "displayTimeUnit": "ms",
-                                "otherData": {"schedule": name or default_name, "makespan": makespan}}))
+                                "otherData": {"schedule": name or default_name, "makespan": makespan,
+                                              **(meta or {})}}))
     return path
+
+
+def _shares(spans: Iterable[tuple[Any, str, str, str, float]]) -> dict[str, float | None]:
+    """(rank, lane, name, step, seconds) of a2a spans and their waits -> 1 - waits / spans per step kind
+    ("pair", "lone", and "all"), over the exchanges that have both a span and a wait."""
+    span: dict[tuple[Any, str], tuple[str, float]] = {}
+    wait: dict[tuple[Any, str], float] = {}
+    for rank, kind, label, step, d in spans:
+        if kind == "a2a":
+            span[(rank, label)] = (step, d)
+        else:
+            wait[(rank, label)] = wait.get((rank, label), 0.0) + d
+    sums: dict[str, list[float]] = {}
+    for key, (step, d) in span.items():
+        if key in wait:
+            for k in (step or "none", "all"):
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += d
+                acc[1] += wait[key]
+    return {k: None if s == 0 else 1.0 - w / s for k, (s, w) in sums.items()}
+
+
+def hidden_of(events: Iterable[TraceEvent]) -> dict[str, float | None]:
+    """Returns the hidden share of the all-to-all, 1 - (sum of the "wait a2a X" compute-lane waits) / (sum
+    of the "a2a X" comm-lane spans, issue to completion), per step kind ("pair", "lone") and "all", from
+    measured lane events (None where a kind has no exchange)."""
+    return _shares((e.rank, "a2a" if e.cat == "a2a" else "wait",
+                    e.name[len("a2a "):] if e.cat == "a2a" else e.name[len("wait a2a "):], e.step,
+                    e.end - e.start)
+                   for e in events if (e.cat == "a2a" and e.lane == "comm")
+                   or (e.cat == "wait" and e.name.startswith("wait a2a ")))
+
+
+def hidden_shares(trace: str | Path | Mapping[str, Any]) -> dict[str, float | None]:
+    """Returns `hidden_of` recomputed from a Chrome trace written by `write_trace` (a path or the loaded
+    JSON) alone: its "a2a" X events against its "wait a2a" X events, matched by rank and name."""
+    doc = trace if isinstance(trace, Mapping) else json.loads(Path(trace).read_text())
+    xs = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    return _shares((e["pid"], "a2a" if e.get("cat") == "a2a" else "wait",
+                    e["name"][len("a2a "):] if e.get("cat") == "a2a" else e["name"][len("wait a2a "):],
+                    e.get("args", {}).get("step", ""), e["dur"])  # a ratio: the time unit cancels
+                   for e in xs if e.get("cat") == "a2a"
+                   or (e.get("cat") == "wait" and e["name"].startswith("wait a2a ")))
 
 
 def write_png(source: Report | Sequence[TraceEvent], path: str | Path, labels: bool | None = None,
@@ -110,17 +189,17 @@ def write_png(source: Report | Sequence[TraceEvent], path: str | Path, labels: b
     span = max((e.end for e in events), default=1.0) - t0
     compute = [e for e in events if e.lane == "compute"]
     labels = len(compute) <= 400 if labels is None else labels
-    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, 3 * len(compute) ** 0.5)), 1.0 + 0.9 * len(ranks)))
-    row = {r: 3 * (len(ranks) - 1 - k) + 1 for k, r in enumerate(ranks)}
+    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, 3 * len(compute) ** 0.5)), 1.0 + 1.2 * len(ranks)))
+    row = {r: 4 * (len(ranks) - 1 - k) + 2 for k, r in enumerate(ranks)}
     for e in events:
-        y = row[e.rank] - (0 if e.lane == "compute" else 1)
+        y = row[e.rank] - LANES.index(lane_of(e))
         ax.barh(y, e.end - e.start, left=e.start - t0, height=0.9 if e.lane == "compute" else 0.6,
                 color=COLORS.get(e.cat, "#999999"), edgecolor="black" if e.lane == "compute" else None,
                 linewidth=0.3 if e.lane == "compute" else 0)
         if labels and e.lane == "compute" and e.cat != "wait":
             ax.text((e.start + e.end) / 2 - t0, y, e.name.replace("&", "\n"), ha="center", va="center",
                     fontsize=5)
-    ax.set_yticks([row[r] - d for r in ranks for d in (0, 1)])
+    ax.set_yticks([row[r] - d for r in ranks for d in range(len(LANES))])
     ax.set_yticklabels([f"r{r} {lane}" for r in ranks for lane in LANES], fontsize=7)
     ax.set_xlim(0, span if span > 0 else 1.0)
     ax.set_xlabel("time")
