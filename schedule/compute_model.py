@@ -45,7 +45,8 @@ Table = Mapping[tuple[str, str], float]
 class ModelStats:
     """What the model did, per kind: calls, modelled and real seconds (real = end of the real computation
     - start), overruns (phases whose real time exceeded the modelled one) and their excess seconds; and
-    the modelled seconds per (kind, stage, mb), for a simulator given the same costs."""
+    the modelled seconds per (kind, stage, mb) and per (kind, phase), for a simulator given the same
+    costs."""
 
     calls: dict[str, int] = field(default_factory=dict)
     modelled: dict[str, float] = field(default_factory=dict)
@@ -53,12 +54,14 @@ class ModelStats:
     overruns: dict[str, int] = field(default_factory=dict)
     excess: dict[str, float] = field(default_factory=dict)
     per_op: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    per_phase: dict[tuple[str, str], float] = field(default_factory=dict)
 
-    def add(self, kind: str, stage: int, mb: int, modelled: float, real: float) -> None:
+    def add(self, kind: str, phase: str, stage: int, mb: int, modelled: float, real: float) -> None:
         for d, v in ((self.calls, 1), (self.modelled, modelled), (self.real, real),
                      (self.overruns, int(real > modelled)), (self.excess, max(0.0, real - modelled))):
             d[kind] = d.get(kind, 0) + v
         self.per_op[(kind, stage, mb)] = self.per_op.get((kind, stage, mb), 0.0) + modelled
+        self.per_phase[(kind, phase)] = self.per_phase.get((kind, phase), 0.0) + modelled
 
     def line(self) -> str:
         """Returns one printable line: modelled / real seconds in all, overruns and their excess."""
@@ -125,7 +128,7 @@ class ComputeModel:
             self._stage_phases.setdefault(stage, {})[(layer, phase)] = None
         modelled = self.duration(kind, phase, stage)
         now = self.clock()
-        self.stats.add(kind, stage, mb, modelled, now - started)
+        self.stats.add(kind, phase, stage, mb, modelled, now - started)
         left = started + modelled - now
         if left > 0:
             self.sleep(left)

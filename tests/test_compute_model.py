@@ -85,7 +85,8 @@ def test_a_whole_stage_sums_the_phases_its_forward_reported() -> None:
     assert cm.duration("B", "stage", 3) == 2 * (3.0 + 5.0 + 1.0 + 6.0)  # never deferred
     start = clock.now
     cm("B", "stage", 3, "L0-L1", 1, start)
-    assert clock.now == start + 30.0 and cm.stats.per_op[("B", 3, 1)] == 30.0
+    assert clock.now == start + 30.0
+    assert cm.stats.per_op[("B", 3, 1)] == cm.stats.per_phase[("B", "stage")] == 30.0
     with pytest.raises(KeyError):  # a stage whose forward it never saw
         cm.duration("I", "stage", 4)
     assert cm.reset().calls == {"F": 4, "B": 1} and cm.stats.calls == {}
