@@ -669,10 +669,21 @@ class _Executor:
             op, dep = self.wire[-1], carried(self.wire[-1])
             if isinstance(op, Send) and dep in self.local:
                 self._isend(self.wire.pop())
-            elif isinstance(op, Recv) and dep in self.wanted and self._recv_spec(dep) is not None:
+            elif isinstance(op, Recv) and self._recv_spec(dep) is not None and (
+                    dep in self.wanted or self._send_ready_behind()):
                 self._irecv(carried(self.wire.pop()), self._recv_spec(dep))
             else:
                 return
+
+    def _send_ready_behind(self) -> bool:
+        """True when, past receives that could be posted now, the wire holds a send whose data exists: the
+        receives go out early so that the send need not wait for their consumers."""
+        for op in reversed(self.wire):
+            if isinstance(op, Send):
+                return carried(op) in self.local
+            if self._recv_spec(carried(op)) is None:
+                return False
+        return False
 
     def _issue_through(self, target: Send | Recv, spec: Mapping[str, tuple] | None = None) -> None:
         """Issues the wire's ops up to and including `target` (a Recv is given `spec` when its forward's

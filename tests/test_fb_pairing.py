@@ -1,0 +1,178 @@
+"""fb overlap pairs what seed 000 pairs, read from the executor's own timeline (no timing: the order of
+events on one thread).
+
+For every exchange of an F&B pair, the compute phases of the *other* microbatch that ran between its issue
+and its wait are what hid it. Per pair of MoE layers (the forward's k-th with the backward's k-th, which
+is the (n-1-k)-th in forward order):
+  combine-B  hidden by  attention-F      dispatch-F  hidden by  mlp-B
+  dispatch-B hidden by  mlp-F            combine-F   hidden by  attention-B
+The shared expert rides on the exchanges of its own microbatch (its forward beside the dispatch, its
+backward beside the combine), and the count exchange is no hand-over point. When the two stages hold
+different numbers of MoE layers the first min(n_F, n_B) layer pairs pair like this and the longer op
+runs its remaining layers alone; dense layers, the embedding, the head and MTP are compute that runs in
+the turn they fall in. With overlap off nothing is paired. Sends: an activation goes out right after its
+forward's last phase, a gradient right after its dx pass, before any dw and before the paired op ends.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
+from fmoe import schedule as S
+from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
+from fmoe.pipeline import gpt_pipeline_step
+from fmoe.schedule.ir import Overlap
+
+E, EP = 4, 2
+_A2A = re.compile(r"a2a (\w+)-([FB]) s(\d+) (\S+) mb(\d+)$")
+_COMPUTE = re.compile(r"([FBIW]) (\w+) s(\d+) (\S+) mb(\d+)$")
+SEED = {("combine", "B"): ("attention", "F"), ("dispatch", "F"): ("mlp", "B"),
+        ("dispatch", "B"): ("mlp", "F"), ("combine", "F"): ("attention", "B")}
+
+
+def _cfg(n_layers: int, dense: int, mtp: bool = False) -> GPTConfig:
+    moe = MoEConfig(d_model=16, d_ff=8, num_experts=E, top_k=2, num_shared_experts=1)
+    return GPTConfig(vocab_size=32, d_model=16, n_layers=n_layers, n_heads=2, moe=moe, num_dense_layers=dense,
+                     mtp=mtp)
+
+
+def _events(rank: int, world: int, cases: list) -> dict:
+    out = {}
+    for key in cases:
+        name, pp, n_layers, dense, overlap = key
+        layout = ParallelLayout(pp=pp, ep=EP, topology=Topology(world, world))
+        d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
+        cfg = _cfg(n_layers, dense)
+        ep_rank = torch.distributed.get_rank(layout.group("expert"))
+        params = init_gpt(cfg, torch.Generator().manual_seed(0))
+        for b in params["layers"][dense:]:  # this EP rank's experts
+            b["moe"]["experts"] = {k: v[ep_rank * E // EP:(ep_rank + 1) * E // EP].clone()
+                                   for k, v in b["moe"]["experts"].items()}
+        s = S.combined_1f1b(4) if name == "combined_1f1b" else S.build(name, pp, 4)
+        g = torch.Generator().manual_seed(ep_rank)
+        seqs = [torch.randint(0, 32, (2, 7), generator=g) for _ in range(4)]
+        batches = [(t[:, :-1], t[:, 1:]) for t in seqs]
+        pp_rank = torch.distributed.get_rank(layout.group("pp")) if pp > 1 else 0
+        step = gpt_pipeline_step(cfg, s, pp_rank, params, init_gpt_state(cfg), batches,
+                                 group=layout.group("pp") if pp > 1 else None, dispatcher=d, overlap=overlap)
+        pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
+        out[key] = ([(e.name, e.lane, e.cat, e.start, e.end, e.step) for e in step.result.events], pairs)
+    return out
+
+
+def _pairs(run: tuple) -> list[dict]:
+    """Per exchange of an F&B pair on this rank (the rank's events and its schedule's pairs): its op,
+    phase, layer, and the compute phases of the pair's other op that ran while it was in flight (between
+    its issue and its wait): {(kind, phase, layer)}."""
+    events, pairs = run
+    events = sorted(events, key=lambda e: e[3])
+    waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
+    partner = {}
+    for fs, fm, bs, bm in pairs:
+        partner[("F", fs, fm)], partner[("B", bs, bm)] = ("B", bs, bm), ("F", fs, fm)
+    compute = []
+    for name, lane, cat, start, _, _ in events:
+        m = _COMPUTE.match(name)
+        if lane == "compute" and cat in "FBIW" and m:
+            k, ph, st, ly, mb = m.groups()
+            compute.append(("F" if k == "F" else "B", int(st), int(mb), (k, ph, ly), start))
+    out = []
+    for name, lane, _, start, _, _ in events:
+        m = _A2A.match(name)
+        if lane != "comm" or not m or m.group(1) == "counts":
+            continue
+        phase, kind, stage, layer, mb = m.groups()
+        other = partner.get((kind, int(stage), int(mb)))
+        if other is None:  # a lone op's exchange
+            continue
+        hid = {what for k, st, b, what, t in compute if (k, st, b) == other and start <= t < waits[name]}
+        out.append({"phase": phase, "kind": kind, "op": (kind, int(stage), int(mb)), "partner": other,
+                    "layer": layer, "hid": hid})
+    return out
+
+
+def _check_seed_pairing(run: tuple) -> int:
+    """Asserts seed 000's four pairings for every layer pair of every F&B pair of a rank's run; returns
+    how many exchanges it checked."""
+    by_pair: dict[tuple, list] = {}  # the pair's F op -> exchanges of both ops, in issue order
+    for x in _pairs(run):
+        by_pair.setdefault(x["op"] if x["kind"] == "F" else x["partner"], []).append(x)
+    checked = 0
+    for f_op, xs in by_pair.items():
+        f_layers = list(dict.fromkeys(x["layer"] for x in xs if x["kind"] == "F"))  # forward order
+        b_layers = list(dict.fromkeys(x["layer"] for x in xs if x["kind"] == "B"))  # backward order
+        for k in range(min(len(f_layers), len(b_layers))):
+            mine = {"F": f_layers[k], "B": b_layers[k]}
+            for x in xs:
+                if x["layer"] != mine[x["kind"]]:
+                    continue
+                want_phase, want_kind = SEED[(x["phase"], x["kind"])]
+                want = (want_kind, want_phase, mine[want_kind])
+                assert want in x["hid"], (f"pair {f_op} & {x['partner'] if x['kind'] == 'F' else x['op']}: "
+                                          f"{x['phase']}-{x['kind']} of {x['layer']} hidden by "
+                                          f"{sorted(x['hid'])}, not {want}")
+                checked += 1
+    return checked
+
+
+CASES = {
+    # pp 1 x ep 2, Megatron's combined 1F1B: F(i+1)&B(i) on the whole model, three MoE layers
+    "combined": [("combined_1f1b", 1, 3, 0, True), ("combined_1f1b", 1, 3, 0, False)],
+    # pp 2 x ep 2: DualPipeV (two MoE layers per chunk, pairs of different chunks), interleaved with the
+    # extra warmup, and unequal chunks with a dense layer (5 layers, the first dense, over 4 chunks)
+    "pp2": [("dualpipev", 2, 8, 0, True), ("interleaved+extra", 2, 8, 0, True), ("dualpipev", 2, 5, 1, True),
+            ("dualpipev", 2, 8, 0, False)],
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    got = {}
+    for cases in CASES.values():
+        world = EP * cases[0][1]
+        results = spawn(_events, world, cases, timeout_s=300)
+        for key in cases:
+            got[key] = [r.value[key] for r in results]
+    return got
+
+
+@pytest.mark.parametrize("key", [c for cases in CASES.values() for c in cases if c[4]],
+                         ids=lambda c: f"{c[0]}-pp{c[1]}-{c[2]}layers-{c[3]}dense")
+def test_every_layer_pair_pairs_as_seed_000(runs: dict, key: tuple) -> None:
+    checked = sum(_check_seed_pairing(run) for run in runs[key])
+    assert checked >= 8, checked  # pairs with MoE layers on both sides were found and checked
+
+
+@pytest.mark.parametrize("key", [c for cases in CASES.values() for c in cases if not c[4]],
+                         ids=lambda c: f"{c[0]}-pp{c[1]}")
+def test_with_overlap_off_nothing_is_paired(runs: dict, key: tuple) -> None:
+    for run in runs[key]:
+        ex = _pairs(run)
+        assert ex and all(not x["hid"] for x in ex), [x for x in ex if x["hid"]][:3]
+
+
+def test_sends_go_out_the_moment_their_data_exists(runs: dict) -> None:
+    """DualPipeV pp 2 x ep 2: a gradient's send follows its dx pass with no compute in between (no dw,
+    nothing of the paired op); an activation's follows its forward's last phase, or, where the pair's
+    gradient to the same rank comes first on the wire and was not ready yet (a backward with more MoE
+    layers than its forward), that gradient's send at once."""
+    checked = {"act": 0, "grad": 0}
+    for events, _ in runs[("dualpipev", 2, 8, 0, True)]:
+        events = sorted(events, key=lambda e: e[3])
+        for i, (name, lane, _, _, _, step) in enumerate(events):
+            m = re.match(r"p2p send (act|grad) s(\d+) mb(\d+)", name)
+            if not (lane == "comm" and m and step == "pair"):
+                continue
+            what, stage, mb = m.groups()
+            last = next(e for e in reversed(events[:i]) if e[1] == "compute" and e[2] in "FBIW")
+            cm = _COMPUTE.match(last[0])
+            own = cm and cm.group(1) in ("F" if what == "act" else "BI") and cm.groups()[2::2] == (stage, mb)
+            behind_grad = what == "act" and events[i - 1][0].startswith("p2p send grad")
+            assert own or behind_grad, (name, last[0], events[i - 1][0])
+            checked[what] += 1
+    assert min(checked.values()) >= 2, checked
