@@ -5,6 +5,7 @@ Examples:
   fmoe train --pp 1 --ep 1 --steps 50           # one process
   fmoe train --config run.toml --save ckpt --save-interval 50
   fmoe train --save ckpt --resume               # continue from the latest checkpoint in ckpt
+  fmoe train --save ckpt --overwrite-save       # a fresh run that replaces the one in ckpt
   torchrun --nnodes 2 --nproc-per-node 8 ... -m fmoe.cli.main train --preset small --pp 2 --ep 8 \
       --global-batch-size 256
 """
@@ -61,7 +62,11 @@ HELP = {
     "markov_sequences": "sequences in the Markov corpus", "save": "checkpoint directory",
     "save_interval": "steps between checkpoints (and one at the end)",
     "load": "checkpoint directory (or a --save directory: its latest) to start from",
-    "resume": "continue from the latest checkpoint in --save", "metrics": "JSON line per step to this file",
+    "resume": "continue from the latest checkpoint in --save (refused when there is none)",
+    "overwrite_save": "a fresh run deletes the checkpoints already in --save (refused without it)",
+    "override_opt_param_scheduler": "--resume / --load with another --lr, --min-lr, --warmup or --steps than "
+                                    "the checkpoint's (refused without it: the LR schedule would jump)",
+    "metrics": "JSON line per step to this file",
     "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
     "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
     "timeout": "seconds a collective may wait before the run fails",

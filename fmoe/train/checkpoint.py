@@ -9,15 +9,23 @@ Keys (each rank writes the ones it holds; DCP stores a key held by several ranks
 - train/step: steps done (the data position: a step's batch is a function of the step);
 - rng/rank<r>: each rank's torch RNG state (restored when the world size is the same).
 
-A save writes DIR/step_<n>.partial, then rank 0 adds meta.json, renames it to DIR/step_<n> and points
-DIR/latest at it (os.replace): a crash mid-save leaves the previous checkpoint the latest one.
+A save writes DIR/step_<n>.partial, then rank 0 adds meta.json and checksums.json (a sha256 per file,
+fmoe/train/checksums.py), renames it to DIR/step_<n> and points DIR/latest at it (os.replace): a crash
+mid-save leaves the previous checkpoint the latest one. A symlink where a save would write (step_<n>,
+its .partial, the pointer's temporary) is refused, never followed: a save writes inside DIR only.
+
+A load checks the checksums (a checkpoint without them loads with a warning), reads DCP's `.metadata`
+through a restricted unpickler (fmoe/train/safe_metadata.py: a shared checkpoint runs no code), and turns
+every failure (torch's CheckpointException is a BaseException) into one line of CheckpointError.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fmoe.train import checksums
+from fmoe.train.checksums import CHECKSUMS
+from fmoe.train.safe_metadata import SafeFileSystemReader, read_metadata
 from fmoe.train.shards import Leaf
 
 META = "meta.json"
@@ -35,8 +46,66 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_
                 "moe_shared_experts", "vocab_size", "mtp", "dtype")
 
 
+# The fields the learning rate of a step depends on (fmoe/train/optim.py, lr_at): a resumed run that
+# changes one changes the LR mid-run (a larger --steps restarts the cosine), refused as Megatron does.
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")
+_STEP_DIR = re.compile(r"step_\d+$")
+
+
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run (missing, or a different model)."""
+    """A checkpoint that cannot be saved or loaded (missing, another model, damaged, unsafe); its message
+    is one line (newlines folded), what `fmoe train` prints."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split("\n")))
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line` of `exc`; for torch's CheckpointException, of the first failed rank's error."""
+    failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0]
+        return f"rank {rank}: {_one_line(inner)}"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _collectively(problem: str | None) -> None:
+    """Raises CheckpointError on every rank when any rank has a problem (the first rank's), so no rank goes
+    on into a collective that the others left."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _refuse_symlink(path: Path) -> None:
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symlink: a save writes inside --save only (remove it)")
+
+
+def _fresh_dir(path: Path) -> None:
+    """Creates the empty directory `path`: a real directory there (a crashed save's leftover) is removed
+    first; a symlink is refused, never followed."""
+    _refuse_symlink(path)
+    if path.exists():
+        shutil.rmtree(path)
+    os.mkdir(path)  # fails rather than reuse anything that appeared there since
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Writes `text` to a new file `path` (whatever was there, a symlink included, is unlinked first; the
+    file is created with O_EXCL | O_NOFOLLOW, so a link planted meanwhile makes it fail, not follow)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _expert_rows(lf: Leaf, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -80,24 +149,41 @@ def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: Any,
 def save(directory: str | Path, step: int, items: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Writes a checkpoint of step `step` from every rank's `items` (collective: every rank calls it);
     returns its final directory. Tensors are copied to contiguous memory first, so views save only their
-    own elements."""
+    own elements. CheckpointError on every rank when rank 0 refuses the directory or a write fails."""
     root = Path(directory)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # the leftover of a crash during this step's save
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _refuse_symlink(final)
+            _refuse_symlink(root / f".{LATEST}.tmp")
+            _fresh_dir(partial)
+        except (CheckpointError, OSError) as exc:
+            problem = str(exc)
+    _collectively(problem)
+    try:
+        dcp.save({k: v.detach().clone().contiguous() for k, v in items.items()}, checkpoint_id=str(partial))
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"saving {partial}: {_one_line(exc)}") from exc
     dist.barrier()
-    dcp.save({k: v.detach().clone().contiguous() for k, v in items.items()}, checkpoint_id=str(partial))
-    dist.barrier()
+    share = checksums.digest_share(partial, rank, world)
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, share)
     if rank == 0:
         (partial / META).write_text(json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
-        if final.exists():
+        files = {k: v for s in shares for k, v in s.items()}
+        files[META] = checksums.digest(partial / META)
+        checksums.write(partial, files)  # before the rename: a checkpoint `latest` names has its sums
+        if final.exists():  # this run's own earlier save of the step (resumed before it); not a symlink
             shutil.rmtree(final)
         os.replace(partial, final)
         tmp = root / f".{LATEST}.tmp"
-        tmp.write_text(final.name + "\n")
+        _write_new(tmp, final.name + "\n")
         os.replace(tmp, root / LATEST)
     dist.barrier()
     return final
@@ -109,8 +195,9 @@ def latest(directory: str | Path) -> Path | None:
     root = Path(directory)
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / META).is_file():
+        name = pointer.read_text().strip()
+        named = root / name
+        if _STEP_DIR.match(name) and (named / META).is_file():  # a name in DIR, never a path out of it
             return named
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).is_file())
     return done[-1] if done else None
@@ -133,15 +220,60 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], checkpoint: s
         raise CheckpointError(f"{checkpoint} holds another model ({'; '.join(diff)})")
 
 
-def load(checkpoint: str | Path, items: dict[str, torch.Tensor]) -> None:
-    """Reads the checkpoint into `items` (from `state_items`: the live tensors), in place (collective).
-    Raises CheckpointError when the checkpoint lacks a key this rank needs."""
+def check_schedule(meta: dict[str, Any], config: dict[str, Any], checkpoint: str | Path) -> None:
+    """Raises CheckpointError naming the learning-rate fields where the checkpoint's run and this one
+    differ (Megatron asserts the same unless --override-opt_param-scheduler)."""
+    saved = meta.get("config", {})
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}" for k in SCHEDULE_FIELDS
+            if k in saved and saved[k] != config.get(k)]
+    if diff:
+        raise CheckpointError(f"{checkpoint} was trained with another learning-rate schedule "
+                              f"({'; '.join(diff)}): the LR is a function of the step and these, so it "
+                              "would jump; give --override-opt-param-scheduler to use this run's values")
+
+
+def verify(checkpoint: str | Path) -> None:
+    """Checks the checkpoint before anything of it is used (collective: the ranks split the files):
+    every file against checksums.json, then `.metadata` through the restricted unpickler, its shards
+    plain files of the checkpoint. CheckpointError on every rank naming the first problem; a checkpoint
+    without checksums.json (older fmoe) warns once and is read unverified."""
+    root = Path(checkpoint)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    try:
+        files = checksums.recorded(root)
+        if files is not None:
+            problem = checksums.check_share(root, files, rank, world)
+        elif rank == 0:
+            warnings.warn(f"{root} has no checksums ({CHECKSUMS}; written before fmoe recorded them): "
+                          "loading it unverified", stacklevel=2)
+        if problem is None:
+            md = read_metadata(root / ".metadata")
+            for info in md.storage_data.values():
+                name = getattr(info, "relative_path", None)
+                plain = isinstance(name, str) and "/" not in name and os.sep not in name and name not in (
+                    "", ".", "..")
+                if not plain or (files is not None and name not in files):
+                    problem = f"{root}/.metadata names a shard {name!r} outside the checksummed files"
+                    break
+    except (CheckpointError, ValueError, OSError) as exc:
+        problem = str(exc)
+    _collectively(problem)
+
+
+def load(checkpoint: str | Path, items: dict[str, torch.Tensor], verified: bool = False) -> None:
+    """Reads the checkpoint into `items` (from `state_items`: the live tensors), in place (collective),
+    after `verify` unless the caller did (`verified`). Raises CheckpointError (one line) when it is
+    damaged or unsafe, or lacks a key this rank needs."""
+    if not verified:
+        verify(checkpoint)
     fresh = {k: torch.empty_like(v) for k, v in items.items()}
     try:
-        dcp.load(fresh, checkpoint_id=str(checkpoint))
-    except Exception as exc:  # DCP wraps per-rank failures; say what was being read
-        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        raise CheckpointError(f"loading {checkpoint}: {first}") from exc
+        dcp.load(fresh, storage_reader=SafeFileSystemReader(str(checkpoint)))
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # DCP wraps per-rank failures in a BaseException; say what was being read
+        raise CheckpointError(f"loading {checkpoint}: {_one_line(exc)}") from exc
     for k, v in items.items():
         if k.startswith("rng/"):
             torch.set_rng_state(fresh[k])

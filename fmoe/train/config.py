@@ -64,6 +64,8 @@ class TrainConfig:
     initial_loss_scale, halved after `hysteresis` overflowing steps down to min_loss_scale, doubled
     after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
     data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
+    overwrite_save (a fresh run may delete the checkpoints already in --save; refused otherwise),
+    override_opt_param_scheduler (a resumed or loaded run may change lr, min_lr, warmup or steps),
     metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
     step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
@@ -137,6 +139,8 @@ class TrainConfig:
     save_interval: int = 0
     load: str | None = None
     resume: bool = False
+    overwrite_save: bool = False
+    override_opt_param_scheduler: bool = False
     metrics: str | None = None
     trace: str | None = None
     trace_step: int = 3
@@ -320,6 +324,14 @@ class TrainConfig:
             raise ValueError("give --resume or --load, not both")
         if self.load and not Path(self.load).is_dir():
             raise ValueError(f"--load: no checkpoint directory {self.load}")
+        if self.overwrite_save and not self.save:
+            raise ValueError("--overwrite-save needs --save DIR")
+        from fmoe.train.save_dir import check as check_save_dir  # imports torch.distributed.checkpoint
+
+        save_problem = check_save_dir(self.save, resume=self.resume, overwrite=self.overwrite_save,
+                                      load=self.load)
+        if save_problem is not None:
+            raise ValueError(save_problem)
         if self.link_model is not None:
             parse_link_model(self.link_model)
         rpn = self.ranks_per_node or self.world_size

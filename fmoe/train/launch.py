@@ -10,7 +10,11 @@ choices are pure functions (`choose_device`, `rank_device`) tested on CPU with f
 nothing here has run on a GPU or NPU.
 
 A rank that dies (an error, SIGKILL) stops the others at once: the launcher terminates them and exits
-non-zero; the last complete checkpoint stays the latest.
+non-zero; the last complete checkpoint stays the latest. A CheckpointError (a damaged, unsafe or
+mismatched checkpoint, a --save in use) is printed as one line, `fmoe train: CheckpointError: ...`.
+
+The --save directory is claimed (fmoe/train/save_dir.py: locked, checked again, cleared for
+--overwrite-save) by the launcher before it spawns a rank, or by global rank 0 under torchrun.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import traceback
 from datetime import timedelta
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -29,7 +34,8 @@ import torch.multiprocessing as mp
 
 from fmoe.parallel import ParallelLayout, Topology
 from fmoe.precision import float32_matmul_precision
-from fmoe.train import checkpoint
+from fmoe.train import checkpoint, save_dir
+from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
 from fmoe.train.host_memory import keep_freed_memory
 from fmoe.train.loop import Trainer, World
@@ -125,9 +131,37 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     return World(rank, size, layout, device)
 
 
-def train_rank(tc: TrainConfig, world: World) -> str | None:
+def _claim_on_rank0(tc: TrainConfig, world: World) -> TextIO | None:
+    """Under torchrun (no fmoe launcher): global rank 0 claims --save and tells every rank the outcome, so
+    all of them fail together with its one line; returns the lock file on rank 0 (None elsewhere)."""
+    handle, problem = None, None
+    if world.rank == 0:
+        try:
+            handle = save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
+        except CheckpointError as exc:
+            problem = str(exc)
+    if world.size > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise CheckpointError(problem)
+    return handle
+
+
+def train_rank(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
     """Trains on this rank from the start, `--load` or `--resume` to `--steps`, saving as asked; returns
-    rank 0's summary (None on the other ranks)."""
+    rank 0's summary (None on the other ranks). `save_claimed`: the launcher holds --save's lock (else
+    rank 0 takes it here)."""
+    lock = _claim_on_rank0(tc, world) if tc.save and not save_claimed else None
+    try:
+        return _train(tc, world)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(tc: TrainConfig, world: World) -> str | None:
     trainer = Trainer(tc, world)
     lead = world.rank == 0
     if lead:
@@ -145,7 +179,8 @@ def train_rank(tc: TrainConfig, world: World) -> str | None:
     if start is not None:
         trainer.load(str(start))
     reporter = Reporter(tc.steps, metrics_path=tc.metrics if lead else None, progress=tc.progress and lead,
-                        floor=trainer.dataset.floor, describe=_describe(tc, trainer))
+                        floor=trainer.dataset.floor, describe=_describe(tc, trainer),
+                        continue_from=trainer.step_done if tc.resume else None)
     if lead and start is not None:
         print(f"fmoe train: resumed from {start} at step {trainer.step_done}", flush=True)
     reporter.start(trainer.step_done)
@@ -192,7 +227,8 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size, device_type))
+    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size, device_type),
+                               save_claimed=True)
     if summary is not None:
         with open(out_path, "w") as f:
             f.write(summary)
@@ -204,11 +240,11 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     os._exit(0)
 
 
-def _train_and_close(tc: TrainConfig, world: World) -> str | None:
+def _train_and_close(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
     """`train_rank`, then the process group closed: after a barrier when the run succeeded, so no rank
     tears its connections down while a peer still talks to it (gloo aborts the process then)."""
     try:
-        summary = train_rank(tc, world)
+        summary = train_rank(tc, world, save_claimed)
         if world.size > 1:
             dist.barrier()
     finally:
@@ -230,7 +266,10 @@ def launch(tc: TrainConfig) -> int:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2
     if torchrun:
-        summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
+        try:
+            summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
+        except CheckpointError as exc:
+            return _checkpoint_failed(str(exc))
         if summary:
             print(summary)
         return 0
@@ -244,12 +283,40 @@ def launch(tc: TrainConfig) -> int:
     except ValueError as exc:
         print(f"fmoe train: error: {exc}", file=sys.stderr)
         return 2
+    try:  # before any rank starts: a second run on this --save fails here, at once
+        lock = (save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
+                if tc.save else None)
+    except CheckpointError as exc:
+        return _checkpoint_failed(str(exc))
+    try:
+        return _spawn(tc, device_type)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _checkpoint_failed(message: str) -> int:
+    print(f"fmoe train: CheckpointError: {message}", file=sys.stderr)
+    return 1
+
+
+def _raised_checkpoint_error(msg: str) -> str | None:
+    """The message of a CheckpointError that ended a spawned rank (the last line of its traceback; the
+    message is one line by construction), else None."""
+    lines = msg.rstrip().splitlines()
+    prefix = f"{CheckpointError.__module__}.{CheckpointError.__name__}: "
+    return lines[-1][len(prefix):] if lines and lines[-1].startswith(prefix) else None
+
+
+def _spawn(tc: TrainConfig, device_type: str) -> int:
+    """Runs the ranks (in this process when there is one) with --save claimed; returns the exit code."""
     fd, out_path = tempfile.mkstemp(prefix="fmoe_train_summary_")
     os.close(fd)
     try:
         if tc.world_size == 1:
             store = tempfile.mktemp(prefix="fmoe_train_store_")
-            print(_train_and_close(tc, _world(tc, 0, f"file://{store}", 0, 1, device_type)))
+            world = _world(tc, 0, f"file://{store}", 0, 1, device_type)
+            print(_train_and_close(tc, world, save_claimed=True))
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:
@@ -261,11 +328,16 @@ def launch(tc: TrainConfig) -> int:
                   "were stopped", file=sys.stderr)
             return 1
         except mp.ProcessRaisedException as exc:
+            message = _raised_checkpoint_error(exc.msg)
+            if message is not None:  # the other ranks met the same checkpoint: one line, not one per rank
+                return _checkpoint_failed(message)
             print(f"fmoe train: rank {exc.error_index} failed:\n{exc.msg}", file=sys.stderr)
             return 1
         with open(out_path) as f:
             print(f.read())
         return 0
+    except CheckpointError as exc:
+        return _checkpoint_failed(str(exc))
     except Exception:
         traceback.print_exc()
         return 1

@@ -359,14 +359,18 @@ class Trainer:
 
     def load(self, path: str) -> None:
         """Restores weights, AdamW state, MoE state, data position and (same layout) RNG from checkpoint
-        directory `path` (collective). Raises CheckpointError for a different model."""
+        directory `path` (collective). Raises CheckpointError for a different model, another learning-rate
+        schedule (unless --override-opt-param-scheduler), or a damaged or unsafe checkpoint."""
+        checkpoint.verify(path)  # first: meta.json is covered by the checksums too
         meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, self.tc.as_dict(), path)
+        if not self.tc.override_opt_param_scheduler:
+            checkpoint.check_schedule(meta, self.tc.as_dict(), path)
         saved = meta.get("layout", {})
         same = meta.get("world_size") == self.world.size and all(
             saved.get(k) == getattr(self.tc, k) for k in ("pp", "ep", "dp"))
         items = self._items(with_rng=same)
-        checkpoint.load(path, items)
+        checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
         if self.loss_scale is not None:
             scale, good, left = items["train/loss_scale"].tolist()

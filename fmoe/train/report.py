@@ -20,10 +20,18 @@ class Reporter:
     """Rank 0's view of the run: `start(first_step)`, `step(metrics)` per step, `close() -> summary`."""
 
     def __init__(self, total_steps: int, *, metrics_path: str | None, progress: bool, floor: float | None,
-                 describe: str):
+                 describe: str, continue_from: int | None = None):
+        """`continue_from`: the step a --resume run restarts at (the metrics file is continued); None for
+        a fresh run (the file is started anew)."""
         self.total, self.floor, self.describe = total_steps, floor, describe
         self.history: list[dict[str, Any]] = []
-        self._file: TextIO | None = open(metrics_path, "a") if metrics_path else None  # noqa: SIM115
+        self._file: TextIO | None = None
+        if metrics_path:
+            if continue_from is not None:
+                _keep_steps_through(Path(metrics_path), continue_from)
+            # A fresh run truncates (as torchtitan starts a new log per run): a file holding two runs'
+            # steps reads as one; --resume appends to its own run's lines.
+            self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
         self._progress = progress
         self._bar: Any = None
 
@@ -79,6 +87,21 @@ class Reporter:
             lines.append(f"  fp16: {skipped} of {len(self.history)} steps skipped (non-finite gradients), "
                          f"last loss scale {last['loss_scale']:g}")
         return "\n".join(lines)
+
+
+def _keep_steps_through(path: Path, step: int) -> None:
+    """Drops the lines of `path` after step `step` (steps the crashed run made past its checkpoint, which
+    the resumed run makes again) and a torn last line, so each step appears once."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(kept))
 
 
 def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: float | None,

@@ -1,0 +1,250 @@
+"""Checkpoints that are safe to share and runs that cannot clobber each other (issue 34, findings 1, 2, 6,
+7, 8, 10, a fresh run's metrics file, a changed LR schedule on resume), end to end through `fmoe train`
+as a subprocess on CPU with small shapes.
+
+Each test failed on the code before the fix it names (the issue's reproductions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fmoe.train import checkpoint
+from fmoe.train.config import TrainConfig
+from fmoe.train.optim import lr_at
+
+RUN_TIMEOUT_S = 240
+SMALL = ("--pp", "1", "--ep", "1", "--num-layers", "2", "--global-batch-size", "8", "--seq-length", "16",
+         "--device", "cpu", "--no-progress")
+STEP2 = "step_00000002"
+
+
+def _run(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fmoe.cli.main", "train", *SMALL, *flags]
+    return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _ok(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
+    done = _run(tmp, *flags)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _failed(done: subprocess.CompletedProcess, needle: str, max_lines: int = 5) -> str:
+    """Asserts the run failed with a short stderr holding `needle`; returns the stderr."""
+    err = done.stderr.strip()
+    assert done.returncode != 0, done.stdout + err
+    assert needle in err, err
+    assert len(err.splitlines()) <= max_lines, err
+    return err
+
+
+def _saved(tmp: Path, name: str = "ckpt", *flags: str) -> Path:
+    """A directory holding one fresh run's checkpoint of step 2."""
+    ckpt = tmp / name
+    _ok(tmp, "--steps", "2", "--save", str(ckpt), *flags)
+    assert (ckpt / STEP2 / checkpoint.META).is_file()
+    return ckpt
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+# ---- 1: a crafted .metadata runs nothing --------------------------------------------------------------
+
+
+class _Payload:
+    """Unpickling this creates the file `path` (what a malicious checkpoint would do, harmlessly)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (ckpt / STEP2 / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    (ckpt / STEP2 / checkpoint.CHECKSUMS).unlink(missing_ok=True)  # an "old" checkpoint: no checksums
+    err = _failed(_run(tmp_path, "--steps", "3", "--load", str(ckpt / STEP2)), "CheckpointError")
+    assert "refused to unpickle io.open" in err, err  # names what it refused
+    assert not marker.exists()
+
+
+def test_the_restricted_unpickler_reads_real_metadata_and_refuses_the_rest(tmp_path: Path) -> None:
+    from fmoe.train.safe_metadata import read_metadata
+
+    ckpt = _saved(tmp_path, "ckpt", "--mtp", "--fp16")
+    md = read_metadata(ckpt / STEP2 / ".metadata")
+    assert "train/step" in md.state_dict_metadata
+    bad = tmp_path / "bad.metadata"
+    for payload in (_Payload(str(tmp_path / "pwned")), os.system):
+        bad.write_bytes(pickle.dumps(payload))
+        with pytest.raises(checkpoint.CheckpointError, match="refus"):
+            read_metadata(bad)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---- 2: a fresh run never clobbers another run's checkpoints; one run per --save -----------------------
+
+
+def test_a_fresh_run_refuses_a_save_directory_holding_checkpoints(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    err = _failed(_run(tmp_path, "--steps", "1", "--save", str(ckpt)), "--overwrite-save", max_lines=1)
+    assert "--resume" in err
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == STEP2  # untouched
+    _ok(tmp_path, "--steps", "1", "--save", str(ckpt), "--overwrite-save")
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == "step_00000001"
+    assert not (ckpt / STEP2).exists()  # the other run's checkpoints are gone, not mixed with this one's
+
+
+def test_a_second_run_on_the_same_save_directory_fails_at_once(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    metrics = tmp_path / "first.jsonl"
+    cmd = [sys.executable, "-m", "fmoe.cli.main", "train", *SMALL, "--steps", "100000", "--save", str(ckpt),
+           "--save-interval", "100000", "--metrics", str(metrics)]
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text()):  # training: it holds the directory
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        second = _run(tmp_path, "--steps", "1", "--save", str(ckpt))
+        took = time.monotonic() - t0
+    finally:
+        first.kill()
+        first.communicate()
+    err = _failed(second, "in use", max_lines=1)
+    assert f"pid {first.pid}" in err, err
+    assert took < 30, took  # before any rank started
+
+
+# ---- 6, 7: checksums; read failures as one line -------------------------------------------------------
+
+
+def test_flipped_bytes_in_a_shard_fail_naming_the_file(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    shard = ckpt / STEP2 / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    err = _failed(_run(tmp_path, "--steps", "3", "--save", str(ckpt), "--resume"), "CheckpointError",
+                  max_lines=1)
+    assert "__0_0.distcp" in err and "checksum" in err, err
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    (ckpt / STEP2 / checkpoint.CHECKSUMS).unlink()
+    done = _ok(tmp_path, "--steps", "3", "--save", str(ckpt), "--resume", "--override-opt-param-scheduler")
+    assert "no checksums" in done.stderr, done.stderr
+    # the checkpoint it writes has them again
+    assert (ckpt / "step_00000003" / checkpoint.CHECKSUMS).is_file()
+
+
+def test_a_truncated_shard_fails_with_one_short_error_over_ranks(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _ok(tmp_path, "--steps", "2", "--save", str(ckpt), "--ep", "2")
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        shard = ckpt / STEP2 / name
+        shard.write_bytes(shard.read_bytes()[:1000])
+    resume = ("--steps", "3", "--save", str(ckpt), "--resume", "--ep", "2")
+    err = _failed(_run(tmp_path, *resume), "CheckpointError", max_lines=3)
+    assert "checksum" in err, err
+    (ckpt / STEP2 / checkpoint.CHECKSUMS).unlink()  # unverified: torch's own read failure
+    err = _failed(_run(tmp_path, *resume), "CheckpointError", max_lines=5)
+    assert "Traceback" not in err, err
+
+
+# ---- 8: --resume with nothing to resume ---------------------------------------------------------------
+
+
+def test_resume_without_a_checkpoint_fails_before_launch(capsys, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from fmoe.cli.main import main
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr("torch.multiprocessing.start_processes", no_spawn)
+    monkeypatch.setattr("torch.distributed.init_process_group", no_spawn)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "crashed" / "step_00000002.partial").mkdir(parents=True)
+    for save, needle in (("missing", "no such directory"), ("empty", "no complete checkpoint"),
+                         ("crashed", "no complete checkpoint")):
+        code = main(["train", *SMALL, "--save", str(tmp_path / save), "--resume"])
+        out = capsys.readouterr()
+        text = (out.out + out.err).strip()
+        assert code == 2, (save, text)
+        assert needle in text and "leave out --resume" in text, (save, text)
+        assert len(text.splitlines()) == 1, text
+    assert not (tmp_path / "missing").exists()
+
+
+# ---- 10: symlinks in --save are never followed ------------------------------------------------------
+
+
+@pytest.mark.parametrize("planted", ["step_00000003.partial", "step_00000003", ".latest.tmp"])
+def test_a_symlink_planted_in_the_save_directory_is_not_written_through(tmp_path: Path,
+                                                                       planted: str) -> None:
+    ckpt = _saved(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "target"
+    if planted == ".latest.tmp":
+        target.write_text("")
+    else:
+        target.mkdir()
+    (ckpt / planted).symlink_to(target)
+    _failed(_run(tmp_path, "--steps", "3", "--save", str(ckpt), "--resume", "--override-opt-param-scheduler"),
+            "symlink", max_lines=1)
+    assert (target.read_text() == "") if target.is_file() else not list(target.iterdir())
+    assert (ckpt / planted).is_symlink()  # left for the user to look at
+    assert (ckpt / checkpoint.LATEST).read_text().strip() == STEP2
+
+
+# ---- lower: the metrics file and the LR schedule on resume ---------------------------------------------
+
+
+def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 7, "loss": 1.0}\n')  # another run's
+    ckpt = tmp_path / "ckpt"
+    _ok(tmp_path, "--steps", "2", "--save", str(ckpt), "--metrics", str(metrics))
+    assert _steps(metrics) == [1, 2]
+    with metrics.open("a") as f:  # a step 3 that ran after the checkpoint, then the run died
+        f.write('{"step": 3, "loss": 1.0}\n')
+    _ok(tmp_path, "--steps", "4", "--save", str(ckpt), "--metrics", str(metrics), "--resume",
+        "--override-opt-param-scheduler")
+    assert _steps(metrics) == [1, 2, 3, 4]  # step 3 once: the one the resumed run made
+
+
+def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path, "ckpt", "--warmup", "1")  # past the warmup: the cosine depends on --steps
+    same = {"--steps": "2", "--lr": "3e-3", "--min-lr": "3e-4", "--warmup": "1"}
+    for flag, value in (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--warmup", "3")):
+        changed = {**same, flag: value}
+        flags = [x for kv in changed.items() for x in kv]
+        err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags),
+                      "--override-opt-param-scheduler", max_lines=1)
+        assert flag[2:].replace("-", "_") in err, err
+    metrics = tmp_path / "m.jsonl"
+    _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--warmup", "1",
+        "--override-opt-param-scheduler", "--metrics", str(metrics))
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
+    want = TrainConfig(steps=4, warmup=1)
+    assert [m["step"] for m in got] == [3, 4]
+    assert [m["lr"] for m in got] == pytest.approx([lr_at(want, 2), lr_at(want, 3)])
