@@ -248,3 +248,24 @@ def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: 
     want = TrainConfig(steps=4, warmup=1)
     assert [m["step"] for m in got] == [3, 4]
     assert [m["lr"] for m in got] == pytest.approx([lr_at(want, 2), lr_at(want, 3)])
+
+
+def test_under_torchrun_rank_0_takes_the_lock_and_every_rank_stops(tmp_path: Path) -> None:
+    """No fmoe launcher under torchrun: global rank 0 claims --save and tells the other ranks."""
+    from fmoe.train import save_dir
+    from fmoe.train.launch import _free_port
+
+    ckpt = tmp_path / "ckpt"
+    held = save_dir.lock(str(ckpt))  # another run holds it (this process)
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "fmoe.cli.main", "train", *SMALL, "--ep", "2", "--steps", "1",
+               "--save", str(ckpt)]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    finally:
+        held.close()
+    assert done.returncode != 0, done.stdout + done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if "CheckpointError" in ln]
+    # each rank prints the line (torchrun may stop rank 0 before it does, once rank 1 has exited)
+    assert 1 <= len(lines) <= 2 and all(f"pid {os.getpid()}" in ln for ln in lines), done.stderr
+    assert not list(ckpt.glob("step_*"))
