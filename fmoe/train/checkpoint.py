@@ -44,8 +44,6 @@ LATEST = "latest"
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
                 "moe_router_topk", "num_attention_heads", "num_query_groups", "first_k_dense",
                 "moe_shared_experts", "vocab_size", "mtp", "dtype")
-
-
 # The fields the learning rate of a step depends on (fmoe/train/optim.py, lr_at): a resumed run that
 # changes one changes the LR mid-run (a larger --steps restarts the cosine), refused as Megatron does.
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")
@@ -248,8 +246,10 @@ def verify(checkpoint: str | Path) -> None:
             warnings.warn(f"{root} has no checksums ({CHECKSUMS}; written before fmoe recorded them): "
                           "loading it unverified", stacklevel=2)
         if problem is None:
-            md = read_metadata(root / ".metadata")
-            for info in md.storage_data.values():
+            storage = getattr(read_metadata(root / ".metadata"), "storage_data", None)
+            if not isinstance(storage, dict):
+                raise CheckpointError(f"{root}/.metadata lists no shards")
+            for info in storage.values():
                 name = getattr(info, "relative_path", None)
                 plain = isinstance(name, str) and "/" not in name and os.sep not in name and name not in (
                     "", ".", "..")
