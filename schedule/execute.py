@@ -323,9 +323,12 @@ class _Executor:
         phased = stage in self.remote
         if not phased:  # nothing travels: no phase boundary to switch ops at
             acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec, defer)
+        held = None  # an exchange whose wait is deferred (Phase.defer_wait), with what its wait needs
         for layer in prog.layers if phased else ():
             for ph in layer.phases:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
+                if ph.kind == "comm" and held is not None:
+                    meta, held = self._wait_held(held, meta, rec), None
                 if ph.kind == "compute":
                     t = self._now()
                     acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec,
@@ -334,6 +337,10 @@ class _Executor:
                 else:
                     t = self._now()
                     pending = ph.start(acts, meta)
+                    if ph.defer_wait:  # the next compute phases hide it; waited before the next exchange
+                        name = f"{ph.name}-F {label[len(ph.name) + 1:]}"
+                        held = (ph, layer.name, pending, t, name, set(meta))
+                        continue
                     side = None
                     if ph.side is not None:  # runs while the exchange travels
                         ts = self._now()
@@ -347,11 +354,23 @@ class _Executor:
                     if side is not None:
                         acts = _with_side(acts, ph, side[0])
                     rec.phases.append((ph, layer.name, side, meta))
+        if held is not None:
+            meta = self._wait_held(held, meta, rec)
         if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
         self._pump()  # a gradient receive may have waited for these shapes
+
+    def _wait_held(self, held: tuple, meta: Meta, rec: _Record) -> Meta:
+        """Waits an exchange whose wait was deferred (`held`: its phase, layer, Pending, issue time, label
+        and the meta keys it was issued with); returns `meta` with the keys it added."""
+        ph, layer, pending, issued, label, keys = held
+        tw = self._now()
+        _, got = pending.wait()
+        self._comm_events(pending, label, issued, tw)
+        rec.phases.append((ph, layer, None, got))
+        return {**meta, **{k: v for k, v in got.items() if k not in keys}}
 
     def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
                              rec: _Record, defer: bool) -> Acts:

@@ -80,6 +80,10 @@ class Phase:
     # exchange whose result the op's very next step needs (a count exchange that sizes the dispatch):
     # handing over there would shift every later pairing of the pair by one phase
     switch: bool = True
+    # comm: the op goes on with its next compute phases while this exchange travels and waits for it just
+    # before its next exchange (a count exchange, which permute-1 then hides). Its result must be the acts
+    # it was given, unchanged, and meta keys it adds (they join the meta of the phases run meanwhile)
+    defer_wait: bool = False
 
     def __post_init__(self) -> None:
         if self.side is not None and (self.kind != "comm" or self.side.kind != "compute" or self.side.losses):
@@ -91,6 +95,8 @@ class Phase:
                                     or self.param_paths or self.losses):
             raise ValueError(f"comm phase {self.name!r} needs start and start_transpose, and no fn, params "
                              "or losses")
+        if self.defer_wait and (self.kind != "comm" or self.side is not None):
+            raise ValueError(f"phase {self.name!r}: only a comm phase without a side may defer its wait")
         if self.kind not in ("compute", "comm"):
             raise ValueError(f"phase {self.name!r}: kind must be 'compute' or 'comm', got {self.kind!r}")
 

@@ -208,3 +208,23 @@ def test_lone_steps_hide_their_exchanges_with_their_own_work(runs: dict) -> None
                 assert any((k, want_phase) in ran for k in kinds), (name, sorted(ran))
                 checked += 1
     assert checked >= 6, checked
+
+
+def test_the_count_exchange_travels_while_permute_1_runs(runs: dict) -> None:
+    """Issued as soon as routing is known and waited where the dispatch needs it: every count exchange
+    of a forward has its own op's permute-1 between its issue and its wait, and no hand-over."""
+    checked = 0
+    for key in (("combined_1f1b", 1, 3, 0, True), ("dualpipev", 2, 8, 0, True)):
+        for events, _ in runs[key]:
+            events = sorted(events, key=lambda e: e[3])
+            waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
+            for name, lane, _, start, _, _ in events:
+                m = _A2A.match(name)
+                if lane != "comm" or not m or m.group(1) != "counts" or m.group(2) != "F":
+                    continue
+                _, _, stage, layer, mb = m.groups()
+                ran = [c.groups() for e in events if start <= e[3] < waits[name] and e[1] == "compute"
+                       and (c := _COMPUTE.match(e[0]))]
+                assert ran == [("F", "permute", stage, layer, mb)], (name, ran)
+                checked += 1
+    assert checked >= 6, checked

@@ -4,8 +4,11 @@ Legend (the package's, docs/moe.md): B sequences, S positions, T = B*S tokens, D
 R rows of this rank's expert-sorted layout, M rows this rank's experts receive.
 
 An MoE layer is the four phases of seed 000, plus the small compute tail of combine:
-  attention (compute): norm, attention, residual, norm, router, permute-1  -> rows_RD (+ probs)
-  counts    (comm):    the count exchange (host sync), issued as soon as routing is known
+  attention (compute): norm, attention, residual, norm, router             -> normed_TD, probs_TK
+  counts    (comm):    the count exchange (host sync), issued as soon as routing is known, waited before
+                       the dispatch (Phase.defer_wait)
+  permute   (compute): permute-1, while the counts travel (a token-level dispatcher permutes itself)
+                                                                            -> rows_RD (+ probs_R)
   dispatch  (comm):    rows to the experts' ranks                          -> rows_MD
             + shared  (compute, a side phase run while the dispatch travels): the shared expert
   mlp       (compute): permute-2, routed experts, inverse permute-2
@@ -26,7 +29,7 @@ import torch
 from fmoe import block
 from fmoe.config import GPTConfig
 from fmoe.layer import uses_token_dispatch
-from fmoe.ops import cross_entropy, embedding, linear, rms_norm
+from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
 from fmoe.schedule.program import Layer, Phase, Ready
@@ -69,10 +72,18 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
 
     def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         params = {**dict(zip(attn_keys, p[:-1])), "moe": {"router": p[-1]}}
-        out, route = block.attention(params, acts[H], cfg, state, permute_tokens=not token_level, check=False)
+        # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
+        out, route = block.attention(params, acts[H], cfg, state, permute_tokens=False, check=False)
         out[balance] = out.pop("loss")
         rest = {k: v for k, v in acts.items() if k != H}
         return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+
+    def permute_rows(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        layout = meta[route_key].layout
+        out = {**acts, "rows_RD": permute(acts["normed_TD"], layout)}  # permute-1
+        if moe_cfg.probs_in_expert:  # the gate weights ride with their rows
+            out["probs_R"] = permute_probs(out.pop("probs_TK"), layout)
+        return out, meta
 
     def counts_start(acts: dict, meta: dict) -> Any:
         return _Then(ex.start_plan(meta[route_key]), lambda plan: (acts, {**meta, plan_key: plan}))
@@ -99,9 +110,11 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
 
     return Layer(name, (
         Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
-        # the dispatch needs the counts at once: an fb-overlap pair does not hand over here (switch=False)
+        # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
+        # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
         Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
-              switch=False),
+              switch=False, defer_wait=True),
+        *(() if token_level else (Phase("permute", "compute", fn=permute_rows),)),
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct),
               # the shared expert reads the tokens only: it runs while the dispatch travels
