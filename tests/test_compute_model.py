@@ -122,3 +122,23 @@ def test_tables_from_measured_events_and_from_flops() -> None:
     with pytest.raises(ValueError, match="dx and dw together"):
         table_from_events(events, b_is_dx=False)
     assert table_from_flops({("F", "mlp"): 2e9}, 1e12) == {("F", "mlp"): 2e-3}
+
+
+def test_fmoe_train_takes_the_compute_model_and_its_trace_says_so(tmp_path) -> None:
+    """`fmoe train --compute-model SCALE` (pp 1 x ep 2, combined 1F1B): step 1 calibrates, later steps run
+    under the model, and the step's Chrome trace records it; the accumulate path refuses the flag."""
+    import json
+    import subprocess
+    import sys
+
+    from fmoe.train.config import TrainConfig
+
+    assert "accumulate path" in TrainConfig(pp=1, ep=1, compute_model=2.0).problem()
+    assert "finite scale" in TrainConfig(pp=2, ep=1, compute_model=-1.0).problem()
+    trace = tmp_path / "t.json"
+    flags = ["--pp", "1", "--ep", "2", "--steps", "3", "--compute-model", "1.5", "--trace", str(trace),
+             "--trace-step", "3", "--no-progress", "--device", "cpu", "--global-batch-size", "8"]
+    proc = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", *flags], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(trace.read_text())["otherData"]["compute_model"] == 1.5

@@ -50,6 +50,8 @@ HELP = {
     "bf16": "mixed precision: fp32 master weights and gradient sums, bf16 compute (default on CUDA/NPU; "
             "--no-bf16 computes in fp32 there)",
     "tf32": "fp32 matmuls on TF32 tensor cores on CUDA (default on)",
+    "compute_model": "SCALE: from step 2 hold every executor compute phase to SCALE x its median in step 1 "
+                     "(all ranks), as devices would compute while exchanges travel (0: off; measuring only)",
     "deterministic": "bitwise-reproducible steps on a device: torch.use_deterministic_algorithms, cuBLAS "
                      "workspace and NCCL's ring algorithm pinned (Megatron's --deterministic-mode; slower)",
     "device": "auto (CUDA if there are GPUs, else NPUs, else CPU), cpu, cuda or npu",

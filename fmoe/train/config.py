@@ -16,6 +16,7 @@ global batch of G sequences is G / (micro_batch x dp x ep) microbatches per rank
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,10 @@ class TrainConfig:
     Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
     master weights, optimizer state and gradient sums, bf16 compute; None = not given: on with CUDA / NPU
     and dtype float32, off on CPU), tf32 (fp32 matmuls on TF32 tensor cores on CUDA), deterministic
-    (Megatron's --deterministic-mode: torch.use_deterministic_algorithms on every rank), fp16 (the same
+    (Megatron's --deterministic-mode: torch.use_deterministic_algorithms on every rank), compute_model
+    (0: off; s > 0: from the second step on, every compute phase of the executor is held to s x its median
+    over all ranks' first step, fmoe.schedule.compute_model, so that ranks sharing a few cores behave like
+    devices that compute while their exchanges travel; for measuring overlap), fp16 (the same
     with fp16 compute and loss scaling: loss_scale fixes the scale, else dynamic from
     initial_loss_scale, halved after `hysteresis` overflowing steps down to min_loss_scale, doubled
     after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
@@ -127,6 +131,7 @@ class TrainConfig:
     fp16: bool = False
     tf32: bool = True
     deterministic: bool = False
+    compute_model: float = 0.0
     loss_scale: float | None = None
     initial_loss_scale: float = 65536.0
     min_loss_scale: float = 1.0
@@ -295,6 +300,11 @@ class TrainConfig:
             self.loss_scaler()  # its own checks, with the flags named
         elif self.loss_scale is not None:
             raise ValueError("--loss-scale applies to --fp16 only (bf16 and fp32 need no loss scaling)")
+        if not (math.isfinite(self.compute_model) and self.compute_model >= 0):
+            raise ValueError(f"--compute-model must be a finite scale >= 0, got {self.compute_model}")
+        if self.compute_model and self.schedule_name == ACCUMULATE:
+            raise ValueError("--compute-model holds the executor's phases: it needs a schedule (pp > 1, "
+                             "ep > 1 or --schedule combined_1f1b), not the one-process accumulate path")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dispatcher not in DISPATCHERS:

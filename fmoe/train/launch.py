@@ -212,7 +212,8 @@ def _gather_trace(trainer: Trainer, path: str, lead: bool) -> None:
     else:
         gathered = [events]
     if lead:
-        write_step_trace(gathered, path)
+        model = trainer.tc.compute_model if trainer.compute_model is not None else 0.0
+        write_step_trace(gathered, path, meta={"compute_model": model or "off"})
 
 
 def _describe(tc: TrainConfig, trainer: Trainer) -> str:

@@ -37,6 +37,7 @@ from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
 from fmoe.pipeline.step import LayerLoad, update_gpt_state
 from fmoe.precision import accumulate, cast_to_compute, unscale_
+from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.registry import build as build_schedule
 from fmoe.schedule.verify import verify
@@ -119,6 +120,7 @@ class Trainer:
         self.step_done = 0
         self._checked = False
         self.last_result: Any = None
+        self.compute_model: ComputeModel | None = None  # --compute-model: built after the first step
 
     def _plan_reduction(self) -> None:
         """The data-parallel reducer, its bucket order, and (pipeline) which leaves each finished stage
@@ -282,8 +284,10 @@ class Trainer:
                                 timeout=self.timeout, on_stage_done=self._stage_done,
                                 grad_dtype=policy.grad_dtype if policy.mixed else None,
                                 loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
-                                fuse_iw=self.tc.fuse_iw)
+                                fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model)
         self.last_result = out.result
+        if self.tc.compute_model and self.compute_model is None:
+            self.compute_model = self._build_compute_model(out.result.events)
         found = {lf.key: _lookup(out.grads, lf.where) for lf in self.leaves}
         flat = {k: g for k, g in found.items() if g is not None}
         r = out.result
@@ -294,6 +298,20 @@ class Trainer:
         dropped = sum(stats["route"].dropped for *_, stats in r.stats)  # read once, in _metrics
         waited = sum(e.end - e.start for e in r.events if e.cat == "wait")
         return flat, losses, out.loads, dropped, waited
+
+    def _build_compute_model(self, events: list) -> ComputeModel:
+        """--compute-model: the same table on every rank, tc.compute_model x the median of each (kind,
+        phase) over every rank's compute events of this (the first) step (a collective)."""
+        mine = [e for e in events if e.lane == "compute"]
+        every: list[Any] = [None] * self.world.size
+        if self.world_group is not None:
+            dist.all_gather_object(every, mine, group=self.world_group)
+        else:
+            every = [mine]
+        table = table_from_events([e for evs in every for e in evs], scale=self.tc.compute_model)
+        model = ComputeModel(table)
+        model.deferred_dw = self.tc.overlap  # overlap off: a B computes its dw in its dx pass
+        return model
 
     def _reduce_loads(self, loads: dict) -> dict:
         if self.data_group is None or not loads:

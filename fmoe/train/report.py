@@ -135,14 +135,16 @@ def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: flo
     return path
 
 
-def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path) -> list[Path]:
+def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path,
+                     meta: dict[str, Any] | None = None) -> list[Path]:
     """Writes the measured Chrome trace of one step (every rank's events, re-numbered by global rank,
-    times from the earliest event) to `path`, and its timeline PNG next to it when matplotlib is there;
-    returns the paths written."""
+    times from the earliest event) to `path` (`meta` into its otherData and process names: whether the
+    compute model was on), and its timeline PNG next to it when matplotlib is there; returns the paths
+    written."""
     events = [TraceEvent(rank, e.lane, e.name, e.cat, e.start, e.end, e.step)
               for rank, evs in enumerate(events_by_rank) for e in evs]
     path = Path(path)
-    out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step")]
+    out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step", meta=meta)]
     try:
         out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step"))
     except ImportError:
