@@ -172,15 +172,9 @@ def test_a_truncated_shard_fails_with_one_short_error_over_ranks(tmp_path: Path)
 # ---- 8: --resume with nothing to resume ---------------------------------------------------------------
 
 
-def test_resume_without_a_checkpoint_fails_before_launch(capsys, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_without_a_checkpoint_fails_before_launch(capsys, tmp_path: Path, no_launch: None) -> None:
     from fmoe.cli.main import main
 
-    def no_spawn(*args, **kwargs):
-        raise AssertionError("a process was started")
-
-    monkeypatch.setattr("torch.multiprocessing.start_processes", no_spawn)
-    monkeypatch.setattr("torch.distributed.init_process_group", no_spawn)
     (tmp_path / "empty").mkdir()
     (tmp_path / "crashed" / "step_00000002.partial").mkdir(parents=True)
     for save, needle in (("missing", "no such directory"), ("empty", "no complete checkpoint"),
