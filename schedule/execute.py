@@ -12,17 +12,20 @@ Contract:
   then W. A B with nothing to hide its dw behind (overlap off, or every exchange of its stage marked
   `local`) defers nothing: its forward runs with `split_vjp(defer=False)` and its dx pass computes the
   weight gradients too, as plain autograd would (the same gradients, without the tape's work). An
-  Overlap pair runs its forward, then its backward (the fb-overlap driver interleaves them).
+  Overlap pair runs its backward and its forward by turns, the backward first (docs/pipeline.md says
+  what pairs with what).
   Each op is a generator that yields after issuing an exchange and before waiting for it: a driver that
   runs two of them in turn overlaps one microbatch's exchange with the other's compute without changing
   the op code.
 - Activations live from F until W (or B); after that nothing of the microbatch is held.
 - Pipeline P2P on `group`, in the wire order (wire.py): every rank issues its sends and receives in the
   order of one global list of messages, so NCCL and HCCL, which ignore tags and run a pair's messages in
-  issue order on one stream, match them as gloo's tags do. Sends are issued when their Send action runs
-  (the data exists), receives up to `recv_ahead` compute actions before their consumer (a gradient's
-  once its own forward gave the shapes) but never past an op before them on the wire, and waited just
-  before use; sends are waited at the end of the step. Adjacent stages on one rank (the turn of a V) hand
+  issue order on one stream, match them as gloo's tags do. A send goes out the moment its data exists
+  (an activation when its forward ends, a gradient when its dx pass ends, mid-pair), unless an op before
+  it on the wire cannot go yet, then at the latest at its Send action; receives up to `recv_ahead`
+  compute actions before their consumer (a gradient's once its own forward gave the shapes, and any
+  that stand before a ready send) but never past an op before them on the wire, and waited just before
+  use; sends are waited at the end of the step. Adjacent stages on one rank (the turn of a V) hand
   over in memory. Every message has its own buffer, on the stage's device: nothing is reused while a
   deferred dw could still read it.
 - Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
