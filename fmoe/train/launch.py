@@ -11,7 +11,13 @@ nothing here has run on a GPU or NPU.
 
 A rank that dies (an error, SIGKILL) stops the others at once: the launcher terminates them and exits
 non-zero; the last complete checkpoint stays the latest. A CheckpointError (a damaged, unsafe or
-mismatched checkpoint, a --save in use) is printed as one line, `fmoe train: CheckpointError: ...`.
+mismatched checkpoint, a --save in use) is printed as one line, `fmoe train: CheckpointError: ...`; a
+RunError (fmoe/train/run_errors.py: ranks started with different inputs, an fp16 run that cannot go on) as
+`fmoe train: error: ...`, exit code 1.
+
+Before any rank builds its model, every rank's config, layout and data fingerprint are compared
+(fmoe/train/rank_agreement.py). SIGINT / SIGTERM sent to the launcher alone stop every spawned rank
+within seconds, the launcher exiting 128 + the signal (fmoe/train/signals.py).
 
 The --save directory is claimed (fmoe/train/save_dir.py: locked, checked again, cleared for
 --overwrite-save) by the launcher before it spawns a rank, or by global rank 0 under torchrun.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -31,6 +38,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
 from fmoe.precision import float32_matmul_precision
@@ -39,7 +47,10 @@ from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
 from fmoe.train.host_memory import keep_freed_memory
 from fmoe.train.loop import Trainer, World
+from fmoe.train.rank_agreement import check_ranks_agree
 from fmoe.train.report import Reporter, write_loss_curve, write_step_trace
+from fmoe.train.run_errors import RunError, raised_run_error
+from fmoe.train.signals import die_with_parent, forward_stop_signals, stop_ranks
 
 
 def under_torchrun() -> bool:
@@ -124,6 +135,9 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
                                 **kw)
     rank, size = dist.get_rank(), dist.get_world_size()
     rpn = tc.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    # before the layout's groups and the model: ranks started with other flags fail here, in one line
+    check_ranks_agree(tc, {"world_size": size, "ranks_per_node": rpn, "device_type": device.type,
+                           "backend": backend})
     layout = None
     if size > 1:
         layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, topology=Topology(size, rpn),
@@ -224,7 +238,8 @@ def _describe(tc: TrainConfig, trainer: Trainer) -> str:
 
 
 def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_path: str,
-             device_type: str) -> None:
+             device_type: str, launcher_pid: int) -> None:
+    die_with_parent(launcher_pid)  # a launcher killed outright leaves no rank training
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
@@ -271,6 +286,8 @@ def launch(tc: TrainConfig) -> int:
             summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
         except CheckpointError as exc:
             return _checkpoint_failed(str(exc))
+        except RunError as exc:
+            return _run_failed(str(exc))
         if summary:
             print(summary)
         return 0
@@ -301,12 +318,37 @@ def _checkpoint_failed(message: str) -> int:
     return 1
 
 
+def _run_failed(message: str) -> int:
+    print(f"fmoe train: error: {message}", file=sys.stderr)
+    return 1
+
+
 def _raised_checkpoint_error(msg: str) -> str | None:
     """The message of a CheckpointError that ended a spawned rank (the last line of its traceback; the
     message is one line by construction), else None."""
     lines = msg.rstrip().splitlines()
     prefix = f"{CheckpointError.__module__}.{CheckpointError.__name__}: "
     return lines[-1][len(prefix):] if lines and lines[-1].startswith(prefix) else None
+
+
+def _run_ranks(args: tuple, nprocs: int) -> int | None:
+    """Starts the ranks and waits for them: None when all finished; 128 + the signal after SIGINT /
+    SIGTERM ended them; raises as `mp.start_processes(join=True)` when a rank fails on its own."""
+    with forward_stop_signals() as received:
+        ranks = mp.start_processes(_spawned, args=args, nprocs=nprocs, join=False, start_method="spawn")
+        try:
+            while not ranks.join(timeout=0.2) and received() is None:
+                pass
+        except ProcessException:
+            if received() is None:
+                raise
+            # Ctrl-C in a terminal signals the ranks too: one that died of it is the stop, not a failure
+        signum = received()
+        if signum is None:
+            return None
+        stop_ranks(ranks.processes)
+    print(f"fmoe train: stopped by {signal.Signals(signum).name}; every rank was ended", file=sys.stderr)
+    return 128 + signum
 
 
 def _spawn(tc: TrainConfig, device_type: str) -> int:
@@ -321,9 +363,9 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:
-            mp.start_processes(_spawned, args=(tc, init, tc.world_size, out_path, device_type),
-                               nprocs=tc.world_size,
-                               join=True, start_method="spawn")
+            stopped = _run_ranks((tc, init, tc.world_size, out_path, device_type, os.getpid()), tc.world_size)
+            if stopped is not None:
+                return stopped
         except mp.ProcessExitedException as exc:
             print(f"fmoe train: rank {exc.error_index} exited with code {exc.exit_code}; the other ranks "
                   "were stopped", file=sys.stderr)
@@ -332,6 +374,9 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
             message = _raised_checkpoint_error(exc.msg)
             if message is not None:  # the other ranks met the same checkpoint: one line, not one per rank
                 return _checkpoint_failed(message)
+            message = raised_run_error(exc.msg)
+            if message is not None:
+                return _run_failed(message)
             print(f"fmoe train: rank {exc.error_index} failed:\n{exc.msg}", file=sys.stderr)
             return 1
         with open(out_path) as f:
@@ -339,6 +384,8 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
         return 0
     except CheckpointError as exc:
         return _checkpoint_failed(str(exc))
+    except RunError as exc:
+        return _run_failed(str(exc))
     except Exception:
         traceback.print_exc()
         return 1

@@ -45,6 +45,7 @@ from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
 from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
+from fmoe.train.overflow import check_fp16_step
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, local_expert_rows, rank_leaves
 
 
@@ -119,6 +120,7 @@ class Trainer:
         self.dataset = build_dataset(tc)
         self.step_done = 0
         self._checked = False
+        self._skipped_in_a_row = 0  # fp16: skipped steps ending with the last one
         self.last_result: Any = None
         self.compute_model: ComputeModel | None = None  # --compute-model: built after the first step
 
@@ -197,8 +199,9 @@ class Trainer:
         # fp16: the norm is summed over every rank, so it is non-finite on all of them as soon as one
         # rank's gradients hold an inf or nan: the step is then skipped everywhere, with no extra collective.
         finite = self.loss_scale is None or math.isfinite(float(norm))
-        if self.loss_scale is not None:
-            self.loss_scale = self.loss_scale.adjust(finite)
+        used = self.loss_scale
+        if used is not None:
+            self.loss_scale = used.adjust(finite)
         if finite:
             scale = clip_factor(norm, tc.clip_grad)
             for lf in self.leaves:
@@ -211,8 +214,11 @@ class Trainer:
         self.step_done += 1
         step_s = time.perf_counter() - t0
         metrics = self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
-        if self.loss_scale is not None:
+        if used is not None:
             metrics.update(loss_scale=used_scale, skipped=not finite)
+            self._skipped_in_a_row = 0 if finite else self._skipped_in_a_row + 1
+            # stops a run that would skip every later step (fmoe/train/overflow.py)
+            check_fp16_step(self.step_done, metrics["loss"], used, finite, self._skipped_in_a_row)
         return metrics
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> float:

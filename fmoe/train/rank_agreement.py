@@ -1,0 +1,63 @@
+"""The hidden-input check of `fmoe train`: before any rank builds its model, every rank's resolved config,
+layout and data fingerprint must agree (fmoe.parallel.agree, one all-gather of digests).
+
+Under torchrun each rank parses its own flags: a rank started with another --seed or --lr would train a
+diverged replica to exit 0, another --num-experts aborts inside gloo. Compared, they fail on every rank
+with one line, e.g.
+
+    ranks started with different inputs: ranks [0] and [1] disagree on config: config['seed']: 1234 on
+    ranks [0], 7 on ranks [1]
+
+Left out of the comparison, as they may differ per rank without changing what is trained: --metrics,
+--loss-curve and --progress (read by rank 0 only), --keep-host-memory (a rank's own allocator) and
+--data's path (a copy of the same file may sit elsewhere on another node: its content is compared, as the
+fingerprint). --trace is compared as set or not (every rank joins its gather) and --timeout is compared
+(a rank that gives up earlier fails the others).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from fmoe.parallel.agreement import AgreementError, agree
+from fmoe.train.config import TrainConfig
+from fmoe.train.run_errors import RunError
+
+PER_RANK = ("metrics", "loss_curve", "progress", "keep_host_memory", "data")
+SAMPLE_BYTES = 1 << 16  # hashed at each end of a data file: cheap, and catches another file or version
+
+
+def compared_config(tc: TrainConfig) -> dict[str, Any]:
+    """The fields every rank must share (`tc.as_dict()` less PER_RANK; --trace as set or not)."""
+    out = {k: v for k, v in tc.as_dict().items() if k not in PER_RANK}
+    out["trace"] = bool(tc.trace)
+    return out
+
+
+def data_fingerprint(tc: TrainConfig) -> str:
+    """What identifies the training data: "markov" (drawn from --seed and the sizes, compared in the
+    config), or a file's kind, size and the sha256 of its first and last SAMPLE_BYTES."""
+    if tc.data == "markov":
+        return "markov"
+    try:
+        size = os.path.getsize(tc.data)
+        h = hashlib.sha256()
+        with open(tc.data, "rb") as f:
+            h.update(f.read(SAMPLE_BYTES))
+            f.seek(max(0, size - SAMPLE_BYTES))
+            h.update(f.read(SAMPLE_BYTES))
+    except OSError as exc:  # compared like any other value: the ranks that can read it name the others
+        return f"unreadable ({type(exc).__name__})"
+    return f"{tc.data_kind} file of {size} bytes, sha256 of its ends {h.hexdigest()[:16]}"
+
+
+def check_ranks_agree(tc: TrainConfig, layout: dict[str, Any]) -> None:
+    """Collective over the world (a no-op without a process group): raises RunError on every rank, one
+    line naming the ranks and fields that differ, unless all ranks share config, layout and data."""
+    try:
+        agree(config=compared_config(tc), layout=layout, data=data_fingerprint(tc))
+    except AgreementError as exc:
+        text = " ".join(line.strip() for line in str(exc).splitlines())
+        raise RunError(f"ranks started with different inputs: {text}") from None

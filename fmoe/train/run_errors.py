@@ -1,0 +1,17 @@
+"""`RunError`: a failure that every rank of `fmoe train` meets alike and that one line explains (ranks
+started with different inputs, an fp16 run that cannot go on). The launcher prints it as
+`fmoe train: error: ...` and exits 1, instead of a traceback per rank."""
+
+from __future__ import annotations
+
+
+class RunError(RuntimeError):
+    """A run-wide failure; its message is one line."""
+
+
+def raised_run_error(traceback_text: str) -> str | None:
+    """The message of a RunError that ended a spawned rank (the last line of its formatted traceback),
+    else None."""
+    lines = traceback_text.rstrip().splitlines()
+    prefix = f"{RunError.__module__}.{RunError.__name__}: "
+    return lines[-1][len(prefix):] if lines and lines[-1].startswith(prefix) else None
