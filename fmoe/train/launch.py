@@ -82,6 +82,11 @@ def choose_device(requested: str, counts: dict[str, int]) -> str:
     return requested
 
 
+def _device_type(tc: TrainConfig) -> str:
+    """The device type --device picks on this machine (its devices are not probed for --device cpu)."""
+    return choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
+
+
 def rank_device(device_type: str, local_rank: int) -> tuple[str, torch.device, torch.device | None]:
     """Returns (backend, device, device_id for init_process_group) of local rank `local_rank`: gloo on
     the CPU (no device_id, as before), NCCL on cuda:local_rank, HCCL on npu:local_rank."""
@@ -113,7 +118,7 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     rank `rank` of `size`) on `device_type` (None: what --device picks on this machine) and builds this
     rank's layout; returns its World."""
     if device_type is None:
-        device_type = choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
+        device_type = _device_type(tc)
     backend, device, device_id = rank_device(device_type, local_rank)
     if tc.deterministic:
         for name, value in deterministic_env(device.type).items():
@@ -292,7 +297,7 @@ def launch(tc: TrainConfig) -> int:
             print(summary)
         return 0
     try:
-        device_type = choose_device(tc.device, device_counts() if tc.device != "cpu" else {})
+        device_type = _device_type(tc)
         available = device_counts()[device_type] if device_type != "cpu" else tc.world_size
         if tc.world_size > available:
             raise ValueError(f"--pp {tc.pp} x --ep {tc.ep} x --dp {tc.dp} = {tc.world_size} ranks, one per "
