@@ -273,9 +273,9 @@ class _Executor:
                 if a.b.stage in self.remote:
                     # the backward first: its combine goes out, the forward's attention hides it, and so on
                     # by turns: seed 000's pairing (docs/pipeline.md, "fb overlap: what pairs with what")
-                    _interleave(self.op(a.b, paired=True), self.op(a.f))
+                    _interleave(self.op(a.b, paired=True), self.op(a.f, paired=True))
                 else:  # nothing of the backward travels, nothing to pair it with: as listed
-                    _interleave(self.op(a.f), self.op(a.b, paired=True))
+                    _interleave(self.op(a.f, paired=True), self.op(a.b, paired=True))
             elif isinstance(a, Overlap):
                 self.step = "pair"
                 _drain(self.op(a.f))
@@ -298,7 +298,7 @@ class _Executor:
         """Returns the generator that runs compute op `op`, yielding after each issued exchange that is
         still in flight. `paired`: the op is one half of an Overlap (the other op hides its exchanges)."""
         if op.kind == F:
-            return self._forward(op.stage, op.mb)
+            return self._forward(op.stage, op.mb, paired=paired)
         if op.kind == I:
             return self._backward(op.stage, op.mb, weights=False, paired=paired)
         if op.kind == B:
@@ -315,7 +315,7 @@ class _Executor:
             return True
         return self.overlap and stage in self.remote
 
-    def _forward(self, stage: int, mb: int) -> Iterator[None]:
+    def _forward(self, stage: int, mb: int, paired: bool = False) -> Iterator[None]:
         prog = self.programs[stage]
         acts = self._take_boundary(Op(F, stage, mb), Kind.ACT)
         meta = dict(self.data(mb))
@@ -330,7 +330,12 @@ class _Executor:
         for layer in prog.layers if phased else ():
             for ph in layer.phases:
                 label = f"{ph.name} s{stage} {layer.name} mb{mb}"
+                side = None
                 if ph.kind == "comm" and held is not None:
+                    if paired and ph.side is not None:
+                        # the paired op's compute hides this exchange; the side (it reads acts only, the
+                        # same before and after the held wait) hides the held one, whose EP peer may be late
+                        side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
                     meta, held = self._wait_held(held, meta, rec), None
                 if ph.kind == "compute":
                     t = self._now()
@@ -344,11 +349,8 @@ class _Executor:
                         name = f"{ph.name}-F {label[len(ph.name) + 1:]}"
                         held = (ph, layer.name, pending, t, name, set(meta))
                         continue
-                    side = None
-                    if ph.side is not None:  # runs while the exchange travels
-                        ts = self._now()
-                        side = self._side_forward(prog, ph.side, layer.name, acts, meta, defer)
-                        self._computed("F", ph.side.name, stage, layer.name, mb, ts)
+                    if ph.side is not None and side is None:  # runs while the exchange travels
+                        side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
                     if _in_flight(pending) and ph.switch:
                         yield
                     tw = self._now()
@@ -430,6 +432,14 @@ class _Executor:
         for k in loss_names:
             self._add_loss(k, out.pop(k))
         return out
+
+    def _timed_side(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta, defer: bool,
+                    stage: int, mb: int) -> tuple[Acts, Any, dict]:
+        """Runs side phase `ph` forward (`_side_forward`) and records it on the timeline."""
+        ts = self._now()
+        side = self._side_forward(prog, ph, layer, acts, meta, defer)
+        self._computed("F", ph.name, stage, layer, mb, ts)
+        return side
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                       defer: bool) -> tuple[Acts, Any, dict]:
