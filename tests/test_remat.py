@@ -5,6 +5,7 @@ Legend: N rows, D model width, F hidden width.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe.ops import linear
 from fmoe.transforms import (
+    RecomputeError,
     checkpoint_name,
     everything_saveable,
     nothing_saveable,
@@ -175,3 +177,90 @@ def test_remat_replays_dropout_and_leaves_the_callers_stream_alone(n, d, f, rate
     assert_close(out, ref_out)
     assert_close(grads, ref_grads)
     assert_close(draws, ref_draws)
+
+
+# ---- a recompute that would not reproduce its forward is refused (issue 34) --------------------------
+
+def remat_vjp(f, policy, *args):
+    """vjp of remat(f, policy) at args: returns the vjp function (the forward is run)."""
+    return torch.func.vjp(remat(f, policy), *args)[1]
+
+
+@pytest.mark.parametrize("policy", [nothing_saveable, save_only_these_names("h")])
+def test_remat_refuses_a_recompute_whose_tags_differ(policy):
+    """A branch on state that changed after the forward: the tagged value has another shape."""
+    state = {"n": 4}
+
+    def f(x):
+        h = checkpoint_name(x[: state["n"]] * 2, "h")
+        return (h * 3).sum() + x.sum()
+
+    fn = remat_vjp(f, policy, torch.randn(4, dtype=torch.float64))
+    state["n"] = 1
+    with pytest.raises(RecomputeError, match=r"tag 0 was 'h' float64 \[4\].*'h' float64 \[1\]"):
+        fn(torch.ones((), dtype=torch.float64))
+
+
+def test_remat_refuses_a_recompute_that_passes_other_tags():
+    state = {"branch": "a"}
+
+    def f(x):
+        if state["branch"] == "a":
+            return checkpoint_name(x.sin(), "a")
+        return checkpoint_name(x.cos(), "b") * checkpoint_name(x, "c")
+
+    fn = remat_vjp(f, nothing_saveable, torch.randn(4, dtype=torch.float64))
+    state["branch"] = "b"
+    with pytest.raises(RecomputeError, match="tag 0 was 'a'.*'b'"):
+        fn(torch.ones(4, dtype=torch.float64))
+
+
+def test_remat_refuses_a_recompute_whose_outputs_differ():
+    state = {"n": 4}
+
+    def f(x):
+        return x[: state["n"]] * 2
+
+    fn = remat_vjp(f, nothing_saveable, torch.randn(4, dtype=torch.float64))
+    state["n"] = 2
+    with pytest.raises(RecomputeError, match=r"output 0.*\[4\].*\[2\]"):
+        fn(torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("engine", ["torch.func.vjp", "split_vjp"])
+def test_remat_refuses_an_input_modified_in_place_before_the_backward(engine):
+    x = torch.randn(4, dtype=torch.float64)
+    idx = torch.tensor([0, 1])
+
+    def f(p, x):
+        return remat(lambda x, idx: x[idx] * p["s"])(x, idx)
+
+    p = {"s": torch.ones(())}
+    if engine == "split_vjp":
+        out, fn = split_vjp(f, p, x)
+    else:
+        out, fn = torch.func.vjp(lambda x: f(p, x), x)
+    idx[0] = 3  # a reused index buffer: the recompute would scatter the gradient to other rows
+    with pytest.raises(RecomputeError, match=r"argument \[1\].*modified in place"):
+        fn(torch.ones(2, dtype=torch.float64))
+
+
+def test_remat_refuses_a_float_input_modified_in_place_under_vjp():
+    x = torch.randn(4, dtype=torch.float64)
+    _, fn = torch.func.vjp(remat(torch.sin), x)
+    x.add_(1.0)  # torch.func.vjp itself does not check: the gradient would be cos of the new x
+    with pytest.raises(RecomputeError, match=r"argument \[0\].*modified in place"):
+        fn(torch.ones(4, dtype=torch.float64))
+
+
+def test_remat_refuses_a_closed_over_tensor_modified_in_place():
+    w = torch.randn(4, dtype=torch.float64)
+
+    def f(x):
+        return x * w.sin()
+
+    fn = remat_vjp(f, nothing_saveable, torch.randn(4, dtype=torch.float64))
+    w.add_(1.0)
+    with pytest.raises(RecomputeError, match="'w'.*modified in place"):
+        fn(torch.ones(4, dtype=torch.float64))
+

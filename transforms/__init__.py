@@ -5,6 +5,7 @@ Installed and imported as `fmoe.transforms` (the folder is transforms/ at the to
 """
 
 from fmoe._lazy import lazy_exports
+from fmoe.transforms.remat import RecomputeError as RecomputeError
 from fmoe.transforms.remat import checkpoint_name as checkpoint_name
 from fmoe.transforms.remat import everything_saveable as everything_saveable
 from fmoe.transforms.remat import nothing_saveable as nothing_saveable

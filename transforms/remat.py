@@ -23,17 +23,41 @@ Random state: as `torch.utils.checkpoint` does (preserve_rng_state=True), the fo
 generator's state and that of each device generator the inputs live on, and the recompute runs from
 those states, so dropout draws the same mask twice. The caller's generators are put back after the
 recompute: the random stream seen outside is the one without remat.
+
+What is checked, so that a recompute never silently differentiates another computation (as
+`torch.utils.checkpoint` compares the metadata of what its recompute saves):
+- The inputs (every tensor leaf of args, integer ones too) and the tensors f closes over (closure cells,
+  defaults, `functools.partial` arguments, an `nn.Module`'s parameters and buffers), by version counter:
+  one modified in place between the forward and the backward raises `RecomputeError` naming it.
+- The recompute's `checkpoint_name` tags (name, shape, dtype, device, in order) and its outputs
+  (structure, shape, dtype, device; plain int / float / bool / str leaves by value) against the
+  forward's: another branch taken raises `RecomputeError`. A branch on Python state that changes
+  neither (same tags, same output shapes) is not seen: tag the values a branch decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from fmoe._compat import Function, tree_flatten, tree_unflatten
+from fmoe._compat import (
+    Function,
+    keystr,
+    tensor_version,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+from fmoe.transforms.tape import unwrapped
+
+
+class RecomputeError(RuntimeError):
+    """remat's recompute would not reproduce its forward: its gradients would be another computation's."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +91,45 @@ class _Record:
     saved: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     cursor: dict[str, int] = field(default_factory=dict)
     seen: list[tuple[str, tuple[int, ...], bool]] = field(default_factory=list)
+    tags: list[tuple[str, _Meta]] = field(default_factory=list)  # every tag of the forward, in order
+    replayed: int = 0  # tags passed by the recompute so far
+
+    def check_tag(self, name: str, x: torch.Tensor) -> None:
+        """Raise RecomputeError unless the recompute's next tag is the forward's (name and metadata)."""
+        i, self.replayed = self.replayed, self.replayed + 1
+        got = (name, _meta(x))
+        if i >= len(self.tags):
+            raise RecomputeError(f"remat: the forward passed {len(self.tags)} tags, the recompute more "
+                                 f"(tag {i}: {name!r} {_show(got[1])}): {_RECOMPUTE_DIFFERS}")
+        if self.tags[i] != got:
+            want = self.tags[i]
+            raise RecomputeError(f"remat: tag {i} was {want[0]!r} {_show(want[1])} in the forward, {name!r} "
+                                 f"{_show(got[1])} in the recompute: {_RECOMPUTE_DIFFERS}")
+
+    def check_all_replayed(self) -> None:
+        """Raise RecomputeError when the recompute passed fewer tags than the forward."""
+        if self.replayed != len(self.tags):
+            name, meta = self.tags[self.replayed]
+            raise RecomputeError(f"remat: the forward passed {len(self.tags)} tags, the recompute "
+                                 f"{self.replayed} (tag {self.replayed} was {name!r} {_show(meta)}): "
+                                 f"{_RECOMPUTE_DIFFERS}")
 
 
 _RECORDS: list[_Record] = []  # stack of remat calls in progress (forward or recompute)
+
+_Meta = tuple[tuple[int, ...], torch.dtype, torch.device]
+_RECOMPUTE_DIFFERS = ("it took another branch than the forward (state read by f changed after it?), so its "
+                      "gradients would be another computation's. Keep what f branches on unchanged until "
+                      "the backward, or pass it as an input")
+
+
+def _meta(x: torch.Tensor) -> _Meta:
+    return tuple(x.shape), x.dtype, x.device
+
+
+def _show(meta: _Meta) -> str:
+    shape, dtype, device = meta
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)} on {device}"
 
 
 def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -77,6 +137,10 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
     if not _RECORDS:
         return x
     rec = _RECORDS[-1]
+    if rec.replay:
+        rec.check_tag(name, x)  # before a saved value of another shape could broadcast into the recompute
+    else:
+        rec.tags.append((name, _meta(x)))
     if not rec.policy.saves(name):
         if not rec.replay:
             rec.seen.append((name, tuple(x.shape), False))
@@ -124,6 +188,59 @@ def _set_rng(state: _RngState) -> None:
         torch.get_device_module(d).set_rng_state(s, d)
 
 
+_PLAIN = (int, float, bool, str, type(None))  # output leaves compared by value
+_WALK_DEPTH = 3  # how deep into dicts / lists / dataclasses of a closure to look for tensors
+
+
+def _tensors_in(obj: Any, label: str, depth: int = _WALK_DEPTH) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (label, tensor) for the tensors in `obj`: a tensor, or dicts / lists / tuples / dataclasses /
+    nn.Modules of them, `depth` levels deep (a bound on the cost per call)."""
+    if isinstance(obj, torch.Tensor):
+        yield label, obj
+    elif depth == 0 or isinstance(obj, _PLAIN):
+        return
+    elif isinstance(obj, torch.nn.Module):
+        for name, t in [*obj.named_parameters(), *obj.named_buffers()]:
+            yield f"{label}.{name}", t
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors_in(v, f"{label}[{k!r}]", depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            if not isinstance(v, _PLAIN):  # host counts: long tuples of ints, skipped without a call each
+                yield from _tensors_in(v, f"{label}[{i}]", depth - 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for fd in dataclasses.fields(obj):
+            v = getattr(obj, fd.name)
+            if not isinstance(v, _PLAIN):
+                yield from _tensors_in(v, f"{label}.{fd.name}", depth - 1)
+
+
+def _closed_over(f: Any, depth: int = _WALK_DEPTH) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (label, tensor) for the tensors `f` reads besides its arguments, where they can be found:
+    closure cells, defaults, a partial's arguments, a module's (or a bound method's module's) state."""
+    if isinstance(f, functools.partial):
+        yield from _tensors_in((f.args, f.keywords), "a functools.partial argument ", depth)
+        yield from _closed_over(f.func, depth)
+        return
+    if isinstance(f, torch.nn.Module):
+        yield from _tensors_in(f, "the module", depth)
+    owner = getattr(f, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        yield from _tensors_in(owner, "the method's module", depth)
+    f = getattr(f, "__func__", f)
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    for name, cell in zip(names, cells):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        yield from _tensors_in(value, f"closed-over {name!r}", depth)
+    yield from _tensors_in(getattr(f, "__defaults__", None) or (), "a default argument ", depth)
+    yield from _tensors_in(getattr(f, "__kwdefaults__", None) or {}, "a default argument ", depth)
+
+
 class _Plan:
     """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
 
@@ -136,16 +253,65 @@ class _Plan:
         self.out_static: list[Any] = []
         self.out_tensor_pos: list[int] = []
         self.record: _Record | None = None
+        self.out_meta: list[_Meta] | None = None  # the forward's tensor outputs; None until it ran
+        # (leaf index in args or label of a closed-over tensor, the tensor, its version after the forward)
+        self.versions: list[tuple[int | str, torch.Tensor, int]] = []
 
     def call(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         full = list(self.leaves)
         for i, x in zip(self.diff_pos, xs):
             full[i] = x
         out = self.f(*tree_unflatten(full, self.spec))
-        out_leaves, self.out_spec = tree_flatten(out)
-        self.out_static = out_leaves
+        out_leaves, out_spec = tree_flatten(out)
+        if self.out_meta is not None:
+            self.check_outputs(out_leaves, out_spec)
+        self.out_spec, self.out_static = out_spec, out_leaves
         self.out_tensor_pos = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
         return tuple(out_leaves[i] for i in self.out_tensor_pos)
+
+    def check_outputs(self, out_leaves: list[Any], out_spec: Any) -> None:
+        """Raise RecomputeError when the recompute's outputs are not the forward's (structure, metadata)."""
+        if out_spec != self.out_spec:
+            raise RecomputeError(f"remat: the forward returned {self.out_spec}, the recompute {out_spec}: "
+                                 f"{_RECOMPUTE_DIFFERS}")
+        metas = iter(self.out_meta)
+        for i, (got, was) in enumerate(zip(out_leaves, self.out_static)):
+            if isinstance(was, torch.Tensor) != isinstance(got, torch.Tensor):
+                raise RecomputeError(f"remat: output leaf {i} was a {type(was).__name__} in the forward, a "
+                                     f"{type(got).__name__} in the recompute: {_RECOMPUTE_DIFFERS}")
+            if isinstance(got, torch.Tensor):
+                want = next(metas)
+                if _meta(got) != want:
+                    raise RecomputeError(f"remat: output {i} was {_show(want)} in the forward, "
+                                         f"{_show(_meta(got))} in the recompute: {_RECOMPUTE_DIFFERS}")
+            elif isinstance(was, _PLAIN) and type(got) is type(was) and got != was:
+                raise RecomputeError(f"remat: output leaf {i} was {was!r} in the forward, {got!r} in the "
+                                     f"recompute: {_RECOMPUTE_DIFFERS}")
+
+    def watch(self) -> None:
+        """Keep the version counters of the inputs and closed-over tensors, as they are after the forward."""
+        found: list[tuple[int | str, torch.Tensor]] = [
+            (i, x) for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        found += list(_closed_over(self.f))
+        for key, t in found:
+            base = unwrapped(t)  # under an outer torch.func transform: the tensor a caller can write to
+            self.versions.append((key, base, tensor_version(base)))
+
+    def check_versions(self) -> None:
+        """Raise RecomputeError naming an input or closed-over tensor modified in place since `watch`."""
+        for key, t, was in self.versions:
+            now = tensor_version(t)
+            if now != was:
+                name = self.arg_label(key) if isinstance(key, int) else key
+                raise RecomputeError(
+                    f"remat: {name} ({_show(_meta(t))}) was modified in place after the forward (version "
+                    f"{was} -> {now}); the recompute would read the new values and give another "
+                    "computation's gradients. Write to it only after the backward, or hand remat a copy")
+
+    def arg_label(self, leaf: int) -> str:
+        """'argument [1]['w']': the path of leaf `leaf` of the args tuple."""
+        paths = tree_flatten_with_path(tree_unflatten(self.leaves, self.spec))[0]
+        return f"argument {keystr(paths[leaf][0])}"
 
     def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         full = list(self.out_static)
@@ -165,6 +331,7 @@ class _Remat(Function):
             outs = plan.call(xs)
         finally:
             _RECORDS.pop()
+        plan.out_meta = [_meta(o) for o in outs]
         return tuple(o.detach() for o in outs)
 
     @staticmethod
@@ -177,9 +344,10 @@ class _Remat(Function):
     @staticmethod
     def backward(ctx, *grads):
         plan: _Plan = ctx.plan
+        plan.check_versions()  # first: tape autograd's own check on saved inputs names no input
         xs = ctx.saved_tensors
         record = plan.record
-        record.replay, record.cursor = True, {}
+        record.replay, record.cursor, record.replayed = True, {}, 0
         rng, caller_rng = plan.rng, None
         if rng is not None:
             # The recompute draws what the forward drew; the caller's stream resumes where it was.
@@ -193,6 +361,7 @@ class _Remat(Function):
                     return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
 
                 outs, vjp_fn, _ = torch.func.vjp(float_outs, *xs, has_aux=True)
+            record.check_all_replayed()
         finally:
             _RECORDS.pop()
             if caller_rng is not None:
@@ -212,6 +381,9 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
     the forward. `preserve_rng_state` (default True): the recompute replays the random state of the
     forward (CPU generator, and the generators of the devices the inputs live on), so random ops such as
     dropout give the gradients of f itself; False skips saving it (only for f that draws nothing).
+
+    The backward raises `RecomputeError` when an input or closed-over tensor was modified in place after
+    the forward, or when the recompute's tags or outputs differ from the forward's (see the module doc).
     """
     if policy.save_all:
         return f
@@ -221,6 +393,7 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
         diff_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point()]
         plan = _Plan(f, leaves, spec, diff_pos, policy, _rng_devices(leaves) if preserve_rng_state else None)
         outs = _Remat.apply(plan, *[leaves[i] for i in diff_pos])
+        plan.watch()
         return plan.rebuild(outs)
 
     return rematted
