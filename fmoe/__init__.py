@@ -20,6 +20,7 @@ _EXPORTS = {
     "moe": ".layer",
     "update_moe_state": ".layer",
     "GPTAux": ".model",
+    "gpt_logits": ".model",
     "gpt_loss": ".model",
     "init_gpt": ".model",
     "init_gpt_state": ".model",

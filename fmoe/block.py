@@ -23,9 +23,9 @@ acts["loss"] out of `attention`: give it a cotangent (e.g. 1.0).
 
 Parameter layout of a block:
 {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D], "mlp_norm": [D],
- "moe": fmoe.init_moe params}; a dense block has "mlp": fmoe.dense.init_swiglu_mlp params instead
-of "mlp_norm" and "moe". `attention` reads the attention weights, "mlp_norm" and "moe"/"router" only;
-`experts` reads "moe"/"experts" (and "moe"/"shared").
+ "moe": fmoe.init_moe params}, plus "q_norm": [d] and "k_norm": [d] with cfg.qk_norm; a dense block has
+"mlp": fmoe.dense.init_swiglu_mlp params instead of "mlp_norm" and "moe". `attention` reads the
+attention weights, "mlp_norm" and "moe"/"router" only; `experts` reads "moe"/"experts" (and "moe"/"shared").
 
 Each function that takes params (or state) and the config checks the entries it reads against it first
 (keys, shapes, dtypes: fmoe/structure.py) unless given check=False; `block` checks the whole block once
@@ -60,18 +60,23 @@ from fmoe.ops import attention as attention_op
 from fmoe.ops import linear, rms_norm
 from fmoe.structure import check_block, check_moe, local_experts
 
-_ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",))
+_ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
 
 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Return {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D]}."""
+    """Return {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D]}
+    (+ "q_norm": [d], "k_norm": [d] of ones with cfg.qk_norm)."""
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"attn_norm": torch.ones(D, dtype=dtype, device=param_device(generator)),
-            "w_q": scaled_normal((D, Hd), D, generator, dtype),
-            "w_k": scaled_normal((D, Gd), D, generator, dtype),
-            "w_v": scaled_normal((D, Gd), D, generator, dtype),
-            "w_o": scaled_normal((Hd, D), Hd, generator, dtype)}
+    p = {"attn_norm": torch.ones(D, dtype=dtype, device=param_device(generator)),
+         "w_q": scaled_normal((D, Hd), D, generator, dtype),
+         "w_k": scaled_normal((D, Gd), D, generator, dtype),
+         "w_v": scaled_normal((D, Gd), D, generator, dtype),
+         "w_o": scaled_normal((Hd, D), Hd, generator, dtype)}
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            p[name] = torch.ones(cfg.head_dim, dtype=dtype, device=param_device(generator))
+    return p
 
 
 def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
@@ -89,8 +94,8 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
 def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
                    check: bool = True) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
-    rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]). `check`: check the attention
-    weights against `cfg` first."""
+    rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]); with cfg.qk_norm, q and k are
+    RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first."""
     if check:
         check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
     H, G = cfg.n_heads, cfg.n_kv_heads
@@ -99,6 +104,9 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     q_BSHd = linear(h_BSD, params["w_q"]).unflatten(-1, (H, cfg.head_dim))
     k_BSGd = linear(h_BSD, params["w_k"]).unflatten(-1, (G, cfg.head_dim))
     v_BSGd = linear(h_BSD, params["w_v"]).unflatten(-1, (G, cfg.head_dim))
+    if cfg.qk_norm:
+        q_BSHd = rms_norm(q_BSHd, params["q_norm"], cfg.norm_eps)
+        k_BSGd = rms_norm(k_BSGd, params["k_norm"], cfg.norm_eps)
     o_BSHd = attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
     return x_BSD + linear(o_BSHd.flatten(-2), params["w_o"])
 

@@ -160,14 +160,16 @@ class GPTConfig:
     """A small GPT: embedding, num_dense_layers dense blocks, then MoE blocks, final norm, head.
 
     Attention: n_heads query heads (H), n_kv_heads key/value heads (G, GQA), head_dim (d), RoPE with
-    rope_theta, causal. Dense blocks use a SwiGLU of width d_ff_dense.
+    rope_theta, causal. qk_norm: an RMSNorm over each head's d features of q and of k (own [d] gains
+    "q_norm", "k_norm", eps norm_eps) before RoPE, as Qwen3 (default off: no such weights).
+    Dense blocks use a SwiGLU of width d_ff_dense.
     n_kv_heads, head_dim and d_ff_dense may be given as None: construction resolves them to n_heads,
     d_model // n_heads and 4 * d_model, so after it they are always ints (read cfg.head_dim etc.).
     mtp: add a DeepSeek-V3 multi-token-prediction module (depth 1, predicts token t+2), whose loss is
     added with weight mtp_loss_weight. The MoE layers use `moe` (its d_model must equal d_model).
     Ranges: sizes are positive ints (num_dense_layers an int in [0, n_layers]); rope_theta a finite
     float > 0 (0 or NaN make the rotary angles NaN: attention runs on, its gradients NaN); norm_eps and
-    mtp_loss_weight finite floats >= 0; mtp a bool.
+    mtp_loss_weight finite floats >= 0; mtp and qk_norm bools.
     """
 
     vocab_size: int
@@ -183,6 +185,7 @@ class GPTConfig:
     norm_eps: float = 1e-6
     mtp: bool = False
     mtp_loss_weight: float = 0.3
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.moe, MoEConfig):
@@ -192,7 +195,7 @@ class GPTConfig:
                          "head_dim": 1, "d_ff_dense": 1, "num_dense_layers": 0},
                    reals={"rope_theta": (0.0, True), "norm_eps": (0.0, False),
                           "mtp_loss_weight": (0.0, False)},
-                   flags=("mtp",))
+                   flags=("mtp", "qk_norm"))
         kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"GPTConfig.n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")

@@ -3,6 +3,7 @@
     params = init_gpt(cfg, generator)
     state = init_gpt_state(cfg)
     loss, aux = gpt_loss(params, ids_BS, targets_BS, cfg, state)   # aux.new_state for the next step
+    logits_BSV = gpt_logits(params, ids_BS, cfg)                    # the main model's logits
 
 Legend (the package's, docs/moe.md): B sequences, S positions, T = B * S tokens, D model width,
 V vocabulary.
@@ -92,6 +93,36 @@ def _logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tenso
     return cross_entropy(logits_TV, targets_BS.reshape(B * S))
 
 
+def _trunk(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig, state: dict[str, Any],
+           dispatcher: Dispatcher | None) -> tuple[torch.Tensor, list[MoEAux], list[dict[str, Any]]]:
+    """Return (h_BSD, MoEAux per MoE layer, new layer states): the embedding and every block, unchecked."""
+    x_BSD = embedding(ids_BS, params["embed"]["table"])
+    moe_aux: list[MoEAux] = []
+    new_layers: list[dict[str, Any]] = []
+    for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
+        if i < cfg.num_dense_layers:
+            x_BSD = dense_block(p, x_BSD, cfg, check=False)
+            new_layers.append({})
+        else:
+            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher, check=False)
+            moe_aux.append(a)
+            new_layers.append(a.new_state)
+    return x_BSD, moe_aux, new_layers
+
+
+def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
+               state: dict[str, Any] | None = None, dispatcher: Dispatcher | None = None, *,
+               check: bool = True) -> torch.Tensor:
+    """Return logits_BSV [B, S, V] of the main model, head(rms_norm(h)) (no MTP, no loss): what an
+    inference framework computes, e.g. to compare with an imported checkpoint (fmoe/hf). `check`: as in
+    `gpt_loss`."""
+    state = state or init_gpt_state(cfg, ids_BS.device)
+    if check:
+        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    x_BSD = _trunk(params, ids_BS, cfg, state, dispatcher)[0]
+    return linear(rms_norm(x_BSD, params["norm"], cfg.norm_eps), params["head"]["w"])
+
+
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
              state: dict[str, Any] | None = None,
              dispatcher: Dispatcher | None = None, *, check: bool = True) -> tuple[torch.Tensor, GPTAux]:
@@ -105,17 +136,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     state = state or init_gpt_state(cfg, ids_BS.device)
     if check:
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    x_BSD = embedding(ids_BS, params["embed"]["table"])
-    moe_aux: list[MoEAux] = []
-    new_layers: list[dict[str, Any]] = []
-    for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
-        if i < cfg.num_dense_layers:
-            x_BSD = dense_block(p, x_BSD, cfg, check=False)
-            new_layers.append({})
-        else:
-            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher, check=False)
-            moe_aux.append(a)
-            new_layers.append(a.new_state)
+    x_BSD, moe_aux, new_layers = _trunk(params, ids_BS, cfg, state, dispatcher)
     main = _logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
     new_state: dict[str, Any] = {"layers": new_layers}
     mtp = main.new_zeros(())

@@ -273,9 +273,12 @@ def moe_state_spec(cfg: MoEConfig) -> Mapping[str, Any]:
 
 def _attention_spec(cfg: GPTConfig) -> dict[str, Any]:
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"attn_norm": Leaf((("D", D),)), "w_q": Leaf((("D", D), ("H*d", Hd))),
-            "w_k": Leaf((("D", D), ("G*d", Gd))), "w_v": Leaf((("D", D), ("G*d", Gd))),
-            "w_o": Leaf((("H*d", Hd), ("D", D)))}
+    spec: dict[str, Any] = {"attn_norm": Leaf((("D", D),)), "w_q": Leaf((("D", D), ("H*d", Hd))),
+                            "w_k": Leaf((("D", D), ("G*d", Gd))), "w_v": Leaf((("D", D), ("G*d", Gd))),
+                            "w_o": Leaf((("H*d", Hd), ("D", D)))}
+    for name in ("q_norm", "k_norm"):
+        spec[name] = Leaf((("d", cfg.head_dim),)) if cfg.qk_norm else Absent("qk_norm=False")
+    return spec
 
 
 @functools.lru_cache(maxsize=256)

@@ -63,7 +63,7 @@ def gpt_configs(draw: st.DrawFn) -> GPTConfig:
                      n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4])),
                      d_ff_dense=draw(st.integers(1, 8)),
                      num_dense_layers=draw(st.integers(0, n_layers)), mtp=draw(st.booleans()),
-                     moe=draw(moe_configs(d_model=D)))
+                     qk_norm=draw(st.booleans()), moe=draw(moe_configs(d_model=D)))
 
 
 def leaves(tree, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], torch.Tensor]]:
