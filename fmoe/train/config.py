@@ -138,7 +138,7 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     data: str = "markov"
-    data_kind: str = "bin16"
+    data_kind: str | None = None
     markov_sequences: int = 16384
     save: str | None = None
     save_interval: int = 0
@@ -277,7 +277,7 @@ class TrainConfig:
                      "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("save_interval", "warmup", "trace_step"):
+        for name in ("save_interval", "warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -309,14 +309,7 @@ class TrainConfig:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
-        if self.data != "markov" and self.data_kind not in DATA_KINDS[1:]:
-            kinds = ", ".join(DATA_KINDS[1:])
-            raise ValueError(f"--data-kind must be one of {kinds}, got {self.data_kind!r}")
-        if self.data != "markov" and not Path(self.data).is_file():
-            raise ValueError(f"--data: no such file {self.data}")
-        if self.data != "markov" and self.data_kind == "text" and self.vocab_size < 256:
-            raise ValueError("--data-kind text is byte level: --vocab-size must be >= 256, got "
-                             f"{self.vocab_size}")
+        self._check_data()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
                              f"--dp {self.dp} = {self.world_size}")
@@ -342,6 +335,7 @@ class TrainConfig:
                                       load=self.load)
         if save_problem is not None:
             raise ValueError(save_problem)
+        self._check_trace()  # after --save: a --resume run's first step is its checkpoint's
         if self.link_model is not None:
             parse_link_model(self.link_model)
         rpn = self.ranks_per_node or self.world_size
@@ -362,6 +356,42 @@ class TrainConfig:
         except S.ScheduleError as exc:
             raise ValueError(f"--schedule {name} with pp {self.pp} and {self.microbatches} microbatches per "
                              f"rank: {exc}") from None
+
+    def _check_data(self) -> None:
+        if self.data == "markov":
+            return
+        if not Path(self.data).is_file():
+            raise ValueError(f"--data: no such file {self.data}")
+        kinds = ", ".join(DATA_KINDS[1:])
+        if self.data_kind is None:
+            # the file's name says nothing reliable about its tokens: a text file read as bin16 fails
+            # only inside the ranks, at the first token over the vocabulary
+            raise ValueError(f"--data {self.data} needs --data-kind ({kinds})")
+        if self.data_kind not in DATA_KINDS[1:]:
+            raise ValueError(f"--data-kind must be one of {kinds}, got {self.data_kind!r}")
+        if self.data_kind == "text" and self.vocab_size < 256:
+            raise ValueError("--data-kind text is byte level: --vocab-size must be >= 256, got "
+                             f"{self.vocab_size}")
+        from fmoe.train.data import file_dataset  # memory-maps the file: reads nothing
+
+        file_dataset(self.data, self.data_kind, self.seq_length, self.vocab_size)  # its size fits a window
+
+    def _check_trace(self) -> None:
+        if self.trace_step < 1:
+            raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
+        if not self.trace:
+            return
+        if self.trace_step > self.steps:
+            raise ValueError(f"--trace-step {self.trace_step} is past the run's last step (--steps "
+                             f"{self.steps}): --trace would write nothing")
+        if self.resume and self.save:
+            from fmoe.train import checkpoint
+
+            last = checkpoint.latest(self.save)
+            done = checkpoint.read_meta(last)["step"] if last is not None else 0
+            if self.trace_step <= done:
+                raise ValueError(f"--trace-step {self.trace_step} was run before the checkpoint --resume "
+                                 f"continues from (step {done}): --trace would write nothing")
 
 
 def _flag(name: str) -> str:
@@ -391,7 +421,15 @@ def read_toml(path: str) -> dict[str, Any]:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path}: {exc}") from None
-    return {k.replace("-", "_"): v for k, v in raw.items()}
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name in out:  # TOML sees two keys; kept silently, the later one would win
+            raise ValueError(f"--config {path}: {spelled[name]!r} and {key!r} both set {_flag(name)}; "
+                             "keep one")
+        out[name], spelled[name] = value, key
+    return out
 
 
 PRESETS: dict[str, dict[str, Any]] = {
