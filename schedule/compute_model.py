@@ -9,10 +9,19 @@ whole stage run as one phase, its layer "L0-L3"); a table maps (kind, phase) -> 
 
 Why: on a shared CPU, ranks compute in turns (4 ranks on 2 cores), so how much compute hides an exchange
 depends on the scheduler, not on the executor. The executor calls the model as each compute phase ends;
-the model sleeps until the phase's start + its modelled duration (the real computation already ran, and
-should take less: a phase that took longer returns at once and counts as an overrun). Asleep, a rank
-leaves the core to the others, so ranks behave like devices computing while their exchanges travel,
+the model sleeps until the phase's device start + its modelled duration (the real computation already
+ran, and should take less: a phase that took longer returns at once and counts as an overrun). Asleep, a
+rank leaves the core to the others, so ranks behave like devices computing while their exchanges travel,
 as `fmoe.parallel.LinkModel` makes an exchange take its modelled time without a core.
+
+The device start: a device runs the phases its host queued back to back, the host running ahead (the
+executor has no host sync on a device path but the count exchange, issue 29), so the host's time between
+two phases (Python, split_vjp's bookkeeping) costs the device nothing while the host is ahead. The model
+keeps a device clock per step (`new_step`) and the host's lead: the time it slept since it last had to
+wait for an exchange (the host of a device would not have slept: it queues and goes on). A phase starts
+on the device at the latest of: the previous phase's end there, the completion of the exchanges the host
+waited for (`waited`), and the moment the host would have queued it (its start less the lead). A host
+slower than the modelled device still shows; so does every wait for a late peer.
 
 Durations (`ComputeModel.duration`):
 - F, I, W of a phase: the table's entry.
@@ -92,6 +101,20 @@ class ComputeModel:
         self.clock, self.sleep = clock, sleep
         self.stats = ModelStats()
         self._stage_phases: dict[int, dict[tuple[str, str], None]] = {}  # stage -> its forwards' phases
+        self._device_free: float | None = None  # when the device ends its last phase (None: step not begun)
+        self._inputs_ready = float("-inf")  # when the exchanges waited for since then completed
+        self._lead = 0.0  # how far a device's host would be ahead of this one (module docstring)
+
+    def new_step(self, t0: float) -> None:
+        """Starts the device clock of a step that begins at clock time `t0` (the device is idle)."""
+        self._device_free, self._inputs_ready, self._lead = t0, float("-inf"), 0.0
+
+    def waited(self, completed: float) -> None:
+        """Tells the model, as a wait ends, that the host waited for an exchange that completed at clock
+        time `completed`: the next phase cannot start on the device before it, and the host's lead is
+        what is left of it after blocking until then."""
+        self._inputs_ready = max(self._inputs_ready, completed)
+        self._lead = max(0.0, min(self._lead, self.clock() - completed))
 
     def reset(self) -> ModelStats:
         """Returns the stats so far and starts new ones."""
@@ -123,15 +146,23 @@ class ComputeModel:
         return t
 
     def __call__(self, kind: str, phase: str, stage: int, layer: str, mb: int, started: float) -> None:
-        """The executor's hook: returns no earlier than `started` + the phase's modelled duration."""
+        """The executor's hook, for a phase the host started at `started`: returns no earlier than its
+        device start (module docstring; `started` when no step was begun) + its modelled duration, and
+        no earlier than now."""
         if kind == F and phase != STAGE:
             self._stage_phases.setdefault(stage, {})[(layer, phase)] = None
         modelled = self.duration(kind, phase, stage)
         now = self.clock()
         self.stats.add(kind, phase, stage, mb, modelled, now - started)
-        left = started + modelled - now
-        if left > 0:
-            self.sleep(left)
+        device_start = started
+        if self._device_free is not None:
+            device_start = max(self._device_free, self._inputs_ready, started - self._lead)
+        end = max(device_start + modelled, now)
+        if self._device_free is not None:
+            self._device_free = end
+        if end > now:
+            self.sleep(end - now)
+            self._lead += end - now
 
 
 def table_from_events(events: Iterable[TraceEvent], scale: float = 1.0, b_is_dx: bool = True) -> dict:

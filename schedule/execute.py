@@ -165,7 +165,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     mb, started)`: called as each compute phase ends (kind F/B/I/W, `started` a time.perf_counter()
     value), it returns no earlier than the phase's modelled end, so that ranks sharing a few cores run as
     devices that compute while their exchanges travel (as a LinkModel does for the exchanges); the
-    computation itself runs as always."""
+    computation itself runs as always. The executor starts its device clock (`new_step`) and tells it
+    when each exchange or receive it waited for completed (`waited`)."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
     full, wire = _verified(s, fuse_iw)
@@ -226,6 +227,8 @@ class _Executor:
         self.scale = 1.0 / s.m  # the losses are averaged over the microbatches
         self.seed = loss_scale / s.m  # the cotangent every loss's backward starts from
         self.t0 = time.perf_counter()
+        if compute_model is not None:  # the device is idle when the step begins
+            compute_model.new_step(self.t0)
         self.events: list[TraceEvent] = []
         self.records: dict[tuple[int, int], _Record] = {}
         self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
@@ -649,6 +652,8 @@ class _Executor:
                f"{self.s.placement.stage_rank[dep.stage]}"
         for w in works:
             self._wait_work(w, what)
+        if self.compute_model is not None:  # gloo tells no completion time: the wait's end bounds it
+            self.compute_model.waited(time.perf_counter())
         self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t)
         self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post)
         return bufs
@@ -798,6 +803,8 @@ class _Executor:
         wait_end = self._now()
         done = getattr(pending, "completed_at", None)
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
+        if self.compute_model is not None:  # what the next phase needs arrived then, not before
+            self.compute_model.waited(self.t0 + end)
         self._event("comm", f"a2a {label}", "a2a", issued, end)
         self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end)
 

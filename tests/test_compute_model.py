@@ -53,6 +53,42 @@ def test_a_slower_phase_returns_at_once_and_counts_as_an_overrun() -> None:
     assert "1 overran" in cm.stats.line()
 
 
+def test_the_device_runs_queued_phases_back_to_back_and_waits_for_its_inputs() -> None:
+    """Within a step, the host's time between two phases costs the device nothing while the host is
+    ahead (it slept: a device's host would have queued on), but a phase never starts on the device
+    before the exchange it waited for completed, nor before the host would have queued it."""
+    clock = _Clock()
+    cm = _model(clock)
+    cm.new_step(clock.now)                      # t = 100
+    clock.now += 0.5
+    cm("F", "attention", 0, "L0", 0, 100.0)     # device 100 -> 102; the host slept 1.5
+    assert clock.now == 102.0
+    clock.now += 1.0                            # host gap: 1 s of Python before the next phase
+    start = clock.now
+    clock.now += 0.5
+    cm("F", "mlp", 0, "L0", 0, start)           # queued at 101.5: device 102 -> 106, the gap hidden
+    assert clock.now == 106.0                   # the host is 4 s ahead now
+    clock.now = 109.5
+    cm.waited(109.0)                            # it blocked on an exchange that completed at 109
+    start = clock.now
+    clock.now += 0.5
+    cm("F", "attention", 0, "L1", 0, start)     # device 109 -> 111, not 106 -> 108; lead 0.5 + 1
+    assert clock.now == 111.0
+    clock.now = 120.0                           # 9 s of host work: more than its 1.5 s lead
+    start = clock.now
+    cm("F", "mlp", 0, "L1", 0, start)           # queued at 118.5: device 118.5 -> 122.5
+    assert clock.now == 122.5
+    clock.now += 3.0                            # a phase whose real time exceeds the model ends late
+    start = clock.now
+    clock.now += 9.0
+    cm("F", "mlp", 0, "L1", 0, start)
+    assert clock.now == 134.5 and cm.stats.overruns["F"] == 1
+    cm.new_step(200.0)                          # a new step: no lead, an idle device
+    clock.now = 201.0
+    cm("F", "attention", 0, "L0", 0, 201.0)
+    assert clock.now == 203.0
+
+
 def test_unknown_phases_raise_unless_there_is_a_default() -> None:
     clock = _Clock()
     with pytest.raises(KeyError, match="no duration for F 'head'"):
