@@ -13,6 +13,23 @@ from fmoe.schedule import deps
 from fmoe.schedule.comms import without_comms
 from fmoe.schedule.costs import Costs
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Schedule, ScheduleError, W, ops_of
+from fmoe.schedule.verify import verify
+
+# Schedules simulate has verified, by identity: a planner simulates one (cached) Schedule under many costs,
+# and verifying costs 2-5x a simulation. Schedules are frozen, so a verification stays valid; the entry
+# holds its schedule, so the id cannot be reused while it is cached.
+_VERIFIED: dict[int, Schedule] = {}
+_VERIFIED_MAX = 256
+
+
+def _verify_once(s: Schedule) -> None:
+    """Raise verify's ScheduleError for `s`, unless this very object passed before."""
+    if _VERIFIED.get(id(s)) is s:
+        return
+    verify(s)
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        del _VERIFIED[next(iter(_VERIFIED))]  # the oldest
+    _VERIFIED[id(s)] = s
 
 
 @dataclass(frozen=True)
@@ -62,11 +79,13 @@ def _peaks(deltas: list[tuple[float, float]]) -> float:
 
 def simulate(s: Schedule, costs: Costs | None = None) -> Report:
     """Returns the Report of running `s` (sends/receives ignored, they follow from placement) under
-    `costs` (default Costs()). Raises ScheduleError if the lists cannot complete (run `verify` first), if
-    `costs` is not a Costs, or if a per-stage cost tuple does not have one value per stage of `s`."""
+    `costs` (default Costs()). Raises ScheduleError with verify's message if `s` fails `verify` (numbers
+    for lists that cannot run would be meaningless; a Schedule object is verified once, then remembered),
+    if `costs` is not a Costs, or if a per-stage cost tuple does not have one value per stage of `s`."""
     costs = Costs() if costs is None else costs
     if not isinstance(costs, Costs):
         raise ScheduleError(f"simulate: costs must be a Costs, got {type(costs).__name__} {costs!r}")
+    _verify_once(s)
     costs.check_stages(s.placement.num_stages, f"schedule {s.name!r}")
     s = without_comms(s)
     done: dict[deps.Dep, float] = {}  # when each produced Dep became available on its producer

@@ -4,7 +4,9 @@ overlap model, memory counts, stage imbalance, pictures and the CLI."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -15,6 +17,7 @@ import fmoe.schedule as S
 from fmoe.cli import simulate as cli_simulate
 from fmoe.schedule import stages
 from fmoe.schedule.imbalance import imbalance_pct, rank_costs
+from fmoe.schedule.ir import ACT, Op, Send
 
 SET = settings(max_examples=25, deadline=None)
 UNIT = S.Costs(f=1, i=1, w=1)  # F = I = W = 1, B = I + W = 2, F&B = F + B = 3, no communication
@@ -188,3 +191,42 @@ def test_cli_zero_w_is_valid(capsys) -> None:
 
     assert main(["simulate", "--schedule", "zb_h1", "--pp", "4", "-m", "8", "--w", "0"]) == 0
     assert "makespan 22," in capsys.readouterr().out  # (m + pp - 1)(F + I) with W free: 11 x 2
+
+
+def _without(s: S.Schedule, r: int, action: object) -> S.Schedule:
+    return replace(s, ranks=s.ranks[:r] + (tuple(a for a in s.ranks[r] if a != action),) + s.ranks[r + 1:])
+
+
+def _swapped(s: S.Schedule, r: int, a: int, b: int) -> S.Schedule:
+    acts = list(s.ranks[r])
+    acts[a], acts[b] = acts[b], acts[a]
+    return replace(s, ranks=s.ranks[:r] + (tuple(acts),) + s.ranks[r + 1:])
+
+
+def _deadlocked() -> S.Schedule:
+    full = S.with_comms(S.one_f_one_b(2, 2))  # r0 receives mb 1's grad before sending its activation
+    r0 = list(full.ranks[0])
+    i_send = r0.index(Send(ACT, 0, 1, 1))
+    r0.insert(i_send, r0.pop(next(k for k, a in enumerate(r0) if str(a) == "rg1.1<r1")))
+    return replace(full, ranks=(tuple(r0),) + full.ranks[1:])
+
+
+@pytest.mark.parametrize("broken, msg", [
+    (lambda: _without(S.one_f_one_b(2, 2), 0, Op("B", 0, 1)), "0 B, 0 I, 0 W; expected"),
+    (lambda: _swapped(S.one_f_one_b(2, 2), 1, 0, 1), "r1 position 0 B1.0: F1.0 has not run before it"),
+    (_deadlocked, "deadlock with blocking receives"),
+])
+def test_simulate_refuses_what_verify_refuses(broken, msg: str) -> None:
+    """Numbers for a schedule that cannot run would be silently wrong: simulate raises verify's error."""
+    with pytest.raises(S.ScheduleError, match=msg):
+        S.simulate(broken(), UNIT)
+
+
+def test_simulate_verifies_a_schedule_object_once(monkeypatch) -> None:
+    sim = importlib.import_module("fmoe.schedule.simulate")  # the module (the package exports the function)
+    calls = []
+    monkeypatch.setattr(sim, "verify", lambda s: calls.append(s))
+    s = S.one_f_one_b(2, 3)
+    sim.simulate(s, UNIT)
+    sim.simulate(s, S.Costs(f=2, i=1, w=1))
+    assert calls == [s]
