@@ -6,7 +6,9 @@ Legend: S stages, L layers; costs in units of one transformer layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 from fmoe.schedule.ir import Placement, ScheduleError
 
@@ -20,9 +22,26 @@ class LayerPlacement:
     imbalance_pct: float
 
 
+def _check_extra(name: str, x: object) -> None:
+    """Raises ScheduleError unless `x` is a finite real >= 0 (nan / inf / negative would bias placement)."""
+    if not isinstance(x, Real) or isinstance(x, bool) or not math.isfinite(x):
+        raise ScheduleError(f"{name} must be a finite number >= 0, got {x!r}")
+    if x < 0:
+        raise ScheduleError(f"{name} must be >= 0, got {x!r}")
+
+
+def _check_count(name: str, x: object) -> None:
+    """Raises ScheduleError unless `x` is an int >= 0."""
+    if not isinstance(x, Integral) or isinstance(x, bool) or x < 0:
+        raise ScheduleError(f"{name} must be an int >= 0, got {x!r}")
+
+
 def stage_costs(placement: Placement, layers: tuple[int, ...], first_extra: float = 0.0,
                 last_extra: float = 0.0) -> tuple[float, ...]:
-    """Returns per-stage cost [S]: its layers + `first_extra` on stage 0 + `last_extra` on the last."""
+    """Returns per-stage cost [S]: its layers + `first_extra` on stage 0 + `last_extra` on the last.
+    Raises ScheduleError unless both extras are finite numbers >= 0."""
+    _check_extra("first_extra", first_extra)
+    _check_extra("last_extra", last_extra)
     if len(layers) != placement.num_stages:
         raise ScheduleError(f"{len(layers)} layer counts for {placement.num_stages} stages")
     last = placement.num_stages - 1
@@ -58,7 +77,12 @@ def place_layers(placement: Placement, num_layers: int, first_extra: float = 0.0
                  min_layers: int = 0) -> LayerPlacement:
     """Returns a LayerPlacement of `num_layers` over the stages that minimises the costliest rank
     (local search from the even split, moving one layer from the costliest rank's stage to the
-    cheapest rank's stage while that lowers the pair's maximum), at least `min_layers` per stage."""
+    cheapest rank's stage while that lowers the pair's maximum), at least `min_layers` per stage.
+    Raises ScheduleError unless the extras are finite numbers >= 0 and the layer counts ints >= 0."""
+    _check_extra("first_extra", first_extra)
+    _check_extra("last_extra", last_extra)
+    _check_count("num_layers", num_layers)
+    _check_count("min_layers", min_layers)
     layers = list(even_layers(placement, num_layers, min_layers))
     while True:
         cost = rank_costs(placement, tuple(layers), first_extra, last_extra)

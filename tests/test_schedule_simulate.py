@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 from dataclasses import replace
 from fractions import Fraction
 
@@ -230,3 +231,20 @@ def test_simulate_verifies_a_schedule_object_once(monkeypatch) -> None:
     sim.simulate(s, UNIT)
     sim.simulate(s, S.Costs(f=2, i=1, w=1))
     assert calls == [s]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(first_extra=float("nan")), "first_extra must be a finite number >= 0, got nan"),
+    (dict(first_extra=float("inf")), "first_extra must be a finite number >= 0, got inf"),
+    (dict(first_extra=-1.0), "first_extra must be >= 0, got -1.0"),
+    (dict(last_extra=float("-inf")), "last_extra must be a finite number >= 0, got -inf"),
+    (dict(last_extra="1"), "last_extra must be a finite number >= 0, got '1'"),
+    (dict(num_layers=-4, min_layers=0), "num_layers must be an int >= 0, got -4"),
+    (dict(num_layers=8.5), "num_layers must be an int >= 0, got 8.5"),
+    (dict(min_layers=-1), "min_layers must be an int >= 0, got -1"),
+])
+def test_place_layers_refuses_bad_numbers(kw: dict, msg: str) -> None:
+    """nan / inf / negative extras gave a placement with nan or inf costs, or one biased towards stage 0."""
+    args = dict(num_layers=8, first_extra=0.5, last_extra=0.5, min_layers=1) | kw
+    with pytest.raises(S.ScheduleError, match=re.escape(msg)):
+        S.place_layers(stages.vshape(2), **args)
