@@ -31,15 +31,18 @@ MODES = {
     "dynamic_in_expert": dict(dynamic_capacity_window=2, probs_in_expert=True, num_shared_experts=1),
     "pad_position_in_expert": dict(capacity_factor=0.5, pad_to_capacity=True, drop_policy="position",
                                    probs_in_expert=True),
+    "qk_norm": dict(qk_norm=True),  # a GPTConfig option: Qwen3's per-head q / k RMSNorm
 }
 
 
 def make(mode: str, B: int, S: int, E: int, K: int, dtype: torch.dtype, seed: int):
     kw = dict(MODES[mode])
+    qk_norm = kw.pop("qk_norm", False)
     if mode == "sigmoid_groups_bias" and E % 2 == 0 and K <= E // 2:
         kw.update(num_groups=2, topk_groups=1)
     moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=K, **kw)
-    cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, moe=moe_cfg)
+    cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, moe=moe_cfg,
+                    qk_norm=qk_norm)
     g = torch.Generator().manual_seed(seed)
     params = tree_map(lambda t: t.to(dtype), init_block(cfg, g, torch.float64))
     x = torch.randn(B, S, 8, generator=g, dtype=torch.float64).to(dtype)

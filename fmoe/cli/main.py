@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmoe.cli import demo, plan, simulate, train
+from fmoe.cli import convert, demo, plan, simulate, train
 
-COMMANDS = {"demo": demo, "plan": plan, "simulate": simulate, "train": train}
+COMMANDS = {"demo": demo, "plan": plan, "simulate": simulate, "train": train, "convert": convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ every failure (torch's CheckpointException is a BaseException) into one line of 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -44,6 +45,10 @@ LATEST = "latest"
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
                 "moe_router_topk", "num_attention_heads", "num_query_groups", "first_k_dense",
                 "moe_shared_experts", "vocab_size", "mtp", "dtype")
+# GPTConfig fields (moe.* of its MoEConfig) that `fmoe train` does not set but a checkpoint imported from
+# Hugging Face (fmoe convert) records under meta "model": loading it into a run whose model differs fails.
+ARCH_FIELDS = ("head_dim", "rope_theta", "norm_eps", "qk_norm", "moe.score_func", "moe.topk_norm",
+               "moe.topk_scale", "moe.num_groups", "moe.topk_groups")
 # The fields the learning rate of a step depends on (fmoe/train/optim.py, lr_at): a resumed run that
 # changes one changes the LR mid-run (a larger --steps restarts the cosine), refused as Megatron does.
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")
@@ -209,11 +214,28 @@ def read_meta(checkpoint: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def architecture_diff(model: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The ARCH_FIELDS where a recorded GPTConfig (`model`, as dataclasses.asdict) and the one this run's
+    TrainConfig fields `config` build differ."""
+    from fmoe.train.config import TrainConfig
+
+    ours = dataclasses.asdict(TrainConfig.build(config).model())
+    def at(tree: dict[str, Any], name: str) -> Any:
+        for part in name.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+    return [f"{k}: checkpoint {at(model, k)!r}, this run {at(ours, k)!r}" for k in ARCH_FIELDS
+            if at(model, k) != at(ours, k)]
+
+
 def check_compatible(meta: dict[str, Any], config: dict[str, Any], checkpoint: str | Path) -> None:
-    """Raises CheckpointError naming the model fields where the checkpoint's config and this run's differ."""
+    """Raises CheckpointError naming the model fields where the checkpoint's config and this run's differ
+    (and, for a checkpoint that records its whole GPTConfig, `fmoe convert`'s, the ARCH_FIELDS)."""
     saved = meta.get("config", {})
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}" for k in MODEL_FIELDS
             if saved.get(k) != config.get(k)]
+    if not diff and isinstance(meta.get("model"), dict):
+        diff = architecture_diff(meta["model"], config)
     if diff:
         raise CheckpointError(f"{checkpoint} holds another model ({'; '.join(diff)})")
 
