@@ -243,6 +243,19 @@ def test_the_defaults_for_absent_fields_are_transformers_own(arch: str) -> None:
         assert have == value, name
 
 
+def test_hub_style_fields_map_like_transformers_5_ones() -> None:
+    """Hub config.json files of transformers 4 spell RoPE as rope_theta / rope_scaling and Qwen3's expert
+    count as num_experts; absent fields take the class defaults."""
+    new = _hf_config("qwen3_moe").to_dict()
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "num_local_experts", "head_dim")}
+    old.update(rope_theta=5e5, rope_scaling=None, num_experts=4, head_dim=16)
+    assert config_from_hf(old) == config_from_hf(new)
+    bare = {"model_type": "mixtral", "hidden_size": 64, "num_attention_heads": 8}
+    cfg = config_from_hf(bare)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.moe.num_experts, cfg.n_kv_heads, cfg.head_dim) == (
+        1e6, 1e-5, 8, 8, 8)
+
+
 def test_cli_round_trip_through_an_fmoe_checkpoint(tmp_path: Path, capsys) -> None:
     """hf-to-fmoe writes fmoe train's format (verified load, same params); fmoe-to-hf gives back the same
     tensors and config; a model fmoe train cannot build (qk_norm) is refused by its --load."""
