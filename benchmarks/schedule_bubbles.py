@@ -53,7 +53,7 @@ def main() -> None:
         for name in ROWS:
             for pp in (4, 8, 16):
                 for m in (2 * pp, 4 * pp):
-                    s = S.build(name, pp, m, 2)
+                    s = S.build(name, pp, m, 2 if name.startswith("interleaved") else None)
                     rep = S.simulate(s, c)
                     ratios = (rep.overlap_ratio[k] for k in ("steady", "warmup", "cooldown"))
                     ov = "/".join("-" if x is None else f"{100 * x:.0f}%" for x in ratios)

@@ -1,6 +1,10 @@
-"""Generators by name, for the CLI and benchmarks: build(name, pp, m, v) -> Schedule.
+"""Generators by name, for the CLI, the planner and `fmoe train`: build(name, pp, m, v) -> Schedule.
 
-Legend: pp ranks, m microbatches, v chunks per rank (only the interleaved schedules use it).
+Legend: pp ranks, m microbatches, v model chunks per rank (the virtual pipeline size, Megatron's vpp).
+
+Only the interleaved schedules take v; every other schedule holds a fixed number of chunks per rank
+(`CHUNKS`), and `build` refuses another v for it rather than ignore it: a planner that priced zb_h1 at
+vpp 4 would rank a layout no executor runs. `chunks_per_rank` is that rule alone.
 """
 
 from __future__ import annotations
@@ -15,9 +19,34 @@ NAMES = ("gpipe", "1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "d
 SINGLE_RANK = ("combined_1f1b",)  # pp = 1 only
 ALL_NAMES = NAMES + SINGLE_RANK
 
+# model chunks per rank (the model is cut into pp x this many chunks); None: the interleaved schedules,
+# which take v (default 2). DualPipe runs two copies of a pp-chunk cut: 1 (its memory counts the copy).
+CHUNKS: dict[str, int | None] = {
+    "gpipe": 1, "1f1b": 1, "interleaved": None, "interleaved+extra": None, "zb_h1": 1, "zbv": 2,
+    "dualpipe": 1, "dualpipev": 2, "dualpipev+dw_detach": 2, "combined_1f1b": 1,
+}
+DEFAULT_V = 2  # the interleaved schedules' v when none is given
 
-def build(name: str, pp: int, m: int, v: int = 2) -> Schedule:
-    """Returns the schedule called `name` (one of ALL_NAMES) for pp ranks and m microbatches."""
+
+def chunks_per_rank(name: str, v: int | None = None) -> int:
+    """Returns the model chunks per rank schedule `name` runs with `v` (None: its own; the interleaved
+    ones: DEFAULT_V). ScheduleError for an unknown name, or a v the schedule does not run."""
+    if name not in CHUNKS:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(ALL_NAMES)}")
+    fixed = CHUNKS[name]
+    if fixed is None:
+        return DEFAULT_V if v is None else v
+    if v is not None and v != fixed:
+        takes = ", ".join(n for n, c in CHUNKS.items() if c is None)
+        raise ScheduleError(f"{name} holds {fixed} model chunk{'s' if fixed > 1 else ''} per rank, not "
+                            f"vpp {v} (only {takes} take a virtual pipeline size)")
+    return fixed
+
+
+def build(name: str, pp: int, m: int, v: int | None = None) -> Schedule:
+    """Returns the schedule called `name` (one of ALL_NAMES) for pp ranks and m microbatches, with v
+    chunks per rank for the interleaved ones (`chunks_per_rank`: another v for the others is refused)."""
+    v = chunks_per_rank(name, v)
     table = {
         "gpipe": lambda: gpipe(pp, m),
         "1f1b": lambda: one_f_one_b(pp, m),
@@ -32,6 +61,4 @@ def build(name: str, pp: int, m: int, v: int = 2) -> Schedule:
     }
     if name in SINGLE_RANK and pp != 1:
         raise ScheduleError(f"{name} runs on one pipeline rank (pp = 1), got pp={pp}")
-    if name not in table:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(ALL_NAMES)}")
     return table[name]()

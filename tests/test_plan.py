@@ -43,7 +43,7 @@ from fmoe.plan.specs import (
     load_cluster,
     load_model,
 )
-from fmoe.schedule.registry import ALL_NAMES, NAMES
+from fmoe.schedule.registry import ALL_NAMES, NAMES, chunks_per_rank
 from fmoe.train.config import TrainConfig
 
 GIB = 2**30
@@ -226,7 +226,7 @@ def test_peak_bytes_match_the_simulator(name: str) -> None:
     checked = 0
     for pp in (2, 3, 4):
         for m in (1, 2, 3, 4, 6, 8, 9, 12):
-            for v in ((2, 3) if name.startswith("interleaved") else (2,)):
+            for v in ((2, 3) if name.startswith("interleaved") else (None,)):  # only they take a v
                 try:
                     s = S.build(name, pp, m, v)
                 except S.ScheduleError:
@@ -245,7 +245,7 @@ def test_peak_bytes_match_the_simulator(name: str) -> None:
 # ---- 4. the microbatch rule --------------------------------------------------------------------------
 
 
-def _accepts(name: str, pp: int, m: int, v: int) -> bool:
+def _accepts(name: str, pp: int, m: int, v: int | None) -> bool:
     try:
         S.build(name, pp, m, v)
     except S.ScheduleError:
@@ -257,7 +257,7 @@ def _accepts(name: str, pp: int, m: int, v: int) -> bool:
 def test_rule_microbatches_keeps_acceptance(name: str) -> None:
     accepted = 0
     for pp in range(1, 6):
-        for v in ((2, 4) if name.startswith("interleaved") else (2,)):
+        for v in ((2, 4) if name.startswith("interleaved") else (None,)):  # only they take a v
             for m in range(1, 61):
                 r = L.rule_microbatches(m, pp)
                 assert 1 <= r <= 6 * pp and (r - m) % (2 * pp) == 0 and (r == m or r >= 4 * pp)
@@ -284,7 +284,7 @@ EXTRAPOLATED = ("1f1b", "zb_h1", "interleaved", "dualpipev", "interleaved+extra"
                                       if not (n == "dualpipe" and pp % 2)])  # DualPipe: pp even
 def test_extrapolated_makespan_matches_the_full_simulation(name: str, pp: int) -> None:
     rng = random.Random(f"{name}-{pp}")
-    v = 2
+    v = chunks_per_rank(name)  # the interleaved ones at their default 2, the others their own count
     first = E.SIM_CAP * pp + pp + 1  # the first m _simulated extrapolates
     ms = [m for m in range(first, 41) if _accepts(name, pp, m, v)]  # the m this generator accepts
     assert len(ms) >= 3

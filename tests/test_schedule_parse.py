@@ -21,7 +21,7 @@ def _build(name: str, pp: int, k: int, extra: int, v: int) -> S.Schedule:
     # the generators' constraints differ; the first nearby (pp, m) a generator accepts is as good a sample
     for p, m in ((pp, 2 * pp * k + extra), (pp, 2 * pp * k), (pp + 1, 2 * (pp + 1) * k)):
         try:
-            return S.build(name, p, m, v)
+            return S.build(name, p, m, v if name.startswith("interleaved") else None)  # only they take a v
         except S.ScheduleError:
             continue
     raise AssertionError(f"{name} accepts no arguments near pp={pp}")

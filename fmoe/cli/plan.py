@@ -1,9 +1,17 @@
 """Plan a parallel layout: rank every (tp, pp, ep, vpp, dp, schedule, overlap, ...) by simulated step time.
 
+Every candidate passes the runtime's own rules (layout sizes, experts per rank, the microbatches and the
+chunks per rank each schedule runs: only the interleaved schedules take a vpp), is screened by a closed
+form, and the best are simulated with `fmoe.schedule.simulate`; the table gives step time, tokens/s, MFU,
+bubble, exposed communication and memory, and a PNG shows the best layout's timeline. docs/plan.md.
+
 Examples:
-    fmoe plan --model pangu-ultra-moe --cluster ascend-910b --devices 6144 --global-batch 3072
-    fmoe plan --model deepseek-v3 --cluster h800 --devices 2048 --global-batch 3840 --top 5 --json
-    fmoe plan --model tiny --cluster local --devices 2 --global-batch 32 --explain "tp1 pp2 ep1 vpp1 dp1 mb4"
+  fmoe plan --model pangu-ultra-moe --cluster ascend-910b --devices 6144 --global-batch 3072
+  fmoe plan --model deepseek-v3 --cluster h800 --devices 2048 --global-batch 3840 --top 5 --json
+  fmoe plan --model tiny --cluster local --devices 2 --global-batch 32      # what fmoe train would run
+  fmoe plan --model tiny --cluster local --devices 2 --global-batch 32 --explain "tp1 pp2 ep1 vpp1 dp1 mb4"
+  fmoe plan --model small --cluster h100 --devices 8 --explain "tp1 pp2 ep2 vpp2 dp2 mb1" --schedule zbv
+  fmoe plan --model model.toml --cluster cluster.toml --devices 64 --capacity-factors none,1.25
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster, load_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the model, cluster, batch and search options to `parser`; returns None."""
+    """Adds the model, cluster, batch and search options to `parser` (and the description and examples
+    `fmoe plan --help` prints); returns None."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
     parser.add_argument(
         "--model",
         required=True,

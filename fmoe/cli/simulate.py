@@ -1,6 +1,16 @@
 """Simulate a pipeline schedule: print a summary table and write a timeline PNG / trace JSON.
 
-Example: fmoe simulate --schedule dualpipev --pp 4 --microbatches 16 --a2a 0.25 --out timeline.png
+The schedule is generated and verified as data (fmoe.schedule), then simulated with the given costs per
+stage: forward F, input grad I, weight grad W, P2P latency, and MoE all-to-all that F&B pairs hide (seed
+000's fb overlap). The table gives makespan, bubble, peak activations and the share of all-to-all hidden
+in warmup, steady state and cooldown; docs/schedules.md.
+
+Examples:
+  fmoe simulate --schedule dualpipev --pp 4 --microbatches 16 --a2a 0.25 --out timeline.png
+  fmoe simulate --schedule dualpipev --pp 4 -m 16 --a2a 0.5 --lone-hide 0.5 --trace trace.json
+  fmoe simulate --schedule interleaved --pp 4 -m 8 --v 4 --print-schedule   # only interleaved takes --v
+  fmoe simulate --schedule 1f1b --pp 4 -m 8 --layers 16 --first-extra 1 --last-extra 2   # stage imbalance
+  fmoe simulate --schedule zb_h1 --pp 4 -m 8 --f 1 --i 1 --w 0.5   # zero bubble: W fills the gaps
 """
 
 from __future__ import annotations
@@ -14,11 +24,16 @@ from fmoe.schedule.registry import ALL_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the schedule, shape and cost options to `parser`; returns None."""
+    """Adds the schedule, shape and cost options to `parser` (and the description and examples
+    `fmoe simulate --help` prints); returns None."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
     parser.add_argument("--schedule", choices=ALL_NAMES, default="1f1b")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, default=16)
-    parser.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved schedules")
+    parser.add_argument("--v", type=int, default=None,
+                        help="chunks per rank of the interleaved schedules (default 2; the others run "
+                             "their own count and refuse another)")
     parser.add_argument("--f", type=float, default=1.0, help="forward time per stage")
     parser.add_argument("--i", type=float, default=1.0, help="input-grad time per stage")
     parser.add_argument("--w", type=float, default=1.0, help="weight-grad time per stage")

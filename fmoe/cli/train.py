@@ -41,6 +41,8 @@ HELP = {
     "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),
     "ranks_per_node": "treat this many consecutive local ranks as one node",
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
+    "num_virtual_stages_per_pipeline_rank": "vpp: model chunks per rank of the interleaved schedules "
+                                            "(default 2; other schedules run their own count)",
     "lr": "peak learning rate", "min_lr": "final learning rate (cosine)", "warmup": "linear warmup steps",
     "clip_grad": "global gradient-norm clip (0: off)", "weight_decay": "AdamW weight decay",
     "use_distributed_optimizer": "ZeRO-1: shard the AdamW state over the ranks replicating each weight",

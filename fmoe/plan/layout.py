@@ -7,7 +7,8 @@ per rank and step.
 
 The rules are the runtime's own: `fmoe.parallel.mesh.check_layout` (sizes, expert group against nodes),
 `fmoe.parallel.tp_extends_ep.experts_per_rank` (experts divisible by the expert group), the schedule
-generators (`fmoe.schedule.registry.build`: microbatch counts each schedule needs) and
+generators (`fmoe.schedule.registry.build`: microbatch counts each schedule needs, and the chunks per rank
+it runs: only the interleaved schedules take a vpp) and
 `fmoe.schedule.place_layers` (every chunk gets a layer). Nothing here needs a process group.
 """
 
@@ -22,17 +23,11 @@ from fmoe import schedule as S
 from fmoe.parallel.mesh import check_layout
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
+from fmoe.schedule.registry import CHUNKS
 
-# schedule name -> (chunks per rank it needs; 0 = any vpp >= 2, "interleaved" style)
-SCHEDULES = {
-    "1f1b": 1,
-    "interleaved": 0,
-    "interleaved+extra": 0,
-    "zb_h1": 1,
-    "zbv": 2,
-    "dualpipev": 2,
-    "dualpipe": 1,
-}
+# the schedules searched for pp > 1; the chunks per rank each runs (and whether it takes a vpp) are the
+# registry's rule (fmoe.schedule.registry.CHUNKS), which `build` enforces for the planner and the runtime
+SCHEDULES = ("1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipev", "dualpipe")
 SINGLE = ("1f1b", "combined_1f1b")  # pp = 1: microbatches in turn, or paired for fb overlap
 RECOMPUTE = ("none", "adaptive", "full")
 
@@ -199,8 +194,8 @@ def candidates(
             spans_nodes = group > min(rpn, devices)
             names = SINGLE if pp == 1 else tuple(SCHEDULES)
             for name, hier in itertools.product(names, (False, True) if spans_nodes else (False,)):
-                need = SCHEDULES.get(name, 1)
-                for v in vpps if need == 0 else (need,):
+                need = CHUNKS[name]
+                for v in vpps if need is None else (need,):
                     for overlap in (True, False):
                         if name == "combined_1f1b" and not overlap:
                             continue  # that is plain 1f1b

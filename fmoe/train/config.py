@@ -53,7 +53,9 @@ class TrainConfig:
     Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
     "accumulate" otherwise), dualpipev_dw_detach, overlap, fuse_iw (an I whose W comes next runs as one B;
     fmoe.schedule.fuse_adjacent_iw), dispatcher, ranks_per_node, link_model
-    ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]").
+    ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
+    num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
+    2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
     Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
@@ -113,6 +115,7 @@ class TrainConfig:
     dispatcher: str = "alltoall"
     ranks_per_node: int | None = None
     link_model: str | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
     # optimizer
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -338,6 +341,9 @@ class TrainConfig:
         self._check_trace()  # after --save: a --resume run's first step is its checkpoint's
         if self.link_model is not None:
             parse_link_model(self.link_model)
+        vpp = self.num_virtual_stages_per_pipeline_rank
+        if vpp is not None and vpp < 1:
+            raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be a positive integer, got {vpp}")
         rpn = self.ranks_per_node or self.world_size
         check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
         cfg = self.model()
@@ -346,16 +352,21 @@ class TrainConfig:
             if self.pp != 1 or self.ep != 1:
                 raise ValueError("--schedule accumulate runs one process alone (pp 1, ep 1, data parallel "
                                  f"allowed); got pp {self.pp}, ep {self.ep}")
+            if self.num_virtual_stages_per_pipeline_rank is not None:
+                raise ValueError("--num-virtual-stages-per-pipeline-rank cuts a pipeline: give an "
+                                 "interleaved schedule (accumulate runs the whole model in one process)")
             if self.trace:
                 raise ValueError("--trace records the executor's timeline: give a schedule (e.g. --schedule "
                                  "1f1b); accumulate runs without the executor")
             return
         try:
-            s = S.build(name, self.pp, self.microbatches)
+            s = S.build(name, self.pp, self.microbatches, self.num_virtual_stages_per_pipeline_rank)
             cut_gpt(cfg, s.placement)
         except S.ScheduleError as exc:
-            raise ValueError(f"--schedule {name} with pp {self.pp} and {self.microbatches} microbatches per "
-                             f"rank: {exc}") from None
+            vpp = "" if self.num_virtual_stages_per_pipeline_rank is None else (
+                f", vpp {self.num_virtual_stages_per_pipeline_rank}")
+            raise ValueError(f"--schedule {name} with pp {self.pp}{vpp} and {self.microbatches} microbatches "
+                             f"per rank: {exc}") from None
 
     def _check_data(self) -> None:
         if self.data == "markov":

@@ -100,7 +100,8 @@ class Trainer:
             self.schedule, self.chunks, self.holders = None, None, None
             paths = ChunkSpec(0, tuple(range(cfg.n_layers)), first=True, last=True).param_paths(cfg)
         else:
-            self.schedule = build_schedule(tc.schedule_name, tc.pp, tc.microbatches)
+            self.schedule = build_schedule(tc.schedule_name, tc.pp, tc.microbatches,
+                                           tc.num_virtual_stages_per_pipeline_rank)
             self.chunks = cut_gpt(cfg, self.schedule.placement)
             self.holders = holders(cfg, self.schedule.placement, self.chunks)
             paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
