@@ -43,9 +43,11 @@ def chunks_per_rank(name: str, v: int | None = None) -> int:
     return fixed
 
 
-def build(name: str, pp: int, m: int, v: int | None = None) -> Schedule:
+def build(name: str, pp: int, m: int, v: int | None = None, *, layers: int | None = None) -> Schedule:
     """Returns the schedule called `name` (one of ALL_NAMES) for pp ranks and m microbatches, with v
-    chunks per rank for the interleaved ones (`chunks_per_rank`: another v for the others is refused)."""
+    chunks per rank for the interleaved ones (`chunks_per_rank`: another v for the others is refused).
+    `layers`: the model's transformer layers, checked against the rule of a schedule that has one
+    (DualPipeV: at least 2pp and a multiple of 2pp, seed 001); None checks nothing."""
     v = chunks_per_rank(name, v)
     table = {
         "gpipe": lambda: gpipe(pp, m),
@@ -55,8 +57,8 @@ def build(name: str, pp: int, m: int, v: int | None = None) -> Schedule:
         "zb_h1": lambda: zb_h1(pp, m),
         "zbv": lambda: zbv(pp, m),
         "dualpipe": lambda: dualpipe(pp, m),
-        "dualpipev": lambda: dualpipev(pp, m),
-        "dualpipev+dw_detach": lambda: dualpipev(pp, m, dw_detach=True),
+        "dualpipev": lambda: dualpipev(pp, m, layers=layers),
+        "dualpipev+dw_detach": lambda: dualpipev(pp, m, dw_detach=True, layers=layers),
         "combined_1f1b": lambda: combined_1f1b(m),
     }
     if name in SINGLE_RANK and pp != 1:

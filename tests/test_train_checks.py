@@ -64,3 +64,15 @@ def test_a_data_file_without_its_kind_is_refused(capsys, tmp_path: Path, no_laun
     line = _refused(capsys, "--data", str(short), "--data-kind", "bin16")
     assert "one window needs" in line, line
     assert TrainConfig(pp=1, ep=1, data=str(text), data_kind="text", vocab_size=256).problem() is None
+
+
+def test_dualpipev_takes_layers_in_a_multiple_of_2pp(capsys, no_launch: None) -> None:
+    # seed 001 (MindSpeed's --schedules-method dualpipev): layers >= 2P and a multiple of 2P; the embedding,
+    # head and MTP module sit on the ends' chunks and are not layers
+    line = _refused(capsys, "--num-layers", "5")  # the tiny preset: pp 2, dualpipev
+    assert "dualpipev" in line and "multiple of 2*pp = 4, got 5" in line, line
+    line = _refused(capsys, "--num-layers", "6", "--pp", "2", "--dualpipev-dw-detach")
+    assert "multiple of 2*pp = 4, got 6" in line, line
+    assert TrainConfig(num_layers=8).problem() is None
+    assert TrainConfig(num_layers=4, mtp=True).problem() is None
+    assert TrainConfig(num_layers=5, schedule="1f1b").problem() is None  # a loop of 2 stages cuts any count

@@ -360,7 +360,10 @@ class TrainConfig:
                                  "1f1b); accumulate runs without the executor")
             return
         try:
-            s = S.build(name, self.pp, self.microbatches, self.num_virtual_stages_per_pipeline_rank)
+            # layers: the schedule's own rule (DualPipeV's multiple of 2pp; the embedding, head and MTP
+            # module ride on the end chunks and are not layers), then the cut (a layer per chunk)
+            s = S.build(name, self.pp, self.microbatches, self.num_virtual_stages_per_pipeline_rank,
+                        layers=self.num_layers)
             cut_gpt(cfg, s.placement)
         except S.ScheduleError as exc:
             vpp = "" if self.num_virtual_stages_per_pipeline_rank is None else (
