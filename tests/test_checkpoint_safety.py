@@ -227,19 +227,20 @@ def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(t
 
 
 def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path, "ckpt", "--warmup", "1")  # past the warmup: the cosine depends on --steps
-    same = {"--steps": "2", "--lr": "3e-3", "--min-lr": "3e-4", "--warmup": "1"}
-    for flag, value in (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--warmup", "3")):
+    ckpt = _saved(tmp_path, "ckpt", "--lr-warmup-iters", "1")  # past the warmup: the decay depends on --steps
+    same = {"--steps": "2", "--lr": "3e-3", "--min-lr": "3e-4", "--lr-warmup-iters": "1"}
+    for flag, value in (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--lr-warmup-iters", "3"),
+                        ("--lr-decay-style", "linear")):
         changed = {**same, flag: value}
         flags = [x for kv in changed.items() for x in kv]
         err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags),
                       "--override-opt-param-scheduler", max_lines=1)
         assert flag[2:].replace("-", "_") in err, err
     metrics = tmp_path / "m.jsonl"
-    _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--warmup", "1",
+    _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--lr-warmup-iters", "1",
         "--override-opt-param-scheduler", "--metrics", str(metrics))
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
-    want = TrainConfig(steps=4, warmup=1)
+    want = TrainConfig(steps=4, lr_warmup_iters=1)
     assert [m["step"] for m in got] == [3, 4]
     assert [m["lr"] for m in got] == pytest.approx([lr_at(want, 2), lr_at(want, 3)])
 

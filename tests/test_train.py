@@ -171,12 +171,14 @@ def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:
 def test_learning_rate_warms_up_linearly_then_follows_the_cosine_to_min_lr() -> None:
     import math
 
-    tc = TrainConfig(lr=1.0, min_lr=0.1, warmup=4, steps=14)
-    assert [lr_at(tc, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    for s in range(4, 14):  # independent closed form: cosine over the steps after warmup
-        want = 0.1 + 0.45 * (1 + math.cos(math.pi * (s - 4) / 9))
+    # Megatron's schedule (fmoe/train/lr_schedule.py; tests/test_lr_schedule.py has the property tests):
+    # step n (0-based, n steps done) warms up as lr * n / warmup, then the cosine reaches min_lr at n = steps
+    tc = TrainConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, steps=14)
+    assert [lr_at(tc, s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    for s in range(4, 15):  # independent closed form: cosine over the steps after warmup
+        want = 0.1 + 0.45 * (1 + math.cos(math.pi * (s - 4) / 10))
         assert lr_at(tc, s) == pytest.approx(want)
-    assert lr_at(tc, 13) == pytest.approx(0.1)
+    assert lr_at(tc, 14) == pytest.approx(0.1)
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:

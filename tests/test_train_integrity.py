@@ -111,7 +111,7 @@ def test_under_torchrun_a_rank_with_another_seed_stops_every_rank(tmp_path: Path
 @pytest.mark.parametrize("layout", [("--pp", "1", "--ep", "1"), ("--pp", "1", "--ep", "2")])
 def test_an_fp16_run_whose_loss_turns_nan_stops_with_one_line(tmp_path: Path, layout: tuple) -> None:
     # AdamW moves every weight by about --lr: at 1e4 the fp16 forward overflows from step 2 on
-    done = subprocess.run(_cmd(*layout, "--fp16", "--lr", "1e4", "--warmup", "0", "--steps", "30"),
+    done = subprocess.run(_cmd(*layout, "--fp16", "--lr", "1e4", "--lr-warmup-iters", "0", "--steps", "30"),
                           cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     line = _one_error_line(done, "--fp16: the loss of step")
     assert done.returncode == 1 and "stopping" in line, done.stderr

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import warnings
 
 from fmoe.schedule.registry import ALL_NAMES
-from fmoe.train.config import ACCUMULATE, DATA_KINDS, DISPATCHERS, DTYPES, PRESETS, TrainConfig
+from fmoe.train.config import ACCUMULATE, DATA_KINDS, DISPATCHERS, DTYPES, PRESETS, RENAMED, TrainConfig
 
 # flag -> help; the flag's type and field come from TrainConfig (--hidden-size -> hidden_size)
 HELP = {
@@ -43,7 +45,13 @@ HELP = {
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
     "num_virtual_stages_per_pipeline_rank": "vpp: model chunks per rank of the interleaved schedules "
                                             "(default 2; other schedules run their own count)",
-    "lr": "peak learning rate", "min_lr": "final learning rate (cosine)", "warmup": "linear warmup steps",
+    "lr": "peak learning rate", "min_lr": "learning rate at the end of the decay (--lr-decay-iters)",
+    "lr_warmup_iters": "steps of linear warmup from --lr-warmup-init to --lr (was --warmup)",
+    "lr_warmup_init": "learning rate the warmup starts from",
+    "lr_decay_style": "constant, linear, cosine, inverse-square-root or WSD (warmup-stable-decay)",
+    "lr_decay_iters": "step at which the decay reaches --min-lr (default: --steps)",
+    "lr_wsd_decay_iters": "WSD: steps of the final anneal, ending at --lr-decay-iters",
+    "lr_wsd_decay_style": "WSD: linear, cosine, exponential or minus_sqrt anneal",
     "clip_grad": "global gradient-norm clip (0: off)", "weight_decay": "AdamW weight decay",
     "use_distributed_optimizer": "ZeRO-1: shard the AdamW state over the ranks replicating each weight",
     "adam_beta1": "AdamW beta1", "adam_beta2": "AdamW beta2", "adam_eps": "AdamW eps",
@@ -69,8 +77,16 @@ HELP = {
     "load": "checkpoint directory (or a --save directory: its latest) to start from",
     "resume": "continue from the latest checkpoint in --save (refused when there is none)",
     "overwrite_save": "a fresh run deletes the checkpoints already in --save (refused without it)",
-    "override_opt_param_scheduler": "--resume / --load with another --lr, --min-lr, --warmup or --steps than "
-                                    "the checkpoint's (refused without it: the LR schedule would jump)",
+    "override_opt_param_scheduler": "--resume / --load with another LR schedule (--lr, --min-lr, --lr-* or "
+                                    "--steps) than the checkpoint's (refused without it: the LR would jump)",
+    "split": "train,valid,test weights over a data file's windows (Megatron's --split; the Markov corpus "
+             "draws its validation set apart)",
+    "eval_interval": "steps between held-out evaluations, and one after the last step (0: none)",
+    "eval_iters": "global batches of held-out data per evaluation",
+    "tensorboard_dir": "also write the metrics as TensorBoard events here (rank 0; pip install "
+                       "'fmoe[tensorboard]')",
+    "wandb_project": "also log the metrics to this Weights & Biases project (rank 0; needs wandb)",
+    "wandb_exp_name": "the W&B run's name", "wandb_save_dir": "W&B's local directory (default: --save/wandb)",
     "metrics": "JSON line per step to this file",
     "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
     "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
@@ -95,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                 default=argparse.SUPPRESS, help=HELP[f.name])
+    for old, new in RENAMED.items():  # still read, with a warning (TrainConfig.build)
+        parser.add_argument("--" + old.replace("_", "-"), type=int, default=argparse.SUPPRESS,
+                            help=f"deprecated: --{new.replace('_', '-')}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,8 +123,12 @@ def run(args: argparse.Namespace) -> int:
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "preset", "config")}
     try:
-        tc = TrainConfig.from_sources(args.preset, args.config, given)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FutureWarning)
+            tc = TrainConfig.from_sources(args.preset, args.config, given)
     except ValueError as exc:
         print(f"fmoe train: error: {exc}")
         return 2
+    for w in caught:  # a deprecated flag or TOML key: one line, not a warning with its source line
+        print(f"fmoe train: warning: {w.message}", file=sys.stderr)
     return launch(tc)

@@ -49,9 +49,9 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_
 # Hugging Face (fmoe convert) records under meta "model": loading it into a run whose model differs fails.
 ARCH_FIELDS = ("head_dim", "rope_theta", "norm_eps", "qk_norm", "moe.score_func", "moe.topk_norm",
                "moe.topk_scale", "moe.num_groups", "moe.topk_groups")
-# The fields the learning rate of a step depends on (fmoe/train/optim.py, lr_at): a resumed run that
-# changes one changes the LR mid-run (a larger --steps restarts the cosine), refused as Megatron does.
-SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")
+# The learning rate of a step depends on the schedule's values (fmoe/train/lr_schedule.py,
+# LRSchedule.compared): a resumed run that changes one changes the LR mid-run (a larger --steps, the
+# default --lr-decay-iters, restarts the decay), refused as Megatron does.
 _STEP_DIR = re.compile(r"step_\d+$")
 
 
@@ -243,9 +243,18 @@ def check_compatible(meta: dict[str, Any], config: dict[str, Any], checkpoint: s
 def check_schedule(meta: dict[str, Any], config: dict[str, Any], checkpoint: str | Path) -> None:
     """Raises CheckpointError naming the learning-rate fields where the checkpoint's run and this one
     differ (Megatron asserts the same unless --override-opt_param-scheduler)."""
+    from fmoe.train.lr_schedule import LRSchedule
+
     saved = meta.get("config", {})
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}" for k in SCHEDULE_FIELDS
-            if k in saved and saved[k] != config.get(k)]
+    if not {"lr", "min_lr", "steps"} <= saved.keys():  # not written by fmoe train: nothing to compare
+        return
+    before, now = LRSchedule.of(saved).compared(), LRSchedule.of(config).compared()
+    def name(k: str) -> str:
+        return f"{k} (--steps unless given)" if k == "lr_decay_iters" else k
+
+    keys = [*before, *(k for k in now if k not in before)]
+    diff = [f"{name(k)}: checkpoint {before.get(k)!r}, this run {now.get(k)!r}" for k in keys
+            if before.get(k) != now.get(k)]
     if diff:
         raise CheckpointError(f"{checkpoint} was trained with another learning-rate schedule "
                               f"({'; '.join(diff)}): the LR is a function of the step and these, so it "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,10 @@ class TrainConfig:
     ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
     num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
     2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
-    Optimizer: lr, min_lr, warmup (steps of linear warmup, then cosine to min_lr at `steps`), clip_grad
+    Optimizer: lr, min_lr, lr_warmup_iters (linear warmup from lr_warmup_init), lr_decay_style (constant,
+    linear, cosine, inverse-square-root, WSD), lr_decay_iters (None = steps), lr_wsd_decay_iters and
+    lr_wsd_decay_style (WSD's final anneal): Megatron's schedule, fmoe/train/lr_schedule.py (`warmup`, the
+    old name of lr_warmup_iters, is still read, with a FutureWarning), clip_grad
     (global norm; 0 = off), weight_decay, adam_beta1/2, adam_eps, use_distributed_optimizer (ZeRO-1:
     AdamW state sharded over the data-parallel ranks that replicate each weight).
     Run: steps, seed, dtype (of everything, weights included), bf16 (mixed precision instead: fp32
@@ -71,7 +75,11 @@ class TrainConfig:
     after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
     data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
     overwrite_save (a fresh run may delete the checkpoints already in --save; refused otherwise),
-    override_opt_param_scheduler (a resumed or loaded run may change lr, min_lr, warmup or steps),
+    override_opt_param_scheduler (a resumed or loaded run may change the LR schedule's values),
+    split (Megatron's train,valid,test weights over a data file's windows; fmoe/train/splits.py),
+    eval_interval (steps between held-out evaluations; 0 = none), eval_iters (global batches per
+    evaluation), tensorboard_dir, wandb_project / wandb_exp_name / wandb_save_dir (rank 0 logs there too;
+    fmoe/train/log_backends.py),
     metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
     step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
@@ -119,7 +127,12 @@ class TrainConfig:
     # optimizer
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup: int = 20
+    lr_warmup_iters: int = 20
+    lr_warmup_init: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "exponential"
     clip_grad: float = 1.0
     weight_decay: float = 0.1
     use_distributed_optimizer: bool = False
@@ -143,6 +156,9 @@ class TrainConfig:
     data: str = "markov"
     data_kind: str | None = None
     markov_sequences: int = 16384
+    split: str = "969,30,1"
+    eval_interval: int = 0
+    eval_iters: int = 10
     save: str | None = None
     save_interval: int = 0
     load: str | None = None
@@ -153,6 +169,10 @@ class TrainConfig:
     trace: str | None = None
     trace_step: int = 3
     loss_curve: str | None = None
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
     progress: bool = True
     timeout: float = 300.0
     keep_host_memory: bool = True
@@ -177,6 +197,7 @@ class TrainConfig:
     def build(cls, values: dict[str, Any]) -> TrainConfig:
         """Returns the config with `values` (field -> value) over the defaults, types checked."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        values = _renamed(values)
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
@@ -280,7 +301,7 @@ class TrainConfig:
                      "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("save_interval", "warmup"):
+        for name in ("save_interval", "lr_warmup_iters", "eval_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "timeout"):
@@ -291,6 +312,7 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        self._check_schedule_and_logs()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("bf16", "fp16"):
@@ -313,6 +335,7 @@ class TrainConfig:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         self._check_data()
+        self._check_eval()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
                              f"--dp {self.dp} = {self.world_size}")
@@ -390,6 +413,21 @@ class TrainConfig:
 
         file_dataset(self.data, self.data_kind, self.seq_length, self.vocab_size)  # its size fits a window
 
+    def _check_schedule_and_logs(self) -> None:
+        from fmoe.train.log_backends import backends_problem
+        from fmoe.train.lr_schedule import schedule_problem
+
+        for problem in (schedule_problem(self), backends_problem(self)):
+            if problem is not None:
+                raise ValueError(problem)
+
+    def _check_eval(self) -> None:
+        from fmoe.train.splits import eval_problem
+
+        problem = eval_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+
     def _check_trace(self) -> None:
         if self.trace_step < 1:
             raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
@@ -410,6 +448,27 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+# old field -> its Megatron name: still read (TOML files, flags), with a FutureWarning
+RENAMED = {"warmup": "lr_warmup_iters"}
+
+
+def _renamed(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each RENAMED field under its new name (a FutureWarning says so); ValueError when both
+    names are given different values."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out and out[new] != value:
+            raise ValueError(f"--{_flag(old)} ({value}) is the old name of --{_flag(new)} ({out[new]}): "
+                             f"give --{_flag(new)} only")
+        warnings.warn(f"--{_flag(old)} is deprecated: use --{_flag(new)} (same meaning; the LR schedule now "
+                      "follows Megatron's, see docs/train.md)", FutureWarning, stacklevel=3)
+        out[new] = value
+    return out
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> None:

@@ -45,7 +45,10 @@ from fmoe.precision import float32_matmul_precision
 from fmoe.train import checkpoint, save_dir
 from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
+from fmoe.train.evaluate import due as eval_due
+from fmoe.train.evaluate import evaluate
 from fmoe.train.host_memory import keep_freed_memory
+from fmoe.train.log_backends import LogBackends
 from fmoe.train.loop import Trainer, World
 from fmoe.train.rank_agreement import check_ranks_agree
 from fmoe.train.report import Reporter, write_loss_curve, write_step_trace
@@ -203,15 +206,12 @@ def _train(tc: TrainConfig, world: World) -> str | None:
     if lead and start is not None:
         print(f"fmoe train: resumed from {start} at step {trainer.step_done}", flush=True)
     reporter.start(trainer.step_done)
-    while trainer.step_done < tc.steps:
-        metrics = trainer.step()
-        if lead:
-            reporter.step(metrics)
-        if tc.trace and metrics["step"] == tc.trace_step and trainer.last_result is not None:
-            _gather_trace(trainer, tc.trace, lead)
-        if tc.save and ((tc.save_interval and trainer.step_done % tc.save_interval == 0)
-                        or trainer.step_done == tc.steps):
-            trainer.save(tc.save)
+    backends = LogBackends.open(tc, trainer.step_done) if lead else None
+    try:
+        _steps(tc, trainer, reporter, backends, lead)
+    finally:
+        if backends is not None:
+            backends.close()
     summary = reporter.close() if lead else None
     if lead and tc.loss_curve and reporter.history:
         drawn = write_loss_curve(reporter.history, tc.loss_curve, trainer.dataset.floor,
@@ -221,6 +221,24 @@ def _train(tc: TrainConfig, world: World) -> str | None:
         else:
             summary += f"\n  loss curve: {tc.loss_curve}"
     return summary
+
+
+def _steps(tc: TrainConfig, trainer: Trainer, reporter: Reporter, backends: LogBackends | None,
+           lead: bool) -> None:
+    """Steps to --steps: each step's metrics (with a held-out evaluation when one is due) to rank 0's
+    reporter and log backends, the trace step's trace, the checkpoints."""
+    while trainer.step_done < tc.steps:
+        metrics = trainer.step()
+        if eval_due(tc, trainer.step_done):
+            metrics.update(evaluate(trainer))  # collective: every rank evaluates
+        if lead:
+            reporter.step(metrics)
+            backends.log(metrics)
+        if tc.trace and metrics["step"] == tc.trace_step and trainer.last_result is not None:
+            _gather_trace(trainer, tc.trace, lead)
+        if tc.save and ((tc.save_interval and trainer.step_done % tc.save_interval == 0)
+                        or trainer.step_done == tc.steps):
+            trainer.save(tc.save)
 
 
 def _gather_trace(trainer: Trainer, path: str, lead: bool) -> None:
@@ -239,7 +257,8 @@ def _describe(tc: TrainConfig, trainer: Trainer) -> str:
     return (f"{tc.num_layers} layers, D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}; "
             f"pp {tc.pp} x ep {tc.ep} x dp {tc.dp}, {tc.schedule_name}"
             f"{' + fb overlap' if tc.overlap and trainer.schedule is not None else ''}; "
-            f"{trainer.dataset.describe()}")
+            f"{trainer.dataset.describe()}"
+            f"{f'; held out: {trainer.valid.describe()}' if trainer.valid is not None else ''}")
 
 
 def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_path: str,

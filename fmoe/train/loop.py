@@ -23,14 +23,17 @@ import torch.distributed as dist
 
 from fmoe import init_gpt, init_gpt_state
 from fmoe._compat import tree_map
+from fmoe.capacity import capacity_agreement
 from fmoe.model import gpt_loss
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,
+    CommCounters,
     CommGroup,
     HierarchicalDispatcher,
     ParallelLayout,
 )
+from fmoe.parallel.capacity_agreement import CapacityAgreement
 from fmoe.parallel.link_model import parse_link_model
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
@@ -43,10 +46,11 @@ from fmoe.schedule.registry import build as build_schedule
 from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
-from fmoe.train.data import Dataset, file_dataset, markov_dataset, microbatches
+from fmoe.train.data import Dataset, microbatches
 from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
 from fmoe.train.overflow import check_fp16_step
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, local_expert_rows, rank_leaves
+from fmoe.train.splits import train_dataset, valid_dataset
 
 
 @dataclass
@@ -61,10 +65,9 @@ class World:
 
 
 def build_dataset(tc: TrainConfig) -> Dataset:
-    """Returns the run's dataset: the embedded Markov corpus, or a token / text file."""
-    if tc.data == "markov":
-        return markov_dataset(tc.vocab_size, tc.seq_length, tc.markov_sequences, tc.seed)
-    return file_dataset(tc.data, tc.data_kind, tc.seq_length, tc.vocab_size)
+    """Returns the run's training data: the embedded Markov corpus, or the training split of a token /
+    text file (fmoe/train/splits.py)."""
+    return train_dataset(tc)
 
 
 class Trainer:
@@ -117,8 +120,14 @@ class Trainer:
         self.opt = LeafOptimizer(tc, self.leaves, self.tensors, data_group=self.data_group,
                                  dp_group=self.dp_group)
         self.dispatcher = self._dispatcher() if tc.ep > 1 else None
+        # dynamic capacity: the expert group pads to one agreed capacity (seed 002; fmoe/capacity.py)
+        self.capacity_agreement = None
+        if cfg.moe.dynamic_capacity_window and tc.ep > 1:
+            expert = CommGroup(layout.group("expert"), counters=CommCounters(), timeout=self.timeout)
+            self.capacity_agreement = CapacityAgreement(expert)
         self.shared = (SharedGrads(self.holders, self.pp_group) if self.pp_group is not None else None)
         self.dataset = build_dataset(tc)
+        self.valid = valid_dataset(tc)  # held-out windows for --eval-interval (None without it)
         self.step_done = 0
         self._checked = False
         self._skipped_in_a_row = 0  # fp16: skipped steps ending with the last one
@@ -184,10 +193,11 @@ class Trainer:
         batches = [(ids.to(self.world.device), t.to(self.world.device)) for ids, t in microbatches(
             self.dataset, self.step_done, global_batch=tc.global_batch_size, micro_batch=tc.micro_batch_size,
             data_rank=self.data_rank, data_ranks=tc.data_ranks, seed=tc.seed)]
-        if self.accumulate:
-            grads, losses, loads, dropped, waited = self._accumulate(batches)
-        else:
-            grads, losses, loads, dropped, waited = self._pipeline(batches)
+        with capacity_agreement(self.capacity_agreement):
+            if self.accumulate:
+                grads, losses, loads, dropped, waited = self._accumulate(batches)
+            else:
+                grads, losses, loads, dropped, waited = self._pipeline(batches)
         missing = [lf.key for lf in self.leaves if lf.key not in grads]
         if missing:
             raise RuntimeError(f"rank {self.world.rank}: the step produced no gradient for {missing[:3]}")

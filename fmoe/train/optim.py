@@ -1,5 +1,6 @@
 """The optimizer of `fmoe train`: torch.optim.AdamW over this rank's leaves (optionally ZeRO-1 sharded),
-weight-decay exclusions, linear warmup then cosine, and clipping by the global norm.
+weight-decay exclusions, the learning rate of each step (fmoe/train/lr_schedule.py: Megatron's warmup and
+decay styles), and clipping by the global norm.
 
 The learning rate is a function of the step alone (`lr_at`), so a resumed run needs no scheduler state.
 """
@@ -13,17 +14,14 @@ import torch
 import torch.distributed as dist
 
 from fmoe.train.config import TrainConfig
+from fmoe.train.lr_schedule import LRSchedule
 from fmoe.train.shards import Leaf
 
 
 def lr_at(tc: TrainConfig, step: int) -> float:
-    """Returns the learning rate of 0-based step `step`: linear warmup from lr / warmup to lr over the
-    first `warmup` steps, then cosine from lr down to min_lr at the last step."""
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    decay_steps = max(1, tc.steps - tc.warmup - 1)
-    progress = min(1.0, (step - tc.warmup) / decay_steps)
-    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1.0 + math.cos(math.pi * progress))
+    """Returns the learning rate of 0-based step `step` (`step` steps done before it): Megatron's
+    OptimizerParamScheduler with num_steps = step (fmoe/train/lr_schedule.py)."""
+    return LRSchedule.of(tc).at(step)
 
 
 def _groups(tc: TrainConfig, leaves: list[Leaf], tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:

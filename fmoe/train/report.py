@@ -14,6 +14,7 @@ from fmoe.schedule.timeline import TraceEvent, write_png, write_trace
 METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s",
                "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
 FP16_KEYS = ("loss_scale", "skipped")  # present in an --fp16 run's metrics only
+EVAL_KEYS = ("eval_loss", "eval_main_loss", "eval_s")  # on the steps an evaluation followed (--eval-interval)
 
 
 class Reporter:
@@ -34,6 +35,7 @@ class Reporter:
             self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
         self._progress = progress
         self._bar: Any = None
+        self._eval: str = ""  # the last evaluation, kept on the bar until the next one
 
     def start(self, first_step: int) -> None:
         """Opens the progress bar at `first_step` (0 for a fresh run, the checkpoint's step on resume)."""
@@ -47,13 +49,17 @@ class Reporter:
         """Records one step's metrics: a JSON line, the bar's postfix."""
         self.history.append(m)
         if self._file is not None:
-            self._file.write(json.dumps({k: m[k] for k in (*METRIC_KEYS, *FP16_KEYS) if k in m}) + "\n")
+            keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS)
+            self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
             self._file.flush()
+        if "eval_main_loss" in m:
+            self._eval = f" eval {m['eval_main_loss']:.3f}@{m['step']}"
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"loss {m['main_loss']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s'] * 1e3:.0f}ms "
                 f"exposed {100 * m['exposed_comm_frac']:.0f}% load {m['max_over_mean_load']:.2f} "
-                f"drop {m['dropped']}" + (f" scale {m['loss_scale']:g}" if "loss_scale" in m else ""),
+                f"drop {m['dropped']}" + (f" scale {m['loss_scale']:g}" if "loss_scale" in m else "")
+                + self._eval,
                 refresh=False)
             self._bar.update(1)
 
@@ -75,6 +81,16 @@ class Reporter:
         if self.floor is not None:
             lines.append(f"  corpus floor (entropy rate) {self.floor:.4f} nats/token: the last-{len(tail)} "
                          f"mean is {main - self.floor:+.4f} above it")
+        evals = [m for m in self.history if "eval_main_loss" in m]
+        if evals:
+            e = evals[-1]
+            spent = sum(m["eval_s"] for m in evals)
+            train_s = sum(m["step_s"] for m in self.history)
+            gap = e["eval_main_loss"] - self.floor if self.floor is not None else None
+            above = f", {gap:+.4f} above the floor" if gap is not None else ""
+            lines.append(f"  held-out eval after step {e['step']}: main loss {e['eval_main_loss']:.4f} "
+                         f"(total {e['eval_loss']:.4f}){above}; {len(evals)} evaluations took {spent:.2f} s "
+                         f"({100 * spent / max(train_s, 1e-9):.1f}% of the training steps' time)")
         steady = self.history[1:] or self.history
         def median(key: str) -> float:
             return sorted(m[key] for m in steady)[len(steady) // 2]
@@ -119,6 +135,10 @@ def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: flo
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [m["main_loss"] for m in history], label="main loss (cross-entropy)")
     ax.plot(steps, [m["loss"] for m in history], label="training loss", alpha=0.5)
+    evals = [m for m in history if "eval_main_loss" in m]
+    if evals:
+        ax.plot([m["step"] for m in evals], [m["eval_main_loss"] for m in evals], "o-",
+                label="held-out main loss")
     if floor is not None:
         ax.axhline(floor, color="black", linestyle="--", label=f"floor {floor:.3f}")
     ax.set_xlabel("step")

@@ -1,0 +1,110 @@
+"""Where rank 0's metrics go besides the JSON lines: TensorBoard (--tensorboard-dir) and Weights & Biases
+(--wandb-project, --wandb-exp-name, --wandb-save-dir), Megatron's flags.
+
+    backends = LogBackends.open(tc, first_step)     # rank 0 only; nothing opened without the flags
+    backends.log(metrics)                           # one step's metrics (eval ones on evaluation steps)
+    backends.close()
+
+Both get the same scalars under the same tags (TAGS: "train/loss", "train/lr", "eval/main_loss", ...) at
+the step number of the metrics. TensorBoard: torch.utils.tensorboard's SummaryWriter (the `tensorboard`
+package, `pip install 'fmoe[tensorboard]'`), opened with purge_step = the run's first step, so that, as the
+metrics file does, a fresh run hides an earlier run's points in the same directory and a resumed run the
+steps its crashed predecessor made past the checkpoint. W&B: `wandb.init(project, name, dir, config)`, one
+W&B run per launch, `wandb.log(scalars, step=step)`. A flag whose package is not installed fails before
+launch (`backends_problem`), not in rank 0 after the model is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fmoe.train.config import TrainConfig
+
+TAGS = {"loss": "train/loss", "main_loss": "train/main_loss", "balance_loss": "train/balance_loss",
+        "mtp_loss": "train/mtp_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+        "tokens_per_s": "train/tokens_per_s", "step_s": "train/step_s",
+        "exposed_comm_frac": "train/exposed_comm_frac", "max_over_mean_load": "train/max_over_mean_load",
+        "dropped": "train/dropped", "loss_scale": "train/loss_scale", "eval_loss": "eval/loss",
+        "eval_main_loss": "eval/main_loss", "eval_s": "eval/seconds"}
+
+
+def installed(name: str) -> bool:
+    """Whether module `name` can be imported (one already in sys.modules counts; None there means not)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def backends_problem(tc: TrainConfig) -> str | None:
+    """One line saying why the logging flags cannot work, or None (checked before launch)."""
+    if tc.wandb_project is None:
+        given = [f for f in ("wandb_exp_name", "wandb_save_dir") if getattr(tc, f) is not None]
+        if given:
+            return f"--{given[0].replace('_', '-')} needs --wandb-project"
+    elif not tc.wandb_project:
+        return "--wandb-project must not be empty"
+    elif not installed("wandb"):
+        return "--wandb-project logs to Weights & Biases, but wandb is not installed (pip install wandb)"
+    if tc.tensorboard_dir is not None and not installed("tensorboard"):
+        return ("--tensorboard-dir writes TensorBoard events, but tensorboard is not installed "
+                "(pip install 'fmoe[tensorboard]')")
+    return None
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics under their TAGS (the keys a step has; bools and non-numbers left out)."""
+    return {tag: float(metrics[k]) for k, tag in TAGS.items()
+            if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
+
+
+class LogBackends:
+    """The open backends of a run (none, TensorBoard, W&B or both)."""
+
+    def __init__(self, writer: Any = None, wandb_run: Any = None):
+        self.writer, self.wandb_run = writer, wandb_run
+
+    @classmethod
+    def open(cls, tc: TrainConfig, first_step: int) -> LogBackends:
+        """Opens what the flags ask for; `first_step` is the step the run starts after (0, or the
+        checkpoint's)."""
+        writer = run = None
+        if tc.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=tc.tensorboard_dir, purge_step=first_step + 1, flush_secs=10)
+        if tc.wandb_project is not None:
+            import wandb
+
+            save_dir = tc.wandb_save_dir or (os.path.join(tc.save, "wandb") if tc.save else None)
+            if save_dir is not None:
+                os.makedirs(save_dir, exist_ok=True)
+            run = wandb.init(project=tc.wandb_project, name=tc.wandb_exp_name, dir=save_dir,
+                             config=tc.as_dict())
+        return cls(writer, run)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Writes one step's scalars to every open backend."""
+        if self.writer is None and self.wandb_run is None:
+            return
+        step, values = int(metrics["step"]), scalars(metrics)
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+
+    def close(self) -> None:
+        """Flushes and closes every open backend."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
