@@ -233,3 +233,29 @@ def test_the_count_exchange_travels_while_permute_1_runs(runs: dict) -> None:
                 assert ran == want, (name, step, ran)
                 checked[step] += 1
     assert min(checked.values()) >= 3, checked
+
+
+def test_a_lone_f_after_a_lone_w_hides_its_combine_behind_that_w(runs: dict) -> None:
+    """DualPipeV pp 2 (rank 0 runs I3.0, its gradient's send, W3.0, then F3.1 alone): the W's dw passes
+    run inside the lone F, one at each of its exchanges that nothing of its own hides (combine-F), so
+    combine-F of that F is hidden by W3.0's work; what is left of the W runs before the next op."""
+    checked = 0
+    for events, pairs in runs[("dualpipev", 2, 8, 0, True)]:
+        if not any(p[0] == 0 for p in pairs):  # pipeline rank 0 (stages 0 and 3)
+            continue
+        events = sorted(events, key=lambda e: e[3])
+        waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
+        parsed = [(c.groups(), e[3]) for e in events if e[1] == "compute" and (c := _COMPUTE.match(e[0]))]
+        mine = [(g, t) for g, t in parsed if (g[0], *g[2::2]) in (("F", "3", "1"), ("W", "3", "0"))]
+        f_end = max(t for g, t in mine if g[0] == "F")
+        w_runs = [t for g, t in mine if g[0] == "W"]
+        after = min(t for g, t in parsed if t > f_end and (g, t) not in mine)  # the next op's first phase
+        assert w_runs and max(w_runs) < after
+        for name, lane, _, start, _, step in events:
+            m = _A2A.match(name)
+            if lane != "comm" or not m or m.group(1, 2, 3, 5) != ("combine", "F", "3", "1"):
+                continue
+            ran = {g for g, t in parsed if start <= t < waits[name]}
+            assert any(g[0] == "W" and g[2::2] == ("3", "0") for g in ran), (name, step, sorted(ran))
+            checked += 1
+    assert checked >= 2, checked
