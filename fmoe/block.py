@@ -156,10 +156,13 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     acts["rows_MD"]: rows grouped by local expert, counts_L[l] for local expert l. acts["probs_M"], if
     present, multiplies each row inside its expert (before w_down), or, with `weight_outputs`, its
     output (as a combine would). The routed experts run under `fmoe.transforms.remat` when `remat`.
-    `check`: check "experts" ([L, D, F], L = len(counts_L)) and "shared" against `cfg` first.
+    `check`: check "experts" ([L, D, F], L = len(counts_L)) and "shared" against `cfg` first. Raises
+    ValueError when the gate weights would be applied twice (probs_M and probs_TK), never (probs_R left
+    behind) or to other rows (probs_M not one per row).
     """
     if check:
         check_moe(params, cfg.moe, num_local_experts=len(counts_L), paths=(("experts",), ("shared",)))
+    _check_expert_acts(acts)
     probs_M = acts.get("probs_M")
     if weight_outputs:
         y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, cfg.moe, remat, check=False)
@@ -173,6 +176,49 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     return out
 
 
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_expert_acts(acts: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError when the gate weights in `acts` would be applied twice, never, or to other rows."""
+    if "probs_M" in acts and "probs_TK" in acts:
+        raise ValueError("experts: acts hold both probs_M (gate weights the experts apply) and probs_TK "
+                         "(gate weights finish applies): the rows would be weighted twice; keep one form "
+                         "(cfg.moe.probs_in_expert picks which)")
+    if "probs_R" in acts:
+        raise ValueError("experts: acts['probs_R'] (the layout rows' gate weights) did not travel with the "
+                         "rows to the experts as probs_M: they would be never applied; dispatch them with "
+                         "the rows")
+    probs_M, rows_MD = acts.get("probs_M"), acts["rows_MD"]
+    if probs_M is not None and tuple(probs_M.shape) != (rows_MD.shape[0],):
+        raise ValueError(f"experts: acts['probs_M'] has shape {_shape(probs_M)} but acts['rows_MD'] has "
+                         f"{rows_MD.shape[0]} rows: gate weights of other rows (another microbatch's?)")
+
+
+def _check_finish_acts(acts: dict[str, torch.Tensor], route: MoERoute) -> None:
+    """Raise ValueError when `acts` and `route` are not of one microbatch (token and row counts), or the
+    gate weights or the shared output would be dropped or broadcast."""
+    r_BSD, T = acts["residual_BSD"], route.layout.num_tokens
+    if r_BSD.shape[0] * r_BSD.shape[1] != T:
+        raise ValueError(f"finish: acts hold {r_BSD.shape[0] * r_BSD.shape[1]} tokens (residual_BSD "
+                         f"{_shape(r_BSD)}) but the route is for {T} tokens: the route of another "
+                         "microbatch?")
+    want = [T, r_BSD.shape[-1]]
+    if "y_TD" in acts:
+        if "probs_TK" in acts:
+            raise ValueError("finish: acts hold both y_TD (tokens a token-level dispatcher combined, gate "
+                             "weights applied at the experts) and probs_TK, which would be ignored: dispatch "
+                             "probs_TK with the tokens")
+        if _shape(acts["y_TD"]) != want:
+            raise ValueError(f"finish: acts['y_TD'] has shape {_shape(acts['y_TD'])}, expected {want}")
+    elif acts["rows_RD"].shape[0] != route.layout.num_rows:
+        raise ValueError(f"finish: acts['rows_RD'] has {acts['rows_RD'].shape[0]} rows but the route's "
+                         f"layout has {route.layout.num_rows}: the route of another microbatch?")
+    if "shared_TD" in acts and _shape(acts["shared_TD"]) != want:
+        raise ValueError(f"finish: acts['shared_TD'] has shape {_shape(acts['shared_TD'])}, expected {want}")
+
+
 def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]) -> torch.Tensor:
     """Return s_TD [T, D]: the shared expert (params: its weights) on acts["normed_TD"]. It reads the
     tokens only, so a pipeline runs it while the dispatch exchange travels."""
@@ -182,7 +228,9 @@ def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]
 def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Tensor]:
     """Phase 4's compute: return acts with "h_BSD" = residual + unpermute(rows_RD, probs_TK) (+ shared),
     consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
-    "shared_TD" and "residual_BSD"; other keys pass through."""
+    "shared_TD" and "residual_BSD"; other keys pass through. Raises ValueError when acts and `route` are
+    not of one microbatch (token or row counts) or the gate weights or shared output would be misapplied."""
+    _check_finish_acts(acts, route)
     if "y_TD" in acts:
         y_TD = acts["y_TD"]
     else:
