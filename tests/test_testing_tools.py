@@ -80,3 +80,18 @@ def test_assert_close_fails_on_nan_and_structure():
         assert_close({"a": torch.zeros(1)}, {"b": torch.zeros(1)})
     with pytest.raises(AssertionError):
         assert_close(torch.ones(2, dtype=torch.bfloat16), torch.full((2,), 1.1, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.complex64])
+def test_tensors_refuses_a_dtype_that_is_not_floating(dtype):
+    """N(0, scale^2) draws cast to an integer dtype are mostly 0 (to bool all True): refused, not drawn."""
+    with pytest.raises(TypeError, match=f"tensors: dtype must be a floating dtype, got {dtype}"):
+        tensors((3,), dtype)
+    with pytest.raises(TypeError, match=f"param_pytrees: dtype must be a floating dtype, got {dtype}"):
+        param_pytrees({"w": (3,)}, dtype)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_tensors_refuses_a_scale_that_is_not_a_finite_number_at_least_0(scale):
+    with pytest.raises(ValueError, match=f"tensors: scale must be a finite number >= 0, got {scale}"):
+        tensors((3,), torch.float32, scale)

@@ -10,6 +10,7 @@ and dtypes, so a research script can property-test its own layers in a few lines
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,21 +123,43 @@ def check_vjp(
 float_dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16])
 
 
+def _check_draw(name: str, dtype: torch.dtype, scale: float) -> None:
+    """Raise TypeError unless `dtype` is floating, ValueError unless `scale` is a finite number >= 0.
+
+    Normal draws cast to an integer dtype are mostly 0 (to bool all True, to complex real only): a strategy
+    that silently drew those would test next to nothing, so it refuses them when it is built.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name}: dtype must be a floating dtype, got {dtype} (draw integer tensors with "
+                        "st.integers and torch.tensor)")
+    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not (number and math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"{name}: scale must be a finite number >= 0, got {scale!r}")
+
+
+def tensors(shape: Sequence[int], dtype: torch.dtype = torch.float64,
+            scale: float = 1.0) -> st.SearchStrategy[torch.Tensor]:
+    """A tensor of `shape` and `dtype` with N(0, scale^2) entries from a hypothesis-drawn seed. Raises
+    TypeError for a dtype that is not floating, ValueError for a scale that is not finite and >= 0."""
+    _check_draw("tensors", dtype, scale)
+    return _tensors(tuple(shape), dtype, scale)
+
+
 @st.composite
-def tensors(draw: st.DrawFn, shape: Sequence[int], dtype: torch.dtype = torch.float64,
-            scale: float = 1.0) -> torch.Tensor:
-    """A tensor of `shape` and `dtype` with N(0, scale^2) entries from a hypothesis-drawn seed."""
+def _tensors(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, scale: float) -> torch.Tensor:
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(tuple(shape), generator=g, dtype=torch.float64) * scale).to(dtype)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-@st.composite
-def param_pytrees(draw: st.DrawFn, shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
-                  scale: float = 0.5) -> dict[str, Any]:
-    """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts)."""
+def param_pytrees(shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
+                  scale: float = 0.5) -> st.SearchStrategy[dict[str, Any]]:
+    """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts).
+    Raises as `tensors` does for `dtype` and `scale`."""
+    _check_draw("param_pytrees", dtype, scale)
     leaves, spec = tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    return tree_unflatten([draw(tensors(s, dtype, scale)) for s in leaves], spec)
+    return st.tuples(*[_tensors(tuple(s), dtype, scale) for s in leaves]).map(
+        lambda ts: tree_unflatten(list(ts), spec))
 
 
 def tracked_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
