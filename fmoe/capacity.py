@@ -9,13 +9,24 @@ C capacity (rows per expert), R layout rows, W forecast window (steps).
 Host syncs, by mode: dropless none here (grouped_linear reads counts once); capacity drop without
 padding reads the number of kept pairs (it sizes the layout); drop-and-pad none (static shapes
 R = E * C, counts known on the host); dynamic capacity reads one "fits" flag per step and the true
-maximum load only on a miss (the single-process image of "agree on a cheap flag, all-reduce the max
-only on a miss"), plus the forecast from the window.
+maximum load only on a miss, plus the forecast from the window.
+
+Dynamic capacity across ranks (seed 002): inside `capacity_agreement(agree)` every dynamic layout asks
+`agree(max_load, forecast) -> (capacity, missed)` instead of deciding alone, so the ranks that exchange
+tokens pad to one capacity: each checks its own load against the forecast, they agree on that flag (one
+small all-reduce), and only on a miss all-reduce the maximum load
+(fmoe.parallel.capacity_agreement.CapacityAgreement). The forecast is the same on those ranks because
+the window is updated with the step's load reduced over them. A context rather than an argument because
+the layout is made deep inside the router's phase (fmoe/block.py, fmoe/pipeline/phases.py), which does
+not see the process groups; outside one, each process decides alone as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -127,6 +138,27 @@ def forecast_capacity(history_W: torch.Tensor, margin: float = 1.0) -> int:
     return math.ceil(_decimal(margin) * int(history_W.max())) if history_W.numel() else 0
 
 
+Agree = Callable[[torch.Tensor, int], tuple[int, bool]]  # (max_load, forecast) -> (capacity, missed)
+_AGREE: ContextVar[Agree | None] = ContextVar("fmoe_capacity_agreement", default=None)
+
+
+@contextlib.contextmanager
+def capacity_agreement(agree: Agree | None) -> Iterator[None]:
+    """Within the block, dynamic-capacity layouts take their capacity from `agree(max_load, forecast)`
+    (None: each process decides alone). Returns a context manager."""
+    token = _AGREE.set(agree)
+    try:
+        yield
+    finally:
+        _AGREE.reset(token)
+
+
+def _decide(max_load: torch.Tensor, forecast: int) -> tuple[int, bool]:
+    """(capacity, missed) of one process alone: the forecast if it fits, else the true maximum."""
+    fits = bool(max_load <= forecast)  # the cheap flag; the true maximum is read only on a miss
+    return (forecast, False) if fits else (int(max_load), True)
+
+
 def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
                 state: dict[str, Any] | None = None,
                 counts_E: torch.Tensor | None = None) -> tuple[Layout, CapacityInfo]:
@@ -147,16 +179,14 @@ def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
                              f"(fmoe.init_moe_state), got {sorted(cap_state)}")
         counts_E = expert_counts(ids_TK, E)
         max_load = counts_E.max() if counts_E.numel() else zero
-        C = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)
-        fits = bool(max_load <= C)  # the cheap flag; the true maximum is read only on a miss
-        if not fits:
-            C = int(max_load)
+        forecast = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)
+        C, missed = (_AGREE.get() or _decide)(max_load, forecast)
         layout, dropped = drop_layout(ids_TK, probs_TK, E, C, "position", pad=True)
         hist_W = torch.cat([cap_state["load_history_W"][1:], max_load.reshape(1)])
         new_state = {"load_history_W": hist_W,
-                     "capacity_misses": cap_state["capacity_misses"] + (0 if fits else 1),
+                     "capacity_misses": cap_state["capacity_misses"] + (1 if missed else 0),
                      "capacity_steps": cap_state["capacity_steps"] + 1}
-        return layout, CapacityInfo(capacity=C, dropped=dropped, missed=not fits, new_state=new_state)
+        return layout, CapacityInfo(capacity=C, dropped=dropped, missed=missed, new_state=new_state)
     if cfg.capacity_factor is None:
         return sort_layout(ids_TK, E, counts_E), CapacityInfo(capacity=None, dropped=zero, missed=None,
                                                                new_state={})

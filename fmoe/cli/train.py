@@ -33,7 +33,13 @@ HELP = {
     "moe_z_loss_coeff": "router z-loss", "moe_router_bias_update_rate": "aux-loss-free expert bias rate",
     "moe_expert_capacity_factor": "capacity factor (default dropless)",
     "moe_pad_expert_input_to_capacity": "pad every expert to capacity",
-    "moe_token_drop_policy": "probs or position", "seq_length": "tokens per sequence",
+    "moe_token_drop_policy": "probs or position",
+    "moe_router_num_groups": "group-limited routing: expert groups (with --moe-router-group-topk)",
+    "moe_router_group_topk": "group-limited routing: groups a token may pick its experts from",
+    "moe_dynamic_capacity_window": "dropless, padded to a capacity forecast from the last W steps' loads and "
+                                   "agreed over the expert group (0: off)",
+    "moe_dynamic_capacity_margin": "the forecast's factor over the window's largest load (>= 1)",
+    "seq_length": "tokens per sequence",
     "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
     "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
     "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "

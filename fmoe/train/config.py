@@ -49,7 +49,11 @@ class TrainConfig:
     first_k_dense (leading dense layers), moe_shared_experts, vocab_size, mtp (+ mtp_loss_scaling_factor).
     Routing and balancing: moe_router_score_function, moe_aux_loss_coeff, moe_z_loss_coeff,
     moe_router_bias_update_rate (aux-loss-free), moe_expert_capacity_factor (None = dropless),
-    moe_pad_expert_input_to_capacity, moe_token_drop_policy.
+    moe_pad_expert_input_to_capacity, moe_token_drop_policy, moe_router_num_groups / moe_router_group_topk
+    (group-limited routing, Megatron's and DeepSeek-V3's: a token picks its experts from its group_topk best
+    of num_groups groups; both or neither), moe_dynamic_capacity_window / moe_dynamic_capacity_margin
+    (dropless with a capacity forecast from the last W steps' loads, agreed over the expert group;
+    fmoe/capacity.py; 0 = off).
     Batch: seq_length, micro_batch_size, global_batch_size (sequences per step over all ranks).
     Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
     "accumulate" otherwise), dualpipev_dw_detach, overlap, fuse_iw (an I whose W comes next runs as one B;
@@ -108,6 +112,10 @@ class TrainConfig:
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_dynamic_capacity_window: int = 0
+    moe_dynamic_capacity_margin: float = 1.0
     # batch
     seq_length: int = 64
     micro_batch_size: int = 4
@@ -219,7 +227,11 @@ class TrainConfig:
                         bias_update_rate=self.moe_router_bias_update_rate,
                         capacity_factor=self.moe_expert_capacity_factor,
                         pad_to_capacity=self.moe_pad_expert_input_to_capacity,
-                        drop_policy=self.moe_token_drop_policy, num_shared_experts=self.moe_shared_experts)
+                        drop_policy=self.moe_token_drop_policy, num_shared_experts=self.moe_shared_experts,
+                        num_groups=self.moe_router_num_groups or 1,
+                        topk_groups=self.moe_router_group_topk or 1,
+                        dynamic_capacity_window=self.moe_dynamic_capacity_window,
+                        dynamic_capacity_margin=self.moe_dynamic_capacity_margin)
         return GPTConfig(vocab_size=self.vocab_size, d_model=self.hidden_size, n_layers=self.num_layers,
                          n_heads=self.num_attention_heads, n_kv_heads=self.num_query_groups,
                          d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
@@ -369,6 +381,7 @@ class TrainConfig:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be a positive integer, got {vpp}")
         rpn = self.ranks_per_node or self.world_size
         check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
+        self._check_routing()
         cfg = self.model()
         name = self.schedule_name
         if name == ACCUMULATE:
@@ -393,6 +406,33 @@ class TrainConfig:
                 f", vpp {self.num_virtual_stages_per_pipeline_rank}")
             raise ValueError(f"--schedule {name} with pp {self.pp}{vpp} and {self.microbatches} microbatches "
                              f"per rank: {exc}") from None
+
+    def _check_routing(self) -> None:
+        """Group-limited routing and dynamic capacity, named by their flags (MoEConfig checks them too)."""
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited "
+                             "routing: a token picks experts from its group-topk best groups)")
+        if groups is not None:
+            if groups < 1 or self.num_experts % groups:
+                raise ValueError(f"--moe-router-num-groups ({groups}) must divide --num-experts "
+                                 f"({self.num_experts})")
+            if not 1 <= group_topk <= groups:
+                raise ValueError(f"--moe-router-group-topk must lie in [1, --moe-router-num-groups = "
+                                 f"{groups}], got {group_topk}")
+            reach = group_topk * (self.num_experts // groups)
+            if self.moe_router_topk > reach:
+                raise ValueError(f"--moe-router-topk ({self.moe_router_topk}) exceeds the {reach} experts of "
+                                 f"{group_topk} groups")
+        window = self.moe_dynamic_capacity_window
+        if window < 0:
+            raise ValueError(f"--moe-dynamic-capacity-window must be >= 0, got {window}")
+        if window and self.moe_expert_capacity_factor is not None:
+            raise ValueError("--moe-dynamic-capacity-window is dropless with a forecast capacity: leave out "
+                             "--moe-expert-capacity-factor")
+        if not self.moe_dynamic_capacity_margin >= 1.0:
+            raise ValueError(f"--moe-dynamic-capacity-margin must be >= 1, got "
+                             f"{self.moe_dynamic_capacity_margin}")
 
     def _check_data(self) -> None:
         if self.data == "markov":
