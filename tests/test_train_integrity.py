@@ -84,7 +84,8 @@ def test_ranks_with_a_different_flag_all_fail_naming_it(tmp_path: Path, differ: 
 
 def test_rank_only_paths_may_differ_but_the_data_may_not(tmp_path: Path) -> None:
     one, copy, other = _texts(tmp_path, b"abc" * 100, b"abc" * 100, b"abd" * 100)
-    metrics = {"metrics": str(tmp_path / "r1.jsonl"), "progress": False, "loss_curve": "x.png"}
+    metrics = {"metrics": str(tmp_path / "r1.jsonl"), "progress": False, "loss_curve": "x.png",
+               "tensorboard_dir": "tb1", "wandb_project": "p", "wandb_exp_name": "x", "wandb_save_dir": "w"}
     assert [r.value for r in spawn(_check_with, 2, metrics, [one, copy])] == ["agreed", "agreed"]
     got = [r.value for r in spawn(_check_with, 2, {}, [one, other])]
     assert got[0] == got[1] and "disagree on data" in got[0], got

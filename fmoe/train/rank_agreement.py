@@ -9,10 +9,10 @@ with one line, e.g.
     ranks [0], 7 on ranks [1]
 
 Left out of the comparison, as they may differ per rank without changing what is trained: --metrics,
---loss-curve and --progress (read by rank 0 only), --keep-host-memory (a rank's own allocator) and
---data's path (a copy of the same file may sit elsewhere on another node: its content is compared, as the
-fingerprint). --trace is compared as set or not (every rank joins its gather) and --timeout is compared
-(a rank that gives up earlier fails the others).
+--loss-curve, --progress, --tensorboard-dir and the --wandb-* flags (read by rank 0 only),
+--keep-host-memory (a rank's own allocator) and --data's path (a copy of the same file may sit elsewhere
+on another node: its content is compared, as the fingerprint). --trace is compared as set or not (every
+rank joins its gather) and --timeout is compared (a rank that gives up earlier fails the others).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from fmoe.parallel.agreement import AgreementError, agree
 from fmoe.train.config import TrainConfig
 from fmoe.train.run_errors import RunError
 
-PER_RANK = ("metrics", "loss_curve", "progress", "keep_host_memory", "data")
+PER_RANK = ("metrics", "loss_curve", "progress", "keep_host_memory", "data", "tensorboard_dir",
+            "wandb_project", "wandb_exp_name", "wandb_save_dir")
 SAMPLE_BYTES = 1 << 16  # hashed at each end of a data file: cheap, and catches another file or version
 
 
