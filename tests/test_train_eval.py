@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_utils import spawn
 
+from fmoe.model import gpt_loss
 from fmoe.parallel import ParallelLayout
 from fmoe.train.config import TrainConfig
 from fmoe.train.data import microbatches
@@ -94,8 +95,8 @@ def test_bad_eval_flags_fail_with_one_line_before_launch(tmp_path, capsys, no_la
     assert [s for s in range(1, 13) if due(TrainConfig(steps=12, eval_interval=5), s)] == [5, 10, 12]
 
 
-FLAGS = {"steps": 2, "eval_iters": 1, "lr_warmup_iters": 1, "moe_router_bias_update_rate": 1e-2,
-         "progress": False}
+FLAGS = {"steps": 2, "eval_iters": 2, "lr_warmup_iters": 1, "moe_router_bias_update_rate": 1e-2,
+         "seq_length": 16, "global_batch_size": 16, "micro_batch_size": 2, "progress": False}
 LAYOUTS = {"pp2_ep2_dualpipev": {"pp": 2, "ep": 2, "dp": 1}, "pp2_dp2_1f1b": {"pp": 2, "ep": 1, "dp": 2,
            "schedule": "1f1b"}, "pp1_ep2_dp2_combined": {"pp": 1, "ep": 2, "dp": 2}}
 
@@ -138,10 +139,17 @@ def test_evaluation_is_forward_only_and_every_layout_agrees_with_the_one_process
     tc = TrainConfig(**FLAGS, pp=1, ep=1, dp=1, eval_interval=1)
     world = _world(tc, 0, f"file://{tmp_path / 'store'}", 0, 1)
     try:
-        _, want = _run(Trainer(tc, world), with_eval=True)
+        trainer = Trainer(tc, world)
+        _, want = _run(trainer, with_eval=True)
     finally:
         torch.distributed.destroy_process_group()
     assert want[0]["eval_main_loss"] > want[-1]["eval_main_loss"]  # it measures the training
+    with torch.no_grad():  # what it measures: the cross-entropy of the validation split's first batches
+        ce = [gpt_loss(trainer.params, ids, t, trainer.cfg, trainer.state)[1].main_loss
+              for i in range(tc.eval_iters) for ids, t in microbatches(
+                  valid_dataset(tc), i, global_batch=tc.global_batch_size, micro_batch=tc.micro_batch_size,
+                  data_rank=0, data_ranks=1, seed=tc.seed)]
+    assert want[-1]["eval_main_loss"] == pytest.approx(float(sum(ce)) / len(ce), rel=1e-6)
     for result in spawn(_eval_rank, 4, timeout_s=400):
         for name, (same_steps, same_state, evals) in result.value.items():
             assert same_steps and same_state, (name, result.rank)  # bitwise: the evaluations changed nothing
