@@ -1,9 +1,10 @@
 """`fmoe.parallel.agree`: ranks that disagree on the config, the layout or the parameter shapes all raise
 the same AgreementError naming who disagrees on what; ranks that agree pass.
 
-Legend: P ranks. Without the check, a rank with a different num_experts makes the all-gather dispatcher
-return rows of zeros without an error (and the all-to-all one abort inside gloo). Each spawn runs
-several scenarios in a row: a disagreement is found by gathers that succeed, so the group stays usable.
+Legend: P ranks. Without the check, a rank with a different num_experts makes the all-to-all dispatcher
+abort inside gloo; the all-gather dispatcher now checks the expert count itself (it returned a wrong
+answer without an error), and every rank raises. Each spawn runs several scenarios in a row: a
+disagreement is found by gathers that succeed, so the group stays usable.
 """
 
 from __future__ import annotations
@@ -131,23 +132,59 @@ def test_missing_and_undescribable_things(results) -> None:
 
 # ---- what the check guards against, and the canonical form ----------------------------------------
 
+def _value_error(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _dispatch_with_other_num_experts(rank: int, world: int) -> dict:
+    """Rank 1 has 8 experts, rank 0 has 4. Before the dispatcher's own check, the token path returned a
+    wrong answer without an error, and the row path aborted rank 0 inside gloo."""
     comm = CommGroup(dist.group.WORLD)
     e = 8 if rank == 1 else 4
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
-    ids = torch.arange(10).reshape(5, 2) % 4
-    d = AllGatherDispatcher(comm, e)
-    x_M, _, meta = d.dispatch_tokens(x, ids, torch.full((5, 2), 0.5))
-    y = d.combine_tokens(x_M, meta)  # identity experts: y should be x
-    return {"max_err": float((y - x).abs().max()), "agree": _error(lambda: agree(comm, config=_cfg(e)))}
+    ids, probs = torch.arange(10).reshape(5, 2) % 4, torch.full((5, 2), 0.5)
+    rows_x, counts_E = torch.randn(e, 3), torch.ones(e, dtype=torch.int64)  # one row per expert
+    tokens = _value_error(lambda: AllGatherDispatcher(comm, e).dispatch_tokens(x, ids, probs))
+    rows = _value_error(lambda: AllGatherDispatcher(comm, e).dispatch(rows_x, counts_E))
+    # the same number of experts everywhere, but rank 1 routes over 8 (its config) with 4 (the dispatcher's)
+    routed = _value_error(lambda: AllGatherDispatcher(comm, 4).dispatch(rows_x, counts_E))
+    ids_over = _value_error(lambda: AllGatherDispatcher(comm, 4).dispatch_tokens(x, ids + 4 * rank))
+    return {"tokens": tokens, "rows": rows, "routed": routed, "ids_over": ids_over,
+            "agree": _error(lambda: agree(comm, config=_cfg(e)))}
 
 
-def test_the_silent_failure_agree_catches() -> None:
+def test_ranks_with_other_expert_counts_fail_in_the_allgather_dispatcher_everywhere() -> None:
     res = [r.value for r in spawn(_dispatch_with_other_num_experts, 2, timeout_s=60, pg_timeout_s=20)]
-    assert any(r["max_err"] > 0.1 for r in res)  # no error from the dispatcher, a wrong answer
     for r in res:
+        assert r["tokens"] == r["rows"] == ("AllGatherDispatcher: the ranks of the expert group disagree on "
+                                            "num_experts: 4 on group ranks [0], 8 on group ranks [1]")
+        assert r["routed"] == ("AllGatherDispatcher: the ranks of the expert group disagree on the routed "
+                               "experts (len(counts_E)): 4 on group ranks [0], 8 on group ranks [1]")
+        assert r["ids_over"] == ("AllGatherDispatcher: group rank 1 routes to expert 7, but num_experts is "
+                                 "4: its routing has more experts than the dispatcher")
         assert r["agree"] == ("ranks [0] and [1] disagree on config:\n"
                               "  config.num_experts: 4 on ranks [0], 8 on ranks [1]")
+
+
+def _dispatch_agreeing(rank: int, world: int) -> float:
+    comm = CommGroup(dist.group.WORLD)
+    d = AllGatherDispatcher(comm, 4)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+    err = 0.0
+    for _ in range(2):  # the row path checks on its first call only; both calls must pass
+        y_MD, _, _, meta = d.dispatch(x[:4], torch.ones(4, dtype=torch.int64))
+        err = max(err, float((d.combine(y_MD, meta) - x[:4]).abs().max()))
+        x_M, _, tmeta = d.dispatch_tokens(x, torch.arange(10).reshape(5, 2) % 4, torch.full((5, 2), 0.5))
+        err = max(err, float((d.combine_tokens(x_M, tmeta) - x).abs().max()))
+    return err
+
+
+def test_agreeing_ranks_pass_the_allgather_dispatchers_check() -> None:
+    assert all(r.value < 1e-6 for r in spawn(_dispatch_agreeing, 2, timeout_s=60, pg_timeout_s=20))
 
 
 def test_describe_is_canonical() -> None:

@@ -19,6 +19,12 @@ expanded gather index). Combine writes the expert outputs back with `index_put` 
 Host synchronisation (explicit), per dispatch: one blocking all-gather of counts. Row level reads R_max
 and the rows per local expert in one host sync (`gather_sizes`); the token level reads T_max and the
 local row count M (two). Combine and the backward: none.
+
+Agreement: ranks that disagree on the expert count would gather messages of different sizes (gloo aborts)
+or select other ranks' rows (a wrong answer, no error). Every rank raises the same ValueError instead:
+the row level all-gathers (num_experts, len(counts_E)) once, on a dispatcher's first dispatch (one more
+small blocking all-gather, once); the token level sends num_experts, K and its largest expert id with its
+token count, in the gather and the host read it makes anyway.
 """
 
 from __future__ import annotations
@@ -60,6 +66,34 @@ class AllGatherTokenMeta:
     tokens: int
 
 
+def _by_rank(values: list[int]) -> str:
+    """'4 on group ranks [0], 8 on group ranks [1]': each value with the group ranks that hold it."""
+    ranks: dict[int, list[int]] = {}
+    for p, v in enumerate(values):
+        ranks.setdefault(v, []).append(p)
+    return ", ".join(f"{v} on group ranks {rs}" for v, rs in ranks.items())
+
+
+def check_agreement(rows_PH: list[list[int]], names: tuple[str, ...]) -> None:
+    """Raise ValueError unless every rank's header (row p of rows_PH, one entry per name) is the same;
+    all ranks hold the same rows, so all raise alike."""
+    for h, name in enumerate(names):
+        values = [row[h] for row in rows_PH]
+        if len(set(values)) > 1:
+            raise ValueError(f"AllGatherDispatcher: the ranks of the expert group disagree on {name}: "
+                             f"{_by_rank(values)}")
+
+
+def check_ids(rows_PH: list[list[int]]) -> None:
+    """Raise ValueError unless every rank's (tokens, num_experts, K, largest expert id) header agrees on
+    num_experts and K and routes below num_experts (else its rows would be dropped without an error)."""
+    check_agreement([row[1:3] for row in rows_PH], ("num_experts", "top_k (ids_TK.shape[1])"))
+    for p, (_, e, _, top) in enumerate(rows_PH):
+        if top >= e:
+            raise ValueError(f"AllGatherDispatcher: group rank {p} routes to expert {top}, but num_experts "
+                             f"is {e}: its routing has more experts than the dispatcher")
+
+
 def gather_sizes(counts_PE: torch.Tensor, rank: int, L: int) -> tuple[int, tuple[int, ...]]:
     """Return (r_max, counts_L): the most rows any rank holds (the padded rows per rank) and the rows per
     local expert of `rank`, as host ints read in one host sync (the one of the layer's forward)."""
@@ -93,11 +127,26 @@ class AllGatherDispatcher:
         self.comm = comm
         self.num_experts = num_experts
         self.num_local_experts = experts_per_rank(num_experts, 1, comm.size)
+        self._agreed = False  # the row level's expert count checked against the group's (first dispatch)
+
+    def _agree_once(self, counts_E: torch.Tensor) -> None:
+        """On the first row-level dispatch, raise ValueError on every rank unless all agree on num_experts and
+        route over that many experts (len(counts_E)); the counts' own all-gather needs one size everywhere."""
+        if self._agreed:
+            return
+        mine = torch.tensor([self.num_experts, counts_E.numel()], device=counts_E.device)
+        rows_PH = all_gather_counts(mine, self.comm, op="allgather.agree").tolist()  # blocks
+        check_agreement(rows_PH, ("num_experts", "the routed experts (len(counts_E))"))
+        if rows_PH[0][0] != rows_PH[0][1]:
+            raise ValueError(f"AllGatherDispatcher: every rank routes over {rows_PH[0][1]} experts "
+                             f"(len(counts_E)), but num_experts is {rows_PH[0][0]}")
+        self._agreed = True
 
     def dispatch(self, x_RD: torch.Tensor, counts_E: torch.Tensor, probs_R: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllGatherMeta]:
         """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
         L, me = self.num_local_experts, self.comm.rank
+        self._agree_once(counts_E)
         counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
         r_max, counts_L = gather_sizes(counts_PE, me, L)  # the host sync: padded rows, rows per expert
         r = x_RD.shape[0]
@@ -127,9 +176,13 @@ class AllGatherDispatcher:
                         ) -> tuple[torch.Tensor, torch.Tensor, AllGatherTokenMeta]:
         """Return (x_MD grouped by local expert, counts_L, meta): gather tokens, select the local rows."""
         L, me, t, k = self.num_local_experts, self.comm.rank, x_TD.shape[0], ids_TK.shape[1]
-        t_1 = torch.tensor([t], device=x_TD.device)
-        counts_P = all_gather_counts(t_1, self.comm, op="allgather.counts")  # blocks
-        t_max = int(counts_P.max())  # host sync: padded tokens per rank
+        # With the token count, what the ranks must agree on (read in the same host sync): E, K, largest id.
+        dev = x_TD.device
+        top = ids_TK.amax().reshape(1) if ids_TK.numel() else torch.full((1,), -1)
+        head = torch.cat([torch.tensor([t, self.num_experts, k], device=dev), top.to(dev, torch.int64)])
+        rows_PH = all_gather_counts(head, self.comm, op="allgather.counts").tolist()  # blocks; host sync
+        check_ids(rows_PH)
+        t_max = max(row[0] for row in rows_PH)  # padded tokens per rank
         pad = (0, 0) * (x_TD.dim() - 1) + (0, t_max - t)
         x_all, hx = all_gather_async(F.pad(x_TD, pad), self.comm, op="allgather.dispatch")
         hp = None
