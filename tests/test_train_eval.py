@@ -97,8 +97,9 @@ def test_bad_eval_flags_fail_with_one_line_before_launch(tmp_path, capsys, no_la
 
 FLAGS = {"steps": 2, "eval_iters": 2, "lr_warmup_iters": 1, "moe_router_bias_update_rate": 1e-2,
          "seq_length": 16, "global_batch_size": 16, "micro_batch_size": 2, "progress": False}
-LAYOUTS = {"pp2_ep2_dualpipev": {"pp": 2, "ep": 2, "dp": 1}, "pp2_dp2_interleaved": {"pp": 2, "ep": 1, "dp": 2,
-           "schedule": "interleaved"}, "pp1_ep2_dp2_combined": {"pp": 1, "ep": 2, "dp": 2}}
+LAYOUTS = {"pp2_ep2_dualpipev": {"pp": 2, "ep": 2, "dp": 1},
+           "pp2_dp2_interleaved": {"pp": 2, "ep": 1, "dp": 2, "schedule": "interleaved"},
+           "pp1_ep2_dp2_combined": {"pp": 1, "ep": 2, "dp": 2}}
 
 
 def _run(trainer: Trainer, with_eval: bool) -> tuple[list, list]:
