@@ -7,6 +7,7 @@ consecutive comm actions (a batch: the sends of the previous step with the recei
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from fmoe.schedule import deps
@@ -21,16 +22,41 @@ def recvs(s: Schedule, action: Action) -> tuple[Recv, ...]:
     return tuple(pair[1] for d in deps.needs(s, action) if (pair := deps.link(s, d)))
 
 
-def sends(s: Schedule, action: Action) -> tuple[Send, ...]:
+# Which half of an overlapped pair produces its result first, as the executor runs the pair: True for the
+# forward. None: the backward (fb overlap with as many exchanges on both sides: the pair starts and ends
+# with its backward's phases).
+ForwardFirst = Callable[[Overlap], bool] | None
+
+
+def sends(s: Schedule, action: Action, forward_first: ForwardFirst = None) -> tuple[Send, ...]:
     """Returns the sends (to other ranks) of what a compute action produced, right after it on its
-    rank; none for a Send or Recv. An overlapped pair's backward's first: under fb overlap the pair
-    starts and ends with its backward's phases, so its gradient exists first, and an executor that
-    sends each message the moment it exists (in this order, the wire order) sends it without waiting
-    for the forward."""
+    rank; none for a Send or Recv. An overlapped pair's sends in the order its two results exist
+    (`forward_first`), so that an executor that sends each message the moment it exists (in this order,
+    the wire order) never holds one back behind the other."""
     ops = ops_of(action)
-    if isinstance(action, Overlap):
+    if isinstance(action, Overlap) and not (forward_first is not None and forward_first(action)):
         ops = ops[::-1]
     return tuple(pair[0] for op in ops for d in deps.produces(s, op) if (pair := deps.link(s, d)))
+
+
+def forward_first_by_turns(turns: Mapping[int, int] | None, overlap: bool = True) -> ForwardFirst:
+    """Returns the `forward_first` of an executor that runs an overlapped pair by turns (fmoe.schedule.
+    execute), from `turns` (stage -> the exchanges in flight at which an op of that stage hands over:
+    the same for its forward and its backward's dx pass; 0 for a stage run whole). Overlap off, the
+    forward runs first and whole: True. The backward starts (when its stage has turns) and the two
+    alternate, so the forward ends first when it has fewer turns; a backward without turns runs whole
+    at the forward's first turn (the forward ends first only without one). None (`turns` None, overlap
+    on): the backward first, whatever the stages hold."""
+    if not overlap:
+        return lambda pair: True
+    if turns is None:
+        return None
+
+    def first(pair: Overlap) -> bool:
+        tf, tb = turns[pair.f.stage], turns[pair.b.stage]
+        return tf == 0 if tb == 0 else tf < tb
+
+    return first
 
 
 def has_comms(s: Schedule) -> bool:
@@ -38,15 +64,16 @@ def has_comms(s: Schedule) -> bool:
     return any(isinstance(a, (Send, Recv)) for acts in s.ranks for a in acts)
 
 
-def with_comms(s: Schedule) -> Schedule:
-    """Returns `s` with its sends and receives inserted (unchanged if it already has any)."""
+def with_comms(s: Schedule, forward_first: ForwardFirst = None) -> Schedule:
+    """Returns `s` with its sends and receives inserted (unchanged if it already has any); an overlapped
+    pair's sends in the order of `forward_first` (`sends`)."""
     if has_comms(s):
         return s
     ranks = []
     for acts in s.ranks:
         out: list[Action] = []
         for a in acts:
-            out.extend((*recvs(s, a), a, *sends(s, a)))
+            out.extend((*recvs(s, a), a, *sends(s, a, forward_first)))
         ranks.append(tuple(out))
     return replace(s, ranks=tuple(ranks))
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe._work import wait_work
+from fmoe.schedule.comms import forward_first_by_turns
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
@@ -137,7 +138,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
             grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
             fuse_iw: bool = True, device: torch.device | None = None,
-            compute_model: ComputeModel | None = None) -> StepResult:
+            compute_model: ComputeModel | None = None,
+            stage_turns: Mapping[int, int] | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -166,11 +168,18 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     value), it returns no earlier than the phase's modelled end, so that ranks sharing a few cores run as
     devices that compute while their exchanges travel (as a LinkModel does for the exchanges); the
     computation itself runs as always. The executor starts its device clock (`new_step`) and tells it
-    when each exchange or receive it waited for completed (`waited`)."""
+    when each exchange or receive it waited for completed (`waited`). `stage_turns`: for every stage of
+    the schedule (all ranks', the same on every rank), the exchanges in flight at which its ops hand
+    over (`stage_turns_of` of its program): with them an overlapped pair's two messages go on the wire
+    in the order they exist (comms.forward_first_by_turns), so an activation never waits behind its
+    pair's gradient; None: the backward's first (right when both stages hold as many exchanges)."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
-    full, wire = _verified(s, fuse_iw)
     check_programs(s, rank, programs)
+    if stage_turns is not None:
+        _check_turns(s, rank, programs, stage_turns)
+    turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
+    full, wire = _verified(s, fuse_iw, overlap, turns_key)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
                      on_stage_done, grad_dtype, loss_scale, device or _device_of(programs), compute_model
                      ).run(full.ranks[rank], wire[rank])
@@ -188,25 +197,47 @@ def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
     return torch.device("cpu")
 
 
-# (schedule, fuse_iw) -> the lists the executor runs and their wire order, by identity: a training loop
-# runs one Schedule value every step, and verifying it (a dependency replay of every rank's list) costs as
-# much as the executor's own bookkeeping of a step on small shapes. Schedules are frozen, so a verification
-# stays valid; the entry holds its schedule, so the id cannot be reused while it is cached.
-_VERIFIED: dict[tuple[int, bool], tuple[Schedule, Schedule, tuple]] = {}
+def stage_turns_of(program: StageProgram) -> int:
+    """Returns the exchanges in flight at which an op of `program`'s stage hands over to its pair: its
+    comm phases that may leave the process and switch (`Phase.switch`), the same for its forward and its
+    backward's dx pass; 0 when none may leave the process (the executor runs the stage whole)."""
+    return sum(ph.kind == "comm" and ph.switch and not ph.local for ly in program.layers for ph in ly.phases)
+
+
+def _check_turns(s: Schedule, rank: int, programs: Mapping[int, StageProgram],
+                 stage_turns: Mapping[int, int]) -> None:
+    # every rank derives the wire order from stage_turns: a wrong value for a stage would order a pair's
+    # messages differently on the two ends of a link (a mismatch under NCCL), so this rank checks its own
+    if set(stage_turns) != set(range(s.placement.num_stages)):
+        raise ScheduleError(f"rank {rank}: stage_turns covers stages {sorted(stage_turns)}, schedule "
+                            f"{s.name} has stages 0..{s.placement.num_stages - 1}")
+    for st, prog in programs.items():
+        if stage_turns[st] != stage_turns_of(prog):
+            raise ScheduleError(f"rank {rank}: stage_turns says stage {st} hands over at {stage_turns[st]} "
+                                f"exchanges, its program at {stage_turns_of(prog)}")
+
+
+# (schedule, fuse_iw, overlap, turns) -> the lists the executor runs and their wire order, by identity: a
+# training loop runs one Schedule value every step, and verifying it (a dependency replay of every rank's
+# list) costs as much as the executor's own bookkeeping of a step on small shapes. Schedules are frozen, so
+# a verification stays valid; the entry holds its schedule, so the id cannot be reused while it is cached.
+_VERIFIED: dict[tuple, tuple[Schedule, Schedule, tuple]] = {}
 _VERIFIED_MAX = 16
 
 
-def _verified(s: Schedule, fuse_iw: bool) -> tuple[Schedule, tuple[tuple[Send | Recv, ...], ...]]:
-    hit = _VERIFIED.get((id(s), fuse_iw))
+def _verified(s: Schedule, fuse_iw: bool, overlap: bool, turns: tuple[tuple[int, int], ...] | None
+              ) -> tuple[Schedule, tuple[tuple[Send | Recv, ...], ...]]:
+    key = (id(s), fuse_iw, overlap, turns)
+    hit = _VERIFIED.get(key)
     if hit is not None and hit[0] is s:
         return hit[1], hit[2]
-    full = verify(s)
+    full = verify(s, forward_first_by_turns(None if turns is None else dict(turns), overlap))
     if fuse_iw:
         full = fuse_adjacent_iw(full)
     wire = wire_order(full)  # of the lists as they run: fusing moves no Send, but the replay says so
     if len(_VERIFIED) >= _VERIFIED_MAX:
         _VERIFIED.pop(next(iter(_VERIFIED)))
-    _VERIFIED[(id(s), fuse_iw)] = (s, full, wire)
+    _VERIFIED[key] = (s, full, wire)
     return full, wire
 
 

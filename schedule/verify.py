@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 from fmoe.schedule import deps
-from fmoe.schedule.comms import sends, with_comms
+from fmoe.schedule.comms import ForwardFirst, sends, with_comms
 from fmoe.schedule.deps import Dep, Kind
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
 
@@ -142,17 +142,18 @@ def replay(s: Schedule) -> tuple[tuple[int, int, Dep], ...]:
             raise ScheduleError(f"{s.name}: deadlock with blocking receives: {stuck}")
 
 
-def verify(s: Schedule) -> Schedule:
+def verify(s: Schedule, forward_first: ForwardFirst = None) -> Schedule:
     """Checks `s` and returns it with explicit sends/receives (derived from the placement when absent),
     i.e. the lists an executor runs. Raises ScheduleError with a message naming the first problem:
     something in a list that is not an action; a missing/duplicate F, B, I or W; an action on the wrong
     rank; a dependency violated (F of stage s+1 before F of s, a backward before the later stage's
     backward, W before its I); unmatched or misrouted sends/receives; or a deadlock under blocking
-    batched point-to-point."""
+    batched point-to-point. `forward_first`: the order of an overlapped pair's derived sends
+    (comms.sends)."""
     _check_shape(s)
     _check_counts(s)
     _check_local_order(s)
-    full = with_comms(s)
+    full = with_comms(s, forward_first)
     _check_messages(full)
     replay(full)
     return full

@@ -156,13 +156,16 @@ def test_with_overlap_off_nothing_is_paired(runs: dict, key: tuple) -> None:
         assert ex and all(not x["hid"] for x in ex), [x for x in ex if x["hid"]][:3]
 
 
-def test_sends_go_out_the_moment_their_data_exists(runs: dict) -> None:
+@pytest.mark.parametrize("key", [("dualpipev", 2, 8, 0, True), ("dualpipev", 2, 5, 1, True)],
+                         ids=["equal-chunks", "unequal-chunks"])
+def test_sends_go_out_the_moment_their_data_exists(runs: dict, key: tuple) -> None:
     """DualPipeV pp 2 x ep 2: a gradient's send follows its dx pass with no compute in between (no dw,
-    nothing of the paired op); an activation's follows its forward's last phase, or, where the pair's
-    gradient to the same rank comes first on the wire and was not ready yet (a backward with more MoE
-    layers than its forward), that gradient's send at once."""
+    nothing of the paired op), and an activation's follows its forward's last phase, also where the
+    forward ends first (a backward with more MoE layers: 5 layers, the first dense, over 4 chunks), and
+    its pair's gradient goes to the same rank: the wire order lists a pair's messages in the order they
+    exist (`stage_turns`)."""
     checked = {"act": 0, "grad": 0}
-    for events, _ in runs[("dualpipev", 2, 8, 0, True)]:
+    for events, _ in runs[key]:
         events = sorted(events, key=lambda e: e[3])
         for i, (name, lane, _, _, _, step) in enumerate(events):
             m = re.match(r"p2p send (act|grad) s(\d+) mb(\d+)", name)
@@ -172,8 +175,7 @@ def test_sends_go_out_the_moment_their_data_exists(runs: dict) -> None:
             last = next(e for e in reversed(events[:i]) if e[1] == "compute" and e[2] in "FBIW")
             cm = _COMPUTE.match(last[0])
             own = cm and cm.group(1) in ("F" if what == "act" else "BI") and cm.groups()[2::2] == (stage, mb)
-            behind_grad = what == "act" and events[i - 1][0].startswith("p2p send grad")
-            assert own or behind_grad, (name, last[0], events[i - 1][0])
+            assert own, (name, last[0], events[i - 1][0])
             checked[what] += 1
     assert min(checked.values()) >= 2, checked
 
@@ -259,3 +261,43 @@ def test_a_lone_f_after_a_lone_w_hides_its_combine_behind_that_w(runs: dict) -> 
             assert any(g[0] == "W" and g[2::2] == ("3", "0") for g in ran), (name, step, sorted(ran))
             checked += 1
     assert checked >= 2, checked
+
+
+def test_a_pairs_messages_are_listed_in_the_order_the_executor_makes_them() -> None:
+    """comms.forward_first_by_turns against the executor's turn taking, case by case: the backward
+    starts and the two alternate at their turns, so the op with fewer turns ends first (a tie: the
+    backward); a backward without turns runs whole at the forward's first; overlap off runs the forward
+    whole first. And the derived sends follow it."""
+    from fmoe.schedule.comms import forward_first_by_turns, sends
+
+    pair = Overlap(S.Op("F", 0, 1), S.Op("B", 3, 0))
+    cases = {(4, 4): False, (2, 4): True, (4, 2): False, (0, 4): True, (4, 0): False, (0, 0): True}
+    for (tf, tb), want in cases.items():
+        assert forward_first_by_turns({0: tf, 3: tb})(pair) is want, (tf, tb)
+    assert forward_first_by_turns({0: 4, 3: 4}, overlap=False)(pair) is True
+    assert forward_first_by_turns(None) is None
+    s = S.build("dualpipev", 2, 4)
+    pairs = [a for a in s.ranks[0] if isinstance(a, Overlap)]
+    both = [a for a in pairs if len(sends(s, a)) == 2]  # F0.x&B3.y: an activation and a gradient to r1
+    assert both
+    for a in both:
+        assert [snd.what for snd in sends(s, a)] == ["grad", "act"]
+        for turns, want in (({0: 2, 1: 2, 2: 2, 3: 4}, ["act", "grad"]),
+                            ({0: 4, 1: 2, 2: 2, 3: 4}, ["grad", "act"])):
+            assert [snd.what for snd in sends(s, a, forward_first_by_turns(turns))] == want, (str(a), turns)
+
+
+def test_stage_turns_that_disagree_with_the_programs_are_refused() -> None:
+    cfg = _cfg(4, 0)
+    s = S.build("1f1b", 2, 2)
+    params = init_gpt(cfg, torch.Generator().manual_seed(0))
+    batches = [(torch.zeros(1, 4, dtype=torch.long),) * 2] * 2
+    from fmoe.pipeline.step import gpt_programs
+    from fmoe.schedule.execute import execute
+    programs = gpt_programs(cfg, s, 0, params, init_gpt_state(cfg), micro_batch=(1, 4))
+    data = {"ids_BS": batches[0][0], "targets_BS": batches[0][1]}
+    with pytest.raises(S.ScheduleError, match="stage_turns says stage 0 hands over at 2 exchanges, its "
+                                              "program at 0"):
+        execute(s, 0, programs, lambda mb: data, stage_turns={0: 2, 1: 0})
+    with pytest.raises(S.ScheduleError, match="stage_turns covers stages"):
+        execute(s, 0, programs, lambda mb: data, stage_turns={0: 0})

@@ -127,6 +127,14 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     ))
 
 
+def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
+    """Returns how many exchanges of one `moe_layer` hand over to an fb-overlap pair
+    (fmoe.schedule.stage_turns_of counts them on a built program): the dispatch and the combine when they
+    may leave the process (the count exchange never hands over), none for a local dispatcher."""
+    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, cfg.moe)
+    return 0 if getattr(phased(dispatcher, token_level), "local", False) else 2
+
+
 def mtp_in_layer(cfg: GPTConfig) -> Layer:
     """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
     stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions)."""

@@ -24,8 +24,9 @@ from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import update_moe_state
 from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.pipeline import phases as P
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
-from fmoe.pipeline.phases import dense_layer, embed_layer, head_layer, moe_layer, mtp_in_layer
+from fmoe.pipeline.recompute import chunk_layers
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
 from fmoe.schedule.program import Layer, StageProgram
@@ -67,19 +68,20 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
     out = {}
     for stage in s.placement.stages_of(rank):
         chunk = chunks[s.placement.layer_chunk[stage]]
-        layers: list[Layer] = [embed_layer()] if chunk.first else []
+        layers: list[Layer] = [P.embed_layer()] if chunk.first else []
         for i in chunk.layers:
             if i < cfg.num_dense_layers:
-                layers.append(dense_layer(cfg, i))
+                layers.append(P.dense_layer(cfg, i))
             else:
-                layers.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i],
+                layers.append(P.moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i],
                                         state["layers"][i], dispatcher))
         if chunk.last:
             if cfg.mtp:
-                layers.append(mtp_in_layer(cfg))
-                layers.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"],
+                layers.append(P.mtp_in_layer(cfg))
+                layers.append(P.moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"],
                                         state.get("mtp"), dispatcher))
-            layers.append(head_layer(cfg))
+            layers.append(P.head_layer(cfg))
+        layers = chunk_layers(cfg.recompute, chunk.layers, layers)  # fmoe/recompute.py
         spec = {} if chunk.first else {"h_BSD": ((B, S, cfg.d_model), dtype)}
         out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
     return out
@@ -133,7 +135,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
-                     loss_scale=loss_scale, fuse_iw=fuse_iw, compute_model=compute_model)
+                     loss_scale=loss_scale, fuse_iw=fuse_iw, compute_model=compute_model,
+                     stage_turns=gpt_stage_turns(cfg, s, chunks, dispatcher))
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
@@ -148,6 +151,21 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                          bool(route.capacity_missed))
         loads[path] = load if path not in loads else loads[path].merge(load)
     return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
+
+
+def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],
+                    dispatcher: Any = None) -> dict[int, int]:
+    """Returns, for every stage of `s` (every rank's), the exchanges at which its ops hand over to an
+    fb-overlap pair (the executor's `stage_turns`): per MoE layer of its chunk (the MTP block included)
+    `moe_layer_turns`. Every rank computes the same, so a pair's two messages go on the wire in the
+    order they exist on both ends of the link. `dispatcher` None: local (no turns)."""
+    per_moe = P.moe_layer_turns(cfg, dispatcher or LocalDispatcher(cfg.moe.num_experts))
+    out = {}
+    for stage in range(s.placement.num_stages):
+        chunk = chunks[s.placement.layer_chunk[stage]]
+        moe = sum(i >= cfg.num_dense_layers for i in chunk.layers) + int(chunk.last and cfg.mtp)
+        out[stage] = per_moe * moe
+    return out
 
 
 def _step_loss(result: StepResult, params: dict[str, Any]) -> torch.Tensor:
