@@ -52,6 +52,7 @@ from fmoe._work import wait_work
 from fmoe.schedule.comms import forward_first_by_turns
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
+from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
 from fmoe.schedule.timeline import TraceEvent
@@ -176,6 +177,7 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
     check_programs(s, rank, programs)
+    check_group(s, rank, group)
     if stage_turns is not None:
         _check_turns(s, rank, programs, stage_turns)
     turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
