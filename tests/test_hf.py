@@ -258,12 +258,13 @@ def test_hub_style_fields_map_like_transformers_5_ones() -> None:
 
 def test_cli_round_trip_through_an_fmoe_checkpoint(tmp_path: Path, capsys) -> None:
     """hf-to-fmoe writes fmoe train's format (verified load, same params); fmoe-to-hf gives back the same
-    tensors and config; a model fmoe train cannot build (qk_norm) is refused by its --load."""
+    tensors and config; fmoe train's --load refuses it when its flags build another model (model.toml
+    with --no-qk-layernorm: no q / k norms)."""
     model = _hf_model("qwen3_moe")
     hf_dir = _saved(model, tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     assert fmoe_main(["convert", "hf-to-fmoe", "--hf", str(hf_dir), "--save", str(ckpt)]) == 0
-    assert "fmoe train cannot build this model yet (head_dim" in capsys.readouterr().out
+    assert f"train from it: fmoe train --config {ckpt / 'model.toml'}" in capsys.readouterr().out
     cfg, params = load_hf(hf_dir)
     cfg2, params2, meta = load_fmoe(ckpt)
     assert cfg2 == cfg and meta["hf_config"]["model_type"] == "qwen3_moe"
@@ -287,7 +288,8 @@ def test_cli_round_trip_through_an_fmoe_checkpoint(tmp_path: Path, capsys) -> No
     from fmoe.train.config import TrainConfig, read_toml
     from fmoe.train.loop import Trainer, World
 
-    tc = TrainConfig.build({**read_toml(str(ckpt / "model.toml")), "pp": 1, "ep": 1, "progress": False})
+    tc = TrainConfig.build({**read_toml(str(ckpt / "model.toml")), "pp": 1, "ep": 1, "progress": False,
+                            "qk_layernorm": False})
     with one_process(), pytest.raises(CheckpointError, match="qk_norm: checkpoint True, this run False"):
         Trainer(tc, World(0, 1, None, torch.device("cpu"))).load(str(ckpt / "step_00000000"))
 

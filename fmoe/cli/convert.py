@@ -2,8 +2,9 @@
 
 Examples:
   fmoe convert hf-to-fmoe --hf Qwen3-30B-A3B --save ckpt     # ckpt/step_00000000 + ckpt/model.toml
-  fmoe train --config ckpt/model.toml --load ckpt ...         # train from it (when fmoe train can build it)
-  fmoe convert fmoe-to-hf --load ckpt --out hf_out --arch qwen3_moe   # from_pretrained("hf_out") loads it
+  fmoe train --config ckpt/model.toml --load ckpt --save run ...    # train from it
+  fmoe convert fmoe-to-hf --load run --out hf_out             # from_pretrained("hf_out") loads it
+  fmoe convert fmoe-to-hf --load ckpt2 --out hf_out --arch qwen3_moe  # a model not imported from HF
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _hf_to_fmoe(args: argparse.Namespace) -> int:
     from fmoe.hf.checkpoint import gpt_config_dict, save_fmoe, train_fields
     from fmoe.hf.files import load_hf, read_config
     from fmoe.train import save_dir
-    from fmoe.train.checkpoint import ARCH_FIELDS, architecture_diff
+    from fmoe.train.checkpoint import architecture_diff
 
     dtype = getattr(torch, args.dtype)
     cfg, params = load_hf(args.hf, dtype=dtype)
@@ -72,9 +73,9 @@ def _hf_to_fmoe(args: argparse.Namespace) -> int:
     print(f"fmoe convert: wrote {path}")
     missing = architecture_diff(gpt_config_dict(cfg), fields)
     if missing:
-        print(f"note: fmoe train cannot build this model yet ({'; '.join(missing)}): it has no flags for "
-              f"{', '.join(ARCH_FIELDS)}, so `fmoe train --load` refuses this checkpoint; fmoe.hf.load_hf "
-              "and fmoe.gpt_logits run it, `fmoe convert fmoe-to-hf` exports it")
+        print(f"note: fmoe train's flags cannot build this model ({'; '.join(missing)}), so `fmoe train "
+              "--load` refuses this checkpoint; fmoe.hf.load_hf and fmoe.gpt_logits run it, `fmoe convert "
+              "fmoe-to-hf` exports it")
     else:
         print(f"train from it: fmoe train --config {path.parent / 'model.toml'} --load {args.save} "
               f"(or the flags {_train_flags(fields)})")

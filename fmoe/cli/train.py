@@ -29,6 +29,11 @@ HELP = {
     "num_query_groups": "kv heads (GQA)", "first_k_dense": "leading dense layers",
     "moe_shared_experts": "shared experts", "vocab_size": "vocabulary (the Markov corpus uses it too)",
     "mtp": "DeepSeek-V3 multi-token prediction (depth 1)", "mtp_loss_scaling_factor": "MTP loss weight",
+    "kv_channels": "head dim (default: --hidden-size / --num-attention-heads)",
+    "rotary_base": "RoPE base (theta)", "norm_epsilon": "RMSNorm epsilon",
+    "qk_layernorm": "RMSNorm over each head's q and k before RoPE (Qwen3)",
+    "moe_router_pre_softmax": "softmax over all experts, top-k weights not renormalised (default: "
+                              "renormalised over the top k, a softmax over the k selected logits)",
     "moe_router_score_function": "softmax or sigmoid", "moe_aux_loss_coeff": "load-balancing loss",
     "moe_z_loss_coeff": "router z-loss", "moe_router_bias_update_rate": "aux-loss-free expert bias rate",
     "moe_expert_capacity_factor": "capacity factor (default dropless)",

@@ -5,10 +5,12 @@
     cfg, params, meta = load_fmoe("ckpt")                   # a checkpoint or a --save directory
 
 A saved checkpoint is step 0 of a run: the weights, AdamW's state as torch creates it (zero moments,
-step 0), zero expert biases, no RNG state. Its meta.json holds the TrainConfig model fields that
-`fmoe train --load` compares (MODEL_FIELDS), the whole GPTConfig under "model" (fmoe train refuses the
-checkpoint when the model its flags build differs from it in an architecture field, e.g. qk_norm) and
-the original config.json under "hf_config" (its unmapped fields go back into an export).
+step 0), zero expert biases, no RNG state. Its meta.json holds the TrainConfig model fields
+(`train_fields`: MODEL_FIELDS, which `fmoe train --load` compares, and the architecture flags
+--kv-channels, --rotary-base, --norm-epsilon, --qk-layernorm, --moe-router-pre-softmax), the whole
+GPTConfig under "model" (fmoe train refuses the checkpoint when the model its flags build differs from it
+in an architecture field, e.g. qk_norm) and the original config.json under "hf_config" (its unmapped
+fields go back into an export; `fmoe train` carries it into the checkpoints of a run that loaded it).
 """
 
 from __future__ import annotations
@@ -50,18 +52,27 @@ def gpt_config_dict(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def gpt_config_of(d: dict[str, Any]) -> GPTConfig:
-    """Return the GPTConfig of `gpt_config_dict`'s output."""
-    return GPTConfig(**{**d, "moe": MoEConfig(**d["moe"])})
+    """Return the GPTConfig of `gpt_config_dict`'s output (every nested config rebuilt: moe, and any field
+    whose default is a dataclass)."""
+    out = {**d, "moe": MoEConfig(**d["moe"])}
+    for f in dataclasses.fields(GPTConfig):
+        if isinstance(out.get(f.name), dict) and dataclasses.is_dataclass(f.default):
+            out[f.name] = type(f.default)(**out[f.name])
+    return GPTConfig(**out)
 
 
 def train_fields(cfg: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """Return the TrainConfig fields of `cfg`'s model (checkpoint.MODEL_FIELDS), `fmoe train`'s names."""
+    """Return the TrainConfig fields of `cfg`'s model, `fmoe train`'s names: checkpoint.MODEL_FIELDS and
+    the flags of the architecture fields (checkpoint.ARCH_FIELDS) a converted model sets: kv_channels,
+    rotary_base, norm_epsilon, qk_layernorm, moe_router_score_function, moe_router_pre_softmax."""
     return {"num_layers": cfg.n_layers, "hidden_size": cfg.d_model, "ffn_hidden_size": cfg.d_ff_dense,
             "moe_ffn_hidden_size": cfg.moe.d_ff, "num_experts": cfg.moe.num_experts,
             "moe_router_topk": cfg.moe.top_k, "num_attention_heads": cfg.n_heads,
             "num_query_groups": cfg.n_kv_heads, "first_k_dense": cfg.num_dense_layers,
             "moe_shared_experts": cfg.moe.num_shared_experts, "vocab_size": cfg.vocab_size, "mtp": cfg.mtp,
-            "dtype": DTYPE_NAMES[dtype]}
+            "kv_channels": cfg.head_dim, "rotary_base": cfg.rope_theta, "norm_epsilon": cfg.norm_eps,
+            "qk_layernorm": cfg.qk_norm, "moe_router_score_function": cfg.moe.score_func,
+            "moe_router_pre_softmax": cfg.moe.topk_norm == "before", "dtype": DTYPE_NAMES[dtype]}
 
 
 def _leaves(params: dict[str, Any], cfg: GPTConfig) -> tuple[list[Leaf], dict[str, torch.Tensor]]:

@@ -45,8 +45,10 @@ LATEST = "latest"
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
                 "moe_router_topk", "num_attention_heads", "num_query_groups", "first_k_dense",
                 "moe_shared_experts", "vocab_size", "mtp", "dtype")
-# GPTConfig fields (moe.* of its MoEConfig) that `fmoe train` does not set but a checkpoint imported from
-# Hugging Face (fmoe convert) records under meta "model": loading it into a run whose model differs fails.
+# GPTConfig fields (moe.* of its MoEConfig) beyond MODEL_FIELDS that a checkpoint records under meta
+# "model" (fmoe convert's; fmoe train's own): loading it into a run whose model differs in one fails. The
+# flags: --kv-channels, --rotary-base, --norm-epsilon, --qk-layernorm, --moe-router-score-function,
+# --moe-router-pre-softmax (topk_norm); topk_scale and the groups have defaults in fmoe train.
 ARCH_FIELDS = ("head_dim", "rope_theta", "norm_eps", "qk_norm", "moe.score_func", "moe.topk_norm",
                "moe.topk_scale", "moe.num_groups", "moe.topk_groups")
 # The learning rate of a step depends on the schedule's values (fmoe/train/lr_schedule.py,
@@ -230,7 +232,7 @@ def architecture_diff(model: dict[str, Any], config: dict[str, Any]) -> list[str
 
 def check_compatible(meta: dict[str, Any], config: dict[str, Any], checkpoint: str | Path) -> None:
     """Raises CheckpointError naming the model fields where the checkpoint's config and this run's differ
-    (and, for a checkpoint that records its whole GPTConfig, `fmoe convert`'s, the ARCH_FIELDS)."""
+    (and, for a checkpoint that records its whole GPTConfig under "model", the ARCH_FIELDS)."""
     saved = meta.get("config", {})
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {config.get(k)!r}" for k in MODEL_FIELDS
             if saved.get(k) != config.get(k)]
@@ -259,6 +261,11 @@ def check_schedule(meta: dict[str, Any], config: dict[str, Any], checkpoint: str
         raise CheckpointError(f"{checkpoint} was trained with another learning-rate schedule "
                               f"({'; '.join(diff)}): the LR is a function of the step and these, so it "
                               "would jump; give --override-opt-param-scheduler to use this run's values")
+
+
+def has_key(checkpoint: str | Path, key: str) -> bool:
+    """Whether the checkpoint holds `key` (from its `.metadata`, through the restricted unpickler)."""
+    return key in read_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
 
 
 def verify(checkpoint: str | Path) -> None:

@@ -46,8 +46,13 @@ class TrainConfig:
 
     Model: num_layers, hidden_size, ffn_hidden_size (dense layers), moe_ffn_hidden_size, num_experts,
     moe_router_topk, num_attention_heads, num_query_groups (kv heads; None = num_attention_heads),
-    first_k_dense (leading dense layers), moe_shared_experts, vocab_size, mtp (+ mtp_loss_scaling_factor).
-    Routing and balancing: moe_router_score_function, moe_aux_loss_coeff, moe_z_loss_coeff,
+    first_k_dense (leading dense layers), moe_shared_experts, vocab_size, mtp (+ mtp_loss_scaling_factor),
+    kv_channels (head dim; None = hidden_size / num_attention_heads), rotary_base (RoPE theta),
+    norm_epsilon (RMSNorm eps), qk_layernorm (an RMSNorm over each head's q and k, as Qwen3).
+    Routing and balancing: moe_router_score_function, moe_router_pre_softmax (softmax over all experts,
+    then the top k kept as they are; default: renormalised over the top k, i.e. a softmax over the k
+    selected logits, as Megatron's default and Mixtral; softmax only: fmoe's MoEConfig.topk_norm
+    "before" / "after"), moe_aux_loss_coeff, moe_z_loss_coeff,
     moe_router_bias_update_rate (aux-loss-free), moe_expert_capacity_factor (None = dropless),
     moe_pad_expert_input_to_capacity, moe_token_drop_policy, moe_router_num_groups / moe_router_group_topk
     (group-limited routing, Megatron's and DeepSeek-V3's: a token picks its experts from its group_topk best
@@ -104,8 +109,13 @@ class TrainConfig:
     vocab_size: int = 64
     mtp: bool = False
     mtp_loss_scaling_factor: float = 0.3
+    kv_channels: int | None = None
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: bool = False
     # routing and balancing
     moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 1e-2
     moe_z_loss_coeff: float = 0.0
     moe_router_bias_update_rate: float = 0.0
@@ -223,6 +233,7 @@ class TrainConfig:
         """Returns the GPTConfig of this run (ValueError from the config classes on bad sizes)."""
         moe = MoEConfig(d_model=self.hidden_size, d_ff=self.moe_ffn_hidden_size, num_experts=self.num_experts,
                         top_k=self.moe_router_topk, score_func=self.moe_router_score_function,
+                        topk_norm="before" if self.moe_router_pre_softmax else "after",
                         aux_loss_coef=self.moe_aux_loss_coeff, z_loss_coef=self.moe_z_loss_coeff,
                         bias_update_rate=self.moe_router_bias_update_rate,
                         capacity_factor=self.moe_expert_capacity_factor,
@@ -235,7 +246,9 @@ class TrainConfig:
         return GPTConfig(vocab_size=self.vocab_size, d_model=self.hidden_size, n_layers=self.num_layers,
                          n_heads=self.num_attention_heads, n_kv_heads=self.num_query_groups,
                          d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
-                         moe=moe, mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor)
+                         moe=moe, mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor,
+                         head_dim=self.kv_channels, rope_theta=self.rotary_base, norm_eps=self.norm_epsilon,
+                         qk_norm=self.qk_layernorm)
 
     @property
     def world_size(self) -> int:
@@ -344,6 +357,9 @@ class TrainConfig:
                              "ep > 1 or --schedule combined_1f1b), not the one-process accumulate path")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function softmax "
+                             "(sigmoid scores are renormalised over the top k, as in Megatron)")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         self._check_data()

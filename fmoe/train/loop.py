@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -129,6 +129,7 @@ class Trainer:
         self.dataset = build_dataset(tc)
         self.valid = valid_dataset(tc)  # held-out windows for --eval-interval (None without it)
         self.step_done = 0
+        self.hf_config: dict[str, Any] | None = None  # a loaded checkpoint's config.json (fmoe convert)
         self._checked = False
         self._skipped_in_a_row = 0  # fp16: skipped steps ending with the last one
         self.last_result: Any = None
@@ -386,16 +387,23 @@ class Trainer:
         return items
 
     def save(self, directory: str) -> str:
-        """Writes a checkpoint of the current step into `directory` (collective); returns its path."""
-        meta = {"config": self.tc.as_dict(), "world_size": self.world.size,
+        """Writes a checkpoint of the current step into `directory` (collective); returns its path. Its
+        meta.json records the run's whole GPTConfig ("model": a later load compares its architecture
+        fields, `fmoe convert fmoe-to-hf` builds it) and carries the original config.json ("hf_config") of
+        a checkpoint this run loaded, so the export needs no --arch and keeps that file's other fields."""
+        meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
                 "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp,
                            "schedule": self.tc.schedule_name}}
+        if self.hf_config is not None:
+            meta["hf_config"] = self.hf_config
         return str(checkpoint.save(directory, self.step_done, self._items(with_rng=True), meta))
 
     def load(self, path: str) -> None:
         """Restores weights, AdamW state, MoE state, data position and (same layout) RNG from checkpoint
         directory `path` (collective). Raises CheckpointError for a different model, another learning-rate
-        schedule (unless --override-opt-param-scheduler), or a damaged or unsafe checkpoint."""
+        schedule (unless --override-opt-param-scheduler), or a damaged or unsafe checkpoint. An --fp16 run
+        loading a checkpoint without loss-scale state (fmoe convert's, a bf16 or fp32 run's) starts its
+        loss scale afresh, as a fresh --fp16 run; a --resume refuses it (it continues a run as it was)."""
         checkpoint.verify(path)  # first: meta.json is covered by the checksums too
         meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, self.tc.as_dict(), path)
@@ -405,9 +413,18 @@ class Trainer:
         same = meta.get("world_size") == self.world.size and all(
             saved.get(k) == getattr(self.tc, k) for k in ("pp", "ep", "dp"))
         items = self._items(with_rng=same)
+        fresh_scale = "train/loss_scale" in items and not checkpoint.has_key(path, "train/loss_scale")
+        if fresh_scale:
+            if self.tc.resume:
+                raise checkpoint.CheckpointError(
+                    f"{path} has no loss-scale state (train/loss_scale): it was not written by an --fp16 "
+                    "run, and --resume continues a run as it was; give --load to start this --fp16 run from "
+                    "it with a fresh loss scale")
+            del items["train/loss_scale"]
         checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
-        if self.loss_scale is not None:
+        self.hf_config = meta.get("hf_config")
+        if self.loss_scale is not None and not fresh_scale:
             scale, good, left = items["train/loss_scale"].tolist()
             self.loss_scale = replace(self.loss_scale, scale=scale, good_steps=int(good),
                                       hysteresis_left=int(left))
