@@ -8,7 +8,8 @@ half without the backward: every microbatch takes path 0 of the placement (DualP
 the same model, so one is enough), and every rank walks the same global order, by position k on the path,
 then microbatch: (k, 0), (k, 1), ..., (k + 1, 0), ... running the (k, mb) whose stage it holds. A stage
 hands its output to the next one in memory when that stage is on the same rank (the turn of a V), else
-with an isend to its rank, waited at the end; its input arrives with a blocking receive. Every message is
+with an isend to its rank, waited at the end; its inputs arrive through receives all posted before the
+position's first send (the wire order: NCCL matches by issue order). Every message is
 sent before (in the global order) it is received, and the ranks of an exchange inside a stage (expert
 parallelism) hold the same stages and so run it at the same (k, mb): nothing waits on what comes later.
 Phases run in order, an exchange's side phase while the exchange travels; nothing is differentiated (the
@@ -81,18 +82,29 @@ def forward_only(placement: Placement, rank: int, programs: Mapping[int, StagePr
         prog = programs[stage]
         prev = path[k - 1] if k else None
         nxt = path[k + 1] if k + 1 < len(path) else None
+        posted: dict[int, tuple[Acts, list]] = {}
+        if prev is not None and placement.stage_rank[prev] != rank:
+            # every receive of this position goes out before its first send: the global order sends all
+            # of position k's messages before any of k + 1's, and NCCL / HCCL match a pair of ranks' sends
+            # and receives by issue order on one stream (a receive issued between this position's sends
+            # would wait for a send that waits for it; tests/test_nccl_rules.py replays it)
+            for mb in range(m):
+                bufs, works = {}, []
+                for i, name in enumerate(sorted(prog.in_spec)):
+                    shape, dtype = prog.in_spec[name]
+                    bufs[name] = torch.empty(shape, dtype=dtype, device=device)
+                    works.append(dist.irecv(bufs[name], peer(prev), group=group,
+                                            tag=(k * m + mb) * _MAX_KEYS + i))
+                posted[mb] = (bufs, works)
         for mb in range(m):
             if prev is None:
                 acts: Acts = {}
             elif placement.stage_rank[prev] == rank:
                 acts = held.pop(mb)
             else:
-                acts = {}
-                for i, name in enumerate(sorted(prog.in_spec)):
-                    shape, dtype = prog.in_spec[name]
-                    buf = torch.empty(shape, dtype=dtype, device=device)
-                    dist.recv(buf, peer(prev), group=group, tag=(k * m + mb) * _MAX_KEYS + i)
-                    acts[name] = buf
+                acts, works = posted.pop(mb)
+                for work in works:
+                    work.wait()
             acts, losses = run_stage(prog, acts, dict(data(mb)))
             for name, v in losses.items():
                 sums[name] = v.detach() if name not in sums else sums[name] + v.detach()

@@ -98,17 +98,20 @@ def test_every_schedule_runs_under_nccl_matching_rules(pp: int, m: int) -> None:
 def _train_logs(rank: int, world: int, layout: dict) -> list:
     from fmoe.parallel import ParallelLayout, Topology
     from fmoe.train.config import TrainConfig
+    from fmoe.train.evaluate import evaluate
     from fmoe.train.loop import Trainer, World
 
     tc = TrainConfig.from_sources("tiny", None, {
         **layout, "steps": 1, "progress": False, "markov_sequences": 64, "global_batch_size": 8,
-        "micro_batch_size": 1, "seq_length": 16, "keep_host_memory": False})
+        "micro_batch_size": 1, "seq_length": 16, "keep_host_memory": False, "eval_interval": 1, "eval_iters": 1})
     par = ParallelLayout(pp=layout["pp"], ep=layout["ep"], dp=layout["dp"], topology=Topology(world, world),
                          device_type="cpu")
     trainer = Trainer(tc, World(rank, world, par, torch.device("cpu")))
     with recording() as log:
         trainer.step()
-    return log
+    with recording() as eval_log:  # evaluation: forward only over the pipeline (schedule/forward_only.py)
+        evaluate(trainer)
+    return [log, eval_log]
 
 
 @pytest.mark.parametrize("layout", [
@@ -117,6 +120,7 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
 ], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved"])
 def test_a_training_step_orders_its_communicators_alike_on_every_rank(layout: dict) -> None:
     results = spawn(_train_logs, 4, layout, timeout_s=240)
-    logs = {r.rank: r.value for r in results}
-    assert replay(logs, "nccl") == []
-    assert replay(logs, "device") == []
+    for part in (0, 1):  # the training step, then an evaluation
+        logs = {r.rank: r.value[part] for r in results}
+        assert replay(logs, "nccl") == [], part
+        assert replay(logs, "device") == [], part
