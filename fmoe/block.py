@@ -58,6 +58,7 @@ from fmoe.layer import (
 )
 from fmoe.ops import attention as attention_op
 from fmoe.ops import linear, rms_norm
+from fmoe.recompute import part
 from fmoe.structure import check_block, check_moe, local_experts
 
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
@@ -107,7 +108,10 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     if cfg.qk_norm:
         q_BSHd = rms_norm(q_BSHd, params["q_norm"], cfg.norm_eps)
         k_BSGd = rms_norm(k_BSGd, params["k_norm"], cfg.norm_eps)
-    o_BSHd = attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
+    def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
+        return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
+
+    o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
     return x_BSD + linear(o_BSHd.flatten(-2), params["w_o"])
 
 
@@ -126,6 +130,8 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     """
     if check:
         check_block(params, cfg, state, paths=(*_ATTENTION_PATHS, ("mlp_norm",), ("moe", "router")))
+    if remat is None and cfg.recompute.module("moe"):
+        remat = True  # selective recompute of the routed experts: every layer, every step
     S = x_BSD.shape[1]
     seq_len = S or None  # S = 0: no tokens (T = 0), no sequence to split
     r_BSD = self_attention(params, x_BSD, cfg, check=False)
@@ -172,7 +178,8 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
     out["rows_MD"] = y_MD
     if "shared" in params:
-        out["shared_TD"] = shared_expert(params["shared"], acts)
+        out["shared_TD"] = part(cfg.recompute, "shared_experts", shared_experts)(params["shared"],
+                                                                                 acts["normed_TD"])
     return out
 
 
@@ -273,4 +280,4 @@ def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
     if check:
         check_block(params, cfg, dense=True)
     r_BSD = self_attention(params, x_BSD, cfg, check=False)
-    return swiglu_mlp(params["mlp"], r_BSD, cfg.norm_eps)
+    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps)

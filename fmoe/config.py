@@ -26,6 +26,7 @@ from fmoe._checks import choice as _choice
 from fmoe._checks import flag as _flag
 from fmoe._checks import integer as _integer
 from fmoe._checks import real as _real
+from fmoe.recompute import Recompute
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")
@@ -170,6 +171,8 @@ class GPTConfig:
     Ranges: sizes are positive ints (num_dense_layers an int in [0, n_layers]); rope_theta a finite
     float > 0 (0 or NaN make the rotary angles NaN: attention runs on, its gradients NaN); norm_eps and
     mtp_loss_weight finite floats >= 0; mtp and qk_norm bools.
+    recompute: what a backward recomputes instead of keeping from the forward (fmoe/recompute.py: nothing,
+    whole layers, or named parts); the MoE layer's load-aware adaptive recompute is moe.adaptive_remat.
     """
 
     vocab_size: int
@@ -186,10 +189,14 @@ class GPTConfig:
     mtp: bool = False
     mtp_loss_weight: float = 0.3
     qk_norm: bool = False
+    recompute: Recompute = Recompute()
 
     def __post_init__(self) -> None:
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"GPTConfig.moe must be a MoEConfig, got {self.moe!r}")
+        if not isinstance(self.recompute, Recompute):
+            raise ValueError(f"GPTConfig.recompute must be a fmoe.recompute.Recompute, got "
+                             f"{self.recompute!r}")
         _normalise(self,
                    ints={"vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
                          "head_dim": 1, "d_ff_dense": 1, "num_dense_layers": 0},

@@ -23,7 +23,7 @@ Parameter layout:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from fmoe.dispatch.base import Dispatcher
 from fmoe.init import param_device, scaled_normal
 from fmoe.layer import MoEAux, init_moe_state
 from fmoe.ops import cross_entropy, embedding, linear, rms_norm
+from fmoe.recompute import recomputed
 from fmoe.structure import check_gpt, local_experts
 
 
@@ -100,14 +101,32 @@ def _trunk(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig, state: 
     moe_aux: list[MoEAux] = []
     new_layers: list[dict[str, Any]] = []
     for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
+        whole = cfg.recompute.layer(i)  # "full" recompute (fmoe/recompute.py): one process is one chunk
         if i < cfg.num_dense_layers:
-            x_BSD = dense_block(p, x_BSD, cfg, check=False)
+            x_BSD = (_whole_dense if whole else dense_block)(p, x_BSD, cfg, check=False)
             new_layers.append({})
         else:
-            x_BSD, a = block(p, x_BSD, cfg, s, dispatcher, check=False)
+            x_BSD, a = (_whole_block if whole else block)(p, x_BSD, cfg, s, dispatcher, check=False)
             moe_aux.append(a)
             new_layers.append(a.new_state)
     return x_BSD, moe_aux, new_layers
+
+
+def _whole_dense(p: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, check: bool) -> torch.Tensor:
+    """dense_block keeping only its input: the backward recomputes the rest (fmoe/recompute.py)."""
+    return recomputed(lambda p, x: dense_block(p, x, cfg, check=check))(p, x_BSD)
+
+
+def _whole_block(p: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, s: dict[str, Any],
+                 dispatcher: Dispatcher | None, *, check: bool) -> tuple[torch.Tensor, MoEAux]:
+    """block keeping only its input; its balancing loss stays differentiable. The rest of MoEAux (loads,
+    next state) is the forward's: remat hands back non-tensor leaves as the forward made them."""
+    def run(p: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MoEAux]:
+        y_BSD, aux = block(p, x, cfg, s, dispatcher, check=check)
+        return y_BSD, aux.loss, aux
+
+    y_BSD, loss, aux = recomputed(run)(p, x_BSD)
+    return y_BSD, replace(aux, loss=loss)
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,

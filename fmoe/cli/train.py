@@ -17,6 +17,7 @@ import dataclasses
 import sys
 import warnings
 
+from fmoe.recompute import MODULES as RECOMPUTE_MODULES
 from fmoe.schedule.registry import ALL_NAMES
 from fmoe.train.config import ACCUMULATE, DATA_KINDS, DISPATCHERS, DTYPES, PRESETS, RENAMED, TrainConfig
 
@@ -44,6 +45,16 @@ HELP = {
     "moe_dynamic_capacity_window": "dropless, padded to a capacity forecast from the last W steps' loads and "
                                    "agreed over the expert group (0: off)",
     "moe_dynamic_capacity_margin": "the forecast's factor over the window's largest load (>= 1)",
+    "recompute_granularity": "full (whole layers keep only their input) or selective (--recompute-modules); "
+                             "default: nothing recomputed",
+    "recompute_method": "full: uniform (every layer, default) or block (the first --recompute-num-layers of "
+                        "each pipeline chunk)",
+    "recompute_num_layers": "full: layers per pipeline chunk recomputed (block), 1 (uniform)",
+    "recompute_modules": f"selective: the parts to recompute, of {', '.join(RECOMPUTE_MODULES)} "
+                         "(default core_attn)",
+    "moe_adaptive_recompute_activation": "recompute a layer's routed experts in a step whose largest expert "
+                                         "load exceeds the scale x the mean (seed 002)",
+    "moe_adaptive_recompute_activation_scale": "the adaptive recompute's threshold (default 2.0)",
     "seq_length": "tokens per sequence",
     "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
     "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
@@ -119,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=HELP[f.name])
+        elif kind.startswith("tuple"):  # tuple[str, ...]: names after the flag, as Megatron's lists
+            parser.add_argument(flag, nargs="+", metavar="NAME", default=argparse.SUPPRESS, help=HELP[f.name])
         else:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                 default=argparse.SUPPRESS, help=HELP[f.name])

@@ -27,6 +27,8 @@ import torch
 
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.precision import LossScale, Policy, default_policy
+from fmoe.recompute import MODULES as RECOMPUTE_MODULES
+from fmoe.recompute import Recompute
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,6 +61,12 @@ class TrainConfig:
     of num_groups groups; both or neither), moe_dynamic_capacity_window / moe_dynamic_capacity_margin
     (dropless with a capacity forecast from the last W steps' loads, agreed over the expert group;
     fmoe/capacity.py; 0 = off).
+    Recompute (Megatron's flags; fmoe/recompute.py): recompute_granularity (None, "full" or "selective"),
+    recompute_method ("uniform": every layer; "block": the first recompute_num_layers of each pipeline
+    chunk), recompute_modules (selective's parts: core_attn, mlp, moe, shared_experts; default core_attn),
+    moe_adaptive_recompute_activation (MindSpeed's load-aware recompute of seed 002: a layer's routed
+    experts are recomputed in a step whose largest expert load exceeds
+    moe_adaptive_recompute_activation_scale x the mean).
     Batch: seq_length, micro_batch_size, global_batch_size (sequences per step over all ranks).
     Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
     "accumulate" otherwise), dualpipev_dw_detach, overlap, fuse_iw (an I whose W comes next runs as one B;
@@ -126,6 +134,12 @@ class TrainConfig:
     moe_router_group_topk: int | None = None
     moe_dynamic_capacity_window: int = 0
     moe_dynamic_capacity_margin: float = 1.0
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    moe_adaptive_recompute_activation: bool = False
+    moe_adaptive_recompute_activation_scale: float = 2.0
     # batch
     seq_length: int = 64
     micro_batch_size: int = 4
@@ -216,6 +230,7 @@ class TrainConfig:
         """Returns the config with `values` (field -> value) over the defaults, types checked."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = _renamed(values)
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}  # TOML, argparse
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
@@ -242,13 +257,62 @@ class TrainConfig:
                         num_groups=self.moe_router_num_groups or 1,
                         topk_groups=self.moe_router_group_topk or 1,
                         dynamic_capacity_window=self.moe_dynamic_capacity_window,
-                        dynamic_capacity_margin=self.moe_dynamic_capacity_margin)
+                        dynamic_capacity_margin=self.moe_dynamic_capacity_margin,
+                        adaptive_remat=self.moe_adaptive_recompute_activation,
+                        remat_load_scale=self.moe_adaptive_recompute_activation_scale)
         return GPTConfig(vocab_size=self.vocab_size, d_model=self.hidden_size, n_layers=self.num_layers,
                          n_heads=self.num_attention_heads, n_kv_heads=self.num_query_groups,
                          d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
-                         moe=moe, mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor,
+                         moe=moe, recompute=self.recompute_choice(),
+                         mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor,
                          head_dim=self.kv_channels, rope_theta=self.rotary_base, norm_eps=self.norm_epsilon,
                          qk_norm=self.qk_layernorm)
+
+    def recompute_choice(self) -> Recompute:
+        """The Recompute the recompute flags ask for; ValueError naming the flag that cannot be one."""
+        g, method, n, modules = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
+                                 self.recompute_modules)
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity must be full or selective, got {g!r}")
+        if g != "full" and (method is not None or n is not None):
+            raise ValueError("--recompute-method and --recompute-num-layers choose the layers of "
+                             "--recompute-granularity full")
+        if g != "selective" and modules is not None:
+            raise ValueError("--recompute-modules names the parts of --recompute-granularity selective")
+        if g == "selective":
+            modules = modules or ("core_attn",)  # Megatron's default
+            unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+            if unknown:
+                raise ValueError(f"--recompute-modules: {', '.join(unknown)} is not one of "
+                                 f"{', '.join(RECOMPUTE_MODULES)}")
+            return Recompute("selective", modules=tuple(modules))
+        if g is None:
+            return Recompute()
+        if method not in (None, "uniform", "block"):
+            raise ValueError(f"--recompute-method must be uniform or block, got {method!r}")
+        if n is not None and n < 1:
+            raise ValueError(f"--recompute-num-layers must be a positive integer, got {n}")
+        if method == "block":
+            if n is None:
+                raise ValueError("--recompute-method block recomputes the first --recompute-num-layers N "
+                                 "layers of each pipeline chunk: give N")
+            return Recompute("full", num_layers=n)
+        if n not in (None, 1):
+            # Megatron's uniform N checkpoints groups of N layers; an MoE layer's exchanges already split
+            # it into phases on a pipeline, so fmoe recomputes one layer (its phases) at a time
+            raise ValueError(f"--recompute-method uniform recomputes one layer at a time here: "
+                             f"--recompute-num-layers must be 1, got {n} (or --recompute-method block)")
+        return Recompute("full")
+
+    def _check_recompute(self) -> None:
+        rc = self.recompute_choice()
+        if self.moe_adaptive_recompute_activation and (rc.granularity == "full" or rc.module("moe")):
+            what = "every layer" if rc.granularity == "full" else "every layer's experts"
+            raise ValueError(f"--moe-adaptive-recompute-activation has no effect when "
+                             f"--recompute-granularity {rc.granularity} already recomputes {what}")
+        if not self.moe_adaptive_recompute_activation_scale > 0:
+            raise ValueError("--moe-adaptive-recompute-activation-scale must be > 0, got "
+                             f"{self.moe_adaptive_recompute_activation_scale}")
 
     @property
     def world_size(self) -> int:
@@ -398,6 +462,7 @@ class TrainConfig:
         rpn = self.ranks_per_node or self.world_size
         check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
         self._check_routing()
+        self._check_recompute()
         cfg = self.model()
         name = self.schedule_name
         if name == ACCUMULATE:
@@ -535,6 +600,10 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
         return
     base = text.split("|")[0].strip()
     if base.startswith("dict"):
+        return
+    if base.startswith("tuple"):  # tuple[str, ...]
+        if not (isinstance(value, tuple) and value and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"option {_flag(name)} must be a non-empty list of names, got {value!r}")
         return
     ok = isinstance(value, kinds[base]) and (base == "bool" or not isinstance(value, bool))
     if not ok:
