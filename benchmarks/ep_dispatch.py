@@ -37,7 +37,7 @@ from fmoe.parallel import (
     Topology,
     all_to_all_async,
 )
-from fmoe.parallel.mesh import INTER, INTRA
+from fmoe.parallel.topology import INTER, INTRA
 
 WORLD, RANKS_PER_NODE = 4, 2
 

@@ -29,7 +29,7 @@ from fmoe.parallel.collectives import (
 )
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.link_model import LinkModel
-from fmoe.parallel.mesh import INTER, INTRA, Topology
+from fmoe.parallel.topology import INTER, INTRA, Topology
 from fmoe.transforms.split_vjp import split_vjp
 from fmoe.transforms.testing import assert_close
 

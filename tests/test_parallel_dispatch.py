@@ -32,7 +32,7 @@ from fmoe.parallel import (
     Topology,
     experts_per_rank,
 )
-from fmoe.parallel.mesh import INTER
+from fmoe.parallel.topology import INTER
 from fmoe.transforms.split_vjp import split_vjp
 from fmoe.transforms.testing import assert_close
 

@@ -30,7 +30,7 @@ from fmoe.parallel import (
     ParallelLayout,
     Topology,
 )
-from fmoe.parallel.mesh import INTER, INTRA
+from fmoe.parallel.topology import INTER, INTRA
 from fmoe.parallel.traffic import (
     alltoall_combine_bytes,
     alltoall_dispatch_bytes,

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from fmoe._index import exclusive_cumsum
 from fmoe.parallel import CommCounters, LinkModel, Topology, experts_per_rank
-from fmoe.parallel.mesh import INTER, INTRA
 from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
+from fmoe.parallel.topology import INTER, INTRA
 from fmoe.parallel.tp_extends_ep import local_expert_range
 
 counts_XY = st.integers(1, 4).flatmap(lambda x: st.integers(1, 4).flatmap(

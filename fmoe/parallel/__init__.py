@@ -24,7 +24,8 @@ from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import CollectiveError, check_peers, fail_fast
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.link_model import LinkModel
-from fmoe.parallel.mesh import ParallelLayout, Topology
+from fmoe.parallel.mesh import ParallelLayout
+from fmoe.parallel.topology import Topology
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.parallel.traffic import (
     alltoall_combine_bytes,

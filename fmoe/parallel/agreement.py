@@ -10,7 +10,8 @@ the dispatchers are built (not per layer or per step):
 Each thing is described on its rank as a list of (path, text) entries, a canonical form that is the same
 in every process for equal values:
   - a dataclass (MoEConfig, GPTConfig, Topology, ...): its type and each field, recursively;
-  - a ParallelLayout: its sizes and topology (`ParallelLayout.describe()`);
+  - a ParallelLayout (or any object, not a dataclass, with a `describe()` mapping): its sizes and topology
+    (`ParallelLayout.describe()`), read through that method, so this module needs no layout;
   - a pytree of dicts / lists / tuples: one entry per leaf, keyed by its path (`params['experts']['w_up']`);
   - a tensor: its shape and dtype only (never its values or device), e.g. `Tensor[4, 8, 16] torch.float32`;
   - plain values (None, bool, int, float, str, bytes, enums, torch.dtype / device): their repr.
@@ -38,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.mesh import ParallelLayout
 
 Entries = list[tuple[str, str]]
 MAX_LISTED = 8  # differing entries named per thing; the rest are counted
@@ -62,6 +62,13 @@ def _leaf(x: Any) -> str | None:
     return None
 
 
+def _self_described(x: Any) -> bool:
+    """Whether `x` says what it is itself (`x.describe()`, a mapping: a ParallelLayout); dataclasses and
+    types are described field by field."""
+    return (callable(getattr(x, "describe", None)) and not isinstance(x, type)
+            and not dataclasses.is_dataclass(x))
+
+
 def describe(value: Any, path: str) -> Entries:
     """Return the canonical description of `value`: (path, text) per leaf, paths starting at `path`.
 
@@ -70,8 +77,8 @@ def describe(value: Any, path: str) -> Entries:
     text = _leaf(value)
     if text is not None:
         return [(path, text)]
-    if isinstance(value, ParallelLayout):
-        return [(path, "<ParallelLayout>"),
+    if _self_described(value):
+        return [(path, f"<{type(value).__qualname__}>"),
                 *(e for k, v in value.describe().items() for e in describe(v, f"{path}.{k}"))]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: Entries = [(path, f"<{type(value).__qualname__}>")]

@@ -35,7 +35,7 @@ from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import describe_failure
 from fmoe.parallel.link_model import LinkModel
-from fmoe.parallel.mesh import INTRA, Topology
+from fmoe.parallel.topology import INTRA, Topology
 
 
 class CommGroup:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from fmoe.parallel.mesh import LINK_CLASSES
+from fmoe.parallel.topology import LINK_CLASSES
 
 
 @dataclass

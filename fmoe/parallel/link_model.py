@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fmoe.parallel.mesh import INTER, INTRA
+from fmoe.parallel.topology import INTER, INTRA
 
 
 @dataclass(frozen=True)

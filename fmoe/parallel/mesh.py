@@ -1,11 +1,7 @@
-"""Process layout: the dp / pp / ep / tp process groups from a DeviceMesh, and which ranks share a node.
+"""Process layout: the dp / pp / ep / tp process groups from a DeviceMesh.
 
-Legend (the package's, docs/moe.md): P ranks in a group, A nodes a group spans, I ranks of that group per
-node.
-
-`Topology` says how many consecutive global ranks share a node, so 4 local processes can play
-2 nodes x 2 ranks: the link class of a transfer (intra-node / inter-node) comes from it, and so do the
-node-level groups of the hierarchical dispatcher. `ParallelLayout` builds one
+Which ranks share a node (`Topology`) and the layout rules that need no process group (`check_layout`) are
+plain values of fmoe.parallel.topology. `ParallelLayout` builds one
 `torch.distributed.device_mesh` with dims ("pp", "dp", "ep_inter", "ep_intra", "tp") (tp innermost, so
 tp ranks are neighbours on a node) and hands out its groups by name; rank arithmetic is left to the
 mesh. The expert group is ep x tp flattened: with TP-extends-EP (MISSION.md feature 21) the tp ranks own
@@ -14,72 +10,15 @@ different experts instead of slices of the same ones.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fmoe._compat import flatten_mesh
-
-INTRA = "intra"  # link class: both ranks on one node
-INTER = "inter"  # link class: ranks on different nodes
-LINK_CLASSES = (INTRA, INTER)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """`ranks_per_node` consecutive global ranks share a node (real or simulated)."""
-
-    world_size: int
-    ranks_per_node: int
-
-    def __post_init__(self) -> None:
-        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
-            raise ValueError(f"Topology: world size {self.world_size} is not a multiple of "
-                             f"ranks_per_node {self.ranks_per_node}")
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes."""
-        return self.world_size // self.ranks_per_node
-
-    def node_of(self, rank: int) -> int:
-        """Return the node that global `rank` lives on."""
-        return rank // self.ranks_per_node
-
-    def link_class(self, src: int, dst: int) -> str:
-        """Return INTRA or INTER for a transfer between global ranks `src` and `dst`."""
-        return INTRA if self.node_of(src) == self.node_of(dst) else INTER
-
-    @classmethod
-    def from_env(cls, world_size: int | None = None) -> Topology:
-        """The real topology: LOCAL_WORLD_SIZE (set by torchrun) ranks per node, else one node."""
-        ws = world_size if world_size is not None else dist.get_world_size()
-        return cls(ws, int(os.environ.get("LOCAL_WORLD_SIZE", ws)))
-
-
-def check_layout(world_size: int, *, tp: int, ep: int, pp: int, dp: int, ranks_per_node: int) -> int:
-    """Returns ep_intra, the expert-parallel ranks inside one node, after checking the layout rules that
-    need no process group: tp x ep x pp x dp == world size, and the expert group (ep x tp consecutive
-    ranks) either fits a node evenly or spans whole nodes with tp inside a node. Raises ValueError."""
-    if min(tp, ep, pp, dp, ranks_per_node) < 1:
-        raise ValueError(f"ParallelLayout: sizes must be positive, got tp {tp} ep {ep} pp {pp} dp {dp} "
-                         f"ranks_per_node {ranks_per_node}")
-    if tp * ep * pp * dp != world_size:
-        raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {world_size}")
-    Topology(world_size, ranks_per_node)  # ranks_per_node divides the world
-    rpn = ranks_per_node
-    if ep * tp <= rpn:
-        if rpn % (ep * tp):
-            raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} does not divide ranks per node {rpn}")
-        return ep
-    if (ep * tp) % rpn or rpn % tp:
-        raise ValueError(f"ParallelLayout: ep x tp = {ep * tp} must span whole nodes of {rpn} ranks "
-                         f"with tp {tp} inside a node")
-    return rpn // tp
+from fmoe.parallel.agreement import agree
+from fmoe.parallel.topology import Topology, check_layout
 
 
 class ParallelLayout:
@@ -113,8 +52,6 @@ class ParallelLayout:
             if "layout" in agree_on:
                 raise ValueError("ParallelLayout: agree_on must not name 'layout' (the layout itself is "
                                  "checked)")
-            from fmoe.parallel.agreement import agree  # here: agreement imports this module
-
             self.topology = topology or Topology.from_env(ws)
             agree(None, layout=self, **agree_on)
         self.topology = topology or Topology.from_env(ws)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fmoe.parallel.mesh import INTER, INTRA
+from fmoe.parallel.topology import INTER, INTRA
 
 
 def _group_shape(num_experts: int, group_size: int, ranks_per_node: int, top_k: int) -> tuple[int, int]:

@@ -5,7 +5,7 @@ Legend: tp tensor parallel, pp pipeline ranks, ep expert parallel, dp data-paral
 parallelism, so dp x ep ranks read different data), vpp model chunks per pipeline rank, m microbatches
 per rank and step.
 
-The rules are the runtime's own: `fmoe.parallel.mesh.check_layout` (sizes, expert group against nodes),
+The rules are the runtime's own: `fmoe.parallel.topology.check_layout` (sizes, expert group against nodes),
 `fmoe.parallel.tp_extends_ep.experts_per_rank` (experts divisible by the expert group), the schedule
 generators (`fmoe.schedule.registry.build`: microbatch counts each schedule needs, and the chunks per rank
 it runs: only the interleaved schedules take a vpp) and
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fmoe import schedule as S
-from fmoe.parallel.mesh import check_layout
+from fmoe.parallel.topology import check_layout
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
 from fmoe.schedule.registry import CHUNKS

@@ -383,7 +383,7 @@ class TrainConfig:
     def _check(self, world_size: int | None) -> None:
         from fmoe import schedule as S
         from fmoe.parallel.link_model import parse_link_model
-        from fmoe.parallel.mesh import check_layout
+        from fmoe.parallel.topology import check_layout
         from fmoe.pipeline.cut import cut_gpt
 
         for name in ("pp", "ep", "dp", "steps", "seq_length", "micro_batch_size", "global_batch_size",
