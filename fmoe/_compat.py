@@ -20,7 +20,8 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `tree_flatten`, `tree_unflatten`, `tree_map`: `torch.utils._pytree`, the pytree utilities torch.func
   itself uses (same leaf and node rules as our vjp primals); torch 2.13 has no public pytree module.
   Used by transforms/split_vjp.py, remat.py, testing.py and the tests. `tree_flatten_with_path` and
-  `keystr` (same module) name a leaf by its path (`[0]['h']`); split_vjp uses them in error messages only.
+  `keystr` (same module) name a leaf by its path (`[0]['h']`); split_vjp and testing.check_vjp use them in
+  error messages only.
 - `tensor_version`: `Tensor._version`, the counter every in-place write bumps (shared by views and
   `detach()`), which tape autograd checks on its saved tensors. Used by transforms/tape.py: a deferred
   weight-grad thunk checks that the tensors it captured were not modified in place before it runs.

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fmoe._compat import is_functorch_wrapped
+from fmoe._compat import is_functorch_wrapped, tree_flatten
 from fmoe.ops import linear
 from fmoe.transforms.testing import assert_close, check_vjp, param_pytrees, tensors
 
@@ -51,9 +51,67 @@ def _square_rule(offset: float = 0.0, slope: float = 2.0) -> type[torch.autograd
     return Square
 
 
+# Shape specs for param_pytrees: up to 4 entries, some nested, shapes of rank 0-3 with size-0 axes allowed.
+_shape = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+_nested = st.dictionaries(st.sampled_from("xy"), _shape, max_size=2)
+_specs = st.dictionaries(st.sampled_from("abcd"), _shape | _nested, min_size=1, max_size=4)
+
+
+@settings(max_examples=60, derandomize=True)
+@given(shapes=_specs, dtype=st.sampled_from([torch.float64, torch.float32]), data=st.data())
+def test_param_pytrees_draws_each_leaf_independently(shapes, dtype, data):
+    """No two leaves of a draw share their leading values (equal leaves hid a w_gate / w_up swap): only
+    a size-0 leaf, which has none, may. Before, each leaf drew its own seed, and hypothesis drew the same
+    one for several leaves of 78 of 200 pytrees."""
+    leaves = [t.flatten() for t in tree_flatten(data.draw(param_pytrees(shapes, dtype)))[0]]
+    for i, a in enumerate(leaves):
+        for j in range(i + 1, len(leaves)):
+            n = min(a.numel(), leaves[j].numel())
+            assert n == 0 or not torch.equal(a[:n], leaves[j][:n]), f"leaves {i} and {j} of {shapes}"
+
+
 def test_check_vjp_rejects_a_wrong_gradient():
     with pytest.raises(AssertionError, match="finite difference"):
         check_vjp(_square_rule(slope=1.0).apply, torch.randn(6, dtype=torch.float64))  # should be 2 g x
+
+
+def _vjp_wrong_on(leaf: str, scale: float = 2.0):
+    """torch.func.vjp whose gradient for params[`leaf`] is `scale` times the true one (a deliberate bug)."""
+    def vjp(f, *primals):
+        out, fn = torch.func.vjp(f, *primals)
+
+        def wrong(ct):
+            dp, *rest = fn(ct)
+            return ({**dp, leaf: dp[leaf] * scale}, *rest)
+
+        return out, wrong
+
+    return vjp
+
+
+def _two_outputs(p, x):
+    # output [0] reads only w_up, output [1] only w_gate: one wrong leaf is wrong in one direction
+    return x @ p["w_up"], torch.tanh(x @ p["w_gate"]).sum()
+
+
+def test_check_vjp_names_the_leaf_and_the_output_that_failed():
+    g = torch.Generator().manual_seed(0)
+    p = {"w_gate": torch.randn(3, 2, generator=g, dtype=torch.float64),
+         "w_up": torch.randn(3, 2, generator=g, dtype=torch.float64)}
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    check_vjp(_two_outputs, p, x)  # the right vjp passes
+    with pytest.raises(AssertionError) as e:
+        check_vjp(_two_outputs, p, x, vjp=_vjp_wrong_on("w_gate"))
+    msg = str(e.value)
+    assert "output[1] / primals[0]['w_gate']" in msg  # cotangent on output [1], tangent on w_gate
+    assert "w_up" not in msg and "output[0]" not in msg and "primals[1]" not in msg  # the right ones unnamed
+
+
+def test_check_vjp_names_the_input_of_a_single_output():
+    x, y = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    rule = _square_rule(slope=1.0)  # wrong: should be 2 g x
+    with pytest.raises(AssertionError, match=r"output / primals\[1\]"):
+        check_vjp(lambda x, y: torch.sin(x) + rule.apply(y), x, y)
 
 
 @pytest.mark.parametrize("offset, ok", [(0.0, True), (0.5, False)])
