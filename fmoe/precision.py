@@ -51,11 +51,6 @@ class Policy:
         """True when the model computes in another dtype than the master weights are kept in."""
         return self.compute_dtype != self.param_dtype
 
-    @property
-    def needs_loss_scale(self) -> bool:
-        """True when the model computes in fp16, whose gradients need loss scaling (`LossScale`)."""
-        return self.compute_dtype == torch.float16
-
 
 POLICIES: dict[str, Policy] = {
     "fp32": Policy(torch.float32, torch.float32, torch.float32),

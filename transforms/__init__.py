@@ -18,7 +18,6 @@ from fmoe.transforms.split_vjp import split_vjp as split_vjp
 from fmoe.transforms.tape import CaptureModifiedError as CaptureModifiedError
 from fmoe.transforms.tape import WeightGradTape as WeightGradTape
 from fmoe.transforms.tape import active_tape as active_tape
-from fmoe.transforms.tape import current_tape as current_tape
 from fmoe.transforms.tape import defer_weight_grad as defer_weight_grad
 from fmoe.transforms.tape import weight_grad_or_defer as weight_grad_or_defer
 

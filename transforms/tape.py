@@ -229,11 +229,6 @@ def may_defer() -> bool:
     return _RECORDING[0] > 0 or _ACTIVE[-1] is not None
 
 
-def current_tape() -> WeightGradTape | None:
-    """The active weight-grad tape, or None when weight grads are computed immediately."""
-    return _ACTIVE[-1]
-
-
 def _closure_tensors(thunk: Callable[[], Any]) -> list[torch.Tensor]:
     """Return the tensors `thunk` closes over: its closure cells' tensors and tensors in list/tuple cells."""
     found: list[torch.Tensor] = []

@@ -106,11 +106,6 @@ def executed_schedule(name: str, pp: int, m: int, v: int) -> S.Schedule:
     return S.fuse_adjacent_iw(build_schedule(name, pp, m, v))
 
 
-def placement_of(layout: Layout, m: int) -> S.Placement:
-    """Returns the stage placement the layout's schedule uses."""
-    return build_schedule(layout.schedule, layout.pp, m, max(layout.vpp, 1)).placement
-
-
 def rule_microbatches(m: int, pp: int) -> int:
     """Returns a microbatch count at most 4 pp + 2 pp that every generator accepts exactly when it accepts
     m: their rules are lower bounds of at most 2 pp and m mod pp, m mod 2 (so m minus a multiple of 2 pp
