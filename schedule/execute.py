@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -84,11 +84,70 @@ class StepResult:
     peak_deferred: int
 
 
+class Side(NamedTuple):
+    """What a side phase's forward left (`_side_forward`): its output acts, its dx closure, their specs."""
+
+    out: Acts
+    vjp_dx: Callable[..., Any]
+    spec: dict[str, tuple]
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """What F of one (stage, microbatch) keeps of one phase `phase` of layer `layer` for its backward: a
+    compute phase its dx closure `vjp_dx` and its outputs' `spec` ((shape, dtype, device) per act); an
+    exchange the `side` run alongside it (None when none ran in its forward) and the `meta` its wait
+    returned (what `start_transpose` is given)."""
+
+    phase: Phase
+    layer: str
+    vjp_dx: Callable[..., Any] | None = None
+    spec: dict[str, tuple] | None = None
+    side: Side | None = None
+    meta: Meta | None = None
+
+
+class DwPass(NamedTuple):
+    """A weight-gradient pass left for later: phase `phase` of layer `layer`, its thunk `vjp_dw`."""
+
+    phase: Phase
+    layer: str
+    vjp_dw: Callable[[], Any]
+
+
+class _Posted(NamedTuple):
+    """A receive issued early: its works, the buffers they fill, when it was posted (timeline seconds)."""
+
+    works: list
+    bufs: Acts
+    posted_at: float
+
+
+class _Sent(NamedTuple):
+    """A send in flight: its work, the buffer kept alive until it is waited, what it sends (for errors)."""
+
+    work: Any
+    buf: torch.Tensor
+    what: str
+
+
+class _Held(NamedTuple):
+    """An exchange whose wait is deferred (Phase.defer_wait): its phase, layer, Pending, issue time and the
+    meta keys it was issued with."""
+
+    phase: Phase
+    layer: str
+    pending: Any
+    issued: float
+    label: str
+    keys: set[str]
+
+
 @dataclass
 class _Record:
     """What F of one (stage, microbatch) keeps for its backward, phase by phase."""
 
-    phases: list[tuple[Phase, str, Any, Any]] = field(default_factory=list)  # (phase, layer, closure, info)
+    phases: list[PhaseRecord] = field(default_factory=list)
     out_spec: dict[str, tuple[torch.Size, torch.dtype]] | None = None  # set when the forward ends
     # a whole stage whose dx pass adds its weight gradients into the step's sums (split_vjp's `into`)
     sums_in_dx: bool = False
@@ -264,13 +323,13 @@ class _Executor:
             compute_model.new_step(self.t0)
         self.events: list[TraceEvent] = []
         self.records: dict[tuple[int, int], _Record] = {}
-        self.deferred: dict[tuple[int, int], list[tuple[Phase, str, Callable[[], Any]]]] = {}
+        self.deferred: dict[tuple[int, int], list[DwPass]] = {}
         self.local: dict[Dep, Acts] = {}
-        self.posted: dict[Dep, tuple[list, Acts, float]] = {}
+        self.posted: dict[Dep, _Posted] = {}
         self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
         self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
         self.sent: set[Dep] = set()  # messages sent before their Send action (the moment they existed)
-        self.sends: list[tuple[Any, torch.Tensor, str]] = []  # (work, buffer kept alive, what it sends)
+        self.sends: list[_Sent] = []
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated
@@ -432,7 +491,7 @@ class _Executor:
                     pending = ph.start(acts, meta)
                     if ph.defer_wait:  # the next compute phases hide it; waited before the next exchange
                         name = f"{ph.name}-F {label[len(ph.name) + 1:]}"
-                        held = (ph, layer.name, pending, t, name, set(meta))
+                        held = _Held(ph, layer.name, pending, t, name, set(meta))
                         continue
                     if ph.side is not None and side is None:  # runs while the exchange travels
                         side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
@@ -444,8 +503,8 @@ class _Executor:
                     acts, meta = pending.wait()
                     self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
                     if side is not None:
-                        acts = _with_side(acts, ph, side[0])
-                    rec.phases.append((ph, layer.name, side, meta))
+                        acts = _with_side(acts, ph, side.out)
+                    rec.phases.append(PhaseRecord(ph, layer.name, side=side, meta=meta))
         if held is not None:
             meta = self._wait_held(held, meta, rec)
         if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
@@ -454,15 +513,13 @@ class _Executor:
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
         self._pump()  # a gradient receive may have waited for these shapes
 
-    def _wait_held(self, held: tuple, meta: Meta, rec: _Record) -> Meta:
-        """Waits an exchange whose wait was deferred (`held`: its phase, layer, Pending, issue time, label
-        and the meta keys it was issued with); returns `meta` with the keys it added."""
-        ph, layer, pending, issued, label, keys = held
+    def _wait_held(self, held: _Held, meta: Meta, rec: _Record) -> Meta:
+        """Waits an exchange whose wait was deferred (`held`); returns `meta` with the keys it added."""
         tw = self._now()
-        _, got = pending.wait()
-        self._comm_events(pending, label, issued, tw)
-        rec.phases.append((ph, layer, None, got))
-        return {**meta, **{k: v for k, v in got.items() if k not in keys}}
+        _, got = held.pending.wait()
+        self._comm_events(held.pending, held.label, held.issued, tw)
+        rec.phases.append(PhaseRecord(held.phase, held.layer, meta=got))
+        return {**meta, **{k: v for k, v in got.items() if k not in held.keys}}
 
     def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
                              rec: _Record, defer: bool) -> Acts:
@@ -514,14 +571,15 @@ class _Executor:
         rec.sums_in_dx = not defer and self.engine == "autograd"
         names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
         whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
-        rec.phases.append((whole, names, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
+        rec.phases.append(PhaseRecord(whole, names, vjp_dx=vjp_dx,
+                                      spec={k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
         self.stats.extend((stage, mb, layer, ph_name, st) for layer, ph_name, st in stats)
         for k in loss_names:
             self._add_loss(k, out.pop(k))
         return out
 
     def _timed_side(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta, defer: bool,
-                    stage: int, mb: int) -> tuple[Acts, Any, dict]:
+                    stage: int, mb: int) -> Side:
         """Runs side phase `ph` forward (`_side_forward`) and records it on the timeline."""
         ts = self._now()
         side = self._side_forward(prog, ph, layer, acts, meta, defer)
@@ -529,13 +587,12 @@ class _Executor:
         return side
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
-                      defer: bool) -> tuple[Acts, Any, dict]:
-        """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns (its new acts, its dx
-        closure, their specs)."""
+                      defer: bool) -> Side:
+        """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns its Side."""
         params = self._params_at(prog, ph.param_paths)
         out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True,
                                    engine=self.engine, defer=defer)
-        return out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
+        return Side(out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()})
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record, defer: bool) -> tuple[Acts, Meta]:
@@ -548,7 +605,7 @@ class _Executor:
 
         out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
-        rec.phases.append((ph, layer, vjp_dx, spec))
+        rec.phases.append(PhaseRecord(ph, layer, vjp_dx=vjp_dx, spec=spec))
         stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
         if stats is not None:
             self.stats.append((stage, mb, layer, ph.name, stats))
@@ -571,52 +628,54 @@ class _Executor:
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
         ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, rec.out_spec)
-        queue: list[tuple[Phase, str, Callable[[], Any]]] = []
+        queue: list[DwPass] = []
         kind = "B" if weights else "I"
         # side phases whose backward has not run yet (index in rec.phases -> record), and the input
         # cotangents of those that ran, to add where their exchange is transposed; a side runs early only
         # at an exchange of its own layer (another layer's acts may have the same names)
-        sides = {k: r for k, r in enumerate(rec.phases) if r[0].kind == "comm" and r[2] is not None}
+        sides = {k: r for k, r in enumerate(rec.phases) if r.phase.kind == "comm" and r.side is not None}
         side_ct: dict[int, Acts] = {}
         while rec.phases:
             at = len(rec.phases) - 1
-            ph, layer, closure, info = rec.phases.pop()
+            r = rec.phases.pop()
+            ph, layer = r.phase, r.layer
             label = f"{ph.name} s{stage} {layer} mb{mb}"
             if ph.kind == "compute":
                 t = self._now()
                 full = {}
-                for k, (shape, dtype, device) in info.items():
+                for k, (shape, dtype, device) in r.spec.items():
                     if k in ph.losses:
                         full[k] = torch.full(shape, self.seed, dtype=dtype, device=device)
                     else:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                 if rec.sums_in_dx:
-                    (ct,), vjp_dw = closure(full, into=self._sums_of(stage, ph))
+                    (ct,), vjp_dw = r.vjp_dx(full, into=self._sums_of(stage, ph))
                     vjp_dw = _Summed(vjp_dw)
                 else:
-                    (ct,), vjp_dw = closure(full)
+                    (ct,), vjp_dw = r.vjp_dx(full)
                     if rec.defer:
                         vjp_dw = self._dw_into_sums(stage, ph, vjp_dw)
                 ct = {k: v for k, v in ct.items() if v is not None}
-                del full, closure
-                queue.append((ph, layer, vjp_dw))
+                del full, r  # the record held the last reference to the dx closure
+                queue.append(DwPass(ph, layer, vjp_dw))
                 self._computed(kind, ph.name, stage, layer, mb, t)
             else:
                 t = self._now()
                 # sides whose output cotangents are all here (or that ride on this exchange) run now
-                ready = [k for k, r in sides.items()
-                         if k == at or (r[1] == layer and set(r[2][2]) <= set(ct))]
+                ready = [k for k, sr in sides.items()
+                         if k == at or (sr.layer == layer and set(sr.side.spec) <= set(ct))]
                 side_in = {k: {name: ct.pop(name) if name in ct else torch.zeros(sh, dtype=dt, device=dev)
-                               for name, (sh, dt, dev) in sides[k][2][2].items()} for k in ready}
-                pending = ph.start_transpose(ct, info)
+                               for name, (sh, dt, dev) in sides[k].side.spec.items()} for k in ready}
+                pending = ph.start_transpose(ct, r.meta)
                 for k in ready:  # the side's backward hides this exchange
-                    side_ph, side_layer, side_dx = sides[k][0].side, sides[k][1], sides.pop(k)[2][1]
+                    sr = sides.pop(k)
+                    side_ph, side_layer, side_dx = sr.phase.side, sr.layer, sr.side.vjp_dx
                     ts = self._now()
                     (side_ct[k],), vjp_dw = side_dx(side_in[k])
                     if rec.defer:
                         vjp_dw = self._dw_into_sums(stage, side_ph, vjp_dw)
-                    queue.append((side_ph, side_layer, vjp_dw))
+                    queue.append(DwPass(side_ph, side_layer, vjp_dw))
                     self._computed(kind, side_ph.name, stage, side_layer, mb, ts)
                 if _in_flight(pending) and ph.switch:
                     if weights and self.overlap and not paired:
@@ -648,7 +707,7 @@ class _Executor:
         if queue is None:
             raise ScheduleError(f"rank {self.rank}: W of stage {stage} mb {mb} before its I")
         while queue:
-            work = bool(queue[0][0].param_paths)  # a phase without weights has no dw: no turn for it
+            work = bool(queue[0].phase.param_paths)  # a phase without weights has no dw: no turn for it
             self._run_dw(stage, mb, [queue.pop(0)])
             if interleaved and queue and work:
                 yield
@@ -658,7 +717,7 @@ class _Executor:
         if self.weights_done[stage] == self.s.m and self.on_stage_done is not None:
             self.on_stage_done(stage, self.grads)
 
-    def _run_dw(self, stage: int, mb: int, queue: list[tuple[Phase, str, Callable[[], Any]]]) -> None:
+    def _run_dw(self, stage: int, mb: int, queue: list[DwPass]) -> None:
         """Runs (and empties) `queue`'s dw thunks in order, adding their gradients into the step's."""
         while queue:
             ph, layer, vjp_dw = queue.pop(0)
@@ -777,7 +836,7 @@ class _Executor:
             what = f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"
             with self._peer_failure(what):
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
-            self.sends.append((work, buf, what))
+            self.sends.append(_Sent(work, buf, what))
         self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
 
     def _post_recv(self, a: Recv) -> None:
@@ -854,7 +913,7 @@ class _Executor:
             with self._peer_failure(f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank "
                                     f"{pp_peer}"):
                 works.append(dist.irecv(bufs[name], peer, group=self.group, tag=self._tag(dep, k)))
-        self.posted[dep] = (works, bufs, self._now())
+        self.posted[dep] = _Posted(works, bufs, self._now())
 
     @contextlib.contextmanager
     def _peer_failure(self, what: str) -> Iterator[None]:
