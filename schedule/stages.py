@@ -37,3 +37,11 @@ def bidirectional(pp: int) -> Placement:
     ranks = tuple(range(pp)) + tuple(pp - 1 - j for j in range(pp))
     paths = (tuple(range(pp)), tuple(range(pp, 2 * pp)))
     return Placement("bidirectional", pp, ranks, paths, tuple(range(pp)) * 2)
+
+
+def chunk_placement(placement: Placement) -> Placement:
+    """Returns the placement whose stages are the model's chunks (what the layers are spread over):
+    `placement` itself, or for DualPipe's two copies (`bidirectional`) the loop placement of one copy."""
+    if placement.kind == "bidirectional":
+        return loop(placement.pp)
+    return placement

@@ -31,7 +31,8 @@ from fmoe.transforms.testing import tracked_peak_bytes
 
 CHOICES: dict[str, dict[str, Any]] = {
     "full": {"recompute_granularity": "full"},
-    "full_first_layer": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    "full_first_layer": {"recompute_granularity": "full", "recompute_method": "block",
+                         "recompute_num_layers": 1},
     "core_attn": {"recompute_granularity": "selective"},  # Megatron's default part
     "mlp": {"recompute_granularity": "selective", "recompute_modules": ("mlp",)},
     "moe": {"recompute_granularity": "selective", "recompute_modules": ("moe",)},
@@ -77,7 +78,7 @@ def _pipeline(cfg) -> tuple[list[torch.Tensor], float]:
     peaks, grads = [], None
     for m in (2, 4):
         s, batches = S.build("gpipe", 1, m), _batches(m, cfg.vocab_size)
-        def step():
+        def step(s: S.Schedule = s, batches: list = batches) -> Any:
             return gpt_pipeline_step(cfg, s, 0, params, init_gpt_state(cfg), batches, overlap=False)
         step()
         out, peak = tracked_peak_bytes(step)
@@ -160,7 +161,8 @@ def _ep_rank(rank: int, world: int) -> dict[str, list[float]]:
                                   "recompute_modules": ("moe", "shared_experts", "core_attn")}}.items():
         tc = TrainConfig(pp=1, ep=2, dp=1, steps=2, progress=False, **flags)
         trainer = Trainer(tc, World(rank, world, ParallelLayout(pp=1, ep=2, dp=1), torch.device("cpu")))
-        out[name] = [v for _ in range(tc.steps) for v in (lambda m: (m["loss"], m["grad_norm"]))(trainer.step())]
+        metrics = [trainer.step() for _ in range(tc.steps)]
+        out[name] = [m[k] for m in metrics for k in ("loss", "grad_norm")]
     return out
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from fmoe import schedule as S
 from fmoe.cli.main import main
-from fmoe.pipeline.cut import chunk_placement
 from fmoe.plan import layout as L
 from fmoe.plan.specs import CLUSTER_PRESETS, load_model
 from fmoe.schedule.registry import ALL_NAMES, CHUNKS, chunks_per_rank
+from fmoe.schedule.stages import chunk_placement
 from fmoe.train.config import TrainConfig
 
 

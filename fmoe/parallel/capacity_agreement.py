@@ -35,11 +35,11 @@ class CapacityAgreement:
 
     def _all_reduce(self, x_1: torch.Tensor, op: str, reduce: dist.ReduceOp) -> int:
         """All-reduces the one-element int64 `x_1` in place (blocks); returns its value on the host."""
-        nbytes = x_1.element_size()
-        handle = self.comm._issue(op, [nbytes] * self.comm.size,  # counted, failures named, wait bounded
-                                  lambda: dist.all_reduce(x_1, op=reduce, group=self.comm.group, async_op=True),
-                                  x_1)
-        handle.wait()
+        def launch() -> dist.Work:
+            return dist.all_reduce(x_1, op=reduce, group=self.comm.group, async_op=True)
+
+        # through the group's issue: counted, a failure named, a CPU wait bounded by its timeout
+        self.comm._issue(op, [x_1.element_size()] * self.comm.size, launch, x_1).wait()
         return int(x_1.item())
 
     def __call__(self, max_load: torch.Tensor, forecast: int) -> tuple[int, bool]:

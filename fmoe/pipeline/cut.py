@@ -18,6 +18,7 @@ from typing import Any
 from fmoe import schedule
 from fmoe.config import GPTConfig
 from fmoe.schedule.ir import Placement, ScheduleError
+from fmoe.schedule.stages import chunk_placement
 
 Path = tuple[str, ...]
 
@@ -41,14 +42,6 @@ class ChunkSpec:
                 paths += [("embed",), ("mtp",)]
             paths += [("norm",), ("head",)]
         return tuple(dict.fromkeys(paths))
-
-
-def chunk_placement(placement: Placement) -> Placement:
-    """Returns the placement whose stages are the model's chunks: `placement` itself, or for DualPipe's
-    two copies the loop placement of one copy."""
-    if placement.kind == "bidirectional":
-        return schedule.stages.loop(placement.pp)
-    return placement
 
 
 def cut_gpt(cfg: GPTConfig, placement: Placement, layers: tuple[int, ...] | None = None,

@@ -203,7 +203,7 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
 
 def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
     """The model-chunk placement and the layers per chunk (the balanced cut, as the runtime's)."""
-    chunks = S.stages.loop(lay.pp) if s.placement.kind == "bidirectional" else s.placement
+    chunks = S.stages.chunk_placement(s.placement)
     m = ctx.model
     layer_f = _layer_phases(ctx, lay, block_cost(m, True)).f
     first = _layer_phases(ctx, lay, embed_cost(m)).f / layer_f

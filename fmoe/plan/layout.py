@@ -145,8 +145,7 @@ def problem(
     m = layout.microbatches(global_batch)
     try:
         s = build_schedule(layout.schedule, layout.pp, rule_microbatches(m, layout.pp), max(layout.vpp, 1))
-        chunks = S.stages.loop(layout.pp) if s.placement.kind == "bidirectional" else s.placement
-        S.place_layers(chunks, model.layers, min_layers=1)
+        S.place_layers(S.stages.chunk_placement(s.placement), model.layers, min_layers=1)
     except S.ScheduleError as exc:
         return f"{layout.schedule} with pp {layout.pp}, vpp {layout.vpp}, {m} microbatches: {exc}"
     return None
