@@ -1,5 +1,5 @@
 """Expert capacity: dropless, capacity-factor drop (policy probs / position), drop-and-pad, and dynamic
-capacity from a sliding-window forecast (MISSION.md feature 16).
+capacity from a sliding-window forecast.
 
     layout, info = make_layout(ids_TK, probs_TK, cfg, state)
 

@@ -1,4 +1,4 @@
-"""Load-aware adaptive remat (MISSION.md feature 15): when to rematerialise a layer's experts.
+"""Load-aware adaptive remat: when to rematerialise a layer's experts.
 
 A layer whose routing is skewed holds far more expert activations than a balanced one (rows per
 expert follow the load). With `MoEConfig.adaptive_remat`, when the largest expert load exceeds

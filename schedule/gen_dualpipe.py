@@ -2,7 +2,7 @@
 
 Legend: N ranks of one half (DualPipeV: all pp ranks; DualPipe: pp/2), C microbatches per direction,
 r the rank's position from its nearer end; chunk 0 = the rank's stage nearer its own input end, chunk 1
-= its other stage. The eight steps follow DeepSeek's reference (see ../shared/notes/schedules.md):
+= its other stage. The eight steps follow DeepSeek's reference (github.com/deepseek-ai/DualPipe):
 1 F0 | 2 F0 F1 | 3 I1 W F1 | 4 [F0&B1] [F1&B0] | 5 B1 [F1&B0] | 6 B1 B0 | 7 W I0 | 8 W...
 W pops the oldest deferred weight grad (a FIFO, as DeepSeek's WeightGradStore).
 """

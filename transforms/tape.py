@@ -50,7 +50,7 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     """Return `t` with every functorch wrapper removed and detached from autograd.
 
     Tensors seen inside a backward under `torch.func.vjp` are wrappers whose transform level dies when
-    the vjp returns; a deferred thunk must hold plain tensors (../shared/notes/torch-func.md).
+    the vjp returns; a deferred thunk must hold plain tensors.
     """
     return unwrapped(t).detach()
 
