@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fmoe.schedule.ir import COMPUTE_KINDS, B, F, I, W
-from fmoe.schedule.timeline import TraceEvent
+from fmoe.schedule.timeline import TraceEvent, summarize
 
 STAGE = "stage"  # the phase name of a whole stage run as one phase
 Table = Mapping[tuple[str, str], float]
@@ -177,18 +177,15 @@ def table_from_events(events: Iterable[TraceEvent], scale: float = 1.0, b_is_dx:
     if not scale > 0:
         raise ValueError(f"table_from_events: scale must be > 0, got {scale}")
     times: dict[tuple[str, str], list[float]] = {}
-    for e in events:
-        if e.lane != "compute" or e.cat not in COMPUTE_KINDS:
-            continue
-        kind, phase = e.name.split()[:2]
+    for (kind, phase), durations in summarize(events).compute.items():
         if phase == STAGE:
             continue
         if kind == B:
             if not b_is_dx:
-                raise ValueError(f"table_from_events: {e.name!r} holds dx and dw together; calibrate on a "
-                                 "step whose dw is deferred (fb overlap on)")
+                raise ValueError(f"table_from_events: the B {phase} events hold dx and dw together; "
+                                 "calibrate on a step whose dw is deferred (fb overlap on)")
             kind = I
-        times.setdefault((kind, phase), []).append(e.end - e.start)
+        times.setdefault((kind, phase), []).extend(durations)
     table = {k: scale * statistics.median(v) for k, v in times.items()}
     for kind, phase in list(table):
         if kind != F:

@@ -132,14 +132,15 @@ class _Sent(NamedTuple):
 
 
 class _Held(NamedTuple):
-    """An exchange whose wait is deferred (Phase.defer_wait): its phase, layer, Pending, issue time and the
-    meta keys it was issued with."""
+    """An exchange of (stage, mb)'s forward whose wait is deferred (Phase.defer_wait): its phase, layer,
+    Pending, issue time and the meta keys it was issued with."""
 
     phase: Phase
     layer: str
+    stage: int
+    mb: int
     pending: Any
     issued: float
-    label: str
     keys: set[str]
 
 
@@ -473,7 +474,6 @@ class _Executor:
         held = None  # an exchange whose wait is deferred (Phase.defer_wait), with what its wait needs
         for layer in prog.layers if phased else ():
             for ph in layer.phases:
-                label = f"{ph.name} s{stage} {layer.name} mb{mb}"
                 side = None
                 if ph.kind == "comm" and held is not None:
                     if paired and ph.side is not None:
@@ -490,8 +490,7 @@ class _Executor:
                     t = self._now()
                     pending = ph.start(acts, meta)
                     if ph.defer_wait:  # the next compute phases hide it; waited before the next exchange
-                        name = f"{ph.name}-F {label[len(ph.name) + 1:]}"
-                        held = _Held(ph, layer.name, pending, t, name, set(meta))
+                        held = _Held(ph, layer.name, stage, mb, pending, t, set(meta))
                         continue
                     if ph.side is not None and side is None:  # runs while the exchange travels
                         side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
@@ -501,7 +500,7 @@ class _Executor:
                         yield
                     tw = self._now()
                     acts, meta = pending.wait()
-                    self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
+                    self._comm_events(pending, ph.name, "F", stage, layer.name, mb, t, tw)
                     if side is not None:
                         acts = _with_side(acts, ph, side.out)
                     rec.phases.append(PhaseRecord(ph, layer.name, side=side, meta=meta))
@@ -517,7 +516,8 @@ class _Executor:
         """Waits an exchange whose wait was deferred (`held`); returns `meta` with the keys it added."""
         tw = self._now()
         _, got = held.pending.wait()
-        self._comm_events(held.pending, held.label, held.issued, tw)
+        self._comm_events(held.pending, held.phase.name, "F", held.stage, held.layer, held.mb, held.issued,
+                          tw)
         rec.phases.append(PhaseRecord(held.phase, held.layer, meta=got))
         return {**meta, **{k: v for k, v in got.items() if k not in held.keys}}
 
@@ -544,7 +544,6 @@ class _Executor:
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
             it, m, losses = iter(p), meta, {}
             for layer, ph in steps:
-                label = f"{ph.name} s{stage} {layer} mb{mb}"
                 t = self._now()
                 if ph.kind == "compute":
                     a, m = run_phase(ph, layer, it, a, m)
@@ -559,7 +558,7 @@ class _Executor:
                     self._computed("F", ph.side.name, stage, layer, mb, ts)
                 tw = self._now()
                 a, m = pending.wait()
-                self._comm_events(pending, f"{ph.name}-F {label[len(ph.name) + 1:]}", t, tw)
+                self._comm_events(pending, ph.name, "F", stage, layer, mb, t, tw)
                 if side is not None:
                     a = _with_side(a, ph, side)
             return {**a, **losses}, m
@@ -639,7 +638,6 @@ class _Executor:
             at = len(rec.phases) - 1
             r = rec.phases.pop()
             ph, layer = r.phase, r.layer
-            label = f"{ph.name} s{stage} {layer} mb{mb}"
             if ph.kind == "compute":
                 t = self._now()
                 full = {}
@@ -685,7 +683,7 @@ class _Executor:
                     yield
                 tw = self._now()
                 ct = pending.wait()
-                self._comm_events(pending, f"{ph.name}-B {label[len(ph.name) + 1:]}", t, tw)
+                self._comm_events(pending, ph.name, "B", stage, layer, mb, t, tw)
                 if at in side_ct:  # this exchange carried a side: add the side's input cotangents
                     for name, g in side_ct.pop(at).items():
                         if g is not None:
@@ -801,8 +799,11 @@ class _Executor:
             self._wait_work(w, what)
         if self.compute_model is not None:  # gloo tells no completion time: the wait's end bounds it
             self.compute_model.waited(time.perf_counter())
-        self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t)
-        self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post)
+        msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
+        self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
+                    kind="wait p2p", **msg)
+        self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post,
+                    kind="p2p recv", peer=self.s.placement.stage_rank[dep.stage], **msg)
         return bufs
 
     def _give_boundary(self, op: Op, kind: Kind, acts: Acts) -> bool:
@@ -837,7 +838,8 @@ class _Executor:
             with self._peer_failure(what):
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
             self.sends.append(_Sent(work, buf, what))
-        self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t)
+        self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
+                    stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
 
     def _post_recv(self, a: Recv) -> None:
         """Asks for the receive of `a` early: it goes out as soon as the wire order lets it (every P2P op
@@ -940,20 +942,30 @@ class _Executor:
         compute model (if any) has held it to its modelled duration."""
         if self.compute_model is not None:
             self.compute_model(kind, phase, stage, layer, mb, self.t0 + start)
-        self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start)
+        self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start, kind=kind, stage=stage,
+                    microbatch=mb, layer=layer, phase=phase)
 
-    def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None) -> None:
+    def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None,
+               **typed: Any) -> None:
+        """Records an event from `start` to `end` (default: now); `typed`: its TraceEvent fields kind,
+        stage, microbatch, ... (timeline.py's table)."""
         self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end,
-                                      self.step))
+                                      self.step, **typed))
 
-    def _comm_events(self, pending: Any, label: str, issued: float, wait_start: float) -> None:
+    def _comm_events(self, pending: Any, phase: str, direction: str, stage: int, layer: str, mb: int,
+                     issued: float, wait_start: float) -> None:
+        """Records exchange `phase` of (stage, layer, mb) ("F": a forward's, "B": a backward's transpose),
+        issued at `issued`, from issue to completion on the comm lane and its wait from `wait_start` to
+        now on the compute lane."""
         wait_end = self._now()
         done = getattr(pending, "completed_at", None)
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
         if self.compute_model is not None:  # what the next phase needs arrived then, not before
             self.compute_model.waited(self.t0 + end)
-        self._event("comm", f"a2a {label}", "a2a", issued, end)
-        self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end)
+        label = f"{phase}-{direction} s{stage} {layer} mb{mb}"
+        typed = {"stage": stage, "microbatch": mb, "layer": layer, "phase": phase, "direction": direction}
+        self._event("comm", f"a2a {label}", "a2a", issued, end, kind="a2a", **typed)
+        self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end, kind="wait a2a", **typed)
 
 
 def _drain(gen: Iterator[None]) -> None:

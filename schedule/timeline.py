@@ -11,13 +11,27 @@ in flight at once) go to further threads "comm 2", "comm 3", ... (tid lane + 3 k
 nests its slices; complete "X" events in microseconds; `meta` (e.g. whether a compute model was on) in
 otherData and on every process_name. `hidden_shares` reads the hidden share of the all-to-all back from
 a written trace alone.
+
+Measured events carry their meaning in typed fields (`TraceEvent.kind`, stage, microbatch, layer, phase,
+...); `name` is only what the pictures show. `summarize` reads a measured timeline's figures from them:
+
+    kind        name (display)                 fields set besides kind
+    F B I W     "F attention s0 L1 mb2"        stage, microbatch, layer, phase
+    a2a         "a2a dispatch-F s0 L1 mb2"     stage, microbatch, layer, phase, direction  (comm lane)
+    wait a2a    "wait a2a dispatch-F s0 ..."   the same as its a2a                         (compute lane)
+    p2p send    "p2p send act s1 mb0 r0"       stage, microbatch, what, peer               (comm lane)
+    p2p recv    "p2p recv grad s1 mb0"         stage, microbatch, what, peer               (comm/p2p lane)
+    wait p2p    "wait p2p act s0 mb3"          stage, microbatch, what                     (compute lane)
+
+(stage: the stage that ran the phase or produced the message; direction: "F" for a forward's exchange,
+"B" for a backward's transpose, B or I; what: "act" or "grad".)
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +45,12 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "F&B":
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One interval on `rank`'s `lane` ("compute" or "comm"): `name`, category `cat` (a key of COLORS),
-    `start` and `end` in the timeline's unit (simulator time units, or seconds when measured); `step`
-    says whether it ran inside an F&B pair ("pair") or a single op ("lone"), when known."""
+    """One interval on `rank`'s `lane` ("compute" or "comm"): `name` (what the pictures show), category
+    `cat` (a key of COLORS), `start` and `end` in the timeline's unit (simulator time units, or seconds
+    when measured); `step` says whether it ran inside an F&B pair ("pair") or a single op ("lone"), when
+    known. The executor's events also say what they are (the module docstring's table): `kind`, and of
+    `stage`, `microbatch`, `layer`, `phase`, `direction`, `what` and `peer` those that apply (None
+    otherwise); a simulated Report's events leave them unset."""
 
     rank: int
     lane: str
@@ -42,6 +59,104 @@ class TraceEvent:
     start: float
     end: float
     step: str = ""  # measured: "pair" inside an F&B pair, "lone" in a single op (warmup, cooldown)
+    kind: str = ""  # F / B / I / W, "a2a", "wait a2a", "p2p send", "p2p recv", "wait p2p"; "" unknown
+    stage: int | None = None
+    microbatch: int | None = None
+    layer: str | None = None  # a layer name ("L3", "embed"), or "L0-L3" for a whole stage's backward
+    phase: str | None = None  # a compute phase's name ("stage": a whole stage), or an exchange's
+    direction: str | None = None  # an exchange: "F" (a forward's) or "B" (a backward's transpose)
+    what: str | None = None  # a P2P message: "act" or "grad"
+    peer: int | None = None  # a P2P message: the pipeline rank it goes to or comes from
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+COMPUTE = ("F", "B", "I", "W")  # the kinds of compute events
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One all-to-all of a measured timeline: `span` its comm-lane event (issue to completion), `wait` the
+    compute-lane wait for it (None when none was recorded)."""
+
+    span: TraceEvent
+    wait: TraceEvent | None
+
+    @property
+    def key(self) -> tuple:
+        """(stage, layer, microbatch, phase, direction): the same on every EP peer's side of the exchange."""
+        return _exchange_key(self.span)[1:]
+
+    @property
+    def label(self) -> str:
+        """The exchange and its direction, "dispatch-F", "combine-B", ..."""
+        return f"{self.span.phase}-{self.span.direction}"
+
+    @property
+    def waited(self) -> float:
+        """Seconds (timeline units) the compute lane waited for it."""
+        return 0.0 if self.wait is None else self.wait.duration
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A measured timeline's figures (`summarize`), in its time unit.
+
+    compute: (kind, phase) -> the durations of its compute events, in start order; ops: (kind, stage,
+    microbatch) -> their compute time; layers: (kind, layer) -> their compute time; exchanges: the
+    all-to-alls in order of issue, each with its wait; busy: compute time in all; wait: compute-lane
+    waits in all (a2a and p2p); waits: the same per kind ("wait a2a", "wait p2p"); gap: compute-lane time
+    with no event (before the first and between events: the executor's own work); end: the last
+    compute-lane end. busy, wait, gap and end are one rank's figures (summarize one rank's events)."""
+
+    compute: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    ops: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    layers: dict[tuple[str, str], float] = field(default_factory=dict)
+    exchanges: list[Exchange] = field(default_factory=list)
+    busy: float = 0.0
+    wait: float = 0.0
+    waits: dict[str, float] = field(default_factory=dict)
+    gap: float = 0.0
+    end: float = 0.0
+
+    def total(self, kind: str) -> float:
+        """Returns the compute time of `kind` (F, B, I or W) in all."""
+        return sum(d for (k, _, _), d in self.ops.items() if k == kind)
+
+
+def summarize(events: Iterable[TraceEvent]) -> Summary:
+    """Returns the Summary of measured lane events (`StepResult.events`, or events built with the same
+    typed fields), from their typed fields alone."""
+    events = list(events)
+    compute: dict[tuple[str, str], list[float]] = {}
+    ops: dict[tuple[str, int, int], float] = {}
+    layers: dict[tuple[str, str], float] = {}
+    waits: dict[str, float] = {}
+    waited: dict[tuple, TraceEvent] = {}  # the a2a waits by their exchange's key
+    busy = wait = gap = end = 0.0
+    for e in sorted((e for e in events if e.lane == "compute"), key=lambda e: e.start):
+        gap += max(0.0, e.start - end)
+        end = max(end, e.end)
+        d = e.duration
+        if e.kind in COMPUTE:
+            busy += d
+            compute.setdefault((e.kind, e.phase), []).append(d)
+            ops[(e.kind, e.stage, e.microbatch)] = ops.get((e.kind, e.stage, e.microbatch), 0.0) + d
+            layers[(e.kind, e.layer)] = layers.get((e.kind, e.layer), 0.0) + d
+        elif e.kind in ("wait a2a", "wait p2p"):
+            wait += d
+            waits[e.kind] = waits.get(e.kind, 0.0) + d
+            if e.kind == "wait a2a":
+                waited[_exchange_key(e)] = e
+    spans = sorted((e for e in events if e.lane == "comm" and e.kind == "a2a"), key=lambda e: e.start)
+    exchanges = [Exchange(e, waited.get(_exchange_key(e))) for e in spans]
+    return Summary(compute, ops, layers, exchanges, busy, wait, waits, gap, end)
+
+
+def _exchange_key(e: TraceEvent) -> tuple:
+    return (e.rank, e.stage, e.layer, e.microbatch, e.phase, e.direction)
 
 
 def _kind(action: object) -> str:
@@ -72,7 +187,7 @@ def _events(source: Report | Sequence[TraceEvent]) -> tuple[list[TraceEvent], st
 
 def lane_of(e: TraceEvent) -> str:
     """Returns the lane `e` is drawn on: its own, except a receive posted early, which gets "p2p"."""
-    return "p2p" if e.cat == "p2p" and e.name.startswith("p2p recv") else e.lane
+    return "p2p" if e.kind == "p2p recv" else e.lane
 
 
 def _rows(events: Sequence[TraceEvent]) -> list[int]:
@@ -123,11 +238,12 @@ def write_trace(source: Report | Sequence[TraceEvent], path: str | Path, us_per_
     return path
 
 
-def _shares(spans: Iterable[tuple[Any, str, str, str, float]]) -> dict[str, float | None]:
-    """(rank, lane, name, step, seconds) of a2a spans and their waits -> 1 - waits / spans per step kind
-    ("pair", "lone", and "all"), over the exchanges that have both a span and a wait."""
-    span: dict[tuple[Any, str], tuple[str, float]] = {}
-    wait: dict[tuple[Any, str], float] = {}
+def _shares(spans: Iterable[tuple[Any, str, Any, str, float]]) -> dict[str, float | None]:
+    """(rank, "a2a" or "wait", the exchange's key, step, seconds) of a2a spans and their waits -> 1 - waits
+    / spans per step kind ("pair", "lone", and "all"), over the exchanges that have both a span and a
+    wait."""
+    span: dict[tuple[Any, Any], tuple[str, float]] = {}
+    wait: dict[tuple[Any, Any], float] = {}
     for rank, kind, label, step, d in spans:
         if kind == "a2a":
             span[(rank, label)] = (step, d)
@@ -144,14 +260,11 @@ def _shares(spans: Iterable[tuple[Any, str, str, str, float]]) -> dict[str, floa
 
 
 def hidden_of(events: Iterable[TraceEvent]) -> dict[str, float | None]:
-    """Returns the hidden share of the all-to-all, 1 - (sum of the "wait a2a X" compute-lane waits) / (sum
-    of the "a2a X" comm-lane spans, issue to completion), per step kind ("pair", "lone") and "all", from
+    """Returns the hidden share of the all-to-all, 1 - (sum of the "wait a2a" compute-lane waits) / (sum
+    of the "a2a" comm-lane spans, issue to completion), per step kind ("pair", "lone") and "all", from
     measured lane events (None where a kind has no exchange)."""
-    return _shares((e.rank, "a2a" if e.cat == "a2a" else "wait",
-                    e.name[len("a2a "):] if e.cat == "a2a" else e.name[len("wait a2a "):], e.step,
-                    e.end - e.start)
-                   for e in events if (e.cat == "a2a" and e.lane == "comm")
-                   or (e.cat == "wait" and e.name.startswith("wait a2a ")))
+    return _shares((e.rank, "a2a" if e.kind == "a2a" else "wait", _exchange_key(e), e.step, e.duration)
+                   for e in events if (e.kind == "a2a" and e.lane == "comm") or e.kind == "wait a2a")
 
 
 def hidden_shares(trace: str | Path | Mapping[str, Any]) -> dict[str, float | None]:

@@ -140,17 +140,22 @@ def test_real_sleeps_hold_a_phase_to_its_duration() -> None:
 
 
 def _ev(name: str, cat: str, d: float) -> TraceEvent:
-    return TraceEvent(0, "compute", name, cat, 1.0, 1.0 + d)
+    """A compute event as the executor records it: "F mlp s0 L0 mb1" with its typed fields."""
+    kind, phase, stage, layer, mb = name.split()
+    return TraceEvent(0, "compute", name, cat, 1.0, 1.0 + d, kind=kind, stage=int(stage[1:]),
+                      microbatch=int(mb[2:]), layer=layer, phase=phase)
 
 
 def test_tables_from_measured_events_and_from_flops() -> None:
+    exchange = {"stage": 0, "microbatch": 0, "layer": "L0", "phase": "dispatch", "direction": "F"}
     events = [_ev("F mlp s0 L0 mb0", "F", 1.0), _ev("F mlp s0 L0 mb1", "F", 3.0),
               _ev("F mlp s0 L0 mb2", "F", 2.0),
               _ev("B mlp s0 L0 mb0", "B", 4.0), _ev("W mlp s0 L0 mb0", "W", 5.0),
               _ev("F unpermute s0 L0 mb0", "F", 1.0), _ev("B unpermute s0 L0 mb0", "B", 1.0),
               _ev("F embed s0 L0 mb0", "F", 0.5), _ev("B stage s1 L2-L3 mb0", "B", 9.0),
-              _ev("wait a2a dispatch-F s0 L0 mb0", "wait", 7.0),
-              TraceEvent(0, "comm", "a2a dispatch-F s0 L0 mb0", "a2a", 0.0, 8.0)]
+              TraceEvent(0, "compute", "wait a2a dispatch-F s0 L0 mb0", "wait", 1.0, 8.0, kind="wait a2a",
+                         **exchange),
+              TraceEvent(0, "comm", "a2a dispatch-F s0 L0 mb0", "a2a", 0.0, 8.0, kind="a2a", **exchange)]
     table = table_from_events(events, scale=2.0)
     assert table == {("F", "mlp"): 4.0, ("I", "mlp"): 8.0, ("W", "mlp"): 10.0,
                      ("F", "unpermute"): 2.0, ("I", "unpermute"): 2.0, ("W", "unpermute"): 0.0,

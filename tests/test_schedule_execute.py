@@ -16,6 +16,7 @@ from fmoe import schedule as S
 from fmoe.ops import linear
 from fmoe.schedule.execute import execute
 from fmoe.schedule.program import Layer, Phase, Ready, StageProgram
+from fmoe.schedule.timeline import TraceEvent
 
 D, T = 8, 6
 
@@ -284,7 +285,7 @@ def _grad_posts(rank: int, world: int) -> list:
     s = S.one_f_one_b(2, 4)
     params = _params(2)
     res = execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb], recv_ahead=100)
-    return [(e.name, e.lane, e.start, e.end) for e in res.events]
+    return res.events
 
 
 def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them() -> None:
@@ -294,19 +295,23 @@ def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them() -> None:
     from fmoe.schedule.wire import wire_order
 
     events = next(r.value for r in spawn(_grad_posts, 2, timeout_s=120) if r.rank == 0)
-    p2p = sorted((e for e in events if e[1] == "comm" and e[0].startswith("p2p")), key=lambda e: e[2])
+    p2p = sorted((e for e in events if e.kind in ("p2p send", "p2p recv")), key=lambda e: e.start)
+    assert all(e.lane == "comm" and e.peer == 1 for e in p2p)
+    for e in events:  # the typed fields say what the name shows
+        if e.kind in ("p2p send", "p2p recv", "wait p2p"):
+            to = f" r{e.peer}" if e.kind == "p2p send" else ""
+            assert e.name == f"{e.kind} {e.what} s{e.stage} mb{e.microbatch}{to}", e
 
-    def short(name: str) -> str:  # "p2p recv grad s1 mb0" -> "rg1.0"; "p2p send act s0 mb2 r1" -> "sa0.2"
-        _, op, what, stage, mb = name.split()[:5]
-        return f"{op[0]}{what[0]}{stage[1:]}.{mb[2:]}"
+    def short(e: TraceEvent) -> str:  # p2p recv of grad s1 mb0 -> "rg1.0"; p2p send of act s0 mb2 -> "sa0.2"
+        return f"{e.kind[4]}{e.what[0]}{e.stage}.{e.microbatch}"
 
     want = [str(a).split(">")[0].split("<")[0] for a in wire_order(S.verify(S.one_f_one_b(2, 4)))[0]]
-    assert [short(e[0]) for e in p2p] == want
+    assert [short(e) for e in p2p] == want
     assert any(w.startswith("rg") for w in want[:-2])  # gradients are received before the last send
     for before, post in zip(p2p, p2p[1:]):
-        if post[0].startswith("p2p recv"):
-            ran = [e[0] for e in events if e[1] == "compute" and before[2] < e[2] < post[2]]
-            assert not ran, (post[0], ran)
+        if post.kind == "p2p recv":
+            ran = [e.name for e in events if e.lane == "compute" and before.start < e.start < post.start]
+            assert not ran, (post.name, ran)
 
 
 def _dies(rank: int, world: int) -> None:

@@ -14,7 +14,7 @@ from fmoe.ops import linear
 from fmoe.schedule.compute_model import ComputeModel
 from fmoe.schedule.execute import execute
 from fmoe.schedule.program import Layer, Phase, StageProgram
-from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares
+from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares, summarize
 
 D, T, M = 8, 4, 4
 
@@ -78,7 +78,7 @@ def test_spans_that_overlap_on_a_lane_get_threads_of_their_own_and_receives_the_
               TraceEvent(0, "comm", "a2a dispatch-F s0 L0 mb0", "a2a", 0.5, 2.0, "pair"),
               TraceEvent(0, "comm", "a2a combine-B s0 L1 mb1", "a2a", 0.6, 1.5, "pair"),
               TraceEvent(0, "comm", "a2a combine-F s0 L0 mb0", "a2a", 2.0, 3.0, "pair"),
-              TraceEvent(0, "comm", "p2p recv act s0 mb1", "p2p", 0.0, 3.0),
+              TraceEvent(0, "comm", "p2p recv act s0 mb1", "p2p", 0.0, 3.0, kind="p2p recv"),
               TraceEvent(0, "comm", "p2p send act s0 mb0 r1", "p2p", 1.6, 1.7)]
     doc = json.loads(S.write_trace(events, tmp_path / "t.json", us_per_unit=1e6).read_text())
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
@@ -87,3 +87,36 @@ def test_spans_that_overlap_on_a_lane_get_threads_of_their_own_and_receives_the_
     assert tid["p2p recv act s0 mb1"] == 2 and tid["p2p send act s0 mb0 r1"] == 4
     assert tid["a2a dispatch-F s0 L0 mb0"] == 1 and tid["a2a combine-B s0 L1 mb1"] == 4
     assert tid["a2a combine-F s0 L0 mb0"] == 1  # free again once the dispatch completed
+
+
+def _shown(e: TraceEvent) -> str:
+    """The name of an executor event rebuilt from its typed fields (timeline.py's table)."""
+    if e.kind in ("F", "B", "I", "W"):
+        return f"{e.kind} {e.phase} s{e.stage} {e.layer} mb{e.microbatch}"
+    if e.kind in ("a2a", "wait a2a"):
+        return f"{e.kind} {e.phase}-{e.direction} s{e.stage} {e.layer} mb{e.microbatch}"
+    return f"{e.kind} {e.what} s{e.stage} mb{e.microbatch}" + (f" r{e.peer}" if e.kind == "p2p send" else "")
+
+
+def test_executor_events_say_what_they_are_and_summarize_reads_them() -> None:
+    res = _step(0.001)
+    assert all(_shown(e) == e.name for e in res.events), [e for e in res.events if _shown(e) != e.name][:2]
+    sm = summarize(res.events)
+    compute = [e for e in res.events if e.kind in ("F", "B", "I", "W")]
+    assert {e.cat for e in compute} == {"F", "B", "W"} and all(e.lane == "compute" for e in compute)
+    assert sm.busy == pytest.approx(sum(e.duration for e in compute))
+    assert sm.wait == pytest.approx(sum(e.duration for e in res.events if e.cat == "wait"))
+    assert sm.waits.keys() == {"wait a2a"} and sm.waits["wait a2a"] == pytest.approx(sm.wait)
+    assert sum(sm.ops.values()) == pytest.approx(sm.busy) == pytest.approx(sum(sm.layers.values()))
+    assert set(sm.compute) == {("F", "mlp"), ("B", "mlp"), ("W", "mlp"), ("F", "loss"), ("B", "loss")}
+    assert len(sm.compute[("F", "mlp")]) == 2 * M and sm.total("F") == pytest.approx(
+        sum(e.duration for e in compute if e.kind == "F"))
+    assert {(k, st, mb) for k, st, mb in sm.ops} == {(k, 0, mb) for k in "FBW" for mb in range(M)}
+    assert {ly for _, ly in sm.layers} == {"L0", "L1", "head"}
+    # every exchange, both ways, with its wait, in order of issue; the hidden share is theirs
+    assert len(sm.exchanges) == 2 * 2 * M and all(x.wait is not None for x in sm.exchanges)
+    assert {x.label for x in sm.exchanges} == {"dispatch-F", "dispatch-B"}
+    assert [x.span.start for x in sm.exchanges] == sorted(x.span.start for x in sm.exchanges)
+    assert len({x.key for x in sm.exchanges}) == len(sm.exchanges)
+    spans, waited = sum(x.span.duration for x in sm.exchanges), sum(x.waited for x in sm.exchanges)
+    assert hidden_of(res.events)["all"] == pytest.approx(1.0 - waited / spans)

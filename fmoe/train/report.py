@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -161,8 +162,7 @@ def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path,
     times from the earliest event) to `path` (`meta` into its otherData and process names: whether the
     compute model was on), and its timeline PNG next to it when matplotlib is there; returns the paths
     written."""
-    events = [TraceEvent(rank, e.lane, e.name, e.cat, e.start, e.end, e.step)
-              for rank, evs in enumerate(events_by_rank) for e in evs]
+    events = [replace(e, rank=rank) for rank, evs in enumerate(events_by_rank) for e in evs]
     path = Path(path)
     out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step", meta=meta)]
     try:
