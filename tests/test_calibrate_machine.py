@@ -1,7 +1,7 @@
-"""The `local` cluster's host-overhead calibration (fmoe/calibrate/machine.py): the executor's event
-names are parsed into per-layer-kind forward times (checked against hand sums and against a real
-executor step), and the fitted cluster predicts the calibration run it was fitted on (the planner's own
-step time, an independent path from the fit's arithmetic).
+"""The `local` cluster's host-overhead calibration (fmoe/plan/local.py): the executor's event names are
+parsed into per-layer-kind forward times (checked against hand sums and against a real executor step),
+and the fitted cluster predicts the calibration run it was fitted on (the planner's own step time, an
+independent path from the fit's arithmetic).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fmoe.calibrate import machine as LC
-from fmoe.calibrate.models import load_model
+from fmoe.plan import local as LC
 from fmoe.plan.estimate import Context, evaluate
 from fmoe.plan.layout import Layout
-from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError
+from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError, load_model
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.train.config import TrainConfig
 
