@@ -5,19 +5,19 @@ local` predicts for the same layout.
     .venv/bin/python benchmarks/plan_local.py                 # tiny preset, 12 layouts, 20 steps each
     .venv/bin/python benchmarks/plan_local.py --preset small --steps 8
 
-Every layout and the eight calibration runs (`fmoe.plan.local.calibration_configs`: the tiny preset
+Every layout and the eight calibration runs (`fmoe.calibrate.machine.calibration_configs`: the tiny preset
 data-parallel on 2 ranks with 8 microbatches each under 1f1b, the same with 2 layers, under zb_h1, with
 16 and with 1 sequence per microbatch, expert-parallel under 1f1b without overlap with 4 and with 16
 sequences per microbatch, and pipelined over the 2 ranks under dualpipev with 16 microbatches, which
 prices a pipeline message; none of them a measured layout) run as live jobs side by side
-(`fmoe.plan.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order shuffled
+(`fmoe.calibrate.jobs.step_live`, 42 processes, 0.4 GiB each): a step of each in turn, the order shuffled
 every round, so that all of them meet the same phases of this machine's speed (it moves by up to 2x
 within seconds), over two sessions of fresh processes (two copies of one layout in one set of processes
 came out up to 1.066x apart). Measured per layout: the median `step_s` over its steps after 2 warm-up steps a
 session (max over the two ranks), and the peak resident memory of a rank over its whole run (VmHWM, max
 over ranks and sessions). Predicted: `fmoe.plan.estimate.fastest_fitting` on the `local` cluster fitted
 to the calibration runs of the same run, with the machine's GEMM, attention and optimizer rates measured
-once per round while the jobs are stopped (`fmoe.plan.local.measure_rates`; measured once in a slow
+once per round while the jobs are stopped (`fmoe.calibrate.machine.measure_rates`; measured once in a slow
 phase, the GEMM peak came out 80 GFLOP/s against 117-155 in the other runs, and every host time fitted
 beyond it went wrong) and its gloo links once after (`measure_machine`). Prints the ratio predicted /
 measured for step time and memory, whether the ranking by predicted step time matches the measured one,
@@ -37,14 +37,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from fmoe.calibrate import machine as LC  # noqa: E402
+from fmoe.calibrate.jobs import step_live  # noqa: E402
+from fmoe.calibrate.models import load_model  # noqa: E402
 from fmoe.plan import estimate as E  # noqa: E402
-from fmoe.plan import local as LC  # noqa: E402
-from fmoe.plan.jobs import step_live  # noqa: E402
 from fmoe.plan.layout import Layout  # noqa: E402
-from fmoe.plan.specs import load_model  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
-CALIBRATION = "calibration "  # prefix of the calibration runs' jobs (fmoe.plan.local.calibration_configs)
+# prefix of the calibration runs' jobs (fmoe.calibrate.machine.calibration_configs)
+CALIBRATION = "calibration "
 _PP2, _EP2, _DP2 = {"pp": 2, "ep": 1, "dp": 1}, {"pp": 1, "ep": 2, "dp": 1}, {"pp": 1, "ep": 1, "dp": 2}
 # (name, TrainConfig overrides, planner schedule, vpp): every schedule at the preset's 4 sequences per
 # microbatch, then layouts at other microbatch sizes (which the calibration runs, at 4 and 16, are not)

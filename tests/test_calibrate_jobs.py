@@ -1,7 +1,7 @@
-"""Live `fmoe train` jobs stepped in turn (fmoe/plan/jobs.py): every job answers each step with its ranks'
-times, the jobs asked for events with a HostSample whose parts fit inside its step, idle ranks are stopped
-(they take no CPU between their steps), sessions of fresh processes join their steps, and a rank's failure
-raises with the job and rank named instead of hanging the caller.
+"""Live `fmoe train` jobs stepped in turn (fmoe/calibrate/jobs.py): every job answers each step with its
+ranks' times, the jobs asked for events with a HostSample whose parts fit inside its step, idle ranks are
+stopped (they take no CPU between their steps), sessions of fresh processes join their steps, and a rank's
+failure raises with the job and rank named instead of hanging the caller.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from fmoe.plan.jobs import LiveJobs, step_live
+from fmoe.calibrate.jobs import LiveJobs, step_live
 from fmoe.train.config import TrainConfig
 
 # two ranks a job, two blocks, 8 sequences a step in microbatches of 2: a step of a few tens of milliseconds

@@ -1,7 +1,7 @@
-"""The `local` cluster's host-overhead calibration (fmoe/plan/local.py): the executor's event names are
-parsed into per-layer-kind forward times (checked against hand sums and against a real executor step),
-and the fitted cluster predicts the calibration run it was fitted on (the planner's own step time, an
-independent path from the fit's arithmetic).
+"""The `local` cluster's host-overhead calibration (fmoe/calibrate/machine.py): the executor's event
+names are parsed into per-layer-kind forward times (checked against hand sums and against a real
+executor step), and the fitted cluster predicts the calibration run it was fitted on (the planner's own
+step time, an independent path from the fit's arithmetic).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fmoe.plan import local as LC
+from fmoe.calibrate import machine as LC
+from fmoe.calibrate.models import load_model
 from fmoe.plan.estimate import Context, evaluate
 from fmoe.plan.layout import Layout
-from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError, load_model
+from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.train.config import TrainConfig
 
@@ -39,15 +40,7 @@ def _calibration_layout() -> tuple[Context, Layout]:
 
 
 def _ev(name: str, cat: str, start: float, end: float, lane: str = "compute") -> TraceEvent:
-    """An event as the executor records it, with its typed fields: "F mlp s0 L1 mb0" (compute) or
-    "a2a dispatch-F s0 L1 mb0"."""
-    kind, phase, stage, layer, mb = name.split()
-    where = {"stage": int(stage[1:]), "microbatch": int(mb[2:]), "layer": layer}
-    if kind == "a2a":
-        phase, direction = phase.split("-")
-        return TraceEvent(0, lane, name, cat, start, end, kind=kind, phase=phase, direction=direction,
-                          **where)
-    return TraceEvent(0, lane, name, cat, start, end, kind=kind, phase=phase, **where)
+    return TraceEvent(0, lane, name, cat, start, end)
 
 
 def test_sample_of_sums_phases_per_layer_and_kind() -> None:

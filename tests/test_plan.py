@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fmoe
 import fmoe.schedule as S
 from fmoe import _compat
+from fmoe.calibrate.models import load_model
 from fmoe.cli.main import main
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
@@ -41,7 +42,6 @@ from fmoe.plan.specs import (
     ModelSpec,
     PlanError,
     load_cluster,
-    load_model,
 )
 from fmoe.schedule.registry import ALL_NAMES, NAMES, chunks_per_rank
 from fmoe.train.config import TrainConfig

@@ -9,11 +9,12 @@ import torch.utils._pytree as pytree
 
 from fmoe import init_gpt
 from fmoe import schedule as S
+from fmoe.calibrate.models import load_model
 from fmoe.cli.main import main
 from fmoe.plan import layout as L
 from fmoe.plan.layer_costs import totals
 from fmoe.plan.memory import peak_bytes
-from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_model
+from fmoe.plan.specs import CLUSTER_PRESETS, PlanError
 from fmoe.train.config import TrainConfig
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from fmoe import schedule as S
+from fmoe.calibrate.models import load_model
 from fmoe.cli.main import main
 from fmoe.plan import layout as L
-from fmoe.plan.specs import CLUSTER_PRESETS, load_model
+from fmoe.plan.specs import CLUSTER_PRESETS
 from fmoe.schedule.registry import ALL_NAMES, CHUNKS, chunks_per_rank
 from fmoe.schedule.stages import chunk_placement
 from fmoe.train.config import TrainConfig

@@ -1,8 +1,10 @@
-"""The `local` cluster: this machine, calibrated from fmoe's own measured costs and gloo collective times.
+"""The `local` cluster: this machine, calibrated from fmoe's own measured costs and gloo collective times,
+and written as a cluster spec file the planner reads (`fmoe plan --cluster local`: `cluster_file`).
 
 A device is a CPU process with one thread (as `fmoe train` splits the cores between its ranks); a node
-is the machine (its cores). Measured, in this order, and cached in `$FMOE_LOCAL_CLUSTER` (default
-~/.cache/fmoe/local-cluster.json, keyed by torch version and core count; delete it to measure again):
+is the machine (its cores). Measured, in this order, and written to `$FMOE_LOCAL_CLUSTER` (default
+~/.cache/fmoe/local-cluster.toml, a TOML cluster spec (fmoe.plan.specs.to_toml) whose first line names the
+torch version and core count it was measured with; delete it to measure again):
 - GEMM FLOP/s of a 512^3 fp32 matmul (the peak; gemm_eff 1) and of a 32 x 64 x 64 one (gemm_half_dim);
   the causal attention kernel's FLOP/s at a small shape (attn_eff); AdamW's bytes per second over 2M
   fp32 parameters (hbm_bytes_per_s, 28 bytes per parameter): `measure_rates`, once in every round of
@@ -29,8 +31,8 @@ layouts it predicts, since this machine's speed drifts by up to 2x within second
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -41,12 +43,17 @@ from typing import Any
 
 import torch
 
-from fmoe.plan.specs import ClusterSpec
-from fmoe.schedule.timeline import summarize
+from fmoe.calibrate.jobs import step_live
+from fmoe.calibrate.models import load_model
+from fmoe.plan.estimate import Context, _layer_phases, evaluate
+from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
+from fmoe.plan.layout import Layout
+from fmoe.plan.specs import ClusterSpec, load_cluster, to_toml
+from fmoe.train.config import TrainConfig
 
 
 def _cache_path() -> Path:
-    return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.json"))
+    return Path(os.environ.get("FMOE_LOCAL_CLUSTER", Path.home() / ".cache" / "fmoe" / "local-cluster.toml"))
 
 
 CALIBRATION_VERSION = 11  # bump when what is measured changes: older caches are measured again
@@ -56,19 +63,23 @@ def _key() -> str:
     return f"torch {torch.__version__}, {os.cpu_count()} cores, calibration {CALIBRATION_VERSION}"
 
 
-def local_cluster(recalibrate: bool = False) -> ClusterSpec:
-    """Returns this machine's ClusterSpec, from the cache or (first use, or `recalibrate`) measured now
-    (a few minutes)."""
+def cluster_file(recalibrate: bool = False) -> Path:
+    """Returns the path of this machine's cluster spec file, measured now (a few minutes) and written
+    there on first use, when it was measured with another torch or core count, or with `recalibrate`."""
     path = _cache_path()
     if not recalibrate and path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("key") == _key():
-            return ClusterSpec(**data["spec"])
+        with path.open() as f:
+            if f.readline().rstrip("\n") == f"# {_key()}":
+                return path
     spec = calibrate()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fields = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
-    path.write_text(json.dumps({"key": _key(), "spec": fields}, indent=1))
-    return spec
+    path.write_text(to_toml(spec, _key()))
+    return path
+
+
+def local_cluster(recalibrate: bool = False) -> ClusterSpec:
+    """Returns this machine's ClusterSpec, as the planner reads it from `cluster_file`."""
+    return load_cluster(str(cluster_file(recalibrate)))
 
 
 def _median_s(fn: Callable[[], Any], reps: int = 15, warm: int = 3) -> float:
@@ -195,8 +206,6 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
     data parallel over the rest), `layers` blocks (by default the preset's), `schedule` ("1f1b": each
     backward one B; "zb_h1": I then W; or a pipeline schedule), `micro_batch` sequences per microbatch
     (by default CALIBRATION_RUN's), `microbatches` per data rank."""
-    from fmoe.train.config import TrainConfig
-
     n = os.cpu_count() or 1
     if pp < 1 or n % pp:
         raise ValueError(f"calibration_config: pp={pp} does not divide this machine's {n} cores")
@@ -209,6 +218,9 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
     if layers is not None:
         over["num_layers"] = layers
     return TrainConfig.from_sources("tiny", None, over)
+
+
+_F_EVENT = re.compile(r"^F \S+ s\d+ (\S+) mb\d+$")  # the executor's forward events: F phase stage layer mb
 
 
 @dataclass(frozen=True)
@@ -241,14 +253,25 @@ def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: in
     spans, bs, is_, ws, fs = [], [], [], [], {}
     for events in steps_events:
         spans.append(max(e.end for e in events) - min(e.start for e in events))
-        summary = summarize(events)
         per: dict[str, dict[str, float]] = {}
-        for (op, layer), d in summary.layers.items():
-            if op == "F":
-                per.setdefault(_layer_kind(layer, first_dense), {})[layer] = d
-        bs.append(summary.total("B") / microbatches)
-        is_.append(summary.total("I") / microbatches)
-        ws.append(summary.total("W") / microbatches)
+        b = i = w = 0.0
+        for e in events:
+            if e.lane != "compute":
+                continue
+            hit = _F_EVENT.match(e.name)
+            if e.cat == "F" and hit:
+                kind = _layer_kind(hit.group(1), first_dense)
+                per.setdefault(kind, {}).setdefault(hit.group(1), 0.0)
+                per[kind][hit.group(1)] += e.end - e.start
+            elif e.cat == "B":
+                b += e.end - e.start
+            elif e.cat == "I":
+                i += e.end - e.start
+            elif e.cat == "W":
+                w += e.end - e.start
+        bs.append(b / microbatches)
+        is_.append(i / microbatches)
+        ws.append(w / microbatches)
         for kind, layers in per.items():
             fs.setdefault(kind, []).append(sum(layers.values()) / len(layers) / microbatches)
     med = statistics.median
@@ -343,11 +366,9 @@ CALIBRATION_STEPS = 16  # measured steps of each calibration run, after 2 warm-u
 
 def measure_runs(steps: int = CALIBRATION_STEPS) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
     """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
-    each in turn, `steps` rounds over two sets of fresh processes (fmoe.plan.jobs.step_live; this
+    each in turn, `steps` rounds over two sets of fresh processes (fmoe.calibrate.jobs.step_live; this
     machine's speed drifts within seconds, and two copies of one job came out up to 1.066x apart);
     and the machine's rates (measure_rates) measured once in every round, with the jobs stopped."""
-    from fmoe.plan.jobs import step_live
-
     configs = calibration_configs()
     rates: list[dict[str, float]] = []
     runs = step_live(configs, steps, events=set(configs), each_round=lambda: rates.append(measure_rates()))
@@ -383,11 +404,6 @@ def fit_host(spec: ClusterSpec, full: HostSample, short: HostSample, split: Host
       cost of one pipeline message on each rank it leaves or reaches, such that the planner's pipeline
       time of that run equals its span (posting sends and receives, the gloo threads' share of the busy
       cores)."""
-    from fmoe.plan.estimate import Context, evaluate
-    from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
-    from fmoe.plan.layout import Layout
-    from fmoe.plan.specs import load_model
-
     tc = calibration_config()
     model = load_model("tiny")
     lay = Layout(tp=1, pp=1, ep=1, dp=tc.dp, vpp=1, schedule="1f1b", overlap=False,
@@ -469,8 +485,6 @@ def _fit_linear(model: Any, tc: Any, lay: Any, with_value: Callable[[float], Clu
     """The value x >= 0 at which the planner's pipeline time of calibration run `tc` (layout `lay`) under
     `with_value(x)` equals its measured `span_s` (that time is linear in x); `fallback` where x moves it
     not at all."""
-    from fmoe.plan.estimate import Context, evaluate
-
     def pipeline(x: float) -> float:
         ctx = Context(model, with_value(x), tc.world_size, tc.global_batch_size)
         return evaluate(ctx, lay).times["pipeline"]
@@ -484,9 +498,6 @@ def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample,
     """`spec` with layer_overhead_s["moe_ep"] fitted to the expert-parallel calibration run's span; with
     `large` (the same run at LARGE_MICRO_BATCH) also token_overhead_s["moe_ep"], so that the planner
     predicts both spans (where that needs a negative part, that part is 0 and the other fits `expert`)."""
-    from fmoe.plan.estimate import Context, evaluate
-    from fmoe.plan.layout import Layout
-
     def with_moe_ep(x: float, y: float | None = None) -> ClusterSpec:
         tokens = spec.token_overhead_s if y is None else {**spec.token_overhead_s, "moe_ep": y}
         return spec.replace(layer_overhead_s={**spec.layer_overhead_s, "moe_ep": x}, token_overhead_s=tokens)
@@ -527,8 +538,6 @@ def _fit_expert(spec: ClusterSpec, model: Any, expert: HostSample,
 def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> ClusterSpec:
     """`spec` with p2p_overhead_s fitted to the pipelined calibration run's span (0 where the run is no
     slower than the planner predicts without it)."""
-    from fmoe.plan.layout import Layout
-
     tc = calibration_config(None, PIPELINE_SCHEDULE, pp=PIPELINE_STAGES, microbatches=PIPELINE_MICROBATCHES)
     lay = Layout(tp=1, pp=tc.pp, ep=1, dp=tc.dp, vpp=2, schedule=PIPELINE_SCHEDULE, overlap=tc.overlap,
                  micro_batch=tc.micro_batch_size)
@@ -540,7 +549,5 @@ def _fit_messages(spec: ClusterSpec, model: Any, pipeline: HostSample) -> Cluste
 
 
 def _phases(ctx: Any, lay: Any, cost: Any) -> tuple[float, float, float]:
-    from fmoe.plan.estimate import _layer_phases
-
     ph = _layer_phases(ctx, lay, cost)
     return ph.f, ph.i, ph.w

@@ -22,10 +22,12 @@ import sys
 import time
 from dataclasses import replace
 
+from fmoe.calibrate.machine import cluster_file
+from fmoe.calibrate.models import load_model, model_names
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
 from fmoe.plan import search as Q
-from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster, load_model, model_names
+from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +115,8 @@ def context(args: argparse.Namespace) -> E.Context:
     model = load_model(args.model)
     if args.seq_length is not None:
         model = model.replace(seq=args.seq_length)
-    cluster = load_cluster(args.cluster)
+    # "local": this machine, as its calibration's spec file says (measured on first use)
+    cluster = load_cluster(str(cluster_file()) if args.cluster == "local" else args.cluster, known=("local",))
     gb = args.global_batch
     if gb is None:
         if args.model in ("tiny", "small"):

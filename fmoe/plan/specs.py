@@ -9,8 +9,10 @@ leaves a size out, the preset's comment says what was assumed and why.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -347,32 +349,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def train_preset_model(name: str) -> ModelSpec:
-    """Returns the ModelSpec of `fmoe train`'s preset `name` (tiny, small): fp32, GQA, no MTP."""
-    from fmoe.train.config import TrainConfig
-
-    tc = TrainConfig.from_sources(preset=name)
-    cfg = tc.model()
-    return ModelSpec(
-        name=f"train-{name}",
-        layers=cfg.n_layers,
-        hidden=cfg.d_model,
-        heads=cfg.n_heads,
-        kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab=cfg.vocab_size,
-        seq=tc.seq_length,
-        dense_layers=cfg.num_dense_layers,
-        dense_ffn=cfg.d_ff_dense,
-        routed_experts=cfg.moe.num_experts,
-        shared_experts=cfg.moe.num_shared_experts,
-        top_k=cfg.moe.top_k,
-        expert_ffn=cfg.moe.d_ff,
-        mtp=int(cfg.mtp),
-        dtype="fp32",
-    )
-
-
 def _gbps(x: float) -> float:
     return x * 1e9 / 8  # Gb/s -> bytes/s
 
@@ -418,21 +394,10 @@ CLUSTER_PRESETS["h100"] = CLUSTER_PRESETS["h800"].replace(name="h100", intra_byt
 # H200 SXM: H100 with 141 GB HBM3e at 4.8 TB/s
 CLUSTER_PRESETS["h200"] = CLUSTER_PRESETS["h100"].replace(name="h200", mem_gib=141, hbm_bytes_per_s=4.8e12)
 
-TRAIN_PRESETS = ("tiny", "small")
-
-
-def model_names() -> tuple[str, ...]:
-    """Names `load_model` accepts besides a TOML path."""
-    return tuple(MODEL_PRESETS) + TRAIN_PRESETS
-
-
-def _read_toml(path: str, what: str) -> dict[str, Any]:
+def _read_toml(path: str, what: str, names: Iterable[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise PlanError(
-            f"--{what}: no preset or file {path!r} (presets: "
-            f"{', '.join(model_names() if what == 'model' else (*CLUSTER_PRESETS, 'local'))})"
-        )
+        raise PlanError(f"--{what}: no preset or file {path!r} (presets: {', '.join(names)})")
     try:
         return {k.replace("-", "_"): v for k, v in tomllib.loads(p.read_text()).items()}
     except tomllib.TOMLDecodeError as exc:
@@ -465,9 +430,10 @@ def _build(cls: type, values: dict[str, Any], what: str) -> Any:
         raise PlanError(f"--{what}: {exc}") from None
 
 
-def _from_toml(path: str, cls: type, what: str, load: Any) -> Any:
-    """The spec a TOML file describes: its fields over `base = "preset"` (loaded by `load`), or alone."""
-    values = _read_toml(path, what)
+def _from_toml(path: str, cls: type, what: str, load: Any, names: Iterable[str]) -> Any:
+    """The spec a TOML file describes: its fields over `base = "preset"` (loaded by `load`), or alone;
+    `names`: the presets, for the error naming a path that is no file."""
+    values = _read_toml(path, what, names)
     base = _base_of(values, what)
     fields = {"name": Path(path).stem, **values}
     if base is None:
@@ -476,27 +442,52 @@ def _from_toml(path: str, cls: type, what: str, load: Any) -> Any:
     return load(base).replace(**fields)
 
 
-def load_model(name_or_path: str, overrides: dict[str, Any] | None = None) -> ModelSpec:
-    """Returns the ModelSpec of a preset name (`model_names()`) or a TOML file (a preset's fields via
-    `base = "deepseek-v3"`, then any field), with `overrides` applied last. PlanError on a bad spec."""
-    if name_or_path in MODEL_PRESETS:
-        spec = MODEL_PRESETS[name_or_path]
-    elif name_or_path in TRAIN_PRESETS:
-        spec = train_preset_model(name_or_path)
+def load_model(name_or_path: str, overrides: dict[str, Any] | None = None,
+               presets: Mapping[str, ModelSpec] = MODEL_PRESETS) -> ModelSpec:
+    """Returns the ModelSpec of a preset name (a key of `presets`; fmoe.calibrate.models.load_model adds
+    `fmoe train`'s) or a TOML file (a preset's fields via `base = "deepseek-v3"`, then any field), with
+    `overrides` applied last. PlanError on a bad spec."""
+    if name_or_path in presets:
+        spec = presets[name_or_path]
     else:
-        spec = _from_toml(name_or_path, ModelSpec, "model", load_model)
+        spec = _from_toml(name_or_path, ModelSpec, "model", lambda base: load_model(base, None, presets),
+                          presets)
     return spec.replace(**overrides) if overrides else spec
 
 
-def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None) -> ClusterSpec:
-    """Returns the ClusterSpec of a preset name (CLUSTER_PRESETS, or "local": this machine, from
-    `fmoe.plan.local.local_cluster`) or a TOML file (optionally `base = "h800"`), `overrides` last."""
+def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None,
+                 known: tuple[str, ...] = ()) -> ClusterSpec:
+    """Returns the ClusterSpec of a preset name (CLUSTER_PRESETS) or a TOML file (optionally
+    `base = "h800"`; `to_toml` writes one, as the calibration of this machine does: fmoe.calibrate),
+    `overrides` last. `known`: further names the caller resolves itself, listed in the error for a path
+    that is no file."""
     if name_or_path in CLUSTER_PRESETS:
         spec = CLUSTER_PRESETS[name_or_path]
-    elif name_or_path == "local":
-        from fmoe.plan.local import local_cluster
-
-        spec = local_cluster()
     else:
-        spec = _from_toml(name_or_path, ClusterSpec, "cluster", load_cluster)
+        spec = _from_toml(name_or_path, ClusterSpec, "cluster", load_cluster, (*CLUSTER_PRESETS, *known))
     return spec.replace(**overrides) if overrides else spec
+
+
+def _toml_value(v: Any, where: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)  # Python's repr of a float is TOML's too (inf, nan, 1e-05) and reads back exactly
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, Mapping):
+        pairs = (f"{json.dumps(k)} = {_toml_value(x, f'{where}.{k}')}" for k, x in v.items())
+        return "{" + ", ".join(pairs) + "}"
+    raise PlanError(f"to_toml: {where} = {v!r} has no TOML form")
+
+
+def to_toml(spec: ModelSpec | ClusterSpec, comment: str = "") -> str:
+    """The TOML file `load_model` / `load_cluster` read back as `spec` (every field but those None at
+    their default), after `comment` as `#` lines."""
+    lines = [f"# {line}" for line in comment.splitlines()]
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if v is None and f.default is None:
+            continue
+        lines.append(f"{f.name} = {_toml_value(v, f.name)}")
+    return "\n".join(lines) + "\n"
