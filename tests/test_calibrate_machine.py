@@ -40,7 +40,15 @@ def _calibration_layout() -> tuple[Context, Layout]:
 
 
 def _ev(name: str, cat: str, start: float, end: float, lane: str = "compute") -> TraceEvent:
-    return TraceEvent(0, lane, name, cat, start, end)
+    """An event as the executor records it, with its typed fields: "F mlp s0 L1 mb0" (compute) or
+    "a2a dispatch-F s0 L1 mb0"."""
+    kind, phase, stage, layer, mb = name.split()
+    where = {"stage": int(stage[1:]), "microbatch": int(mb[2:]), "layer": layer}
+    if kind == "a2a":
+        phase, direction = phase.split("-")
+        return TraceEvent(0, lane, name, cat, start, end, kind=kind, phase=phase, direction=direction,
+                          **where)
+    return TraceEvent(0, lane, name, cat, start, end, kind=kind, phase=phase, **where)
 
 
 def test_sample_of_sums_phases_per_layer_and_kind() -> None:

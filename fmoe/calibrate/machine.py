@@ -32,7 +32,6 @@ layouts it predicts, since this machine's speed drifts by up to 2x within second
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -49,6 +48,7 @@ from fmoe.plan.estimate import Context, _layer_phases, evaluate
 from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
 from fmoe.plan.layout import Layout
 from fmoe.plan.specs import ClusterSpec, load_cluster, to_toml
+from fmoe.schedule.timeline import summarize
 from fmoe.train.config import TrainConfig
 
 
@@ -220,9 +220,6 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
     return TrainConfig.from_sources("tiny", None, over)
 
 
-_F_EVENT = re.compile(r"^F \S+ s\d+ (\S+) mb\d+$")  # the executor's forward events: F phase stage layer mb
-
-
 @dataclass(frozen=True)
 class HostSample:
     """What the calibration run (calibration_config) measured, in seconds: `wall_s` one
@@ -253,25 +250,14 @@ def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: in
     spans, bs, is_, ws, fs = [], [], [], [], {}
     for events in steps_events:
         spans.append(max(e.end for e in events) - min(e.start for e in events))
+        summary = summarize(events)
         per: dict[str, dict[str, float]] = {}
-        b = i = w = 0.0
-        for e in events:
-            if e.lane != "compute":
-                continue
-            hit = _F_EVENT.match(e.name)
-            if e.cat == "F" and hit:
-                kind = _layer_kind(hit.group(1), first_dense)
-                per.setdefault(kind, {}).setdefault(hit.group(1), 0.0)
-                per[kind][hit.group(1)] += e.end - e.start
-            elif e.cat == "B":
-                b += e.end - e.start
-            elif e.cat == "I":
-                i += e.end - e.start
-            elif e.cat == "W":
-                w += e.end - e.start
-        bs.append(b / microbatches)
-        is_.append(i / microbatches)
-        ws.append(w / microbatches)
+        for (op, layer), d in summary.layers.items():
+            if op == "F":
+                per.setdefault(_layer_kind(layer, first_dense), {})[layer] = d
+        bs.append(summary.total("B") / microbatches)
+        is_.append(summary.total("I") / microbatches)
+        ws.append(summary.total("W") / microbatches)
         for kind, layers in per.items():
             fs.setdefault(kind, []).append(sum(layers.values()) / len(layers) / microbatches)
     med = statistics.median
