@@ -67,7 +67,6 @@ import gc
 import json
 import os
 import pickle
-import re
 import statistics
 import time
 import traceback
@@ -86,7 +85,7 @@ from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step, holders
 from fmoe.schedule.compute_model import ComputeModel, ModelStats, table_from_events
-from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares
+from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares, summarize
 
 EP = 2
 CONFIGS = {"dualpipev": 2, "combined_1f1b": 1}  # schedule -> pp
@@ -190,41 +189,24 @@ class Rank:
         return out, wall, list(self.link.log)
 
 
-_EVENT = re.compile(r" s(\d+) (\S+) mb(\d+)$")
-
-
 def step_stats(events: list[TraceEvent], log: list, width_bytes: int) -> dict[str, Any]:
     """One rank's step: compute-lane busy / wait / gap / end, compute per (kind, stage, mb), expert and total
     compute, and per (step kind, exchange kind) the sums of the executor's a2a spans ("exec"), of the
     link model's durations ("model") and of the waits; plus the events with modelled a2a ends."""
-    busy = wait = gap = end = mlp_all = 0.0
+    summary = summarize(events)
     phase: dict[tuple[str, int, int], float] = {}
-    mlp_f: list[float] = []
-    waits: dict[str, TraceEvent] = {}
-    for e in sorted((e for e in events if e.lane == "compute"), key=lambda e: e.start):
-        gap += max(0.0, e.start - end)
-        end = max(end, e.end)
-        d = e.end - e.start
-        if e.cat == "wait":
-            wait += d
-            if e.name.startswith("wait a2a "):
-                waits[e.name[len("wait a2a "):]] = e
-        elif e.cat in BUSY:
-            busy += d
-            st, _layer, mb = _EVENT.search(e.name).groups()
-            kind = {"B": "I"}.get(e.cat, e.cat)  # the dx part of a B; its W part is the "W ..." events
-            phase[(kind, int(st), int(mb))] = phase.get((kind, int(st), int(mb)), 0.0) + d
-            if e.name.split()[1] == "mlp":
-                mlp_all += d
-                if e.cat == "F":
-                    mlp_f.append(d)
-    a2a = sorted((e for e in events if e.lane == "comm" and e.cat == "a2a"), key=lambda e: e.start)
-    labels = [e.name[len("a2a "):] for e in a2a]
-    need = [_CALLS.get(lb.split()[0], 1) for lb in labels]
+    for (kind, st, mb), d in summary.ops.items():
+        kind = {"B": "I"}.get(kind, kind)  # the dx part of a B; its W part is the "W ..." events
+        phase[(kind, st, mb)] = phase.get((kind, st, mb), 0.0) + d
+    mlp_f = list(summary.compute.get(("F", "mlp"), []))
+    mlp_all = sum(sum(ds) for (_kind, ph), ds in summary.compute.items() if ph == "mlp")
+    exchanges = summary.exchanges  # in start order
+    labels = [x.label for x in exchanges]
+    need = [_CALLS.get(lb, 1) for lb in labels]
     # the link model's log in issue order against the a2a events in start order (one call per exchange,
     # none for counts-B); a count exchange sends less than one row, a row exchange whole rows
-    model: list[float | None] = [None] * len(a2a)
-    issued: list[float | None] = [None] * len(a2a)  # perf_counter at issue (one clock for all processes)
+    model: list[float | None] = [None] * len(exchanges)
+    issued: list[float | None] = [None] * len(exchanges)  # perf_counter at issue (one clock for all ranks)
     matched = sum(need) == len(log)
     k = 0
     for j, (lb, n) in enumerate(zip(labels, need)):
@@ -240,26 +222,29 @@ def step_stats(events: list[TraceEvent], log: list, width_bytes: int) -> dict[st
         model[j] = d
     sums: dict[tuple[str, str], list[float]] = {}  # (step, exchange kind) -> [exec, model, wait, n]
     model_d = []
-    offset = statistics.median(t - e.start for t, e in zip(issued, a2a) if t is not None) if matched else 0.0
-    xfer = {}  # label -> (step, kind, issue, wait start, wait, modelled duration), perf_counter seconds
-    for e, lb, d, t in zip(a2a, labels, model, issued):
-        kind = lb.split()[0]
-        span = e.end - e.start
+    offset = (statistics.median(t - x.span.start for t, x in zip(issued, exchanges) if t is not None)
+              if matched else 0.0)
+    # the exchange's key (stage, layer, mb, phase, direction: the same on its EP peer) -> (step, kind, issue,
+    # wait start, wait, modelled duration), perf_counter seconds
+    xfer = {}
+    for x, kind, d, t in zip(exchanges, labels, model, issued):
+        e, w = x.span, x.wait
+        span = e.duration
         d = min(d, span) if matched else span  # unmatched: fall back to the executor's span
         if matched and not kind.startswith("counts"):
             model_d.append(d)
-        w = waits.get(lb)
         acc = sums.setdefault((e.step, kind), [0.0, 0.0, 0.0, 0])
         acc[0] += span
         acc[1] += d
-        acc[2] += 0.0 if w is None else w.end - w.start
+        acc[2] += x.waited
         acc[3] += 1
         if matched and t is not None and w is not None:
-            xfer[lb] = (e.step, kind, t, w.start + offset, w.end - w.start, d)
-        w_counts = sum(a[2] for (_s, kind), a in sums.items() if kind.startswith("counts"))
+            xfer[x.key] = (e.step, kind, t, w.start + offset, w.duration, d)
+    w_counts = sum(a[2] for (_s, kind), a in sums.items() if kind.startswith("counts"))
     w_dc = sum(a[2] for (_s, kind), a in sums.items() if kind in DC)
+    busy, wait = summary.busy, summary.wait
     return {"busy": busy, "w_counts": w_counts, "w_dc": w_dc, "w_p2p": wait - w_counts - w_dc,
-            "wait": wait, "gap": gap, "end": end, "phase": phase, "mlp_f": mlp_f,
+            "wait": wait, "gap": summary.gap, "end": summary.end, "phase": phase, "mlp_f": mlp_f,
             "mlp_all": mlp_all, "a2a": sums, "matched": matched, "model_d": model_d, "xfer": xfer,
             "events": list(events), "hidden": hidden_of(events)}
 
@@ -462,12 +447,11 @@ def waits_by_position(reps: list[list[dict]], step: str, layers: dict[int, tuple
     out: dict[tuple[str, str], list[float]] = {}
     for rep in reps:
         for st in rep:
-            for lb, (stp, kind, _t, _w0, w, d) in st["xfer"].items():
-                m = re.search(r" s(\d+) L(\d+) ", lb)
-                if stp != step or m is None:
+            for (stage, layer, *_), (stp, kind, _t, _w0, w, d) in st["xfer"].items():
+                if stp != step or not (layer.startswith("L") and layer[1:].isdigit()):
                     continue
-                ls = layers[int(m.group(1))]
-                i = int(m.group(2))
+                ls = layers[stage]
+                i = int(layer[1:])
                 pos = "first" if i == ls[0] else "last" if i == ls[-1] else "mid"
                 o = out.setdefault((kind, pos), [0.0, 0.0, 0])
                 o[0] += 1e3 * w
@@ -487,11 +471,10 @@ def pair_tails(s: S.Schedule, step_events: list[list[TraceEvent]]) -> dict[str, 
         k = 0
         for e in sorted((e for e in events if e.lane == "compute" and e.step == "pair"),
                         key=lambda e: e.start):
-            m = re.search(r" s(\d+) .*mb(\d+)$", e.name)
-            if m is None or e.name.startswith("wait p2p"):
+            if e.kind not in ("F", "B", "I", "W", "wait a2a"):
                 continue
-            who = ("F" if "-F " in e.name else "B") if e.cat == "wait" else ("F" if e.cat == "F" else "B")
-            key = (int(m.group(1)), int(m.group(2)))
+            who = e.direction if e.kind == "wait a2a" else ("F" if e.kind == "F" else "B")
+            key = (e.stage, e.microbatch)
             while k < len(pairs) and key != ((pairs[k].f.stage, pairs[k].f.mb) if who == "F" else
                                              (pairs[k].b.stage, pairs[k].b.mb)):
                 k += 1

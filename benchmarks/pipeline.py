@@ -54,7 +54,6 @@ import dataclasses
 import datetime
 import gc
 import os
-import re
 import statistics
 import time
 import traceback
@@ -74,6 +73,7 @@ from fmoe import schedule as S
 from fmoe._compat import grouped_mm
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
+from fmoe.schedule.timeline import summarize
 from fmoe.train.host_memory import keep_freed_memory
 
 WORLD = 2
@@ -320,25 +320,16 @@ def torch_order(sched: Any) -> dict[int, list[str]] | None:
 
 # ---- measurements in a rank ----------------------------------------------------------------------------
 
-_EVENT = re.compile(r" s(\d+) .* mb(\d+)$")
-
-
 def timeline_stats(events) -> dict[str, Any]:
     """One rank's step timeline -> busy, wait, gap (time before the first compute-lane event and between
     consecutive ones: executor bookkeeping) and end (seconds), and compute time per (kind, stage, mb)."""
-    busy = wait = gap = end = 0.0
+    summary = summarize(events)
     phase: dict[tuple[str, int, int], float] = {}
-    for e in sorted((e for e in events if e.lane == "compute"), key=lambda e: e.start):
-        gap += max(0.0, e.start - end)
-        end = max(end, e.end)
-        if e.cat == "wait":
-            wait += e.end - e.start
-        elif e.cat in BUSY:
-            busy += e.end - e.start
-            st, mb = (int(g) for g in _EVENT.search(e.name).groups())
-            kind = {"B": "I"}.get(e.cat, e.cat)  # the dx part of a B; its W part is the "W ..." events
-            phase[(kind, st, mb)] = phase.get((kind, st, mb), 0.0) + e.end - e.start
-    return {"busy": busy, "wait": wait, "gap": gap, "end": end, "phase": phase}
+    for (kind, st, mb), d in summary.ops.items():
+        kind = {"B": "I"}.get(kind, kind)  # the dx part of a B; its W part is the "W ..." events
+        phase[(kind, st, mb)] = phase.get((kind, st, mb), 0.0) + d
+    return {"busy": summary.busy, "wait": summary.wait, "gap": summary.gap, "end": summary.end,
+            "phase": phase}
 
 
 def _p2p_one_way(args: argparse.Namespace, rank: int, n: int = 30) -> float:
