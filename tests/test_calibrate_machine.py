@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from fmoe.calibrate import machine as LC
 from fmoe.calibrate.models import load_model
+from fmoe.calibrate.samples import HostSample, sample_of
 from fmoe.plan.estimate import Context, evaluate
 from fmoe.plan.layout import Layout
 from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError
@@ -64,7 +65,7 @@ def test_sample_of_sums_phases_per_layer_and_kind() -> None:
             events.append(_ev(name, name[0], t, t + d))
             t += d
     events.append(_ev("a2a dispatch-F s0 L1 mb0", "a2a", 0.5, 60.0, lane="comm"))  # not a compute event
-    sample = LC.sample_of([100.0], [events], first_dense=1, microbatches=2, peak_gib=0.5)
+    sample = sample_of([100.0], [events], first_dense=1, microbatches=2, peak_gib=0.5)
     assert sample.f_s == {"embed": 1.0, "dense": 4.0, "moe": 7.0, "head": 2.0}  # MoE: (5 + 9) / 2 layers
     assert (sample.b_s, sample.w_s) == (20.0, 1.0)
     assert sample.span_s == pytest.approx(t) and sample.wall_s == 100.0
@@ -83,7 +84,7 @@ def test_sample_of_reads_a_real_executor_step() -> None:
         events = trainer.last_result.events
     finally:
         torch.distributed.destroy_process_group()
-    sample = LC.sample_of([wall], [events], tc.first_k_dense, tc.microbatches, 0.0)
+    sample = sample_of([wall], [events], tc.first_k_dense, tc.microbatches, 0.0)
     assert set(sample.f_s) == set(LAYER_KINDS)
     m, dense = tc.microbatches, tc.first_k_dense
     f_total = sum(e.end - e.start for e in events if e.cat == "F" and e.lane == "compute")
@@ -116,15 +117,15 @@ def test_fit_host_recovers_a_host_model(f: dict[str, float], ratio: float, per_s
     ctx = Context(ctx.model, fast, ctx.devices, ctx.global_batch)
     model, m = ctx.model, LC.CALIBRATION_MICROBATCHES
 
-    def run(layers: int) -> LC.HostSample:
+    def run(layers: int) -> HostSample:
         fs = _stage_sums(f, layers, model.dense_layers)
         b, w = ratio * fs + per_stage, w_share * fs
         span = m * (fs + b + w + gap)
-        return LC.HostSample(span + outside, span, f, b, w, 0.5)
+        return HostSample(span + outside, span, f, b, w, 0.5)
 
     full, short = run(model.layers), run(LC.SHORT_LAYERS)
     fs = _stage_sums(f, model.layers, model.dense_layers)
-    split = LC.HostSample(0.0, 0.0, f, 0.0, w_ratio * fs, 0.5, i_ratio * fs + per_stage)
+    split = HostSample(0.0, 0.0, f, 0.0, w_ratio * fs, 0.5, i_ratio * fs + per_stage)
     fitted = LC.fit_host(fast, full, short, split)
     # 1f1b's W event is part of its backward
     assert fitted.b_overhead_ratio == pytest.approx(ratio + w_share, rel=1e-6, abs=1e-6)
@@ -175,15 +176,15 @@ def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, 
         assert t1 >= t0 * (1 - 1e-9), (sched, kind)
 
 
-def _dense_samples(ctx: Context, f: dict[str, float]) -> tuple[LC.HostSample, ...]:
+def _dense_samples(ctx: Context, f: dict[str, float]) -> tuple[HostSample, ...]:
     """The full, short and split data-parallel calibration samples of a host where every layer's forward
     takes f[kind], its B twice that, its split I and W 1.5 and 0.5 times."""
     fs = _stage_sums(f, ctx.model.layers, ctx.model.dense_layers)
     m = LC.CALIBRATION_MICROBATCHES
-    full = LC.HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
+    full = HostSample(m * 3 * fs + 0.01, m * 3 * fs, f, 2 * fs, 0.0, 0.5)
     short_fs = _stage_sums(f, LC.SHORT_LAYERS, ctx.model.dense_layers)
-    short = LC.HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
-    split = LC.HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
+    short = HostSample(m * 3 * short_fs, m * 3 * short_fs, f, 2 * short_fs, 0.0, 0.5)
+    split = HostSample(0.0, 0.0, f, 0.0, 0.5 * fs, 0.5, 1.5 * fs)
     return full, short, split
 
 
@@ -202,7 +203,7 @@ def test_fit_host_prices_the_expert_parallel_run(slower: float) -> None:
                     micro_batch=tc.micro_batch_size)
     ep_ctx = Context(ctx.model, dense_only, tc.world_size, tc.global_batch_size)
     span = slower * evaluate(ep_ctx, ep_lay).times["pipeline"]
-    fitted = LC.fit_host(_machine(), full, short, split, LC.HostSample(span, span, f, 0.0, 0.0, 0.5))
+    fitted = LC.fit_host(_machine(), full, short, split, HostSample(span, span, f, 0.0, 0.0, 0.5))
     got = evaluate(Context(ctx.model, fitted, tc.world_size, tc.global_batch_size), ep_lay)
     assert got.times["pipeline"] == pytest.approx(span, rel=1e-6)
     assert fitted.overhead_s("moe", True) >= dense_only.overhead_s("moe", True) * (1 - 1e-9)
@@ -231,9 +232,9 @@ def test_fit_host_splits_the_expert_parallel_layer_per_token(fixed: float, per_t
         return evaluate(Context(ctx.model, cluster, tc.world_size, tc.global_batch_size), ep_lay).times[
             "pipeline"]
 
-    def sample(micro_batch: int | None) -> LC.HostSample:
+    def sample(micro_batch: int | None) -> HostSample:
         t = span(truth, micro_batch)
-        return LC.HostSample(t, t, f, 0.0, 0.0, 0.5)
+        return HostSample(t, t, f, 0.0, 0.0, 0.5)
 
     fitted = LC.fit_host(_machine(), *_dense_samples(ctx, f), expert=sample(None),
                          expert_large=sample(LC.LARGE_MICRO_BATCH))
@@ -289,18 +290,18 @@ def test_fit_host_splits_host_time_per_token(fixed: dict[str, float], per_token:
     t0 = lay.micro_batch * model.seq
     below = {k: per_token[k] + steeper[k] * fixed[k] / t0 for k in LAYER_KINDS}
 
-    def run(layers: int, micro_batch: int) -> LC.HostSample:
+    def run(layers: int, micro_batch: int) -> HostSample:
         T = micro_batch * model.seq
         f = {k: fixed[k] + max(T, t0) * per_token[k] - max(0, t0 - T) * below[k] for k in LAYER_KINDS}
         fs = _stage_sums(f, layers, model.dense_layers)
         b = ratio * fs + per_stage
-        return LC.HostSample(m * (fs + b), m * (fs + b), f, b, 0.0, 0.5)
+        return HostSample(m * (fs + b), m * (fs + b), f, b, 0.0, 0.5)
 
     mbs = lay.micro_batch
     full, short = run(model.layers, mbs), run(LC.SHORT_LAYERS, mbs)
     large = run(model.layers, LC.LARGE_MICRO_BATCH)
     f0 = full.f_s
-    split = LC.HostSample(0.0, 0.0, f0, 0.0, 0.2 * _stage_sums(f0, model.layers, model.dense_layers), 0.5,
+    split = HostSample(0.0, 0.0, f0, 0.0, 0.2 * _stage_sums(f0, model.layers, model.dense_layers), 0.5,
                           _stage_sums(f0, model.layers, model.dense_layers))
     fitted = LC.fit_host(fast, full, short, split, large=large, small=run(model.layers, LC.SMALL_MICRO_BATCH))
     assert fitted.layer_overhead_s == pytest.approx(fixed, rel=1e-6, abs=1e-12)
@@ -372,11 +373,11 @@ def _check_message_fit(h: float) -> None:
                     micro_batch=tc.micro_batch_size)
     pp_ctx = Context(ctx.model, base.replace(p2p_overhead_s=h), tc.world_size, tc.global_batch_size)
     span = evaluate(pp_ctx, pp_lay).times["pipeline"]
-    fitted = LC.fit_host(_machine(), full, short, split, pipeline=LC.HostSample(span, span, f, 0.0, 0.0, 0.5))
+    fitted = LC.fit_host(_machine(), full, short, split, pipeline=HostSample(span, span, f, 0.0, 0.0, 0.5))
     assert fitted.p2p_overhead_s == pytest.approx(h, rel=1e-6, abs=1e-12)
     assert evaluate(Context(ctx.model, fitted, ctx.devices, ctx.global_batch), lay).step_s == pytest.approx(
         evaluate(Context(ctx.model, base, ctx.devices, ctx.global_batch), lay).step_s)
-    fast = LC.fit_host(_machine(), full, short, split, pipeline=LC.HostSample(0.5 * span, 0.5 * span, f, 0.0,
+    fast = LC.fit_host(_machine(), full, short, split, pipeline=HostSample(0.5 * span, 0.5 * span, f, 0.0,
                                                                                 0.0, 0.5))
     assert fast.p2p_overhead_s == 0.0
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fmoe.calibrate.samples import median_sample, sample_of
 from fmoe.train.config import TrainConfig
 
 _READY, _STEP, _STOP, _ERROR = "ready", "step", "stop", "error"
@@ -36,7 +37,6 @@ def _job_rank(tc: TrainConfig, rank: int, store: str, events: bool, commands: An
     """One rank of a live job: builds its Trainer, then runs a step per "step" command until "stop"."""
     torch.set_num_threads(1)
     try:
-        from fmoe.calibrate.machine import sample_of
         from fmoe.train.launch import _world
         from fmoe.train.loop import Trainer
 
@@ -87,8 +87,6 @@ class JobRun:
     def host_sample(self) -> Any:
         """The job's HostSample: per rank the field-by-field median over its steps, then over the ranks;
         `peak_gib` the job's."""
-        from fmoe.calibrate.machine import median_sample
-
         per_rank = [median_sample(steps) for steps in self.samples]
         return replace(median_sample(per_rank), peak_gib=self.peak_gib)
 

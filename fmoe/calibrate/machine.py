@@ -36,7 +36,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,11 @@ import torch
 
 from fmoe.calibrate.jobs import step_live
 from fmoe.calibrate.models import load_model
+from fmoe.calibrate.samples import HostSample
 from fmoe.plan.estimate import Context, _layer_phases, evaluate
 from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
 from fmoe.plan.layout import Layout
 from fmoe.plan.specs import ClusterSpec, load_cluster, to_toml
-from fmoe.schedule.timeline import summarize
 from fmoe.train.config import TrainConfig
 
 
@@ -218,61 +218,6 @@ def calibration_config(layers: int | None = None, schedule: str = "1f1b", ep: bo
     if layers is not None:
         over["num_layers"] = layers
     return TrainConfig.from_sources("tiny", None, over)
-
-
-@dataclass(frozen=True)
-class HostSample:
-    """What the calibration run (calibration_config) measured, in seconds: `wall_s` one
-    whole step, `span_s` the executor's part of it (first event start to last event end); `f_s` per layer
-    kind the forward of one layer of one microbatch (the sum of its phases' events; averaged over the
-    layers of that kind); `b_s`, `w_s` and `i_s` the B, W and I of one microbatch (the whole stage);
-    `peak_gib` the process's peak resident memory."""
-
-    wall_s: float
-    span_s: float
-    f_s: dict[str, float]
-    b_s: float
-    w_s: float
-    peak_gib: float
-    i_s: float = 0.0
-
-
-def _layer_kind(token: str, first_dense: int) -> str:
-    if token.startswith("L") and token[1:].isdigit():
-        return "dense" if int(token[1:]) < first_dense else "moe"
-    return "embed" if token == "embed" else "head"  # the head's phases: norm, head, loss, MTP
-
-
-def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: int, microbatches: int,
-              peak_gib: float) -> HostSample:
-    """Returns the HostSample of measured steps: per step its wall seconds and executor events (medians
-    over the steps)."""
-    spans, bs, is_, ws, fs = [], [], [], [], {}
-    for events in steps_events:
-        spans.append(max(e.end for e in events) - min(e.start for e in events))
-        summary = summarize(events)
-        per: dict[str, dict[str, float]] = {}
-        for (op, layer), d in summary.layers.items():
-            if op == "F":
-                per.setdefault(_layer_kind(layer, first_dense), {})[layer] = d
-        bs.append(summary.total("B") / microbatches)
-        is_.append(summary.total("I") / microbatches)
-        ws.append(summary.total("W") / microbatches)
-        for kind, layers in per.items():
-            fs.setdefault(kind, []).append(sum(layers.values()) / len(layers) / microbatches)
-    med = statistics.median
-    return HostSample(med(walls), med(spans), {k: med(v) for k, v in fs.items()}, med(bs), med(ws), peak_gib,
-                      med(is_))
-
-
-def median_sample(samples: list[HostSample]) -> HostSample:
-    """Returns the field-by-field median of `samples` (one per calibration copy or round)."""
-    med = statistics.median
-    kinds = set.intersection(*(set(s.f_s) for s in samples))
-    return HostSample(med(s.wall_s for s in samples), med(s.span_s for s in samples),
-                      {k: med(s.f_s[k] for s in samples) for k in kinds}, med(s.b_s for s in samples),
-                      med(s.w_s for s in samples), max(s.peak_gib for s in samples),
-                      med(s.i_s for s in samples))
 
 
 def measure_rates() -> dict[str, float]:
