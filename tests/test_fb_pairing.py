@@ -16,8 +16,6 @@ forward's last phase, a gradient right after its dx pass, before any dw and befo
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from dist_utils import spawn
@@ -27,10 +25,9 @@ from fmoe import schedule as S
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.schedule.ir import Overlap
+from fmoe.schedule.timeline import TraceEvent
 
 E, EP = 4, 2
-_A2A = re.compile(r"a2a (\w+)-([FB]) s(\d+) (\S+) mb(\d+)$")
-_COMPUTE = re.compile(r"([FBIW]) (\w+) s(\d+) (\S+) mb(\d+)$")
 SEED = {("combine", "B"): ("attention", "F"), ("dispatch", "F"): ("mlp", "B"),
         ("dispatch", "B"): ("mlp", "F"), ("combine", "F"): ("attention", "B")}
 
@@ -39,6 +36,21 @@ def _cfg(n_layers: int, dense: int, mtp: bool = False) -> GPTConfig:
     moe = MoEConfig(d_model=16, d_ff=8, num_experts=E, top_k=2, num_shared_experts=1)
     return GPTConfig(vocab_size=32, d_model=16, n_layers=n_layers, n_heads=2, moe=moe, num_dense_layers=dense,
                      mtp=mtp)
+
+
+def _compute(e: TraceEvent) -> tuple | None:
+    """(kind, phase, stage, layer, mb) of a compute event, else None."""
+    return (e.kind, e.phase, e.stage, e.layer, e.microbatch) if e.kind in ("F", "B", "I", "W") else None
+
+
+def _a2a(e: TraceEvent) -> tuple | None:
+    """(phase, direction, stage, layer, mb) of an exchange's span or its wait, else None."""
+    return (e.phase, e.direction, e.stage, e.layer, e.microbatch) if e.kind in ("a2a", "wait a2a") else None
+
+
+def _waits(events: list[TraceEvent]) -> dict[tuple, float]:
+    """When each exchange's wait began, by `_a2a`."""
+    return {_a2a(e): e.start for e in events if e.kind == "wait a2a"}
 
 
 def _events(rank: int, world: int, cases: list) -> dict:
@@ -61,7 +73,7 @@ def _events(rank: int, world: int, cases: list) -> dict:
         step = gpt_pipeline_step(cfg, s, pp_rank, params, init_gpt_state(cfg), batches,
                                  group=layout.group("pp") if pp > 1 else None, dispatcher=d, overlap=overlap)
         pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
-        out[key] = ([(e.name, e.lane, e.cat, e.start, e.end, e.step) for e in step.result.events], pairs)
+        out[key] = (step.result.events, pairs)
     return out
 
 
@@ -70,28 +82,27 @@ def _pairs(run: tuple) -> list[dict]:
     phase, layer, and the compute phases of the pair's other op that ran while it was in flight (between
     its issue and its wait): {(kind, phase, layer)}."""
     events, pairs = run
-    events = sorted(events, key=lambda e: e[3])
-    waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
+    events = sorted(events, key=lambda e: e.start)
+    waits = _waits(events)
     partner = {}
     for fs, fm, bs, bm in pairs:
         partner[("F", fs, fm)], partner[("B", bs, bm)] = ("B", bs, bm), ("F", fs, fm)
     compute = []
-    for name, lane, cat, start, _, _ in events:
-        m = _COMPUTE.match(name)
-        if lane == "compute" and cat in "FBIW" and m:
-            k, ph, st, ly, mb = m.groups()
-            compute.append(("F" if k == "F" else "B", int(st), int(mb), (k, ph, ly), start))
+    for e in events:
+        if e.lane == "compute" and (c := _compute(e)):
+            k, ph, st, ly, mb = c
+            compute.append(("F" if k == "F" else "B", st, mb, (k, ph, ly), e.start))
     out = []
-    for name, lane, _, start, _, _ in events:
-        m = _A2A.match(name)
-        if lane != "comm" or not m or m.group(1) == "counts":
+    for e in events:
+        m = _a2a(e)
+        if e.lane != "comm" or not m or m[0] == "counts":
             continue
-        phase, kind, stage, layer, mb = m.groups()
-        other = partner.get((kind, int(stage), int(mb)))
+        phase, kind, stage, layer, mb = m
+        other = partner.get((kind, stage, mb))
         if other is None:  # a lone op's exchange
             continue
-        hid = {what for k, st, b, what, t in compute if (k, st, b) == other and start <= t < waits[name]}
-        out.append({"phase": phase, "kind": kind, "op": (kind, int(stage), int(mb)), "partner": other,
+        hid = {what for k, st, b, what, t in compute if (k, st, b) == other and e.start <= t < waits[m]}
+        out.append({"phase": phase, "kind": kind, "op": (kind, stage, mb), "partner": other,
                     "layer": layer, "hid": hid})
     return out
 
@@ -166,17 +177,15 @@ def test_sends_go_out_the_moment_their_data_exists(runs: dict, key: tuple) -> No
     exist (`stage_turns`)."""
     checked = {"act": 0, "grad": 0}
     for events, _ in runs[key]:
-        events = sorted(events, key=lambda e: e[3])
-        for i, (name, lane, _, _, _, step) in enumerate(events):
-            m = re.match(r"p2p send (act|grad) s(\d+) mb(\d+)", name)
-            if not (lane == "comm" and m and step == "pair"):
+        events = sorted(events, key=lambda e: e.start)
+        for i, e in enumerate(events):
+            if not (e.lane == "comm" and e.kind == "p2p send" and e.step == "pair"):
                 continue
-            what, stage, mb = m.groups()
-            last = next(e for e in reversed(events[:i]) if e[1] == "compute" and e[2] in "FBIW")
-            cm = _COMPUTE.match(last[0])
-            own = cm and cm.group(1) in ("F" if what == "act" else "BI") and cm.groups()[2::2] == (stage, mb)
-            assert own, (name, last[0], events[i - 1][0])
-            checked[what] += 1
+            last = next(c for c in reversed(events[:i]) if c.lane == "compute" and _compute(c))
+            own = last.kind in ("F" if e.what == "act" else "BI") and _compute(last)[2::2] == (e.stage,
+                                                                                             e.microbatch)
+            assert own, (e.name, last.name, events[i - 1].name)
+            checked[e.what] += 1
     assert min(checked.values()) >= 2, checked
 
 
@@ -192,22 +201,22 @@ def test_lone_steps_hide_their_exchanges_with_their_own_work(runs: dict) -> None
     checked = 0
     for key in (("combined_1f1b", 1, 3, 0, True), ("dualpipev", 2, 8, 0, True)):
         for events, _ in runs[key]:
-            events = sorted(events, key=lambda e: e[3])
-            waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
-            parsed = [(c.groups(), e[3]) for e in events if e[1] == "compute" and (c := _COMPUTE.match(e[0]))]
-            for name, lane, _, start, _, step in events:
-                m = _A2A.match(name)
-                if lane != "comm" or step != "lone" or not m or (m.group(1), m.group(2)) not in LONE:
+            events = sorted(events, key=lambda e: e.start)
+            waits = _waits(events)
+            parsed = [(c, e.start) for e in events if e.lane == "compute" and (c := _compute(e))]
+            for e in events:
+                m = _a2a(e)
+                if e.lane != "comm" or e.step != "lone" or not m or m[:2] not in LONE:
                     continue
-                phase, kind, stage, layer, mb = m.groups()
+                phase, kind, stage, layer, mb = m
                 is_i = any(g[0] == "I" and (g[2], g[4]) == (stage, mb) for g, _ in parsed)
                 if (phase, kind) == ("dispatch", "B") and is_i:
                     continue
                 ran = {(g[0], g[1]) for g, t in parsed
-                       if start <= t < waits[name] and g[2:] == (stage, layer, mb)}
+                       if e.start <= t < waits[m] and g[2:] == (stage, layer, mb)}
                 want_kind, want_phase = LONE[(phase, kind)]
                 kinds = ("B", "I") if want_kind == "B" else (want_kind,)
-                assert any((k, want_phase) in ran for k in kinds), (name, sorted(ran))
+                assert any((k, want_phase) in ran for k in kinds), (e.name, sorted(ran))
                 checked += 1
     assert checked >= 6, checked
 
@@ -220,20 +229,20 @@ def test_the_count_exchange_travels_while_permute_1_runs(runs: dict) -> None:
     checked = {"pair": 0, "lone": 0}
     for key in (("combined_1f1b", 1, 3, 0, True), ("dualpipev", 2, 8, 0, True)):
         for events, _ in runs[key]:
-            events = sorted(events, key=lambda e: e[3])
-            waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
-            for name, lane, _, start, _, step in events:
-                m = _A2A.match(name)
-                if lane != "comm" or not m or m.group(1) != "counts" or m.group(2) != "F":
+            events = sorted(events, key=lambda e: e.start)
+            waits = _waits(events)
+            for x in events:
+                m = _a2a(x)
+                if x.lane != "comm" or not m or m[:2] != ("counts", "F"):
                     continue
-                _, _, stage, layer, mb = m.groups()
-                ran = [c.groups() for e in events if start <= e[3] < waits[name] and e[1] == "compute"
-                       and (c := _COMPUTE.match(e[0]))]
+                _, _, stage, layer, mb = m
+                ran = [c for e in events if x.start <= e.start < waits[m] and e.lane == "compute"
+                       and (c := _compute(e))]
                 want = [("F", "permute", stage, layer, mb)]
-                if step == "pair":
+                if x.step == "pair":
                     want.append(("F", "shared", stage, layer, mb))
-                assert ran == want, (name, step, ran)
-                checked[step] += 1
+                assert ran == want, (x.name, x.step, ran)
+                checked[x.step] += 1
     assert min(checked.values()) >= 3, checked
 
 
@@ -245,20 +254,20 @@ def test_a_lone_f_after_a_lone_w_hides_its_combine_behind_that_w(runs: dict) -> 
     for events, pairs in runs[("dualpipev", 2, 8, 0, True)]:
         if not any(p[0] == 0 for p in pairs):  # pipeline rank 0 (stages 0 and 3)
             continue
-        events = sorted(events, key=lambda e: e[3])
-        waits = {e[0][len("wait "):]: e[3] for e in events if e[0].startswith("wait a2a ")}
-        parsed = [(c.groups(), e[3]) for e in events if e[1] == "compute" and (c := _COMPUTE.match(e[0]))]
-        mine = [(g, t) for g, t in parsed if (g[0], *g[2::2]) in (("F", "3", "1"), ("W", "3", "0"))]
+        events = sorted(events, key=lambda e: e.start)
+        waits = _waits(events)
+        parsed = [(c, e.start) for e in events if e.lane == "compute" and (c := _compute(e))]
+        mine = [(g, t) for g, t in parsed if (g[0], *g[2::2]) in (("F", 3, 1), ("W", 3, 0))]
         f_end = max(t for g, t in mine if g[0] == "F")
         w_runs = [t for g, t in mine if g[0] == "W"]
         after = min(t for g, t in parsed if t > f_end and (g, t) not in mine)  # the next op's first phase
         assert w_runs and max(w_runs) < after
-        for name, lane, _, start, _, step in events:
-            m = _A2A.match(name)
-            if lane != "comm" or not m or m.group(1, 2, 3, 5) != ("combine", "F", "3", "1"):
+        for e in events:
+            m = _a2a(e)
+            if e.lane != "comm" or not m or (*m[:3], m[4]) != ("combine", "F", 3, 1):
                 continue
-            ran = {g for g, t in parsed if start <= t < waits[name]}
-            assert any(g[0] == "W" and g[2::2] == ("3", "0") for g in ran), (name, step, sorted(ran))
+            ran = {g for g, t in parsed if e.start <= t < waits[m]}
+            assert any(g[0] == "W" and g[2::2] == (3, 0) for g in ran), (e.name, e.step, sorted(ran))
             checked += 1
     assert checked >= 2, checked
 
