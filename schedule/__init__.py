@@ -7,6 +7,8 @@ from fmoe._lazy import lazy_exports
 from fmoe.schedule.comms import with_comms as with_comms
 from fmoe.schedule.comms import without_comms as without_comms
 from fmoe.schedule.costs import Costs as Costs
+from fmoe.schedule.files import load_schedule as load_schedule
+from fmoe.schedule.files import load_schedule_text as load_schedule_text
 from fmoe.schedule.fuse import adjacent_iw as adjacent_iw
 from fmoe.schedule.fuse import fuse_adjacent_iw as fuse_adjacent_iw
 from fmoe.schedule.gen_1f1b import combined_1f1b as combined_1f1b

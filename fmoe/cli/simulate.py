@@ -11,6 +11,12 @@ Examples:
   fmoe simulate --schedule interleaved --pp 4 -m 8 --v 4 --print-schedule   # only interleaved takes --v
   fmoe simulate --schedule 1f1b --pp 4 -m 8 --layers 16 --first-extra 1 --last-extra 2   # stage imbalance
   fmoe simulate --schedule zb_h1 --pp 4 -m 8 --f 1 --i 1 --w 0.5   # zero bubble: W fills the gaps
+  fmoe simulate --schedule-file my_1f1b.txt --a2a 0.25   # a schedule written out (docs/schedules.md)
+
+--schedule-file reads a schedule in its printed form (as `--print-schedule` shows one): one line
+`r<k>: F0.0 F0.1 B0.0 ...` per rank, `#` comments allowed; its lines are the ranks, its microbatch ids
+the microbatches and where its stages run the placement, so --schedule, --pp, --microbatches and --v are
+refused beside it.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     `fmoe simulate --help` prints); returns None."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    parser.add_argument("--schedule", choices=ALL_NAMES, default="1f1b")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, default=16)
+    parser.add_argument("--schedule", choices=ALL_NAMES, default=None, help="(default 1f1b)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=None, help="(default 16)")
+    parser.add_argument("--schedule-file", default=None, metavar="PATH",
+                        help="a schedule in its printed form, instead of --schedule, --pp, --microbatches")
     parser.add_argument("--v", type=int, default=None,
                         help="chunks per rank of the interleaved schedules (default 2; the others run "
                              "their own count and refuse another)")
@@ -68,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """`run` without the error handling: raises ScheduleError for a bad argument; returns 0."""
-    s = schedule.build(args.schedule, args.pp, args.microbatches, args.v)
+    s = _schedule(args)
     schedule.verify(s)
+    if args.schedule_file is not None:  # what the file was read as (verified: an error stays one line)
+        print(f"schedule file {args.schedule_file}: pp {s.pp}, {s.m} microbatches, {s.placement.kind} "
+              f"placement ({s.placement.num_stages} stages, {s.placement.num_stages // s.pp} per rank)")
     # the flags as given are checked first, so an error names the value typed (not layers x it)
     costs = schedule.Costs(f=args.f, i=args.i, w=args.w, p2p=args.p2p, a2a=args.a2a,
                            moe_layers=args.moe_layers, lone_hide=args.lone_hide,
@@ -87,6 +98,23 @@ def _run(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"wrote {schedule.write_trace(rep, args.trace)}")
     return 0
+
+
+# the flags a schedule file replaces, and what they default to without one
+SHAPE_FLAGS = {"schedule": "1f1b", "pp": 4, "microbatches": 16, "v": None}
+
+
+def _schedule(args: argparse.Namespace) -> schedule.Schedule:
+    """The schedule to simulate: --schedule-file's (unverified), or the one --schedule, --pp, -m and --v
+    build. Raises ScheduleError for a file that does not parse, or shape flags given beside it."""
+    if args.schedule_file is None:
+        got = {k: d if getattr(args, k) is None else getattr(args, k) for k, d in SHAPE_FLAGS.items()}
+        return schedule.build(got["schedule"], got["pp"], got["microbatches"], got["v"])
+    given = [f"--{k}" for k in SHAPE_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise schedule.ScheduleError(f"--schedule-file gives the schedule, its ranks and microbatches: leave "
+                                     f"out {', '.join(given)}")
+    return schedule.load_schedule(args.schedule_file)
 
 
 def _stage_layers(s: schedule.Schedule, args: argparse.Namespace) -> tuple[float, ...]:

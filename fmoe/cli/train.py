@@ -6,6 +6,7 @@ Examples:
   fmoe train --config run.toml --save ckpt --save-interval 50
   fmoe train --save ckpt --resume               # continue from the latest checkpoint in ckpt
   fmoe train --save ckpt --overwrite-save       # a fresh run that replaces the one in ckpt
+  fmoe train --pp 2 --ep 1 --schedule-file my_1f1b.txt   # a schedule written out (docs/schedules.md)
   torchrun --nnodes 2 --nproc-per-node 8 ... -m fmoe.cli.main train --preset small --pp 2 --ep 8 \
       --global-batch-size 256
 """
@@ -60,6 +61,8 @@ HELP = {
     "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
     "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "
                 "pp 1 with ep > 1, accumulate otherwise)",
+    "schedule_file": "a schedule written out in its printed form (docs/schedules.md), instead of --schedule: "
+                     "one line per pipeline rank (--pp), its microbatches the batch flags' per rank and step",
     "dualpipev_dw_detach": "DualPipeV's cooldown splits B into I and W",
     "overlap": "fb overlap of F&B pairs (default on)",
     "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),

@@ -21,7 +21,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.precision import LossScale, Policy, default_policy
 from fmoe.recompute import MODULES as RECOMPUTE_MODULES
 from fmoe.recompute import Recompute
+
+if TYPE_CHECKING:
+    from fmoe.schedule.ir import Schedule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,9 +72,11 @@ class TrainConfig:
     moe_adaptive_recompute_activation_scale x the mean).
     Batch: seq_length, micro_batch_size, global_batch_size (sequences per step over all ranks).
     Layout: pp, ep, dp, schedule (None = dualpipev for pp > 1, combined_1f1b for pp = 1 with ep > 1,
-    "accumulate" otherwise), dualpipev_dw_detach, overlap, fuse_iw (an I whose W comes next runs as one B;
-    fmoe.schedule.fuse_adjacent_iw), dispatcher, ranks_per_node, link_model
-    ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
+    "accumulate" otherwise), schedule_file (a schedule written out in its printed form instead of a named
+    one: fmoe.schedule.load_schedule; read and verified before launch, its rank lines must be pp, its
+    microbatches `microbatches`, its chunks per rank the vpp given), dualpipev_dw_detach, overlap, fuse_iw
+    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), dispatcher, ranks_per_node,
+    link_model ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
     num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
     2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
     Optimizer: lr, min_lr, lr_warmup_iters (linear warmup from lr_warmup_init), lr_decay_style (constant,
@@ -149,6 +154,7 @@ class TrainConfig:
     ep: int = 2
     dp: int = 1
     schedule: str | None = None
+    schedule_file: str | None = None
     dualpipev_dw_detach: bool = False
     overlap: bool = True
     fuse_iw: bool = True
@@ -331,7 +337,9 @@ class TrainConfig:
 
     @property
     def schedule_name(self) -> str:
-        """The schedule this run uses (the default filled in)."""
+        """The schedule this run uses (the default filled in; "file PATH" for --schedule-file)."""
+        if self.schedule_file is not None:
+            return f"file {self.schedule_file}"
         if self.schedule is not None:
             name = self.schedule
         elif self.pp > 1:
@@ -341,6 +349,17 @@ class TrainConfig:
         if name == "dualpipev" and self.dualpipev_dw_detach:
             name = "dualpipev+dw_detach"
         return name
+
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule the executor runs (not the accumulate path): --schedule-file's as written, else the
+        named one built for pp, the microbatches and vpp. ScheduleError for a file that cannot be read or
+        parsed, or a schedule that cannot be built."""
+        from fmoe import schedule as S
+
+        if self.schedule_file is not None:
+            return S.load_schedule(self.schedule_file)
+        vpp = self.num_virtual_stages_per_pipeline_rank
+        return S.build(self.schedule_name, self.pp, self.microbatches, vpp)
 
     @property
     def policy(self) -> Policy:
@@ -464,6 +483,9 @@ class TrainConfig:
         self._check_routing()
         self._check_recompute()
         cfg = self.model()
+        if self.schedule_file is not None:
+            self._check_schedule_file(cfg)
+            return
         name = self.schedule_name
         if name == ACCUMULATE:
             if self.pp != 1 or self.ep != 1:
@@ -487,6 +509,45 @@ class TrainConfig:
                 f", vpp {self.num_virtual_stages_per_pipeline_rank}")
             raise ValueError(f"--schedule {name} with pp {self.pp}{vpp} and {self.microbatches} microbatches "
                              f"per rank: {exc}") from None
+
+    def _check_schedule_file(self, cfg: GPTConfig) -> None:
+        """--schedule-file: read, verified, and fitting the layout (its rank lines = pp, its microbatches =
+        the batch flags' per rank and step, its chunks per rank = vpp when given, a layer per chunk)."""
+        from fmoe import schedule as S
+        from fmoe.pipeline.cut import cut_gpt
+
+        flag = f"--schedule-file {self.schedule_file}"
+        if self.schedule is not None:
+            raise ValueError(f"give --schedule or --schedule-file, not both (got --schedule {self.schedule} "
+                             f"and {flag})")
+        if self.dualpipev_dw_detach:
+            raise ValueError(f"--dualpipev-dw-detach changes the built DualPipeV: write its I and W ops into "
+                             f"{flag} instead")
+        try:
+            s = self.pipeline_schedule()
+        except S.ScheduleError as exc:
+            raise ValueError(f"--schedule-file {exc}") from None
+        if s.pp != self.pp:
+            raise ValueError(f"{flag} has {s.pp} rank lines but --pp is {self.pp}")
+        if s.m != self.microbatches:
+            raise ValueError(f"{flag} runs {s.m} microbatches but the batch flags give {self.microbatches} "
+                             f"per rank and step (--global-batch-size {self.global_batch_size} / "
+                             f"(--micro-batch-size {self.micro_batch_size} x dp {self.dp} x ep {self.ep}))")
+        try:
+            S.verify(s)
+        except S.ScheduleError as exc:
+            raise ValueError(f"--schedule-file {exc}") from None
+        chunks = len(set(s.placement.layer_chunk)) // s.pp  # DualPipe's two copies run one cut
+        vpp = self.num_virtual_stages_per_pipeline_rank
+        if vpp is not None and vpp != chunks:
+            raise ValueError(f"{flag} runs {chunks} model chunk{'s' if chunks > 1 else ''} per rank "
+                             f"({s.placement.kind} placement), not --num-virtual-stages-per-pipeline-rank "
+                             f"{vpp}")
+        try:
+            cut_gpt(cfg, s.placement)
+        except S.ScheduleError as exc:
+            raise ValueError(f"{flag} cuts the model into {chunks} chunk{'s' if chunks > 1 else ''} per rank "
+                             f"on {self.pp} ranks: {exc}") from None
 
     def _check_routing(self) -> None:
         """Group-limited routing and dynamic capacity, named by their flags (MoEConfig checks them too)."""

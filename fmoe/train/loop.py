@@ -42,7 +42,6 @@ from fmoe.pipeline.step import LayerLoad, update_gpt_state
 from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
-from fmoe.schedule.registry import build as build_schedule
 from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
@@ -103,8 +102,7 @@ class Trainer:
             self.schedule, self.chunks, self.holders = None, None, None
             paths = ChunkSpec(0, tuple(range(cfg.n_layers)), first=True, last=True).param_paths(cfg)
         else:
-            self.schedule = build_schedule(tc.schedule_name, tc.pp, tc.microbatches,
-                                           tc.num_virtual_stages_per_pipeline_rank)
+            self.schedule = tc.pipeline_schedule()  # the named one built, or --schedule-file's
             self.chunks = cut_gpt(cfg, self.schedule.placement)
             self.holders = holders(cfg, self.schedule.placement, self.chunks)
             paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
@@ -394,6 +392,8 @@ class Trainer:
         meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
                 "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp,
                            "schedule": self.tc.schedule_name}}
+        if self.tc.schedule_file is not None:  # what ran, printed (fmoe.schedule.load_schedule_text reads it)
+            meta["layout"]["schedule_text"] = str(self.schedule)
         if self.hf_config is not None:
             meta["hf_config"] = self.hf_config
         return str(checkpoint.save(directory, self.step_done, self._items(with_rng=True), meta))

@@ -13,6 +13,8 @@ Left out of the comparison, as they may differ per rank without changing what is
 --keep-host-memory (a rank's own allocator) and --data's path (a copy of the same file may sit elsewhere
 on another node: its content is compared, as the fingerprint). --trace is compared as set or not (every
 rank joins its gather) and --timeout is compared (a rank that gives up earlier fails the others).
+--schedule-file is compared by the schedule it holds, not its path (`schedule_fingerprint`): ranks reading
+two copies of one schedule agree, ranks reading different schedules fail before any P2P waits on them.
 """
 
 from __future__ import annotations
@@ -31,10 +33,29 @@ SAMPLE_BYTES = 1 << 16  # hashed at each end of a data file: cheap, and catches 
 
 
 def compared_config(tc: TrainConfig) -> dict[str, Any]:
-    """The fields every rank must share (`tc.as_dict()` less PER_RANK; --trace as set or not)."""
+    """The fields every rank must share (`tc.as_dict()` less PER_RANK; --trace as set or not;
+    --schedule-file as `schedule_fingerprint`)."""
     out = {k: v for k, v in tc.as_dict().items() if k not in PER_RANK}
     out["trace"] = bool(tc.trace)
+    out["schedule_file"] = schedule_fingerprint(tc)
     return out
+
+
+def schedule_fingerprint(tc: TrainConfig) -> str | None:
+    """What identifies --schedule-file's schedule (None without one): its placement, ranks, microbatches
+    and the sha256 of its placement, paths and printed actions (the same for copies that differ only in
+    comments or spacing)."""
+    if tc.schedule_file is None:
+        return None
+    from fmoe.schedule import ScheduleError, load_schedule
+
+    try:
+        s = load_schedule(tc.schedule_file)
+    except ScheduleError as exc:  # compared like any other value: the ranks that can read it name the others
+        return f"unreadable ({str(exc).split(': ', 1)[-1]})"
+    pl = s.placement
+    digest = hashlib.sha256(f"{pl.stage_rank} {pl.paths} {pl.layer_chunk} {s.mb_path}\n{s}".encode())
+    return f"{pl.kind} placement, pp {s.pp}, {s.m} microbatches, sha256 {digest.hexdigest()[:16]}"
 
 
 def data_fingerprint(tc: TrainConfig) -> str:
