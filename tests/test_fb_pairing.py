@@ -56,13 +56,13 @@ def _waits(events: list[TraceEvent]) -> dict[tuple, float]:
 def _events(rank: int, world: int, cases: list) -> dict:
     out = {}
     for key in cases:
-        name, pp, n_layers, dense, overlap = key
+        name, pp, n_layers, dense, overlap, *extra = key
         layout = ParallelLayout(pp=pp, ep=EP, topology=Topology(world, world))
         d = AllToAllDispatcher(CommGroup(layout.group("expert")), E)
-        cfg = _cfg(n_layers, dense)
+        cfg = _cfg(n_layers, dense, mtp="mtp" in extra)
         ep_rank = torch.distributed.get_rank(layout.group("expert"))
         params = init_gpt(cfg, torch.Generator().manual_seed(0))
-        for b in params["layers"][dense:]:  # this EP rank's experts
+        for b in params["layers"][dense:] + ([params["mtp"]["block"]] if cfg.mtp else []):  # this EP rank's
             b["moe"]["experts"] = {k: v[ep_rank * E // EP:(ep_rank + 1) * E // EP].clone()
                                    for k, v in b["moe"]["experts"].items()}
         s = S.combined_1f1b(4) if name == "combined_1f1b" else S.build(name, pp, 4)
@@ -135,9 +135,10 @@ CASES = {
     # pp 1 x ep 2, Megatron's combined 1F1B: F(i+1)&B(i) on the whole model, three MoE layers
     "combined": [("combined_1f1b", 1, 3, 0, True), ("combined_1f1b", 1, 3, 0, False)],
     # pp 2 x ep 2: DualPipeV (two MoE layers per chunk, pairs of different chunks), interleaved with the
-    # extra warmup, and unequal chunks with a dense layer (5 layers, the first dense, over 4 chunks)
+    # extra warmup, unequal chunks with a dense layer (5 layers, the first dense, over 4 chunks), and MTP
+    # (its MoE block one more layer in the last chunk, beside the head and loss)
     "pp2": [("dualpipev", 2, 8, 0, True), ("interleaved+extra", 2, 8, 0, True), ("dualpipev", 2, 5, 1, True),
-            ("dualpipev", 2, 8, 0, False)],
+            ("dualpipev", 2, 8, 0, True, "mtp"), ("dualpipev", 2, 8, 0, False)],
 }
 
 
@@ -153,7 +154,7 @@ def runs() -> dict:
 
 
 @pytest.mark.parametrize("key", [c for cases in CASES.values() for c in cases if c[4]],
-                         ids=lambda c: f"{c[0]}-pp{c[1]}-{c[2]}layers-{c[3]}dense")
+                         ids=lambda c: "-".join((c[0], f"pp{c[1]}", f"{c[2]}layers", f"{c[3]}dense", *c[5:])))
 def test_every_layer_pair_pairs_as_seed_000(runs: dict, key: tuple) -> None:
     checked = sum(_check_seed_pairing(run) for run in runs[key])
     assert checked >= 8, checked  # pairs with MoE layers on both sides were found and checked
@@ -167,8 +168,9 @@ def test_with_overlap_off_nothing_is_paired(runs: dict, key: tuple) -> None:
         assert ex and all(not x["hid"] for x in ex), [x for x in ex if x["hid"]][:3]
 
 
-@pytest.mark.parametrize("key", [("dualpipev", 2, 8, 0, True), ("dualpipev", 2, 5, 1, True)],
-                         ids=["equal-chunks", "unequal-chunks"])
+@pytest.mark.parametrize("key", [("dualpipev", 2, 8, 0, True), ("dualpipev", 2, 5, 1, True),
+                                 ("dualpipev", 2, 8, 0, True, "mtp")],
+                         ids=["equal-chunks", "unequal-chunks", "mtp"])
 def test_sends_go_out_the_moment_their_data_exists(runs: dict, key: tuple) -> None:
     """DualPipeV pp 2 x ep 2: a gradient's send follows its dx pass with no compute in between (no dw,
     nothing of the paired op), and an activation's follows its forward's last phase, also where the
