@@ -56,9 +56,9 @@ from fmoe.layer import (
     plan_route,
     route_tokens,
 )
-from fmoe.ops import attention as attention_op
 from fmoe.ops import linear, rms_norm
 from fmoe.recompute import part
+from fmoe.seams import attention_of
 from fmoe.structure import check_block, check_moe, local_experts
 
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
@@ -108,6 +108,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     if cfg.qk_norm:
         q_BSHd = rms_norm(q_BSHd, params["q_norm"], cfg.norm_eps)
         k_BSGd = rms_norm(k_BSGd, params["k_norm"], cfg.norm_eps)
+    attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
+
     def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
         return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
 

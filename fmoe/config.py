@@ -19,6 +19,7 @@ J expert groups, H query heads, G kv heads, d head dim.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from fmoe._checks import flag as _flag
 from fmoe._checks import integer as _integer
 from fmoe._checks import real as _real
 from fmoe.recompute import Recompute
+from fmoe.seams import check_seam
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")
@@ -93,6 +95,10 @@ class MoEConfig:
     Remat
     - adaptive_remat: rematerialise the layer's expert activations with `fmoe.transforms.remat` when the
       largest expert load exceeds remat_load_scale x the mean load (fmoe/remat_policy.py).
+    Seams (fmoe/seams.py; docs/research.md): None (today's function), a callable, or an import path
+    "package.module:function" (checked when the config is built; keeps the config plain data)
+    - router: replaces fmoe.router.route (signature fmoe.seams.Router); the options above are its own.
+    - experts: replaces fmoe.experts.routed_experts (signature fmoe.seams.Experts).
     """
 
     d_model: int
@@ -119,6 +125,8 @@ class MoEConfig:
     backend: str | None = None
     adaptive_remat: bool = False
     remat_load_scale: float = 2.0
+    router: Callable[..., Any] | str | None = None
+    experts: Callable[..., Any] | str | None = None
 
     def __post_init__(self) -> None:
         _normalise(self,
@@ -150,6 +158,8 @@ class MoEConfig:
             raise ValueError("MoEConfig.dynamic_capacity_window is dropless: leave capacity_factor None")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts > 0")
+        check_seam("MoEConfig.router", self.router)
+        check_seam("MoEConfig.experts", self.experts)
 
     def replace(self, **changes: Any) -> MoEConfig:
         """Return a copy with `changes` applied (validated again)."""
@@ -173,6 +183,8 @@ class GPTConfig:
     mtp_loss_weight finite floats >= 0; mtp and qk_norm bools.
     recompute: what a backward recomputes instead of keeping from the forward (fmoe/recompute.py: nothing,
     whole layers, or named parts); the MoE layer's load-aware adaptive recompute is moe.adaptive_remat.
+    attention: the core attention, None (fmoe.ops.attention), a callable or an import path
+    "package.module:function" (signature fmoe.seams.Attention; docs/research.md).
     """
 
     vocab_size: int
@@ -190,6 +202,7 @@ class GPTConfig:
     mtp_loss_weight: float = 0.3
     qk_norm: bool = False
     recompute: Recompute = Recompute()
+    attention: Callable[..., Any] | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.moe, MoEConfig):
@@ -212,6 +225,7 @@ class GPTConfig:
         if not 0 <= self.num_dense_layers <= self.n_layers:
             raise ValueError(f"GPTConfig.num_dense_layers must lie in [0, n_layers={self.n_layers}], got "
                              f"{self.num_dense_layers}")
+        check_seam("GPTConfig.attention", self.attention)
         if self.moe.d_model != self.d_model:
             raise ValueError(f"GPTConfig.moe.d_model ({self.moe.d_model}) must equal d_model "
                              f"({self.d_model})")

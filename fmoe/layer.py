@@ -34,10 +34,11 @@ from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.experts import init_experts, init_shared, routed_experts, shared_experts
+from fmoe.experts import init_experts, init_shared, shared_experts
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import check_seq_len, init_router, route
+from fmoe.seams import check_routing, experts_of, router_of
 from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree, local_experts
 
 
@@ -159,7 +160,8 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                state: dict[str, Any] | None = None, seq_len: int | None = None,
                remat: bool | None = None, *,
                check: bool = True) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
-    """Route without moving rows: return (probs_TK, loss, route).
+    """Route without moving rows: return (probs_TK, loss, route), with the router cfg.router carries
+    (fmoe/seams.py; default fmoe.router.route).
 
     probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
     metadata (layout, next state, remat decision). `remat` overrides the adaptive rule. `check`: check
@@ -173,7 +175,12 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         # A state without the bias (e.g. {}) starts it at zero rather than silently switching balancing off.
         zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=x_TD.device)
         state = {**state, "expert_bias_E": zeros_E}
-    r = route(params["router"], x_TD, cfg, state, seq_len, check=False)
+    router = router_of(cfg)  # cfg.router (fmoe/seams.py): every caller of the layer routes through here
+    if router is route:
+        r = route(params["router"], x_TD, cfg, state, seq_len, check=False)
+    else:
+        r = router(params["router"], x_TD, cfg, state, seq_len)
+        check_routing(r, x_TD.shape[0], cfg)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state, r.counts_E)
     new_state = dict(cap.new_state)
     if "expert_bias_E" in state:
@@ -241,7 +248,7 @@ def expert_rows(experts: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: t
     if check:
         check_moe({"experts": experts}, cfg, num_local_experts=len(counts_L), paths=[("experts",)])
     def run(p: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None) -> torch.Tensor:
-        return routed_experts(p, x_MD, counts_L, probs_M, cfg.backend)
+        return experts_of(cfg)(p, x_MD, counts_L, probs_M, cfg.backend)  # cfg.experts (fmoe/seams.py)
 
     return transforms.remat(run, policy=expert_policy(remat))(experts, x_MD, probs_M)
 

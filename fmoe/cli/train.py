@@ -46,6 +46,11 @@ HELP = {
     "moe_dynamic_capacity_window": "dropless, padded to a capacity forecast from the last W steps' loads and "
                                    "agreed over the expert group (0: off)",
     "moe_dynamic_capacity_margin": "the forecast's factor over the window's largest load (>= 1)",
+    "router": "MODULE:FUNCTION of a router replacing fmoe.router.route (fmoe.seams.Router; "
+              "docs/research.md), e.g. fmoe.examples.routers:expert_choice",
+    "experts": "MODULE:FUNCTION of the routed experts replacing fmoe.experts.routed_experts "
+               "(fmoe.seams.Experts)",
+    "attention": "MODULE:FUNCTION of the core attention replacing fmoe.ops.attention (fmoe.seams.Attention)",
     "recompute_granularity": "full (whole layers keep only their input) or selective (--recompute-modules); "
                              "default: nothing recomputed",
     "recompute_method": "full: uniform (every layer, default) or block (the first --recompute-num-layers of "

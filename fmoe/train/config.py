@@ -29,6 +29,7 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.precision import LossScale, Policy, default_policy
 from fmoe.recompute import MODULES as RECOMPUTE_MODULES
 from fmoe.recompute import Recompute
+from fmoe.seams import check_seam
 
 if TYPE_CHECKING:
     from fmoe.schedule.ir import Schedule
@@ -64,6 +65,10 @@ class TrainConfig:
     of num_groups groups; both or neither), moe_dynamic_capacity_window / moe_dynamic_capacity_margin
     (dropless with a capacity forecast from the last W steps' loads, agreed over the expert group;
     fmoe/capacity.py; 0 = off).
+    Seams (fmoe/seams.py, docs/research.md): router, experts, attention: import paths
+    "package.module:function" of a router, routed-experts or core-attention function replacing fmoe's
+    (None = fmoe's own); every rank loads them, the ranks compare the paths, and a path that does not
+    import or is not callable fails before launch.
     Recompute (Megatron's flags; fmoe/recompute.py): recompute_granularity (None, "full" or "selective"),
     recompute_method ("uniform": every layer; "block": the first recompute_num_layers of each pipeline
     chunk), recompute_modules (selective's parts: core_attn, mlp, moe, shared_experts; default core_attn),
@@ -139,6 +144,9 @@ class TrainConfig:
     moe_router_group_topk: int | None = None
     moe_dynamic_capacity_window: int = 0
     moe_dynamic_capacity_margin: float = 1.0
+    router: str | None = None
+    experts: str | None = None
+    attention: str | None = None
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -265,14 +273,15 @@ class TrainConfig:
                         dynamic_capacity_window=self.moe_dynamic_capacity_window,
                         dynamic_capacity_margin=self.moe_dynamic_capacity_margin,
                         adaptive_remat=self.moe_adaptive_recompute_activation,
-                        remat_load_scale=self.moe_adaptive_recompute_activation_scale)
+                        remat_load_scale=self.moe_adaptive_recompute_activation_scale,
+                        router=self.router, experts=self.experts)
         return GPTConfig(vocab_size=self.vocab_size, d_model=self.hidden_size, n_layers=self.num_layers,
                          n_heads=self.num_attention_heads, n_kv_heads=self.num_query_groups,
                          d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
                          moe=moe, recompute=self.recompute_choice(),
                          mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor,
                          head_dim=self.kv_channels, rope_theta=self.rotary_base, norm_eps=self.norm_epsilon,
-                         qk_norm=self.qk_layernorm)
+                         qk_norm=self.qk_layernorm, attention=self.attention)
 
     def recompute_choice(self) -> Recompute:
         """The Recompute the recompute flags ask for; ValueError naming the flag that cannot be one."""
@@ -481,6 +490,8 @@ class TrainConfig:
         rpn = self.ranks_per_node or self.world_size
         check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
         self._check_routing()
+        for name in ("router", "experts", "attention"):  # the flag named, before the model names its field
+            check_seam(f"--{name}", getattr(self, name))
         self._check_recompute()
         cfg = self.model()
         if self.schedule_file is not None:

@@ -254,8 +254,10 @@ def _gather_trace(trainer: Trainer, path: str, lead: bool) -> None:
 
 
 def _describe(tc: TrainConfig, trainer: Trainer) -> str:
-    return (f"{tc.num_layers} layers, D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}; "
-            f"pp {tc.pp} x ep {tc.ep} x dp {tc.dp}, {tc.schedule_name}"
+    seams = "".join(f", {name} {getattr(tc, name)}" for name in ("router", "experts", "attention")
+                    if getattr(tc, name) is not None)  # the functions replacing fmoe's (docs/research.md)
+    return (f"{tc.num_layers} layers, D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}"
+            f"{seams}; pp {tc.pp} x ep {tc.ep} x dp {tc.dp}, {tc.schedule_name}"
             f"{' + fb overlap' if tc.overlap and trainer.schedule is not None else ''}; "
             f"{trainer.dataset.describe()}"
             f"{f'; held out: {trainer.valid.describe()}' if trainer.valid is not None else ''}")

@@ -1,0 +1,149 @@
+"""The model's replaceable functions: the router, the routed experts and the core attention.
+
+    cfg = MoEConfig(..., router=my_router)                   # a function...
+    cfg = MoEConfig(..., router="mypkg.routers:expert_choice")  # ...or its import path (serialisable)
+    r = router_of(cfg)(params["router"], x_TD, cfg, state, seq_len)
+
+Legend (the package's, docs/moe.md): T tokens, D model width, E experts, L local experts, K top-k slots,
+M rows grouped by local expert, B sequences, S positions, H query heads, G kv heads, d head dim.
+
+Each seam is a field of the config (MoEConfig.router, MoEConfig.experts, GPTConfig.attention) holding
+None (today's function), a callable, or a "module:attribute" import path. The model reads them through
+`router_of` / `experts_of` / `attention_of` only, so `moe`, `block`, `gpt_loss` and the pipeline phases
+all call the one the config carries, on every rank that builds the config, with no global to patch.
+An import path keeps the config plain data: checkpoints record it, `fmoe train --router` passes it,
+and the ranks compare it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:  # the model modules import the configs, which import this module
+    from fmoe.config import GPTConfig, MoEConfig
+    from fmoe.router import Routing
+
+
+class Router(Protocol):
+    """Route T tokens to K of E experts (default: `fmoe.router.route`).
+
+    params: the layer's router params {"w": [D, E]} (fmoe.router.init_router; the structure checks hold
+    a custom router to that layout). x_TD: the normed tokens [T, D] (any float dtype). cfg: the layer's
+    MoEConfig (K = cfg.top_k, E = cfg.num_experts, the loss coefficients). state: the layer's state,
+    read only (e.g. "expert_bias_E"; the layer computes the next state from the returned load).
+    seq_len: tokens per sequence (T = B * seq_len) for sequence-wise losses, None = one sequence.
+    Returns a `fmoe.router.Routing`: ids_TK int64 [T, K] (each token's experts; a slot whose gate weight
+    is 0 still costs a row), probs_TK float [T, K] gate weights (differentiable), counts_E int64 [E] the
+    (token, slot) pairs per expert (fmoe.ops.expert_counts(ids_TK, E)), losses {"aux", "seq_aux", "z"} and
+    loss, their differentiable sum (an exact 0 on the graph, fmoe.balance.graph_zero, when none).
+    Must not sync with the host or change shapes with the data beyond [T, K], so a pipeline can run it.
+    """
+
+    def __call__(self, params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
+                 state: dict[str, Any] | None = None, seq_len: int | None = None) -> Routing: ...
+
+
+class Experts(Protocol):
+    """The routed experts on rows grouped by local expert (default: `fmoe.experts.routed_experts`).
+
+    p: {"w_gate": [L, D, F], "w_up": [L, D, F], "w_down": [L, F, D]} (fmoe.experts.init_experts's layout);
+    x_MD: rows [M, D], counts_L[l] consecutive rows for local expert l (a tensor, host ints or
+    fmoe.ops.Counts); probs_M: gate weight [M] per row to apply inside the expert, or None (applied at
+    combine); backend: cfg.backend for grouped_linear. Returns y_MD [M, D].
+    """
+
+    def __call__(self, p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_L: Any,
+                 probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor: ...
+
+
+class Attention(Protocol):
+    """The core attention of a block (default: `fmoe.ops.attention`).
+
+    q_BSHd [B, S, H, d], k_BSGd and v_BSGd [B, S, G, d] (G divides H; before RoPE: the function applies
+    it with `rope_theta`); `causal`: mask future keys. Returns o_BSHd [B, S, H, d]. The projections, norms
+    and residual around it stay the block's.
+    """
+
+    def __call__(self, q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, *,
+                 rope_theta: float, causal: bool) -> torch.Tensor: ...
+
+
+@functools.cache
+def load(path: str) -> Callable[..., Any]:
+    """Return the callable at import path "package.module:attribute" (dots after the colon reach nested
+    attributes); ValueError, one line, when the path is malformed, the import fails or it is not callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # any failure of the user's module: one line naming the path
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"cannot load {path!r}: {type(exc).__name__}: {first}") from None
+    if not callable(obj):
+        raise ValueError(f"{path!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def check_seam(name: str, value: object) -> None:
+    """Raise ValueError (naming the field `name`) unless `value` is None, a callable, or an import path
+    that loads a callable (a config checks its seams when built, so a bad path fails before any run)."""
+    if value is None or callable(value):
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be None, a callable or an import path 'package.module:function', got "
+                         f"{value!r}")
+    try:
+        load(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _resolve(value: Callable[..., Any] | str | None, default: Callable[..., Any]) -> Callable[..., Any]:
+    # The one place a seam becomes a function: None is today's, a path is imported once (cached).
+    if value is None:
+        return default
+    return load(value) if isinstance(value, str) else value
+
+
+def router_of(cfg: MoEConfig) -> Router:
+    """The router `cfg` carries (MoEConfig.router; default fmoe.router.route)."""
+    from fmoe.router import route
+
+    return _resolve(cfg.router, route)
+
+
+def experts_of(cfg: MoEConfig) -> Experts:
+    """The routed-experts function `cfg` carries (MoEConfig.experts; default fmoe.experts.routed_experts)."""
+    from fmoe.experts import routed_experts
+
+    return _resolve(cfg.experts, routed_experts)
+
+
+def attention_of(cfg: GPTConfig) -> Attention:
+    """The core attention `cfg` carries (GPTConfig.attention; default fmoe.ops.attention)."""
+    from fmoe.ops import attention
+
+    return _resolve(cfg.attention, attention)
+
+
+def check_routing(r: Routing, num_tokens: int, cfg: MoEConfig) -> None:
+    """Raise ValueError, naming the router, when its `Routing` does not have the shapes and dtypes the
+    layer needs (ids_TK int64 [T, K], probs_TK floating [T, K], counts_E [E]); shapes only, no host sync."""
+    T, K, E = num_tokens, cfg.top_k, cfg.num_experts
+    wrong = []
+    if r.ids_TK.dtype != torch.int64 or tuple(r.ids_TK.shape) != (T, K):
+        wrong.append(f"ids_TK {r.ids_TK.dtype} {list(r.ids_TK.shape)} (want int64 [{T}, {K}])")
+    if not r.probs_TK.is_floating_point() or tuple(r.probs_TK.shape) != (T, K):
+        wrong.append(f"probs_TK {r.probs_TK.dtype} {list(r.probs_TK.shape)} (want floating [{T}, {K}])")
+    if tuple(r.counts_E.shape) != (E,):
+        wrong.append(f"counts_E {list(r.counts_E.shape)} (want [{E}])")
+    if wrong:
+        raise ValueError(f"router {cfg.router!r} returned {'; '.join(wrong)}")
