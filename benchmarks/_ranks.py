@@ -1,28 +1,25 @@
 """What the multi-rank benchmarks share: one launcher for spawned gloo ranks (so every script fails the
 same bounded way), the machine-load probes, and the model shape options.
 
-    results = spawn(worker, world, worker_args, timeout_s, label)
+    results = spawn(fn, world, args, timeout_s, label)
 
-`worker(rank, *worker_args, store, q)` runs in each process (module-level, pickled by reference): it
-rendezvouses through the file store `store` and puts `(rank, value, error_or_None)` on `q`.
+`fn(rank, world, *args)` runs in each process (module-level, pickled by reference) inside the gloo group
+fmoe.parallel.local_ranks set up, and returns the rank's value.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import queue
 import resource
-import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from fmoe import GPTConfig, init_gpt
 from fmoe._compat import tree_flatten
+from fmoe.parallel.local_ranks import failures, run_ranks
 from fmoe.pipeline import ChunkSpec
 from fmoe.train.host_memory import set_malloc_thresholds
 
@@ -51,46 +48,18 @@ def measure_rss(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, peak / 1024, (peak - before) / 1024
 
 
-def spawn(worker: Callable[..., None], world: int, worker_args: tuple, timeout_s: float,
-          label: str) -> list[Any]:
-    """Runs `worker` on `world` spawned ranks; returns each rank's value in rank order. Raises
-    RuntimeError with the tracebacks when a rank fails (stopping the others at once, rather than letting
-    them wait for the gloo timeout), and kills the ranks after `timeout_s`."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, store = tempfile.mkstemp(prefix="fmoe_bench_")
-    os.close(fd)
-    os.unlink(store)
-    procs = [ctx.Process(target=worker, args=(r, *worker_args, store, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    errors = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) + len(errors) < world and time.monotonic() < deadline:
-        try:
-            rank, value, err = q.get(timeout=0.5)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-            continue
-        if err is None:
-            got[rank] = value
-        else:
-            errors.append(f"--- rank {rank} ---\n{err}")
-            break
-    for p in procs:
-        p.join(timeout=0 if errors else 10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    if os.path.exists(store):
-        os.unlink(store)
-    if errors or len(got) < world:
-        missing = sorted(set(range(world)) - set(got))
+def spawn(fn: Callable[..., Any], world: int, args: tuple, timeout_s: float, label: str,
+          pg_timeout_s: float = 300.0) -> list[Any]:
+    """Runs `fn(rank, world, *args)` on `world` spawned gloo ranks (fmoe.parallel.local_ranks); returns each
+    rank's value in rank order. Raises RuntimeError with the tracebacks when a rank fails (stopping the
+    others at once, rather than letting them wait for the gloo timeout), and kills the ranks after
+    `timeout_s`."""
+    results = run_ranks(fn, world, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, stop_on_error=True)
+    if failures(results):
+        missing = [r.rank for r in results if r.error is not None]
         raise RuntimeError(f"{label} failed (ranks without a result: {missing}, limit {timeout_s:.0f} s)\n"
-                           + "\n".join(errors))
-    return [got[r] for r in range(world)]
+                           + failures(results))
+    return [r.value for r in results]
 
 
 def machine_busy_s() -> float:

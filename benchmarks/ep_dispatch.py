@@ -16,15 +16,11 @@ long as the default LinkModel (intra 150 GB/s, inter 25 GB/s) says.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fmoe.parallel import (
     AllGatherDispatcher,
@@ -37,15 +33,14 @@ from fmoe.parallel import (
     Topology,
     all_to_all_async,
 )
+from fmoe.parallel.local_ranks import failures, run_ranks
 from fmoe.parallel.topology import INTER, INTRA
 
 WORLD, RANKS_PER_NODE = 4, 2
 
 
-def _bench(rank: int, args: argparse.Namespace, store: str, q) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+def _bench(rank: int, world: int, args: argparse.Namespace) -> tuple[list, tuple[float, float, float]]:
+    """Rank `rank`'s rows (every rank's are the same: all-reduced) and link-model overlap times."""
     topo = Topology(WORLD, RANKS_PER_NODE)
     layout = ParallelLayout(ep=WORLD, topology=topo)
     link = LinkModel() if args.link_model else None
@@ -86,10 +81,7 @@ def _bench(rank: int, args: argparse.Namespace, store: str, q) -> None:
             dist.all_reduce(tmax, op=dist.ReduceOp.MAX)
             dist.all_reduce(tsum)
             rows.append((k, name, float(tmax[0]) * 1e3, float(tsum[1]), float(tsum[2])))
-    overlap = _overlap(layout, topo)
-    if rank == 0:
-        q.put((rows, overlap))
-    dist.destroy_process_group()
+    return rows, _overlap(layout, topo)
 
 
 def _overlap(layout: ParallelLayout, topo: Topology) -> tuple[float, float, float]:
@@ -133,17 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for k in (4, 8):
         if k not in args.top_k:
             args.top_k.append(k)
-    fd, store = tempfile.mkstemp(prefix="fmoe_bench_")
-    os.close(fd)
-    os.unlink(store)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_bench, args=(r, args, store, q)) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    rows, (bare_ms, hidden_ms, compute_ms) = q.get(timeout=600)
-    for proc in procs:
-        proc.join(60)
+    results = run_ranks(_bench, WORLD, args, timeout_s=600, pg_timeout_s=120, stop_on_error=True)
+    if failures(results):
+        raise RuntimeError(f"ep_dispatch failed:\n{failures(results)}")
+    rows, (bare_ms, hidden_ms, compute_ms) = results[0].value
     print(f"ep_dispatch: {WORLD} ranks = {WORLD // RANKS_PER_NODE} nodes x {RANKS_PER_NODE} (gloo, CPU), "
           f"T={args.tokens} tokens/rank, D={args.dim} fp32, E={args.experts}, iters={args.iters}, "
           f"link model {'on' if args.link_model else 'off'}")

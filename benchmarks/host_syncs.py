@@ -17,20 +17,17 @@ Legend (docs/moe.md): B sequences, S positions, D width, E experts, L local expe
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
-import tempfile
-import traceback
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fmoe.block import init_block  # noqa: E402
+from fmoe.parallel.local_ranks import failures, run_ranks  # noqa: E402
 from fmoe.sync_count import block_syncs, moe_syncs, phased_block_syncs  # noqa: E402
 from fmoe.train.config import TrainConfig  # noqa: E402
 
@@ -90,47 +87,28 @@ def single_rank() -> dict[str, dict]:
     return out
 
 
-def _rank(rank: int, world: int, store: str, q) -> None:
+def _rank(rank: int, world: int) -> dict[str, dict]:
     from fmoe.parallel import AllGatherDispatcher, AllToAllDispatcher, CommGroup
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        cfg, params, x = setup(rank, world)
-        comm = CommGroup(dist.group.WORLD)
-        out = {}
-        for dev in (False, True):
-            tag = "device" if dev else "cpu"
-            with device_path(dev):
-                for name, d in (("alltoall", AllToAllDispatcher(comm, cfg.moe.num_experts)),
-                                ("allgather", AllGatherDispatcher(comm, cfg.moe.num_experts))):
-                    out[f"block split_vjp, ep2 {name}, {tag}"] = measure(block_syncs, params, x, cfg, d)
-                    out[f"phased (pipeline), ep2 {name}, {tag}"] = measure(phased_block_syncs, params, x,
-                                                                           cfg, d)
-        q.put((rank, out))
-    except BaseException:
-        q.put((rank, traceback.format_exc()))
-        raise
-    finally:
-        dist.destroy_process_group()
+    cfg, params, x = setup(rank, world)
+    comm = CommGroup(dist.group.WORLD)
+    out = {}
+    for dev in (False, True):
+        tag = "device" if dev else "cpu"
+        with device_path(dev):
+            for name, d in (("alltoall", AllToAllDispatcher(comm, cfg.moe.num_experts)),
+                            ("allgather", AllGatherDispatcher(comm, cfg.moe.num_experts))):
+                out[f"block split_vjp, ep2 {name}, {tag}"] = measure(block_syncs, params, x, cfg, d)
+                out[f"phased (pipeline), ep2 {name}, {tag}"] = measure(phased_block_syncs, params, x, cfg, d)
+    return out
 
 
 def two_ranks(timeout_s: float = 300.0) -> dict[str, dict]:
     """{row name: counts} of rank 0 on 2 gloo ranks (ranks agree on the counts' kinds)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="fmoe_syncs_"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, 2, store, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=timeout_s) for _ in procs)
-    for r, v in got.items():
-        if isinstance(v, str):
-            raise RuntimeError(f"rank {r} failed:\n{v}")
-    for p in procs:
-        p.join(timeout=10)
-    return got[0]
+    results = run_ranks(_rank, 2, timeout_s=timeout_s, pg_timeout_s=60, stop_on_error=True)
+    if failures(results):
+        raise RuntimeError(failures(results))
+    return results[0].value
 
 
 def main() -> None:

@@ -62,14 +62,12 @@ mark): activations, gradients, buffers and temporaries of the step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import pickle
 import statistics
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -373,23 +371,15 @@ def _memory(name: str, args: argparse.Namespace, cal: dict[str, float]) -> dict[
     return out
 
 
-def _worker(rank: int, world: int, job: tuple, store: str, q: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=job[1].pg_timeout))
-        kind, args, name, *rest = job
-        q.put((rank, (_timing(name, args) if kind == "timing" else _memory(name, args, *rest)), None))
-    except BaseException:
-        q.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _job(rank: int, world: int, job: tuple) -> Any:
+    """One rank's part of `job` ("timing" or "memory", its args, the engine's name, ...)."""
+    kind, args, name, *rest = job
+    return _timing(name, args) if kind == "timing" else _memory(name, args, *rest)
 
 
 def spawn(world: int, job: tuple, timeout_s: float) -> list[Any]:
     """Runs `job` on `world` spawned gloo ranks (benchmarks/_ranks.py); returns each rank's result."""
-    return _ranks.spawn(_worker, world, (world, job), timeout_s, f"{job[0]} {job[2]}")
+    return _ranks.spawn(_job, world, (job,), timeout_s, f"{job[0]} {job[2]}", pg_timeout_s=job[1].pg_timeout)
 
 
 # ---- analysis in the parent ----------------------------------------------------------------------------

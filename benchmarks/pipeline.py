@@ -51,12 +51,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import os
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -431,22 +429,14 @@ def _memory(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _worker(rank: int, mode: str, args: argparse.Namespace, store: str, q: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=args.pg_timeout))
-        q.put((rank, (_timing if mode == "timing" else _memory)(rank, args), None))
-    except BaseException:
-        q.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _pass(rank: int, world: int, mode: str, args: argparse.Namespace) -> Any:
+    """One rank's part of the "timing" or "memory" pass."""
+    return (_timing if mode == "timing" else _memory)(rank, args)
 
 
 def spawn(mode: str, args: argparse.Namespace, timeout_s: float) -> list[Any]:
     """Runs `mode` on WORLD spawned gloo ranks (benchmarks/_ranks.py); returns each rank's result."""
-    return _ranks.spawn(_worker, WORLD, (mode, args), timeout_s, f"{mode} pass")
+    return _ranks.spawn(_pass, WORLD, (mode, args), timeout_s, f"{mode} pass", pg_timeout_s=args.pg_timeout)
 
 
 # ---- analysis in the parent ----------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fmoe.calibrate.jobs import step_live
 from fmoe.calibrate.models import load_model
 from fmoe.calibrate.samples import HostSample
+from fmoe.parallel.local_ranks import failures, run_ranks
 from fmoe.plan.estimate import Context, _layer_phases, evaluate
 from fmoe.plan.layer_costs import block_cost, embed_cost, head_cost
 from fmoe.plan.layout import Layout
@@ -117,11 +118,8 @@ def _adamw_bytes_per_s() -> float:
     return 28 * 2**21 / _median_s(opt.step, reps=10)
 
 
-def _link_worker(rank: int, store: str, q: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _link_rank(rank: int, world: int) -> dict[Any, float]:
+    """One of the two ranks of `_links`: {1: a 4 B send's one-way s, 2**20: a 4 MiB one's, "a2a": s}."""
     import fmoe.train.loop  # noqa: F401  (a rank's resident set includes the training code)
 
     # medians after a warm-up (_median_s): this machine's outliers (a rank time-sliced out) would move a
@@ -143,29 +141,18 @@ def _link_worker(rank: int, store: str, q: Any) -> None:
     x = torch.zeros(2)
     dist.barrier()
     out["a2a"] = _median_s(lambda: dist.all_to_all_single(x, x.clone()), 50, warm=5)
-    with open("/proc/self/status") as f:
-        rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
     dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        q.put((out, rss_kib))
+    return out
 
 
 def _links() -> tuple[float, float, float]:
     """(latency s, bytes/s, extra seconds per collective call) between two spawned gloo processes: the
     one-way time of a 4-byte send, the bandwidth of a 4 MiB one, and what a tiny all-to-all costs beyond
     that latency (its host-side overhead)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = tempfile.mktemp(prefix="fmoe_plan_")
-    procs = [ctx.Process(target=_link_worker, args=(r, store, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    out, rss_kib = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_link_rank, 2, timeout_s=300, pg_timeout_s=300, stop_on_error=True)
+    if failures(results):
+        raise RuntimeError(f"calibration: the link measurement failed:\n{failures(results)}")
+    out = results[0].value
     latency = out[1]
     bandwidth = 4 * 2**20 / max(out[2**20] - latency, 1e-9)
     return latency, bandwidth, max(0.0, out["a2a"] - latency)
