@@ -235,7 +235,7 @@ def test_the_layer_with_an_example_router_matches_finite_differences(kind, seed)
 
 
 def test_research_doc_example_runs(capsys) -> None:
-    text = (Path(__file__).resolve().parents[1] / "docs" / "research.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs/research.md").read_text()
     start = text.index("```python") + len("```python")
     exec(compile(text[start:text.index("```", start)], "docs/research.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
