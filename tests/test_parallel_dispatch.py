@@ -6,16 +6,19 @@ experts receive (legend of docs/moe.md).
 
 Oracle (one process, whole global batch): y_t = sum_k probs[t, k] * tanh(x_t @ w[ids[t, k]]), with its
 `torch.func.vjp` for dx, dprobs and dw. Every rank runs the expert-parallel version on its own tokens
-and local experts through `split_vjp` (grouped_linear defers dw on the tape), for each dispatcher
-(hierarchical on 2 simulated nodes), each entry point (token level; row level with probs applied after
-combine; row level with probs_M applied before combine) and each routing case (random; every token to
-the last rank's experts; a rank with no tokens and a rank that receives none; top-k = E; one rank that
-neither sends nor receives a row).
+and local experts, in each use of an exchange: "sync" (the layer's dispatch / combine through
+`split_vjp`; grouped_linear defers dw on the tape) and "phased" (the pipeline's issue / wait exchanges
+and their transposes, the compute between them under torch.func.vjp); for each dispatcher (hierarchical
+on 2 simulated nodes), each entry point (token level; row level with probs applied after combine; row
+level with probs_M applied before combine) and each routing case (random; every token to the last
+rank's experts; a rank with no tokens and a rank that receives none; top-k = E; one rank that neither
+sends nor receives a row).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,12 +35,14 @@ from fmoe.parallel import (
     Topology,
     experts_per_rank,
 )
+from fmoe.parallel.phased import phased
 from fmoe.parallel.topology import INTER
 from fmoe.transforms.split_vjp import split_vjp
 from fmoe.transforms.testing import assert_close
 
 D, F, L = 4, 3, 2
 DT = torch.float64
+DISPATCHERS = ("alltoall", "allgather", "hierarchical")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -111,7 +116,74 @@ def _stage(params: dict, x_TD: torch.Tensor, probs_TK: torch.Tensor, *, d, entry
     return ep_forward(d, entry, params["w"], x_TD, probs_TK, ids_TK, E)
 
 
-def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
+def _sync(d, entry: str, c: dict, mine: slice, rank: int, E: int) -> tuple:
+    """(y, dx, dprobs, dw) through the synchronous dispatch / combine, differentiated by split_vjp."""
+    params = {"w": c["w"][rank * L:(rank + 1) * L].clone()}
+    f = partial(_stage, d=d, entry=entry, ids_TK=c["ids"][mine], E=E)
+    y, vjp_dx = split_vjp(f, params, c["x"][mine], c["probs"][mine])
+    (dx, dp), vjp_dw = vjp_dx(c["ct"][mine])
+    return y, dx, dp, vjp_dw()["w"]
+
+
+def _phased(d, entry: str, c: dict, mine: slice, rank: int, E: int) -> tuple:
+    """(y, dx, dprobs, dw) as the pipeline runs an exchange: the compute between them under torch.func.vjp,
+    the exchanges and their transposes issued and waited (fmoe.parallel.phased)."""
+    ids_TK, w_LDF = c["ids"][mine], c["w"][rank * L:(rank + 1) * L].clone()
+    K = ids_TK.shape[1]
+    order_R = torch.argsort(ids_TK.reshape(-1), stable=True)  # permute-1
+    ex = phased(d, token_level=entry == "tokens")
+    if entry == "tokens":
+        plan = ex.start_plan(SimpleNamespace(ids_TK=ids_TK)).wait()
+    else:
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        layout = SimpleNamespace(counts_E=counts_E, num_rows=len(order_R))
+        plan = ex.start_plan(SimpleNamespace(layout=layout)).wait()
+
+    def pre(x_TD, probs_TK):
+        if entry == "tokens":
+            return {"normed_TD": x_TD, "probs_TK": probs_TK}
+        rows = {"rows_RD": x_TD.index_select(0, order_R // K)}
+        if entry == "rows_probs":
+            rows["probs_R"] = probs_TK.reshape(-1).index_select(0, order_R)
+        return rows
+
+    def mid(w, moved):
+        y_MD = torch.tanh(grouped_linear(plan.to_experts(moved["rows_MD"]), w, plan.counts_L))
+        if "probs_M" in moved:  # gate weights applied at the experts
+            y_MD = y_MD * plan.to_experts(moved["probs_M"])[:, None]
+        return {"rows_MD": plan.from_experts(y_MD)}
+
+    def post(back, probs_TK):
+        if entry == "tokens":
+            return back["y_TD"]
+        y_RD = back["rows_RD"]
+        if entry == "rows":
+            y_RD = y_RD * probs_TK.reshape(-1).index_select(0, order_R)[:, None]
+        return y_RD.new_zeros(len(ids_TK), y_RD.shape[1]).index_add(0, order_R // K, y_RD)
+
+    acts, vjp_pre = torch.func.vjp(pre, c["x"][mine], c["probs"][mine])
+    moved = ex.start_dispatch(plan, acts).wait()
+    y_M, vjp_mid = torch.func.vjp(mid, w_LDF, moved)
+    back = ex.start_combine(plan, y_M).wait()
+    y, vjp_post = torch.func.vjp(post, back, c["probs"][mine])
+    ct_back, dp_post = vjp_post(c["ct"][mine])
+    dw, ct_moved = vjp_mid(ex.start_combine_transpose(plan, ct_back).wait())
+    dx, dp = vjp_pre(ex.start_dispatch_transpose(plan, ct_moved).wait())
+    return y, dx, dp + dp_post, dw
+
+
+USES = {"sync": _sync, "phased": _phased}
+
+
+def _entries(name: str, use: str) -> tuple[str, ...]:
+    """The entry points of dispatcher `name` in `use`: the pipeline has a token-level exchange for the
+    hierarchical dispatcher only."""
+    if use == "phased" and name != "hierarchical":
+        return ("rows", "rows_probs")
+    return ("tokens", "rows", "rows_probs")
+
+
+def _check_rank(rank: int, world: int, ranks_per_node: int, use: str) -> dict:
     topo = Topology(world, ranks_per_node)
     layout = ParallelLayout(ep=world, topology=topo)
     counters = CommCounters()
@@ -133,18 +205,14 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
         y_ref, vjp_ref = torch.func.vjp(partial(oracle, ids_TK=c["ids"]), c["w"], c["x"], c["probs"])
         dw_ref, dx_ref, dp_ref = vjp_ref(c["ct"])
         for name, d in dispatchers.items():
-            for entry in ("tokens", "rows", "rows_probs"):
-                params = {"w": c["w"][rank * L:(rank + 1) * L].clone()}
+            for entry in _entries(name, use):
                 counters.reset()
-                f = partial(_stage, d=d, entry=entry, ids_TK=c["ids"][mine], E=E)
-                y, vjp_dx = split_vjp(f, params, c["x"][mine], c["probs"][mine])
-                (dx, dp), vjp_dw = vjp_dx(c["ct"][mine])
-                dparams = vjp_dw()
-                tag = f"case {case} {name} {entry}"
+                y, dx, dp, dw = USES[use](d, entry, c, mine, rank, E)
+                tag = f"case {case} {name} {entry} {use}"
                 assert_close(y, y_ref[mine], msg=tag)
                 assert_close(dx, dx_ref[mine], msg=tag)
                 assert_close(dp, dp_ref[mine], msg=tag)
-                assert_close(dparams["w"], dw_ref[rank * L:(rank + 1) * L], msg=tag)
+                assert_close(dw, dw_ref[rank * L:(rank + 1) * L], msg=tag)
                 if dx.numel() and dx_ref[mine].abs().sum() > 0:
                     assert dx.abs().sum() > 0, f"{tag}: zero input gradient"
                 if name == "hierarchical" and entry == "tokens":
@@ -163,10 +231,13 @@ def _check_rank(rank: int, world: int, ranks_per_node: int) -> dict:
     return report
 
 
+@pytest.mark.parametrize("use", list(USES))
 @pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
-def test_dispatchers_match_single_process_oracle(world, ranks_per_node):
-    results = spawn(_check_rank, world, ranks_per_node, timeout_s=180)
-    assert all(r.value["checked"] == 5 * 3 * 3 for r in results)
+def test_dispatchers_match_single_process_oracle(world, ranks_per_node, use):
+    """Each exchange in both uses: the layer's synchronous dispatch / combine and the pipeline's issue /
+    wait form, against the same oracle."""
+    results = spawn(_check_rank, world, ranks_per_node, use, timeout_s=180)
+    assert all(r.value["checked"] == 5 * sum(len(_entries(n, use)) for n in DISPATCHERS) for r in results)
     if world == 4:
         assert results[0].value["tp_groups"] == ([0, 1], [0, 2])
         assert results[3].value["tp_groups"] == ([2, 3], [1, 3])

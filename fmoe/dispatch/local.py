@@ -2,8 +2,9 @@
 
 Legend (the package's, docs/moe.md): E experts (all local, L = E), R expert-sorted layout rows (M = R
 here), D model width.
-It implements `fmoe.dispatch.base.Dispatcher` exactly; the expert-parallel dispatchers replace it
-without any change to the MoE layer or the stage functions.
+It implements `fmoe.dispatch.base.Dispatcher` exactly, and the issue / wait exchanges of
+fmoe/dispatch/exchange.py (each complete at issue); the expert-parallel dispatchers replace it without
+any change to the MoE layer, the stage functions or the pipeline's phases.
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ from typing import Any
 import torch
 
 from fmoe._checks import positive
+from fmoe.dispatch.exchange import Chain, RowExchange, RowPlan, unchanged
+from fmoe.ops import Counts
 
 
-class LocalDispatcher:
+class LocalDispatcher(RowExchange):
     """Identity dispatcher for a single process (no parameters, no communication)."""
+
+    local = True
 
     def __init__(self, num_experts: int) -> None:
         positive("LocalDispatcher: num_experts", num_experts)
@@ -34,3 +39,12 @@ class LocalDispatcher:
     def combine(self, y_MD: torch.Tensor, meta: Any) -> torch.Tensor:
         """Return y_MD unchanged (it is y_RD: M = R locally)."""
         return y_MD
+
+    def start_plan(self, route: Any) -> Chain:
+        """The plan, complete at issue: a padded layout's counts are host ints too (both forms, no sync)."""
+        layout = route.layout
+        return Chain((RowPlan(counts_L=Counts(layout.counts, layout.counts_E)), []))
+
+    def move(self, plan: RowPlan, rows: dict, reverse: bool, name: str) -> tuple[dict, list, Any]:
+        """Moves nothing."""
+        return dict(rows), [], unchanged

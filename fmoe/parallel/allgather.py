@@ -11,10 +11,12 @@ rows of the local experts with `index_select`; combine weights them, `index_put`
 local slots of a token) into a zero [P*T_max, D] buffer and reduce-scatters: K times fewer bytes than
 rows.
 
-Row level (the Dispatcher protocol): dispatch all-gathers the padded expert-sorted rows asynchronously
-and builds the row index while they travel; the local experts' rows are picked with `index_select` (no
-expanded gather index). Combine writes the expert outputs back with `index_put` into a zero
-[P*R_max, D] buffer and reduce-scatters it: every row has exactly one owner, so the sum is a placement.
+Row level (the Dispatcher protocol), written once as issue / wait exchanges (fmoe/dispatch/exchange.py;
+`dispatch` / `combine` are the synchronous adapter of fmoe/dispatch/sync.py over them): the plan gathers
+the counts and builds the row index; dispatch all-gathers the padded expert-sorted rows and picks the
+local experts' rows with `index_select` (no expanded gather index). Combine writes the expert outputs
+back with `index_put` into a zero [P*R_max, D] buffer and reduce-scatters it: every row has exactly one
+owner, so the sum is a placement.
 
 Host synchronisation (explicit), per dispatch: one blocking all-gather of counts. Row level reads R_max
 and the rows per local expert in one host sync (`gather_sizes`); the token level reads T_max and the
@@ -30,12 +32,15 @@ token count, in the gather and the host read it makes anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from fmoe._index import exclusive_cumsum
+from fmoe.dispatch.exchange import Chain, RowExchange, RowPlan, traffic_op
+from fmoe.dispatch.sync import SyncRows
 from fmoe.ops import Counts, expert_counts
 from fmoe.parallel.collectives import (
     CommGroup,
@@ -43,13 +48,15 @@ from fmoe.parallel.collectives import (
     all_gather_async,
     all_gather_counts,
     reduce_scatter,
+    reduce_scatter_async,
 )
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
 
 @dataclass(frozen=True)
-class AllGatherMeta:
-    """What combine needs: gathered-row index of each local row [M], padded rows R_max, this rank's R."""
+class GatherRoute:
+    """The row-level route of one layer (RowPlan.route): gathered-row index of each local row [M]
+    (already grouped by local expert, so no permute-2), padded rows per rank R_max, this rank's R."""
 
     idx_M: torch.Tensor
     rows_padded: int
@@ -120,7 +127,7 @@ def gather_index(counts_PE: torch.Tensor, rank: int, L: int, r_max: int,
     return idx_M, mine_PL.sum(0)
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(SyncRows, RowExchange):
     """Dispatch by all-gather + index_select, combine by index_put + reduce-scatter; no parameters."""
 
     def __init__(self, comm: CommGroup, num_experts: int):
@@ -142,34 +149,44 @@ class AllGatherDispatcher:
                              f"(len(counts_E)), but num_experts is {rows_PH[0][0]}")
         self._agreed = True
 
-    def dispatch(self, x_RD: torch.Tensor, counts_E: torch.Tensor, probs_R: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AllGatherMeta]:
-        """Return (x_MD grouped by local expert, counts_L, probs_M or None, meta)."""
-        L, me = self.num_local_experts, self.comm.rank
+    def start_plan_rows(self, counts_E: torch.Tensor, rows: int) -> Chain:
+        """Issues the counts' all-gather; its wait gives the RowPlan (the layer's one host sync)."""
+        comm, L = self.comm, self.num_local_experts
         self._agree_once(counts_E)
-        counts_PE = all_gather_counts(counts_E, self.comm, op="allgather.counts")  # blocks
-        r_max, counts_L = gather_sizes(counts_PE, me, L)  # the host sync: padded rows, rows per expert
-        r = x_RD.shape[0]
-        x_pad = F.pad(x_RD, (0, 0) * (x_RD.dim() - 1) + (0, r_max - r))
-        x_all, hx = all_gather_async(x_pad, self.comm, op="allgather.dispatch")
-        hp = None
-        if probs_R is not None:
-            p_all, hp = all_gather_async(F.pad(probs_R, (0, r_max - r)), self.comm, op="allgather.probs")
-        idx_M, counts_L_dev = gather_index(counts_PE, me, L, r_max, sum(counts_L))  # while the gathers travel
-        hx.wait()
-        x_MD = x_all.index_select(0, idx_M.to(x_all.device))
-        probs_M = None
-        if hp is not None:
-            hp.wait()
-            probs_M = p_all.index_select(0, idx_M.to(p_all.device))
-        meta = AllGatherMeta(idx_M.to(x_RD.device), r_max, r)
-        return x_MD, Counts(counts_L, counts_L_dev.to(x_RD.device)), probs_M, meta
+        with torch.no_grad():
+            got, h = all_gather_async(counts_E.to(torch.int64).reshape(1, -1).contiguous(), comm,
+                                      op="allgather.counts")
 
-    def combine(self, y_MD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
-        """Return y_RD: expert outputs in this rank's original expert-sorted row order."""
-        buf = y_MD.new_zeros((self.comm.size * meta.rows_padded, *y_MD.shape[1:]))
-        y_all = torch.index_put(buf, (meta.idx_M,), y_MD)  # out of place: differentiable in y_MD
-        return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.rows]
+        def plan(counts_PE: torch.Tensor) -> tuple[RowPlan, list]:
+            counts_PE = counts_PE.reshape(comm.size, -1)
+            r_max, counts_L = gather_sizes(counts_PE, comm.rank, L)  # the host sync
+            idx_M, counts_L_dev = gather_index(counts_PE, comm.rank, L, r_max, sum(counts_L))
+            return RowPlan(counts_L=Counts(counts_L, counts_L_dev), route=GatherRoute(idx_M, r_max, rows)), []
+
+        return Chain((got, [h]), plan)
+
+    def move(self, plan: RowPlan, rows: dict, reverse: bool, name: str) -> tuple[dict, list, Any]:
+        """Dispatch: all-gather the padded rows, index_select the local ones. Reverse (combine, the
+        dispatch's transpose): index_put into zeros, reduce-scatter, drop the padding."""
+        g, comm = plan.route, self.comm
+        out, handles = {}, []
+        with torch.no_grad():
+            for k, x in rows.items():
+                x, op = x.detach(), traffic_op("allgather", name, k)
+                if reverse:  # M rows -> their places among all ranks' padded rows -> summed back per rank
+                    buf = x.new_zeros((comm.size * g.rows_padded, *x.shape[1:]))
+                    out[k], h = reduce_scatter_async(buf.index_put_((g.idx_M,), x), comm, op=op)
+                else:
+                    pad = (0, 0) * (x.dim() - 1) + (0, g.rows_padded - g.rows)
+                    out[k], h = all_gather_async(F.pad(x, pad), comm, op=op)
+                handles.append(h)
+
+        def finish(got: dict) -> dict:
+            if reverse:
+                return {k: v[:g.rows] for k, v in got.items()}
+            return {k: v.index_select(0, g.idx_M) for k, v in got.items()}
+
+        return out, handles, finish
 
     def dispatch_tokens(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
                         probs_TK: torch.Tensor | None = None,
