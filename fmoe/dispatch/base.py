@@ -7,7 +7,8 @@ rank's local experts receive (grouped by local expert), D model width.
 A dispatcher moves rows only; routing, permutation and probability weighting stay in the MoE layer.
 It holds no parameters, so a stage function `lambda params, x: dispatcher.dispatch(x, counts_E)` can be
 differentiated by `split_vjp` like any other. The local dispatcher is the identity; the
-expert-parallel ones (fmoe/parallel) exchange rows between ranks with differentiable collectives.
+expert-parallel ones (fmoe/parallel) write each exchange once, as issue / wait methods (exchange.py), and
+get dispatch / combine from the differentiable adapter over them (sync.py).
 """
 
 from __future__ import annotations

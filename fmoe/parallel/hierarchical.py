@@ -116,9 +116,8 @@ class HierarchicalDispatcher(SyncRows):
         def issue(a: dict, t: bool, n: str) -> Chain:
             return chained(a, partial(move, plan, transpose=t, name=n))
 
-        back = "dispatch.bwd" if name == "dispatch" else "combine.bwd"
-        return exchanged(partial(issue, t=transposed, n=name), partial(issue, t=not transposed, n=back), acts,
-                         tuple(acts))
+        backward = partial(issue, t=not transposed, n=f"{name}.bwd")
+        return exchanged(partial(issue, t=transposed, n=name), backward, acts, tuple(acts))
 
     # ---- the plan ---------------------------------------------------------------------------------
     def start_plan(self, route: Any) -> Chain:
