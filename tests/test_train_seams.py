@@ -5,6 +5,7 @@ and a path that does not load stops the command before any rank starts (docs/res
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,19 @@ def _train(tmp: Path, name: str, *flags: str) -> list[dict]:
                            *flags], cwd=tmp, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+USER_ROUTER = """
+import os
+from pathlib import Path
+
+from fmoe.examples.routers import expert_choice
+
+def counted(params, x_TD, cfg, state=None, seq_len=None):
+    # one file per process that routed: the test counts the ranks that loaded this module
+    Path(os.environ["SEAMS_MARKS"], str(os.getpid())).touch()
+    return expert_choice(params, x_TD, cfg, state, seq_len)
+"""
 
 
 def _numbers(metrics: list[dict]) -> list[list[float]]:
@@ -45,6 +59,22 @@ def test_example_router_trains_on_two_ranks_like_one_process(tmp_path: Path, rou
         assert balance == [0.0] * 3
     else:
         assert all(b > 0 for b in balance)
+
+
+def test_a_users_module_is_loaded_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "routers.py").write_text(USER_ROUTER)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "SEAMS_MARKS": str(marks)}
+    done = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", "--steps", "1",
+                           "--pp", "1", "--ep", "2", "--router", "mypkg.routers:counted"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "router mypkg.routers:counted" in done.stdout  # the run's summary line names it
+    assert len(list(marks.iterdir())) == 2  # both ranks routed with it
 
 
 @pytest.mark.parametrize("flag,path,words", [
