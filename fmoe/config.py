@@ -27,8 +27,8 @@ from fmoe._checks import choice as _choice
 from fmoe._checks import flag as _flag
 from fmoe._checks import integer as _integer
 from fmoe._checks import real as _real
+from fmoe.import_path import check_seam
 from fmoe.recompute import Recompute
-from fmoe.seams import check_seam
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 TOPK_NORMS = ("before", "after")

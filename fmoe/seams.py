@@ -17,16 +17,18 @@ and the ranks compare it.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the model modules import the configs, which import this module
+from fmoe.experts import routed_experts
+from fmoe.import_path import load
+from fmoe.ops import attention
+from fmoe.router import Routing, route
+
+if TYPE_CHECKING:
     from fmoe.config import GPTConfig, MoEConfig
-    from fmoe.router import Routing
 
 
 class Router(Protocol):
@@ -73,39 +75,6 @@ class Attention(Protocol):
                  rope_theta: float, causal: bool) -> torch.Tensor: ...
 
 
-@functools.cache
-def load(path: str) -> Callable[..., Any]:
-    """Return the callable at import path "package.module:attribute" (dots after the colon reach nested
-    attributes); ValueError, one line, when the path is malformed, the import fails or it is not callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{path!r} is not an import path 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except Exception as exc:  # any failure of the user's module: one line naming the path
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ValueError(f"cannot load {path!r}: {type(exc).__name__}: {first}") from None
-    if not callable(obj):
-        raise ValueError(f"{path!r} is a {type(obj).__name__}, not a callable")
-    return obj
-
-
-def check_seam(name: str, value: object) -> None:
-    """Raise ValueError (naming the field `name`) unless `value` is None, a callable, or an import path
-    that loads a callable (a config checks its seams when built, so a bad path fails before any run)."""
-    if value is None or callable(value):
-        return
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be None, a callable or an import path 'package.module:function', got "
-                         f"{value!r}")
-    try:
-        load(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-
-
 def _resolve(value: Callable[..., Any] | str | None, default: Callable[..., Any]) -> Callable[..., Any]:
     # The one place a seam becomes a function: None is today's, a path is imported once (cached).
     if value is None:
@@ -115,22 +84,16 @@ def _resolve(value: Callable[..., Any] | str | None, default: Callable[..., Any]
 
 def router_of(cfg: MoEConfig) -> Router:
     """The router `cfg` carries (MoEConfig.router; default fmoe.router.route)."""
-    from fmoe.router import route
-
     return _resolve(cfg.router, route)
 
 
 def experts_of(cfg: MoEConfig) -> Experts:
     """The routed-experts function `cfg` carries (MoEConfig.experts; default fmoe.experts.routed_experts)."""
-    from fmoe.experts import routed_experts
-
     return _resolve(cfg.experts, routed_experts)
 
 
 def attention_of(cfg: GPTConfig) -> Attention:
     """The core attention `cfg` carries (GPTConfig.attention; default fmoe.ops.attention)."""
-    from fmoe.ops import attention
-
     return _resolve(cfg.attention, attention)
 
 

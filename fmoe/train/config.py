@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fmoe.config import GPTConfig, MoEConfig
+from fmoe.import_path import check_seam
 from fmoe.precision import LossScale, Policy, default_policy
 from fmoe.recompute import MODULES as RECOMPUTE_MODULES
 from fmoe.recompute import Recompute
-from fmoe.seams import check_seam
 
 if TYPE_CHECKING:
     from fmoe.schedule.ir import Schedule
