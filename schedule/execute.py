@@ -53,7 +53,7 @@ from fmoe.schedule.comms import forward_first_by_turns
 from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
-from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, W, ops_of
+from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
 from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
@@ -339,9 +339,6 @@ class _Executor:
         self.stats: list[tuple[int, int, str, str, Any]] = []
         self.live, self.queued = _Counter(), _Counter()
         self.step = ""  # "pair" / "lone" while an Overlap / a single op runs: tags the trace events
-        # dw passes of a lone B or W left to the lone F that follows it: one per exchange of that F that
-        # nothing else hides (`_carried_into_next_f`)
-        self.carried: list[Iterator[None]] = []
         self.backward_is_b: set[tuple[int, int]] = set()  # (stage, mb) whose backward is a B
         # stages with an exchange that may leave the process (a comm phase not marked local)
         self.remote = {st for st, prog in programs.items()
@@ -353,7 +350,6 @@ class _Executor:
         self.wire = list(reversed(wire))  # popped from the end
         self.backward_is_b = {(o.stage, o.mb) for a in actions for o in ops_of(a) if o.kind == B}
         compute_at = [k for k, a in enumerate(actions) if ops_of(a)]
-        carry = self._carried_into_next_f(actions, compute_at)
         recv_before: dict[int, list[Recv]] = {}
         for k, a in enumerate(actions):
             if isinstance(a, Recv):
@@ -367,9 +363,7 @@ class _Executor:
                 self._send(a)
             elif isinstance(a, Op):
                 self.step = "lone"
-                _drain(self.op(a, carry=k in carry))
-                if a.kind == F:
-                    self._run_carried()
+                _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
                 self.step = "pair"
                 if a.b.stage in self.remote:
@@ -383,7 +377,6 @@ class _Executor:
                 _drain(self.op(a.f))
                 _drain(self.op(a.b, paired=True))
             self.step = ""
-        self._run_carried()
         for work, _, what in self.sends:
             self._wait_work(work, what)
         self.sends.clear()
@@ -397,58 +390,16 @@ class _Executor:
         return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
                           self.queued.peak)
 
-    def op(self, op: Op, paired: bool = False, carry: bool = False) -> Iterator[None]:
+    def op(self, op: Op, paired: bool = False) -> Iterator[None]:
         """Returns the generator that runs compute op `op`, yielding after each issued exchange that is
-        still in flight. `paired`: the op is one half of an Overlap (the other op hides its exchanges).
-        `carry` (a lone B or W): its dw passes are left to the lone F that follows (`self.carried`)."""
+        still in flight. `paired`: the op is one half of an Overlap (the other op hides its exchanges)."""
         if op.kind == F:
             return self._forward(op.stage, op.mb, paired=paired)
         if op.kind == I:
             return self._backward(op.stage, op.mb, weights=False, paired=paired)
         if op.kind == B:
-            return self._backward(op.stage, op.mb, weights=True, paired=paired, carry=carry)
-        if carry:
-            self.carried.append(self._weights(op.stage, op.mb, interleaved=True))
-            return iter(())
+            return self._backward(op.stage, op.mb, weights=True, paired=paired)
         return self._weights(op.stage, op.mb)
-
-    def _carried_into_next_f(self, actions: tuple, compute_at: list[int]) -> set[int]:
-        """Returns the positions of the lone B and W ops whose dw passes run inside the lone F that is the
-        rank's next compute action (fb overlap on, that F's stage phased): seed 000 leaves combine-F of a
-        lone F with nothing of its own op to hide it, and dw work has no consumer but the step's end (and
-        its stage's gradient hook, which it reaches a little later). Only where the microbatch the dw
-        keeps alive does not raise the rank's peak of live microbatches (so never in 1F1B's steady
-        state, whose peak is its point)."""
-        if not self.overlap:
-            return set()
-        live, peak, after = 0, 0, {}  # live microbatches (F begun, dw not done), as the list runs them
-        for k in compute_at:
-            ops = ops_of(actions[k])
-            live += sum(o.kind == F for o in ops)
-            peak = max(peak, live)
-            live -= sum(o.kind in (B, W) for o in ops)
-            after[k] = live
-        out = set()
-        for k, nxt in zip(compute_at, compute_at[1:]):
-            a, b = actions[k], actions[nxt]
-            if (isinstance(a, Op) and a.kind in (B, W) and isinstance(b, Op) and b.kind == F
-                    and b.stage in self.remote and after[k] + 2 <= peak):
-                out.add(k)
-        return out
-
-    def _run_carried_one(self) -> None:
-        """Runs one carried dw pass (the oldest carried op's next), if any."""
-        while self.carried:
-            try:
-                next(self.carried[0])
-                return
-            except StopIteration:
-                self.carried.pop(0)
-
-    def _run_carried(self) -> None:
-        """Runs every carried dw pass left."""
-        while self.carried:
-            _drain(self.carried.pop(0))
 
     # ---- compute ops ----------------------------------------------------------------------------------
 
@@ -495,8 +446,6 @@ class _Executor:
                     if ph.side is not None and side is None:  # runs while the exchange travels
                         side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
                     if _in_flight(pending) and ph.switch:
-                        if not paired and side is None:  # a lone F's exchange nothing of its own hides
-                            self._run_carried_one()
                         yield
                     tw = self._now()
                     acts, meta = pending.wait()
@@ -621,8 +570,7 @@ class _Executor:
         mine = v.detach() * self.scale
         self.losses[name] = mine if name not in self.losses else self.losses[name] + mine
 
-    def _backward(self, stage: int, mb: int, weights: bool, paired: bool = False,
-                  carry: bool = False) -> Iterator[None]:
+    def _backward(self, stage: int, mb: int, weights: bool, paired: bool = False) -> Iterator[None]:
         rec = self.records.pop((stage, mb), None)
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
@@ -692,9 +640,7 @@ class _Executor:
             self._pump()  # the gradient goes out now, before any dw and before the paired op's rest
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)
-        if weights and carry:
-            self.carried.append(self._weights(stage, mb, interleaved=True))
-        elif weights:
+        if weights:
             yield from self._weights(stage, mb, interleaved=paired and self.overlap)
 
     def _weights(self, stage: int, mb: int, interleaved: bool = False) -> Iterator[None]:

@@ -248,32 +248,6 @@ def test_the_count_exchange_travels_while_permute_1_runs(runs: dict) -> None:
     assert min(checked.values()) >= 3, checked
 
 
-def test_a_lone_f_after_a_lone_w_hides_its_combine_behind_that_w(runs: dict) -> None:
-    """DualPipeV pp 2 (rank 0 runs I3.0, its gradient's send, W3.0, then F3.1 alone): the W's dw passes
-    run inside the lone F, one at each of its exchanges that nothing of its own hides (combine-F), so
-    combine-F of that F is hidden by W3.0's work; what is left of the W runs before the next op."""
-    checked = 0
-    for events, pairs in runs[("dualpipev", 2, 8, 0, True)]:
-        if not any(p[0] == 0 for p in pairs):  # pipeline rank 0 (stages 0 and 3)
-            continue
-        events = sorted(events, key=lambda e: e.start)
-        waits = _waits(events)
-        parsed = [(c, e.start) for e in events if e.lane == "compute" and (c := _compute(e))]
-        mine = [(g, t) for g, t in parsed if (g[0], *g[2::2]) in (("F", 3, 1), ("W", 3, 0))]
-        f_end = max(t for g, t in mine if g[0] == "F")
-        w_runs = [t for g, t in mine if g[0] == "W"]
-        after = min(t for g, t in parsed if t > f_end and (g, t) not in mine)  # the next op's first phase
-        assert w_runs and max(w_runs) < after
-        for e in events:
-            m = _a2a(e)
-            if e.lane != "comm" or not m or (*m[:3], m[4]) != ("combine", "F", 3, 1):
-                continue
-            ran = {g for g, t in parsed if e.start <= t < waits[m]}
-            assert any(g[0] == "W" and g[2::2] == (3, 0) for g in ran), (e.name, e.step, sorted(ran))
-            checked += 1
-    assert checked >= 2, checked
-
-
 def test_a_pairs_messages_are_listed_in_the_order_the_executor_makes_them() -> None:
     """comms.forward_first_by_turns against the executor's turn taking, case by case: the backward
     starts and the two alternate at their turns, so the op with fewer turns ends first (a tie: the
