@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from fmoe.train import checksums
 from fmoe.train.checksums import CHECKSUMS
+from fmoe.train.run_errors import CheckpointError as CheckpointError  # where callers have found it
 from fmoe.train.safe_metadata import SafeFileSystemReader, read_metadata
 from fmoe.train.shards import Leaf
 
@@ -55,14 +56,6 @@ ARCH_FIELDS = ("head_dim", "rope_theta", "norm_eps", "qk_norm", "moe.score_func"
 # LRSchedule.compared): a resumed run that changes one changes the LR mid-run (a larger --steps, the
 # default --lr-decay-iters, restarts the decay), refused as Megatron does.
 _STEP_DIR = re.compile(r"step_\d+$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded (missing, another model, damaged, unsafe); its message
-    is one line (newlines folded), what `fmoe train` prints."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split("\n")))
 
 
 def _one_line(exc: BaseException) -> str:

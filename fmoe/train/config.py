@@ -2,7 +2,8 @@
 that sets the same fields, and the checks that run before any process starts.
 
     tc = TrainConfig.from_sources(preset="tiny", toml_path=None, overrides={"pp": 1})
-    problem = tc.problem(world_size=None)      # None, or one line saying what is wrong
+    problem = tc.problem(world_size=None)      # None, or one line saying what is wrong with its fields
+                                               # (fmoe.train.preflight.problem: the whole job's checks)
     cfg = tc.model()                           # the GPTConfig
 
 Precedence: the preset's values, then the TOML file's, then the flags'. Every field of the TOML file must
@@ -429,7 +430,6 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
-        self._check_schedule_and_logs()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("bf16", "fp16"):
@@ -455,7 +455,6 @@ class TrainConfig:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         self._check_data()
-        self._check_eval()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
                              f"--dp {self.dp} = {self.world_size}")
@@ -475,13 +474,11 @@ class TrainConfig:
             raise ValueError(f"--load: no checkpoint directory {self.load}")
         if self.overwrite_save and not self.save:
             raise ValueError("--overwrite-save needs --save DIR")
-        from fmoe.train.save_dir import check as check_save_dir  # imports torch.distributed.checkpoint
-
-        save_problem = check_save_dir(self.save, resume=self.resume, overwrite=self.overwrite_save,
-                                      load=self.load)
-        if save_problem is not None:
-            raise ValueError(save_problem)
-        self._check_trace()  # after --save: a --resume run's first step is its checkpoint's
+        if self.trace_step < 1:
+            raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
+        if self.trace and self.trace_step > self.steps:
+            raise ValueError(f"--trace-step {self.trace_step} is past the run's last step (--steps "
+                             f"{self.steps}): --trace would write nothing")
         if self.link_model is not None:
             parse_link_model(self.link_model)
         vpp = self.num_virtual_stages_per_pipeline_rank
@@ -605,38 +602,6 @@ class TrainConfig:
         from fmoe.train.data import file_dataset  # memory-maps the file: reads nothing
 
         file_dataset(self.data, self.data_kind, self.seq_length, self.vocab_size)  # its size fits a window
-
-    def _check_schedule_and_logs(self) -> None:
-        from fmoe.train.log_backends import backends_problem
-        from fmoe.train.lr_schedule import schedule_problem
-
-        for problem in (schedule_problem(self), backends_problem(self)):
-            if problem is not None:
-                raise ValueError(problem)
-
-    def _check_eval(self) -> None:
-        from fmoe.train.splits import eval_problem
-
-        problem = eval_problem(self)
-        if problem is not None:
-            raise ValueError(problem)
-
-    def _check_trace(self) -> None:
-        if self.trace_step < 1:
-            raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
-        if not self.trace:
-            return
-        if self.trace_step > self.steps:
-            raise ValueError(f"--trace-step {self.trace_step} is past the run's last step (--steps "
-                             f"{self.steps}): --trace would write nothing")
-        if self.resume and self.save:
-            from fmoe.train import checkpoint
-
-            last = checkpoint.latest(self.save)
-            done = checkpoint.read_meta(last)["step"] if last is not None else 0
-            if self.trace_step <= done:
-                raise ValueError(f"--trace-step {self.trace_step} was run before the checkpoint --resume "
-                                 f"continues from (step {done}): --trace would write nothing")
 
 
 def _flag(name: str) -> str:

@@ -42,7 +42,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
 from fmoe.precision import float32_matmul_precision
-from fmoe.train import checkpoint, save_dir
+from fmoe.train import checkpoint, preflight, save_dir
 from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
 from fmoe.train.evaluate import due as eval_due
@@ -303,7 +303,7 @@ def _free_port() -> int:
 def launch(tc: TrainConfig) -> int:
     """Runs the whole job; returns the exit code (0, or 1 after a rank failed, 2 for a bad config)."""
     torchrun = under_torchrun()
-    problem = tc.problem(int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    problem = preflight.problem(tc, int(os.environ["WORLD_SIZE"]) if torchrun else None)
     if problem is not None:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2

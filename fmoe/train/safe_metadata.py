@@ -24,6 +24,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from fmoe.train.run_errors import CheckpointError
+
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED: dict[str, frozenset[str]] = {
     _DCP_METADATA: frozenset({"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
@@ -53,8 +55,6 @@ class _Restricted(pickle.Unpickler):
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """Returns the DCP Metadata in file `path`; CheckpointError when the pickle names anything outside
     `ALLOWED` (nothing it names is called) or is not DCP metadata."""
-    from fmoe.train.checkpoint import CheckpointError
-
     data = Path(path).read_bytes()
     try:
         md = _Restricted(io.BytesIO(data)).load()

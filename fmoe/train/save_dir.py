@@ -28,7 +28,8 @@ import stat
 from pathlib import Path
 from typing import TextIO
 
-from fmoe.train.checkpoint import CheckpointError, latest
+from fmoe.train.checkpoint import latest
+from fmoe.train.run_errors import CheckpointError
 
 LOCK = ".fmoe-train.lock"
 # what a save writes into --save (the leftovers of a crashed save included); other files are not ours
