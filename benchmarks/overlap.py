@@ -89,7 +89,20 @@ EP = 2
 CONFIGS = {"dualpipev": 2, "combined_1f1b": 1}  # schedule -> pp
 BUSY = ("F", "B", "I", "W")
 MODES = ("on", "off")
-DC = ("dispatch-F", "combine-F", "dispatch-B", "combine-B")  # the exchanges the simulator's a2a models
+# the exchanges the simulator's a2a models (with --a2a-chunks 2, both chunks of each)
+DC = ("dispatch-F", "combine-F", "dispatch-B", "combine-B", "dispatch.1-F", "combine.0-F", "dispatch.1-B",
+      "combine.0-B")
+
+
+def modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """The step modes timed side by side: fb overlap on and off at --a2a-chunks; with 2 chunks also "on1",
+    overlap on with the all-to-all whole, so that chunking is measured against no chunking in one run."""
+    return MODES + (("on1",) if args.a2a_chunks == 2 else ())
+
+
+def mode_setting(args: argparse.Namespace, mode: str) -> tuple[bool, int]:
+    """(overlap, a2a_chunks) of a mode."""
+    return mode != "off", 1 if mode == "on1" else args.a2a_chunks
 # executor exchange label -> how many link-model calls it makes (counts-B is Ready: nothing travels)
 _CALLS = {"counts-B": 0}
 
@@ -169,8 +182,9 @@ class Rank:
         comm = CommGroup(self.ep_group, topology=self.layout.topology, link_model=link)
         self.dispatcher = AllToAllDispatcher(comm, self.cfg.moe.num_experts)
 
-    def step(self, overlap: bool) -> tuple[Any, float, list]:
-        """Runs one step; returns (PipelineStep, wall seconds, the link model's log of this step)."""
+    def step(self, overlap: bool, a2a_chunks: int | None = None) -> tuple[Any, float, list]:
+        """Runs one step (`a2a_chunks` None: --a2a-chunks); returns (PipelineStep, wall seconds, the link
+        model's log of this step)."""
         self.link.log.clear()
         if self.cm is not None:
             self.cm.deferred_dw = overlap  # overlap off: a B's dx pass computes its dw (every stage phased)
@@ -180,7 +194,8 @@ class Rank:
         out = gpt_pipeline_step(self.cfg, self.s, self.stage_rank, self.params, self.state, self.data,
                                 group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
                                 shared=self.shared, overlap=overlap, check=not self.checked,
-                                compute_model=self.cm)
+                                compute_model=self.cm,
+                                a2a_chunks=self.args.a2a_chunks if a2a_chunks is None else a2a_chunks)
         wall = time.perf_counter() - t
         self.cm_stats = None if self.cm is None else self.cm.reset()
         self.checked = True
@@ -196,8 +211,11 @@ def step_stats(events: list[TraceEvent], log: list, width_bytes: int) -> dict[st
     for (kind, st, mb), d in summary.ops.items():
         kind = {"B": "I"}.get(kind, kind)  # the dx part of a B; its W part is the "W ..." events
         phase[(kind, st, mb)] = phase.get((kind, st, mb), 0.0) + d
-    mlp_f = list(summary.compute.get(("F", "mlp"), []))
-    mlp_all = sum(sum(ds) for (_kind, ph), ds in summary.compute.items() if ph == "mlp")
+    # a layer's forward mlp (with row chunks: mlp.0 + mlp.1 of each layer, in order)
+    mlp_f = list(summary.compute.get(("F", "mlp"), [])) or [
+        a + b for a, b in zip(summary.compute.get(("F", "mlp.0"), []),
+                              summary.compute.get(("F", "mlp.1"), []))]
+    mlp_all = sum(sum(ds) for (_kind, ph), ds in summary.compute.items() if ph.split(".")[0] == "mlp")
     exchanges = summary.exchanges  # in start order
     labels = [x.label for x in exchanges]
     need = [_CALLS.get(lb, 1) for lb in labels]
@@ -281,7 +299,7 @@ def _calibrate(r: Rank) -> dict[str, float]:
     for k, modes in enumerate(plan):
         mlp, nbytes = [], []
         for j, overlap in enumerate(modes):
-            out, _, log = r.step(overlap=overlap)
+            out, _, log = r.step(overlap=overlap, a2a_chunks=1)  # the mlp phase and the bytes of a whole a2a
             if k or j:  # the very first step is a warm-up
                 st = step_stats(out.result.events, log, width)
                 mlp += st["mlp_f"]
@@ -309,11 +327,12 @@ def _calibrate_model(r: Rank) -> dict[str, Any]:
     lat = args.latency_us * 1e-6
     events, nbytes = [], []
     for k in range(1 + args.calib):
-        out, _, log = r.step(overlap=True)
-        if k:
-            events += [e for e in out.result.events if e.lane == "compute"]
-            nbytes += [b for _t, b, _d in log if b >= width]
-        del out
+        for chunks in sorted({1, args.a2a_chunks}):  # the table gets mlp (whole) and mlp.0 / mlp.1 (chunks)
+            out, _, log = r.step(overlap=True, a2a_chunks=chunks)
+            if k:
+                events += [e for e in out.result.events if e.lane == "compute"]
+                nbytes += [b for _t, b, _d in log if b >= width] if chunks == 1 else []
+            del out
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, (events, nbytes))
     table = table_from_events([e for ev, _ in got for e in ev], scale=args.compute_scale)
@@ -332,19 +351,20 @@ def _timing(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cal = _calibrate_model(r) if args.cm else _calibrate(r)  # leaves the calibrated models in place
     p2p = _p2p_one_way(r)
     width = r.cfg.d_model * 4
-    out: dict[str, Any] = {"cal": cal, "p2p": p2p, "wall": {m: [] for m in MODES},
-                           "stats": {m: [] for m in MODES}, "peak_acts": {}, "peak_deferred": {}, "loss": {}}
-    for mode in MODES:  # warm-up
-        res, _, _ = r.step(overlap=mode == "on")
+    ms = modes(args)
+    out: dict[str, Any] = {"cal": cal, "p2p": p2p, "wall": {m: [] for m in ms},
+                           "stats": {m: [] for m in ms}, "peak_acts": {}, "peak_deferred": {}, "loss": {}}
+    for mode in ms:  # warm-up
+        res, _, _ = r.step(*mode_setting(args, mode))
         out["loss"][mode] = float(res.loss)
         out["peak_acts"][mode] = res.result.peak_activations
         out["peak_deferred"][mode] = res.result.peak_deferred
         del res
     for rep in range(args.reps):
-        order = MODES[rep % 2:] + MODES[:rep % 2]
+        order = ms[rep % len(ms):] + ms[:rep % len(ms)]
         for mode in order:
             gc.collect()
-            res, wall, log = r.step(overlap=mode == "on")
+            res, wall, log = r.step(*mode_setting(args, mode))
             st = step_stats(res.result.events, log, width)
             st["cm"] = r.cm_stats
             if not (mode == "on" and rep == args.reps - 1):
@@ -360,12 +380,12 @@ def _memory(name: str, args: argparse.Namespace, cal: dict[str, float]) -> dict[
     r = Rank(name, args)
     r.set_link(LoggedLinkModel(cal["latency_s"], cal["bytes_per_s"], cal["latency_s"], cal["bytes_per_s"]))
     out = {}
-    for mode in MODES:
-        res, _, _ = r.step(overlap=mode == "on")  # warm-up in this mode
+    for mode in modes(args):
+        res, _, _ = r.step(*mode_setting(args, mode))  # warm-up in this mode
         del res
         gc.collect()
         dist.barrier()
-        (res, _, _), _, out[mode] = _ranks.measure_rss(lambda m=mode: r.step(overlap=m == "on"))
+        (res, _, _), _, out[mode] = _ranks.measure_rss(lambda m=mode: r.step(*mode_setting(args, m)))
         del res
     out["rss_mib"] = _ranks.rss_kib("VmRSS") / 1024
     return out
@@ -509,13 +529,16 @@ def calibrated_costs(s: S.Schedule, rep: list[dict], p2p: float, moe_layers: int
 
 
 def modelled_costs(s: S.Schedule, rep: list[dict], p2p: float, moe_layers: int, a2a: float,
-                   table: dict, overlap: bool) -> S.Costs:
+                   table: dict, overlap: bool, chunks: int = 1) -> S.Costs:
     """Costs given the compute model's own durations (no measurement): f, i, w per stage = means over
     microbatches of the modelled seconds of each (kind, stage, mb) (a deferred B's dx counts as I);
     attn_frac = the modelled non-mlp share; lone_hide = the seed's lone pairings under the modelled
     durations, the mean of a lone F's (dispatch-F behind the shared expert, combine-F behind nothing) and
     a lone B's (combine-B behind the shared expert's backward, dispatch-B behind the routed experts' dw;
-    overlap off: no dw moves, the shared expert's sides still run); a2a = the median modelled exchange."""
+    overlap off: no dw moves, the shared expert's sides still run); a2a = a layer's modelled exchange. With
+    `chunks` 2 each exchange is two of half the time, and a lone F also hides chunk 1's dispatch behind
+    mlp.0 and chunk 0's combine behind mlp.1, a lone B chunk 0's combine-B behind mlp.1's dx and chunk 1's
+    dispatch-B behind mlp.0's."""
     per: dict[tuple[str, int], dict[tuple[int, int], float]] = {}  # (kind, stage) -> (rank, mb) -> s
     phase: dict[tuple[str, str], float] = {}
     for rank, st in enumerate(rep):  # EP peers run the same stages: a mean over (rank, mb)
@@ -530,11 +553,19 @@ def modelled_costs(s: S.Schedule, rep: list[dict], p2p: float, moe_layers: int, 
                      for st in range(s.placement.num_stages))
 
     total = sum(phase.values())
-    attn_frac = 1.0 - sum(t for (_k, ph), t in phase.items() if ph == "mlp") / total
-    x = max(a2a, 1e-12)
-    lone_f = min(table.get(("F", "shared"), 0.0), x) / (2 * x)
-    dw = min(table[("W", "mlp")], x) if overlap else 0.0
-    lone_b = (min(table.get(("I", "shared"), 0.0), x) + dw) / (2 * x)
+    attn_frac = 1.0 - sum(t for (_k, ph), t in phase.items() if ph.split(".")[0] == "mlp") / total
+    if chunks == 2:  # four exchanges of half a layer's each
+        h = max(a2a / 2, 1e-12)
+        dw = sum(min(table[("W", ph)], h) for ph in ("mlp.0", "mlp.1")) / 2 if overlap else 0.0
+        lone_f = (min(table.get(("F", "shared"), 0.0), h) + min(table[("F", "mlp.0")], h)
+                  + min(table[("F", "mlp.1")], h)) / (4 * h)
+        lone_b = (min(table.get(("I", "shared"), 0.0), h) + min(table[("I", "mlp.1")], h)
+                  + min(table[("I", "mlp.0")], h) + dw) / (4 * h)
+    else:
+        x = max(a2a, 1e-12)
+        lone_f = min(table.get(("F", "shared"), 0.0), x) / (2 * x)
+        dw = min(table[("W", "mlp")], x) if overlap else 0.0
+        lone_b = (min(table.get(("I", "shared"), 0.0), x) + dw) / (2 * x)
     f, i, w, b = per_stage("F"), per_stage("I"), per_stage("W"), per_stage("B")
     # overlap on: every B's dx is counted as I and its dw as W (b None: B = I + W); off: a B's dx pass
     # computes its dw (b as modelled), an I still defers to a W; a value a stage lacks is never used
@@ -552,9 +583,10 @@ def analyse(name: str, args: argparse.Namespace, timing: list[dict],
     chunks = _ranks.even_chunks(model_config(args), s.placement.num_stages)
     stage_layers = {st: chunks[s.placement.layer_chunk[st]].layers for st in range(s.placement.num_stages)}
     med = statistics.median
-    row: dict[str, Any] = {"name": name, "label": name + (" +cm" if args.cm else ""), "cm": args.cm,
+    label = name + (" +cm" if args.cm else "") + (" a2a/2" if args.a2a_chunks == 2 else "")
+    row: dict[str, Any] = {"name": name, "label": label, "cm": args.cm,
                            "world": world, "cal": timing[0]["cal"], "p2p": med(t["p2p"] for t in timing)}
-    for mode in MODES:
+    for mode in modes(args):
         walls = [max(t["wall"][mode][k] for t in timing) for k in range(args.reps)]
         reps = [[t["stats"][mode][k] for t in timing] for k in range(args.reps)]
         flat = [st for rep in reps for st in rep]
@@ -586,7 +618,8 @@ def analyse(name: str, args: argparse.Namespace, timing: list[dict],
         }
     on = row["on"]
     row["tails"] = pair_tails(s, [st["events"] for st in on["reps"][-1]])
-    a2a = med(d for rep in on["reps"] for st in rep for d in st["model_d"])
+    # the simulator's a2a is a layer's whole exchange: with chunks, both chunks' (each moves half the rows)
+    a2a = args.a2a_chunks * med(d for rep in on["reps"] for st in rep for d in st["model_d"])
     lone_hide = min(1.0, max(0.0, on["lone_dc"] if on["lone_dc"] is not None else 0.0))
     sims, sims_half, costs = [], [], None
     for rep, wall in zip(on["reps"], on["walls"]):
@@ -609,12 +642,12 @@ def analyse(name: str, args: argparse.Namespace, timing: list[dict],
         table = row["cal"]["table"]
         for mode, key in (("on", "sim_model"), ("off", "sim_model_off")):
             pairs = [(S.simulate(s, modelled_costs(s, rep, row["p2p"], n_stage_layers, a2a, table,
-                                                   mode == "on")).makespan, w)
+                                                   mode == "on", args.a2a_chunks)).makespan, w)
                      for rep, w in zip(row[mode]["reps"], row[mode]["walls"])]
             row[key] = med(p / w for p, w in pairs)
             row[key + "_ms"] = med(p for p, _ in pairs) * 1e3
         row["costs_model"] = modelled_costs(s, row["on"]["reps"][-1], row["p2p"], n_stage_layers, a2a, table,
-                                            True)
+                                            True, args.a2a_chunks)
     return row
 
 
@@ -670,7 +703,7 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
                             for st in range(len(k.f)))
             print(f"  modelled sim costs (ms F/I/W per stage): {per}; attn_frac {k.attn_frac:.2f}, lone_hide "
                   f"{k.lone_hide:.2f} (the seed's lone pairings under the modelled durations)")
-            for mode in MODES:
+            for mode in modes(args):
                 t = r[mode]["cm"]
                 print(f"  compute model, overlap {mode}: {int(t['calls'])} phases, modelled "
                       f"{t['modelled']:.2f} s, real {t['real']:.2f} s "
@@ -687,13 +720,13 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
           f"{'pair exec':>9} {'pair model':>10} {'lone exec':>9} {'lone model':>10} {'sim ms':>7} "
           f"{'sim/step':>8}  {'wait ms':>15} {'mem MiB':>15} {'acts':>7}")
     for r in rows:
-        for mode in MODES:
+        for mode in modes(args):
             x = r[mode]
             ratio = (f"{r['on']['step'] / r['off']['step']:.3f}" if mode == "on"
-                     else f"({med(a / b for a, b in zip(r['on']['walls'], r['off']['walls'])):.3f})")
+                     else f"({med(a / b for a, b in zip(r['on']['walls'], r[mode]['walls'])):.3f})")
             sim = (f"{r['sim_ms']:7.0f} {r['sim_ratio']:8.3f}" if mode == "on"
-                   else f"{'':7} {r['sim_off_ratio']:8.3f}")
-            if r["cm"]:  # the simulator given the compute model's own costs
+                   else f"{'':7} {r['sim_off_ratio']:8.3f}" if mode == "off" else f"{'':7} {'-':>8}")
+            if r["cm"] and mode != "on1":  # the simulator given the compute model's own costs
                 sim = (f"{r['sim_model_ms']:7.0f} {r['sim_model']:8.3f}" if mode == "on"
                        else f"{r['sim_model_off_ms']:7.0f} {r['sim_model_off']:8.3f}")
             print(f"{r['label']:<18} {mode:<4} {1e3 * x['step']:7.0f} {100 * x['spread']:5.0f}% "
@@ -701,7 +734,9 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
                   f"{_pct(x['lone_exec']):>9} {_pct(x['lone_model']):>10} {sim}  "
                   f"{per_rank(x['wait_ms']):>15} {'-' if x['mem'] is None else per_rank(x['mem']):>15} "
                   f"{per_rank(x['peak_acts']):>7}")
-    print("(on/off: ratio of the median steps; on the off row in brackets: median of the per-round ratios)")
+    print("(on/off: ratio of the median steps; on the off row in brackets: median of the per-round ratios"
+          + (f"; modes on and off with the all-to-all in {args.a2a_chunks} row chunks, on1 overlap on with "
+             "it whole, its bracket the per-round on / on1" if args.a2a_chunks == 2 else "") + ")")
     print("(sim/step on the off rows: the simulator with pair_overlap=False, lone_hide = the off steps' "
           "hidden share of dispatch + combine, on the off steps' costs)")
     print("(+cm rows: each compute phase held to its modelled time; sim = the simulator given the modelled "
@@ -734,7 +769,7 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
               f"{t['pairs']}; after it the F runs alone: {100 * t['f_tail'] / max(t['f'], 1e-9):.0f}% of the "
               f"pairs' F compute, {100 * t['wait_tail'] / max(t['wait'], 1e-9):.0f}% of their F a2a waits")
         on = r["on"]
-        for mode in MODES:
+        for mode in modes(args):
             x = r[mode]
             print(f"  {r['label']:<18} {mode:<3} per rank, % of the span: "
                   f"busy {per_rank(x['busy'], '{:.0f}', 100)}, "
@@ -814,6 +849,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-scale", type=float, default=3.0,
                    help="modelled phase = this x its median measured in the calibration steps")
     _ranks.add_model_arguments(p)
+    p.add_argument("--a2a-chunks", type=int, choices=(1, 2), default=1,
+                   help="each MoE layer's all-to-all in this many row chunks (gpt_pipeline_step's "
+                        "a2a_chunks); "
+                        "2 also times overlap on with the all-to-all whole (mode on1), side by side")
     p.add_argument("--png", help="write the timeline of one overlapped dualpipev step here")
     p.add_argument("--trace", help="write its Chrome trace JSON here")
     p.add_argument("--dump", help="pickle each configuration's raw per-rank results to DUMP.<config>.pkl")

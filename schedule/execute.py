@@ -54,7 +54,7 @@ from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
-from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, subtree
+from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, issue, subtree
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
@@ -105,6 +105,7 @@ class PhaseRecord:
     spec: dict[str, tuple] | None = None
     side: Side | None = None
     meta: Meta | None = None
+    delivered: dict[str, tuple] | None = None  # a deferred exchange: (shape, dtype, device) of what it gave
 
 
 class DwPass(NamedTuple):
@@ -132,8 +133,8 @@ class _Sent(NamedTuple):
 
 
 class _Held(NamedTuple):
-    """An exchange of (stage, mb)'s forward whose wait is deferred (Phase.defer_wait): its phase, layer,
-    Pending, issue time and the meta keys it was issued with."""
+    """An exchange of (stage, mb) whose wait is deferred (Phase.defer_wait): its phase, layer, Pending,
+    issue time and the meta keys it was issued with (the forward's; the backward's record, its direction)."""
 
     phase: Phase
     layer: str
@@ -431,7 +432,8 @@ class _Executor:
                         # the paired op's compute hides this exchange; the side (it reads acts only, the
                         # same before and after the held wait) hides the held one, whose EP peer may be late
                         side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
-                    meta, held = self._wait_held(held, meta, rec), None
+                    acts, meta = self._wait_held(held, acts, meta, rec)
+                    held = None
                 if ph.kind == "compute":
                     t = self._now()
                     acts, meta = self._compute_forward(prog, ph, layer.name, acts, meta, stage, mb, rec,
@@ -439,9 +441,9 @@ class _Executor:
                     self._computed("F", ph.name, stage, layer.name, mb, t)
                 else:
                     t = self._now()
-                    pending = ph.start(acts, meta)
+                    pending, rest = issue(ph, acts, meta)
                     if ph.defer_wait:  # the next compute phases hide it; waited before the next exchange
-                        held = _Held(ph, layer.name, stage, mb, pending, t, set(meta))
+                        held, acts = _Held(ph, layer.name, stage, mb, pending, t, set(meta)), rest
                         continue
                     if ph.side is not None and side is None:  # runs while the exchange travels
                         side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
@@ -454,21 +456,32 @@ class _Executor:
                         acts = _with_side(acts, ph, side.out)
                     rec.phases.append(PhaseRecord(ph, layer.name, side=side, meta=meta))
         if held is not None:
-            meta = self._wait_held(held, meta, rec)
+            acts, meta = self._wait_held(held, acts, meta, rec)
         if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
         self._pump()  # a gradient receive may have waited for these shapes
 
-    def _wait_held(self, held: _Held, meta: Meta, rec: _Record) -> Meta:
-        """Waits an exchange whose wait was deferred (`held`); returns `meta` with the keys it added."""
+    def _wait_held(self, held: _Held, acts: Acts, meta: Meta, rec: _Record) -> tuple[Acts, Meta]:
+        """Waits a forward exchange whose wait was deferred (`held`); returns (`acts` with what it
+        delivered, `meta` with the keys it added). Its record goes where it is waited: the backward meets
+        it after the compute that hid it and issues its transpose there."""
         tw = self._now()
-        _, got = held.pending.wait()
+        got_acts, got = held.pending.wait()
         self._comm_events(held.pending, held.phase.name, "F", held.stage, held.layer, held.mb, held.issued,
                           tw)
-        rec.phases.append(PhaseRecord(held.phase, held.layer, meta=got))
-        return {**meta, **{k: v for k, v in got.items() if k not in held.keys}}
+        delivered = {k: (v.shape, v.dtype, v.device) for k, v in got_acts.items()}
+        rec.phases.append(PhaseRecord(held.phase, held.layer, meta=got, delivered=delivered))
+        return {**acts, **got_acts}, {**meta, **{k: v for k, v in got.items() if k not in held.keys}}
+
+    def _wait_held_transpose(self, held: _Held, ct: Acts) -> Acts:
+        """Waits a deferred exchange's transpose (`held`); returns `ct` with the cotangents it delivered."""
+        tw = self._now()
+        got = held.pending.wait()
+        self._comm_events(held.pending, held.phase.name, "B", held.stage, held.layer, held.mb, held.issued,
+                          tw)
+        return {**ct, **got}
 
     def _whole_stage_forward(self, prog: StageProgram, acts: Acts, meta: Meta, stage: int, mb: int,
                              rec: _Record, defer: bool) -> Acts:
@@ -499,14 +512,15 @@ class _Executor:
                     losses.update((k, a.pop(k)) for k in ph.losses)
                     self._computed("F", ph.name, stage, layer, mb, t)
                     continue
-                pending = ph.start(a, m)
+                pending, rest = issue(ph, a, m)
                 side = None
                 if ph.side is not None:
                     ts = self._now()
                     side, _ = run_phase(ph.side, layer, it, a, m)
                     self._computed("F", ph.side.name, stage, layer, mb, ts)
                 tw = self._now()
-                a, m = pending.wait()
+                got, m = pending.wait()
+                a = {**rest, **got}
                 self._comm_events(pending, ph.name, "F", stage, layer, mb, t, tw)
                 if side is not None:
                     a = _with_side(a, ph, side)
@@ -582,11 +596,19 @@ class _Executor:
         # at an exchange of its own layer (another layer's acts may have the same names)
         sides = {k: r for k, r in enumerate(rec.phases) if r.phase.kind == "comm" and r.side is not None}
         side_ct: dict[int, Acts] = {}
+        held = None  # a deferred exchange's transpose (Phase.defer_wait), waited before the next exchange
         while rec.phases:
             at = len(rec.phases) - 1
             r = rec.phases.pop()
             ph, layer = r.phase, r.layer
-            if ph.kind == "compute":
+            if ph.kind == "comm" and held is not None:
+                ct, held = self._wait_held_transpose(held, ct), None
+            if ph.kind == "comm" and ph.defer_wait:  # mirrors its forward: the compute before it hides it
+                t = self._now()
+                given = {k: ct.pop(k) if k in ct else torch.zeros(sh, dtype=dt, device=dev)
+                         for k, (sh, dt, dev) in (r.delivered or {}).items()}
+                held = _Held(ph, layer, stage, mb, ph.start_transpose(given, r.meta), t, set())
+            elif ph.kind == "compute":
                 t = self._now()
                 full = {}
                 for k, (shape, dtype, device) in r.spec.items():
@@ -636,6 +658,8 @@ class _Executor:
                     for name, g in side_ct.pop(at).items():
                         if g is not None:
                             ct[name] = g if name not in ct else ct[name] + g
+        if held is not None:
+            ct = self._wait_held_transpose(held, ct)
         if self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct):
             self._pump()  # the gradient goes out now, before any dw and before the paired op's rest
         self.deferred[(stage, mb)] = queue

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.schedule.ir import Placement, ScheduleError
-from fmoe.schedule.program import Acts, Meta, StageProgram, subtree
+from fmoe.schedule.program import Acts, Meta, StageProgram, issue, subtree
 
 _MAX_KEYS = 64  # acts per message; tags are (position on the path, microbatch, key index)
 
@@ -46,9 +46,10 @@ def run_stage(prog: StageProgram, acts: Acts, meta: Meta) -> tuple[Acts, dict[st
                 acts = dict(acts)
                 losses.update((k, acts.pop(k)) for k in ph.losses)
             else:
-                pending = ph.start(acts, meta)
+                pending, rest = issue(ph, acts, meta)
                 side = ph.side.fn(params(ph.side.param_paths), acts, meta)[0] if ph.side is not None else None
-                acts, meta = pending.wait()  # a deferred wait (Phase.defer_wait) gives the same acts back
+                got, meta = pending.wait()
+                acts = {**rest, **got}  # a deferred exchange (Phase.defer_wait) took only its `reads`
                 if side is not None:
                     acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side}
             if isinstance(meta, dict) and "stats" in meta:

@@ -81,9 +81,13 @@ class Phase:
     # handing over there would shift every later pairing of the pair by one phase
     switch: bool = True
     # comm: the op goes on with its next compute phases while this exchange travels and waits for it just
-    # before its next exchange (a count exchange, which permute-1 then hides). Its result must be the acts
-    # it was given, unchanged, and meta keys it adds (they join the meta of the phases run meanwhile)
+    # before its next exchange (a count exchange, which permute-1 then hides; a token chunk's dispatch, which
+    # the previous chunk's experts hide). It is given only the acts named in `reads` (they leave the op's
+    # acts); its result acts join them at the wait, with the meta keys it adds; the phases run meanwhile
+    # must not read what it delivers. In the backward its transpose is issued at the same place (given the
+    # cotangents of what it delivered) and waited before the next exchange, mirroring the forward
     defer_wait: bool = False
+    reads: tuple[str, ...] = ()  # defer_wait: the acts the exchange takes
 
     def __post_init__(self) -> None:
         if self.side is not None and (self.kind != "comm" or self.side.kind != "compute" or self.side.losses):
@@ -97,6 +101,9 @@ class Phase:
                              "or losses")
         if self.defer_wait and (self.kind != "comm" or self.side is not None):
             raise ValueError(f"phase {self.name!r}: only a comm phase without a side may defer its wait")
+        if self.reads and not self.defer_wait:
+            raise ValueError(f"phase {self.name!r}: `reads` names the acts of a deferred exchange "
+                             "(defer_wait)")
         if self.kind not in ("compute", "comm"):
             raise ValueError(f"phase {self.name!r}: kind must be 'compute' or 'comm', got {self.kind!r}")
 
@@ -128,6 +135,19 @@ def subtree(tree: Any, path: Path) -> Any:
             raise KeyError(f"no parameter subtree at {'.'.join(path[:i + 1])!r}")
         node = node[k]
     return node
+
+
+def issue(ph: Phase, acts: Acts, meta: Meta) -> tuple[Pending, Acts]:
+    """Issues comm phase `ph` on `acts`; returns (its Pending, the acts that go on beside it). A deferred
+    exchange (Phase.defer_wait) takes only `ph.reads` and the rest go on; any other takes all acts and
+    its result replaces them. After the wait the op's acts are {**rest, **result acts}."""
+    if not ph.defer_wait:
+        return ph.start(acts, meta), {}
+    missing = [k for k in ph.reads if k not in acts]
+    if missing:
+        raise KeyError(f"deferred exchange {ph.name!r} reads acts {missing} that the op does not hold")
+    return (ph.start({k: acts[k] for k in ph.reads}, meta),
+            {k: v for k, v in acts.items() if k not in ph.reads})
 
 
 class Ready:

@@ -37,6 +37,7 @@ class RowPlan:
     inverse_M: torch.Tensor | None = None
     send_P: list[int] | None = None  # all-to-all: rows to each rank
     recv_P: list[int] | None = None  # all-to-all: rows from each rank
+    recv_PL: tuple[tuple[int, ...], ...] | None = None  # all-to-all: rows from each rank per local expert
     route: Any = None  # a two-stage exchange's route (all-gather, hierarchical)
 
     def to_experts(self, x_MD: torch.Tensor) -> torch.Tensor:

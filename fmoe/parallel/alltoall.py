@@ -15,6 +15,7 @@ reuse them and do not synchronise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,14 +28,68 @@ from fmoe.parallel.phased import a2a_each
 from fmoe.parallel.rows import TokenLevelMixin, chunk_transpose_index
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
+HostMatrix = tuple[tuple[int, ...], ...]
+
 
 def split_sizes(counts_PL: torch.Tensor,
-                recv_PL: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...]]:
-    """Return (send_P, recv_P, counts_L): rows to / from each rank and rows per local expert, read to the
-    host in one `.tolist()` (the one host sync of a layer's forward)."""
-    P = counts_PL.shape[0]
-    sizes = torch.cat([counts_PL.sum(1), recv_PL.sum(1), recv_PL.sum(0)]).tolist()
-    return sizes[:P], sizes[P:2 * P], tuple(sizes[2 * P:])
+                recv_PL: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...], HostMatrix]:
+    """Return (send_P, recv_P, counts_L, recv_PL): rows to / from each rank, rows per local expert and
+    rows from each rank per local expert, read to the host in one `.tolist()` (the one host sync of a
+    layer's forward)."""
+    P, L = recv_PL.shape
+    sizes = torch.cat([counts_PL.sum(1), recv_PL.sum(1), recv_PL.sum(0), recv_PL.reshape(-1)]).tolist()
+    matrix = tuple(tuple(sizes[2 * P + L + p * L:2 * P + L + (p + 1) * L]) for p in range(P))
+    return sizes[:P], sizes[P:2 * P], tuple(sizes[2 * P:2 * P + L]), matrix
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Chunk c of a layer's all-to-all split in row chunks (`row_chunks`): its own RowPlan, `rows_R` the
+    indices of this rank's layout rows it sends (and gets back), and `num_rows` R of the whole layout."""
+
+    plan: RowPlan
+    rows_R: torch.Tensor
+    num_rows: int
+
+
+def _bounds(k: int, c: int, n: int) -> tuple[int, int]:
+    """Rows [lo, hi) of chunk c of n of a block of k rows (both ends of a link compute the same)."""
+    return k * c // n, k * (c + 1) // n
+
+
+def row_chunks(plan: RowPlan, n: int, device: torch.device) -> tuple[RowChunk, ...]:
+    """Splits the all-to-all of `plan` into `n` exchanges of row chunks: chunk c sends rows [k c / n,
+    k (c+1) / n) of each block of k rows this rank sends to a peer, and receives the same share of each
+    block a peer sends it, so each chunk is a whole all-to-all of its own and the experts can start on
+    chunk 0 while chunk 1 travels. Routing, capacity and the balancing losses are the whole microbatch's:
+    only the movement is split. Host ints only (no sync: the plan's count exchange read them)."""
+    if plan.send_P is None or plan.recv_P is None or plan.recv_PL is None:
+        raise ValueError("row chunks need an all-to-all plan (send_P, recv_P and recv_PL)")
+    starts = [0]
+    for k in plan.send_P:
+        starts.append(starts[-1] + k)
+    out = []
+    for c in range(n):
+        sends = [_bounds(k, c, n) for k in plan.send_P]
+        rows_R = torch.cat([torch.arange(s + lo, s + hi, dtype=torch.int64)
+                            for s, (lo, hi) in zip(starts, sends)])
+        recv_PL = []
+        for k, row in zip(plan.recv_P, plan.recv_PL):  # a peer's block is sorted by local expert
+            lo, hi = _bounds(k, c, n)
+            begin, kept = 0, []
+            for count in row:
+                kept.append(max(0, min(hi, begin + count) - max(lo, begin)))
+                begin += count
+            recv_PL.append(tuple(kept))
+        recv_P = [sum(r) for r in recv_PL]
+        counts_L = tuple(sum(col) for col in zip(*recv_PL))
+        recv_PL_dev = torch.tensor(recv_PL, dtype=torch.int64, device=device)
+        idx_M = chunk_transpose_index(recv_PL_dev, sum(recv_P)).to(device)
+        sub = RowPlan(counts_L=Counts(counts_L, recv_PL_dev.sum(0)), idx_M=idx_M,
+                      inverse_M=torch.argsort(idx_M),
+                      send_P=[hi - lo for lo, hi in sends], recv_P=recv_P, recv_PL=tuple(recv_PL))
+        out.append(RowChunk(sub, rows_R.to(device), starts[-1]))
+    return tuple(out)
 
 
 class AllToAllDispatcher(TokenLevelMixin, SyncRows, RowExchange):
@@ -54,11 +109,12 @@ class AllToAllDispatcher(TokenLevelMixin, SyncRows, RowExchange):
 
         def plan(got: dict) -> tuple[RowPlan, list]:
             recv_PL = got["counts"]
-            send_P, recv_P, counts_L = split_sizes(counts_PL, recv_PL)  # the host sync
+            send_P, recv_P, counts_L, recv_host = split_sizes(counts_PL, recv_PL)  # the host sync
             # permute-2: (source, local expert) -> (local expert, source)
             idx_M = chunk_transpose_index(recv_PL, sum(recv_P))
             return RowPlan(counts_L=Counts(counts_L, recv_PL.sum(0)), idx_M=idx_M,
-                           inverse_M=torch.argsort(idx_M), send_P=send_P, recv_P=recv_P), []
+                           inverse_M=torch.argsort(idx_M), send_P=send_P, recv_P=recv_P,
+                           recv_PL=recv_host), []
 
         return Chain((recv, handles), plan)
 

@@ -163,7 +163,7 @@ class HierarchicalDispatcher(SyncRows):
 
         def plan(got: dict) -> tuple[RowPlan, list]:
             recv_IL = got["c"]
-            send_I, recv_I, counts_L = split_sizes(box["counts_IL"], recv_IL)  # host sync: split sizes
+            send_I, recv_I, counts_L, _ = split_sizes(box["counts_IL"], recv_IL)  # host sync: split sizes
             idx_M = chunk_transpose_index(recv_IL, sum(recv_I))  # 3. permute-2
             order_R = box["order_R"]
             route = HierRoute(box["send_item"], box["send_A"], box["recv_A"], order_R, order_R // K, send_I,

@@ -30,6 +30,7 @@ from fmoe import block
 from fmoe.config import GPTConfig
 from fmoe.layer import uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
+from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
 from fmoe.schedule.program import Layer, Phase, Ready
@@ -54,15 +55,22 @@ def dense_layer(cfg: GPTConfig, i: int) -> Layer:
 
 
 def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
-              state: dict[str, Any] | None, dispatcher: Any) -> Layer:
+              state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1) -> Layer:
     """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
-    (the block's params) gives the key names: each phase takes exactly the weights it uses."""
+    (the block's params) gives the key names: each phase takes exactly the weights it uses.
+    `a2a_chunks` 2: the all-to-all moves its rows in two chunks that overlap each other's experts
+    (`chunked_moe_phases`); 1 (default), or a dispatcher whose exchanges never leave the process: one."""
+    if a2a_chunks not in (1, 2):
+        raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
     moe_cfg = cfg.moe
     route_key, plan_key = f"route:{name}", f"plan:{name}"
     token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
     ex = phased(dispatcher, token_level)
     local = bool(getattr(ex, "local", False))
+    if a2a_chunks == 2 and not local and not isinstance(ex, AllToAllDispatcher):
+        raise ValueError(f"a2a_chunks 2 splits an all-to-all's rows: {type(ex).__name__} has another route "
+                         "(use AllToAllDispatcher, or a2a_chunks 1)")
     attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
     attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
     mlp_paths = ((*path, "moe", "experts"),)
@@ -108,23 +116,133 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         out = block.finish(acts, meta[route_key])
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
-    return Layer(name, (
+    head = (
         Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
         # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
         # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
         Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
               switch=False, defer_wait=True),
         *(() if token_level else (Phase("permute", "compute", fn=permute_rows),)),
+    )
+    # the shared expert reads the tokens only: it runs while the dispatch travels
+    shared_side = Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None
+    if a2a_chunks == 2 and not local:
+        return Layer(name, head + chunked_moe_phases(cfg, ex, name, mlp_paths, shared_side, finish))
+    return Layer(name, head + (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
-              start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct),
-              # the shared expert reads the tokens only: it runs while the dispatch travels
-              side=Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None,
+              start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
               side_consumes=("normed_TD",) if has_shared else (), local=local),
         Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local),
         Phase("unpermute", "compute", fn=finish),
     ))
+
+
+def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, shared_side: Phase | None,
+                       finish: Any) -> tuple[Phase, ...]:
+    """Returns the phases of an MoE layer after permute-1 with its all-to-all in two row chunks
+    (`fmoe.parallel.alltoall.row_chunks`; routing, capacity and the losses stay the microbatch's):
+      dispatch   (comm):    chunk 0's rows to the experts        + shared expert (side)
+      dispatch.1 (comm):    chunk 1's rows, deferred: mlp.0 runs while it travels
+      mlp.0      (compute): chunk 0's experts
+      combine.0  (comm):    chunk 0's rows back, deferred: mlp.1 runs while it travels
+      mlp.1      (compute): chunk 1's experts
+      combine    (comm):    chunk 1's rows back
+      unpermute  (compute): both chunks' rows in layout order, then as one exchange's
+    An fb-overlap pair still hands over at "dispatch" and "combine" only, so its pairings hold (mlp.0 and
+    mlp.1 together in the place of mlp); a
+    lone F hides chunk 1's dispatch and chunk 0's combine behind the experts of the other chunk, and its
+    backward mirrors it (fmoe.schedule.program: Phase.defer_wait)."""
+    plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
+    probs = ("probs_R",) if cfg.moe.probs_in_expert else ()
+
+    def sent(acts: dict, chunk: Any) -> dict:
+        return {k: acts[k].index_select(0, chunk.rows_R) for k in ("rows_RD", *probs)}
+
+    def tagged(got: dict, c: int) -> dict:
+        return {f"{k}.{c}": v for k, v in got.items()}
+
+    def untagged(acts: dict, c: int) -> dict:
+        return {k[:-2]: v for k, v in acts.items() if k.endswith(f".{c}")}
+
+    def scattered(got: dict, chunk: Any) -> dict:  # a chunk's cotangents in the whole layout's rows
+        return {k: v.new_zeros((chunk.num_rows, *v.shape[1:])).index_copy(0, chunk.rows_R, v)
+                for k, v in got.items()}
+
+    def dispatch0(acts: dict, meta: dict) -> Any:
+        chunks = row_chunks(meta[plan_key], 2, acts["rows_RD"].device)
+        meta = {**meta, chunks_key: chunks}
+        return _Then(ex.start_dispatch(chunks[0].plan, sent(acts, chunks[0])),
+                     lambda got: ({**acts, **tagged(got, 0)}, meta))  # rows_RD stays for chunk 1
+
+    def dispatch0_t(ct: dict, meta: dict) -> Any:
+        chunk = meta[chunks_key][0]
+        mine = {k: ct[k] for k in ("rows_MD.0", "probs_M.0") if k in ct}
+        rest = {k: v for k, v in ct.items() if k not in mine}
+
+        def add(got: dict) -> dict:
+            part = scattered(got, chunk)
+            return {**rest, **{k: part[k] + rest[k] if k in rest else part[k] for k in part}}
+
+        return _Then(ex.start_dispatch_transpose(chunk.plan, untagged(mine, 0)), add)
+
+    def dispatch1(acts: dict, meta: dict) -> Any:
+        chunk = meta[chunks_key][1]
+        return _Then(ex.start_dispatch(chunk.plan, sent(acts, chunk)), lambda got: (tagged(got, 1), meta))
+
+    def dispatch1_t(ct: dict, meta: dict) -> Any:
+        chunk = meta[chunks_key][1]
+        return _Then(ex.start_dispatch_transpose(chunk.plan, untagged(ct, 1)),
+                     lambda got: scattered(got, chunk))
+
+    def mlp(c: int) -> Any:
+        def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+            plan: RowPlan = meta[chunks_key][c].plan
+            grouped = {k: plan.to_experts(v) for k, v in untagged(acts, c).items()}  # permute-2
+            out = block.experts({"experts": p[0]}, grouped, plan.counts_L, cfg, meta[f"route:{name}"].remat,
+                                check=False)
+            rest = {k: v for k, v in acts.items() if not k.endswith(f".{c}") and k != "normed_TD"}
+            return {**rest, f"rows_MD.{c}": plan.from_experts(out["rows_MD"])}, meta
+        return fn
+
+    def combine(c: int) -> tuple[Any, Any]:
+        def start(acts: dict, meta: dict) -> Any:
+            chunk = meta[chunks_key][c]
+            mine = {k: v for k, v in acts.items() if k == f"rows_MD.{c}"}
+            rest = {k: v for k, v in acts.items() if k not in mine}
+            return _Then(ex.start_combine(chunk.plan, untagged(mine, c)),
+                         lambda got: ({**rest, **tagged(got, c)}, meta))
+
+        def transpose(ct: dict, meta: dict) -> Any:
+            mine = {k: v for k, v in ct.items() if k == f"rows_RD.{c}"}
+            rest = {k: v for k, v in ct.items() if k not in mine}
+            return _Then(ex.start_combine_transpose(meta[chunks_key][c].plan, untagged(mine, c)),
+                         lambda got: {**rest, **tagged(got, c)})
+        return start, transpose
+
+    def merged(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        chunks = meta[chunks_key]
+        order_R = torch.argsort(torch.cat([ch.rows_R for ch in chunks]))
+        rows_RD = torch.cat([acts["rows_RD.0"], acts["rows_RD.1"]]).index_select(0, order_R)
+        rest = {k: v for k, v in acts.items() if k not in ("rows_RD.0", "rows_RD.1")}
+        out, meta = finish(p, {**rest, "rows_RD": rows_RD}, meta)
+        return out, {k: v for k, v in meta.items() if k != chunks_key}
+
+    combine0, combine0_t = combine(0)
+    combine1, combine1_t = combine(1)
+    return (
+        Phase("dispatch", "comm", start=dispatch0, start_transpose=dispatch0_t, side=shared_side,
+              side_consumes=("normed_TD",) if shared_side is not None else ()),
+        Phase("dispatch.1", "comm", start=dispatch1, start_transpose=dispatch1_t, switch=False,
+              defer_wait=True, reads=("rows_RD", *probs)),
+        Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths),
+        Phase("combine.0", "comm", start=combine0, start_transpose=combine0_t, switch=False, defer_wait=True,
+              reads=("rows_MD.0",)),
+        Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths),
+        Phase("combine", "comm", start=combine1, start_transpose=combine1_t),
+        Phase("unpermute", "compute", fn=merged),
+    )
 
 
 def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:

@@ -49,13 +49,14 @@ def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
 def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
                  *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
                  dispatcher: Any = None, dtype: torch.dtype = torch.float32,
-                 check: bool = True) -> dict[int, StageProgram]:
+                 check: bool = True, a2a_chunks: int = 1) -> dict[int, StageProgram]:
     """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
     (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
     `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`).
     `check`: check the params this rank's chunks read, and their layer states, against `cfg` first
     (keys, shapes, dtypes; routed experts: the dispatcher's num_local_experts; fmoe/structure.py); the
-    phases then run unchecked. False skips it, for trees that already passed."""
+    phases then run unchecked. False skips it, for trees that already passed. `a2a_chunks` 2: each MoE
+    layer's all-to-all in two row chunks that hide each other behind their experts (`moe_layer`)."""
     chunks = chunks or cut_gpt(cfg, s.placement)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     B, S = micro_batch
@@ -74,12 +75,12 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
                 layers.append(P.dense_layer(cfg, i))
             else:
                 layers.append(P.moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i],
-                                        state["layers"][i], dispatcher))
+                                        state["layers"][i], dispatcher, a2a_chunks))
         if chunk.last:
             if cfg.mtp:
                 layers.append(P.mtp_in_layer(cfg))
                 layers.append(P.moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"],
-                                        state.get("mtp"), dispatcher))
+                                        state.get("mtp"), dispatcher, a2a_chunks))
             layers.append(P.head_layer(cfg))
         layers = chunk_layers(cfg.recompute, chunk.layers, layers)  # fmoe/recompute.py
         spec = {} if chunk.first else {"h_BSD": ((B, S, cfg.d_model), dtype)}
@@ -108,7 +109,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       check: bool = True, timeout: timedelta = timedelta(seconds=120),
                       on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
                       loss_scale: float = 1.0, fuse_iw: bool = True,
-                      compute_model: Any = None) -> PipelineStep:
+                      compute_model: Any = None, a2a_chunks: int = 1) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
@@ -121,7 +122,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     gradients are summed in over microbatches (mixed precision: fp32 for bf16 params). `loss_scale`: the
     gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
     `fmoe.schedule.execute` (an I whose W comes next runs as one B). `compute_model`: the executor's
-    (each compute phase held to a modelled duration; None: off)."""
+    (each compute phase held to a modelled duration; None: off). `a2a_chunks`: as in `gpt_programs`."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -131,7 +132,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     chunks = chunks or cut_gpt(cfg, s.placement)
     (B, S), = shapes
     programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
-                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check)
+                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check,
+                            a2a_chunks=a2a_chunks)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
