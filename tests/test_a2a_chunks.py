@@ -248,3 +248,11 @@ def test_chunks_need_an_all_to_all() -> None:
                   AllGatherDispatcher(_Group(), 4), a2a_chunks=2)
     with pytest.raises(ValueError, match="1 or 2"):
         moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], None, None, a2a_chunks=3)
+
+
+def test_fmoe_train_takes_two_chunks_with_the_all_to_all_only() -> None:
+    from fmoe.train.config import TrainConfig
+
+    assert TrainConfig(a2a_chunks=2).problem() is None
+    assert "1 or 2" in TrainConfig(a2a_chunks=3).problem()
+    assert "--dispatcher alltoall" in TrainConfig(a2a_chunks=2, dispatcher="allgather").problem()

@@ -81,7 +81,9 @@ class TrainConfig:
     "accumulate" otherwise), schedule_file (a schedule written out in its printed form instead of a named
     one: fmoe.schedule.load_schedule; read and verified before launch, its rank lines must be pp, its
     microbatches `microbatches`, its chunks per rank the vpp given), dualpipev_dw_detach, overlap, fuse_iw
-    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), dispatcher, ranks_per_node,
+    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), a2a_chunks (1, or 2: each MoE
+    layer's all-to-all in two row chunks that travel while the other chunk's experts run, so a lone
+    forward hides its combine too; all-to-all dispatcher only), dispatcher, ranks_per_node,
     link_model ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
     num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
     2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
@@ -167,6 +169,7 @@ class TrainConfig:
     dualpipev_dw_detach: bool = False
     overlap: bool = True
     fuse_iw: bool = True
+    a2a_chunks: int = 1
     dispatcher: str = "alltoall"
     ranks_per_node: int | None = None
     link_model: str | None = None
@@ -454,6 +457,11 @@ class TrainConfig:
                              "(sigmoid scores are renormalised over the top k, as in Megatron)")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
+        if self.a2a_chunks not in (1, 2):
+            raise ValueError(f"--a2a-chunks must be 1 or 2, got {self.a2a_chunks}")
+        if self.a2a_chunks == 2 and self.dispatcher != "alltoall":
+            raise ValueError(f"--a2a-chunks 2 splits the all-to-all's rows: it needs --dispatcher alltoall, "
+                             f"not {self.dispatcher}")
         self._check_data()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "

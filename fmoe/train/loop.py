@@ -300,7 +300,8 @@ class Trainer:
                                 timeout=self.timeout, on_stage_done=self._stage_done,
                                 grad_dtype=policy.grad_dtype if policy.mixed else None,
                                 loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
-                                fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model)
+                                fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model,
+                                a2a_chunks=self.tc.a2a_chunks)
         self.last_result = out.result
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)
