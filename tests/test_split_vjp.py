@@ -30,7 +30,7 @@ from fmoe.transforms import (
     defer_weight_grad,
     split_vjp,
 )
-from fmoe.transforms.split_vjp import ENGINES
+from fmoe.transforms.split_vjp import ENGINES, PLAIN_OPS
 from fmoe.transforms.tape import unwrapped
 from fmoe.transforms.testing import assert_close, float_dtypes
 
@@ -74,16 +74,20 @@ def split_as_vjp(f, *primals, engine="func"):
 
 @SETTINGS
 @given(depth=st.integers(1, 3), n=st.integers(1, 9), d=st.integers(1, 8), f=st.integers(1, 12),
-       dtype=float_dtypes, seed=st.integers(0, 2**16), engine=st.sampled_from(ENGINES), defer=st.booleans())
-@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="func", defer=True)
-@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="autograd", defer=True)
-@example(depth=2, n=3, d=2, f=3, dtype=torch.float64, seed=0, engine="autograd", defer=False)
-@example(depth=2, n=3, d=2, f=3, dtype=torch.float64, seed=0, engine="func", defer=False)
-def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed, engine, defer):
+       dtype=float_dtypes, seed=st.integers(0, 2**16), engine=st.sampled_from(ENGINES), defer=st.booleans(),
+       plain_ops=st.sampled_from(PLAIN_OPS))
+@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="func", defer=True, plain_ops="dx")
+@example(depth=1, n=1, d=1, f=1, dtype=torch.float64, seed=0, engine="autograd", defer=True, plain_ops="dx")
+@example(depth=2, n=3, d=2, f=3, dtype=torch.float64, seed=0, engine="autograd", defer=False, plain_ops="dx")
+@example(depth=2, n=3, d=2, f=3, dtype=torch.float64, seed=0, engine="func", defer=False, plain_ops="dx")
+@example(depth=2, n=3, d=2, f=3, dtype=torch.float64, seed=0, engine="autograd", defer=True,
+         plain_ops="defer")
+def test_split_vjp_equals_unsplit_vjp(depth, n, d, f, dtype, seed, engine, defer, plain_ops):
     params = make_params(depth, d, f, dtype, seed)
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64).to(dtype)
     ct = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64).to(dtype)
-    out, vjp_dx = split_vjp(stack, params, x, engine=engine, defer=defer)
+    plain_ops = plain_ops if engine == "autograd" else "dx"  # "defer" walks the autograd graph
+    out, vjp_dx = split_vjp(stack, params, x, engine=engine, defer=defer, plain_ops=plain_ops)
     (dx,), vjp_dw = vjp_dx(ct)
     dparams = vjp_dw()
     ref_out, ref_fn = torch.func.vjp(stack, params, x)

@@ -1,7 +1,8 @@
 """Function transforms that know nothing of MoE: split dx/dw backward, recompute, the weight-grad tape.
 
 Installed and imported as `fmoe.transforms` (the folder is transforms/ at the top of the repository).
-`check_vjp` and `assert_close` load `fmoe.transforms.testing` (and hypothesis) on first use.
+`check_vjp` and `assert_close` load `fmoe.transforms.testing` (and hypothesis) on first use;
+`deferral_report` (what split_vjp's two passes compute, in FLOPs) loads `fmoe.transforms.report`.
 """
 
 from fmoe._lazy import lazy_exports
@@ -22,4 +23,6 @@ from fmoe.transforms.tape import defer_weight_grad as defer_weight_grad
 from fmoe.transforms.tape import weight_grad_or_defer as weight_grad_or_defer
 
 __getattr__, __dir__ = lazy_exports(__name__, {"assert_close": ".testing", "check_vjp": ".testing",
-                                                  "grads_by": ".testing", "tracked_peak_bytes": ".testing"})
+                                                  "grads_by": ".testing", "tracked_peak_bytes": ".testing",
+                                                  "deferral_report": ".report", "DeferralReport": ".report",
+                                                  "LeafDeferral": ".report"})

@@ -4,12 +4,17 @@
     dargs, vjp_dw = vjp_dx(cotangent)      # input grads; weight grads of primitives are deferred
     dparams = vjp_dw()                     # weight grads, with the pytree structure of params
 
-Built on `torch.func.vjp`. During `vjp_dx` a `WeightGradTape` over the parameter leaves is active:
-weight-bearing primitives (`fmoe.ops.linear`, `grouped_linear`, ...) return dx only and record their
-weight-grad thunks there. Parameters that no such primitive consumes (norm scales, biases) get their
-gradients in the dx pass; `vjp_dw` returns them together with the deferred ones. Unused leaves get
-zeros; a weight used twice accumulates. Every returned gradient is a real tensor (no stride-0 expanded
-one), safe to accumulate into in place.
+Built on `torch.func.vjp` (engine "func") or tape autograd (engine "autograd"). During `vjp_dx` a
+`WeightGradTape` over the parameter leaves is active: weight-bearing primitives (`fmoe.ops.linear`,
+`grouped_linear`, ...) return dx only and record their weight-grad thunks there. Parameters that no such
+primitive consumes as the leaf itself (plain torch ops: `F.linear`, norm scales, biases; an fmoe primitive
+given a view such as `w.T`) get their gradients in the dx pass by default (`plain_ops="dx"`); `vjp_dw`
+returns them together with the deferred ones. With engine "autograd", `plain_ops="defer"` defers the plain
+ops' weight gradients too, by walking the autograd graph (transforms/_plain_defer.py: the dx pass keeps the
+cotangents where a weight path branches off, the dw pass runs from there; no recompute; what stays in the
+dx pass is listed there). `deferral_report` (transforms/report.py) counts in FLOPs what each pass computes
+and what was not deferred, per parameter leaf. Unused leaves get zeros; a weight used twice accumulates.
+Every returned gradient is a real tensor (no stride-0 expanded one), safe to accumulate into in place.
 
 What is checked, so that deferred work never trusts what it captured without asking:
 - A tensor that a deferred thunk reads (an input, a param, the cotangent, an activation) modified in
@@ -42,6 +47,7 @@ from fmoe._compat import (
     under_vmap,
 )
 from fmoe.transforms._flat import flatten, num_leaves, torch_spec, unflatten
+from fmoe.transforms._plain_defer import split_backward
 from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, recording, unwrapped
 
 VMAP_MESSAGE = (
@@ -283,20 +289,23 @@ class DxFn(Protocol):
 
 
 ENGINES = ("func", "autograd")
+PLAIN_OPS = ("dx", "defer")
+PlainOps = Literal["dx", "defer"]
 
 
 @overload
 def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
               has_aux: Literal[False] = False, engine: str = "func",
-              defer: bool = True) -> tuple[Any, DxFn]: ...
+              defer: bool = True, plain_ops: PlainOps = "dx") -> tuple[Any, DxFn]: ...
 
 
 @overload
 def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
-              has_aux: Literal[True], engine: str = "func", defer: bool = True) -> tuple[Any, DxFn, Any]: ...
+              has_aux: Literal[True], engine: str = "func", defer: bool = True,
+              plain_ops: PlainOps = "dx") -> tuple[Any, DxFn, Any]: ...
 
 
-def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: bool
+def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: bool, is_param: list[bool]
                   ) -> tuple[Any, Callable[..., tuple], Any, list[torch.Tensor], tuple[list, Any]]:
     """Returns (out, vjp_fn, aux, leaves, (out's leaves, out's spec)): the torch.func.vjp contract on tape
     autograd. f runs once on `leaves`, fresh leaves that alias `xs` (detached views, no copy), with grad
@@ -312,11 +321,13 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
 
     def vjp_fn(ct_leaves: list[torch.Tensor], retain_graph: bool = False,
-               into: list[torch.Tensor | None] | None = None) -> tuple:
+               into: list[torch.Tensor | None] | None = None, tape: WeightGradTape | None = None) -> tuple:
         outs, ins = graph.pop("outs"), graph.pop("leaves")
         if not outs:
             return tuple(into) if into is not None else tuple(None for _ in ins)
         cts = [ct_leaves[k] for k in differentiable]
+        if tape is not None:  # plain_ops="defer": the weight paths of plain ops wait on the tape
+            return tuple(split_backward(outs, cts, ins, is_param, tape))
         if into is None:
             return torch.autograd.grad(outs, ins, cts, retain_graph=retain_graph, allow_unused=True)
         # AccumulateGrad into the leaves: in place where a sum is given, else the fresh gradient kept
@@ -338,7 +349,7 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
 
 def split_vjp(
     f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, engine: str = "func",
-    defer: bool = True,
+    defer: bool = True, plain_ops: PlainOps = "dx",
 ) -> tuple[Any, DxFn] | tuple[Any, DxFn, Any]:
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
@@ -359,11 +370,24 @@ def split_vjp(
     False computes every gradient in the `vjp_dx` pass (the primitives may take their native autograd
     paths, less per-op overhead) and `vjp_dw` only hands the parameter gradients over: for a caller that
     runs the two back to back (a pipeline's fused B), same gradients, less work.
+
+    `plain_ops` (with defer=True): what happens to the weight gradients of ops that know no tape (plain
+    torch ops: `F.linear`, `F.layer_norm`, a bias add). "dx" (default): they are made in the dx pass.
+    "defer" (engine "autograd" only): the autograd graph is walked after the forward and they wait for
+    `vjp_dw` too, with no recompute (the dx pass keeps the cotangents where a weight path branches off;
+    see transforms/_plain_defer.py for what stays in the dx pass: weights below a Python autograd
+    Function, a weight below two branch points). `deferral_report` counts what each pass computes.
     """
     if under_vmap():
         raise RuntimeError(VMAP_MESSAGE)
     if engine not in ENGINES:
         raise ValueError(f"split_vjp: engine must be one of {ENGINES}, got {engine!r}")
+    if plain_ops not in PLAIN_OPS:
+        raise ValueError(f"split_vjp: plain_ops must be one of {PLAIN_OPS}, got {plain_ops!r}")
+    if plain_ops == "defer" and engine != "autograd":
+        raise ValueError("split_vjp: plain_ops='defer' needs engine='autograd' (it walks the autograd graph; "
+                         "torch.func.vjp has none to walk). fmoe.transforms.deferral_report tells what the "
+                         "'func' engine's dx pass computes.")
     # params and args flattened apart: each spec is needed on its own (vjp_dw, dargs), and every flatten
     # and unflatten of torch's Python pytrees costs tens of microseconds per call
     p_leaves, p_spec = flatten(params)
@@ -386,7 +410,8 @@ def split_vjp(
             return f(p, *a)
 
     if engine == "autograd":
-        out, vjp_fn, aux, diff_leaves, (out_leaves, out_spec) = _autograd_vjp(flat_f, diff_leaves, has_aux)
+        out, vjp_fn, aux, diff_leaves, (out_leaves, out_spec) = _autograd_vjp(
+            flat_f, diff_leaves, has_aux, [i < n_param_leaves for i in diff_pos])
     elif has_aux:
         # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
         aux_skeleton: list[Any] = []
@@ -422,7 +447,10 @@ def split_vjp(
         ct_refs = [weakref.ref(c) for c in ct_leaves]
         fn = state.pop("vjp_fn")
         with active_tape(state["tape"]):
-            grads = fn(ct_leaves, into=acc) if engine == "autograd" else fn(cotangent, retain_graph=False)
+            if engine != "autograd":
+                grads = fn(cotangent, retain_graph=False)
+            else:
+                grads = fn(ct_leaves, into=acc, tape=state["tape"] if plain_ops == "defer" else None)
         del fn
         full: list[Any] = [None] * n_leaves
         for k, (i, g) in enumerate(zip(diff_pos, grads)):
