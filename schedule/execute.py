@@ -425,7 +425,7 @@ class _Executor:
             acts = self._whole_stage_forward(prog, acts, meta, stage, mb, rec, defer)
         held = None  # an exchange whose wait is deferred (Phase.defer_wait), with what its wait needs
         for layer in prog.layers if phased else ():
-            for ph in layer.phases:
+            for ph in layer.forward_phases(paired):
                 side = None
                 if ph.kind == "comm" and held is not None:
                     if paired and ph.side is not None:
@@ -608,6 +608,8 @@ class _Executor:
                 given = {k: ct.pop(k) if k in ct else torch.zeros(sh, dtype=dt, device=dev)
                          for k, (sh, dt, dev) in (r.delivered or {}).items()}
                 held = _Held(ph, layer, stage, mb, ph.start_transpose(given, r.meta), t, set())
+                if not _in_flight(held.pending):  # nothing travels (a count exchange's transpose)
+                    ct, held = self._wait_held_transpose(held, ct), None
             elif ph.kind == "compute":
                 t = self._now()
                 full = {}

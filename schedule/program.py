@@ -110,10 +110,28 @@ class Phase:
 
 @dataclass(frozen=True)
 class Layer:
-    """A named sequence of phases (name used in timelines, for example "L5")."""
+    """A named sequence of phases (name used in timelines, for example "L5"). `lone_phases`: another
+    sequence of the same computation for a forward that runs alone (warmup, cooldown, overlap off), where
+    no paired op hides its exchanges and the layer may hide them behind its own work (an all-to-all in
+    chunks); None: `phases`. Its backward follows whichever the forward ran. Both hand over to a pair at
+    the same number of exchanges."""
 
     name: str
     phases: tuple[Phase, ...]
+    lone_phases: tuple[Phase, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lone_phases is not None and _turns(self.lone_phases) != _turns(self.phases):
+            raise ValueError(f"layer {self.name!r}: lone_phases hand over at {_turns(self.lone_phases)} "
+                             f"exchanges, phases at {_turns(self.phases)}")
+
+    def forward_phases(self, paired: bool) -> tuple[Phase, ...]:
+        """The phases a forward runs: `phases` in an F&B pair, else `lone_phases` when given."""
+        return self.phases if paired or self.lone_phases is None else self.lone_phases
+
+
+def _turns(phases: tuple[Phase, ...]) -> int:
+    return sum(ph.kind == "comm" and ph.switch and not ph.local for ph in phases)
 
 
 @dataclass(frozen=True)

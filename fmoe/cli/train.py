@@ -71,8 +71,8 @@ HELP = {
     "dualpipev_dw_detach": "DualPipeV's cooldown splits B into I and W",
     "overlap": "fb overlap of F&B pairs (default on)",
     "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),
-    "a2a_chunks": "2: each MoE layer's all-to-all in two row chunks, each travelling while the other's experts "
-                  "run (warmup / cooldown forwards hide their combine too; --dispatcher alltoall)",
+    "a2a_chunks": "2: a forward without an F&B pair (warmup, cooldown) moves each MoE layer's all-to-all in "
+                  "two row chunks, each travelling while the other's experts run (--dispatcher alltoall)",
     "ranks_per_node": "treat this many consecutive local ranks as one node",
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
     "num_virtual_stages_per_pipeline_rank": "vpp: model chunks per rank of the interleaved schedules "

@@ -59,8 +59,11 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
     (the block's params) gives the key names: each phase takes exactly the weights it uses.
-    `a2a_chunks` 2: the all-to-all moves its rows in two chunks that overlap each other's experts
-    (`chunked_moe_phases`); 1 (default), or a dispatcher whose exchanges never leave the process: one."""
+    `a2a_chunks` 2: a forward that runs alone (no F&B pair to hide its exchanges: warmup, cooldown,
+    overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run
+    (`chunked_moe_phases`, the layer's lone_phases); a paired forward moves them whole, since there the
+    paired backward hides them and a second chunk would queue behind its exchange (BENCHMARKS.md).
+    1 (default), or a dispatcher whose exchanges never leave the process: whole."""
     if a2a_chunks not in (1, 2):
         raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
     moe_cfg = cfg.moe
@@ -126,9 +129,10 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     )
     # the shared expert reads the tokens only: it runs while the dispatch travels
     shared_side = Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None
-    if a2a_chunks == 2 and not local:
-        return Layer(name, head + chunked_moe_phases(cfg, ex, name, mlp_paths, shared_side, finish))
-    return Layer(name, head + (
+    lone = None
+    if a2a_chunks == 2 and not local:  # a forward with no pair to hide its exchanges hides them itself
+        lone = head + chunked_moe_phases(cfg, ex, name, mlp_paths, shared_side, finish)
+    return Layer(name, lone_phases=lone, phases=head + (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
               side_consumes=("normed_TD",) if has_shared else (), local=local),

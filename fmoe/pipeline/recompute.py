@@ -32,14 +32,19 @@ def recompute_phases(layer: Layer, whole: bool, shared: bool) -> Layer:
     phase (`shared`); `layer` itself when neither."""
     if not (whole or shared):
         return layer
-    phases = []
-    for ph in layer.phases:
-        if ph.kind == "compute" and whole:
-            ph = _remat(ph)
-        if ph.side is not None and (whole or (shared and ph.side.name == SHARED)):
-            ph = dataclasses.replace(ph, side=_remat(ph.side))
-        phases.append(ph)
-    return dataclasses.replace(layer, phases=tuple(phases))
+
+    def wrapped(phases: tuple[Phase, ...]) -> tuple[Phase, ...]:
+        out = []
+        for ph in phases:
+            if ph.kind == "compute" and whole:
+                ph = _remat(ph)
+            if ph.side is not None and (whole or (shared and ph.side.name == SHARED)):
+                ph = dataclasses.replace(ph, side=_remat(ph.side))
+            out.append(ph)
+        return tuple(out)
+
+    lone = None if layer.lone_phases is None else wrapped(layer.lone_phases)
+    return dataclasses.replace(layer, phases=wrapped(layer.phases), lone_phases=lone)
 
 
 def chunk_layers(rc: Recompute, chunk_layers: tuple[int, ...], layers: list[Layer]) -> list[Layer]:

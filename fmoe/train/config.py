@@ -81,9 +81,10 @@ class TrainConfig:
     "accumulate" otherwise), schedule_file (a schedule written out in its printed form instead of a named
     one: fmoe.schedule.load_schedule; read and verified before launch, its rank lines must be pp, its
     microbatches `microbatches`, its chunks per rank the vpp given), dualpipev_dw_detach, overlap, fuse_iw
-    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), a2a_chunks (1, or 2: each MoE
-    layer's all-to-all in two row chunks that travel while the other chunk's experts run, so a lone
-    forward hides its combine too; all-to-all dispatcher only), dispatcher, ranks_per_node,
+    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), a2a_chunks (1, or 2: a
+    forward with no F&B pair moves each MoE layer's all-to-all in two row chunks that travel while the
+    other chunk's experts run, so it hides its combine too; all-to-all dispatcher only), dispatcher,
+    ranks_per_node,
     link_model ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
     num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
     2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
