@@ -618,8 +618,10 @@ def analyse(name: str, args: argparse.Namespace, timing: list[dict],
         }
     on = row["on"]
     row["tails"] = pair_tails(s, [st["events"] for st in on["reps"][-1]])
-    # the simulator's a2a is a layer's whole exchange: with chunks, both chunks' (each moves half the rows)
-    a2a = args.a2a_chunks * med(d for rep in on["reps"] for st in rep for d in st["model_d"])
+    # the simulator's a2a is a layer's whole exchange: with --a2a-chunks 2 the "on" steps' lone forwards move
+    # half-size chunks, so take it from the steps that move every exchange whole
+    whole = row["on1"] if "on1" in row else on
+    a2a = med(d for rep in whole["reps"] for st in rep for d in st["model_d"])
     lone_hide = min(1.0, max(0.0, on["lone_dc"] if on["lone_dc"] is not None else 0.0))
     sims, sims_half, costs = [], [], None
     for rep, wall in zip(on["reps"], on["walls"]):
