@@ -86,12 +86,25 @@ def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[s
     return state
 
 
-def _logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
-                 cfg: GPTConfig) -> torch.Tensor:
-    """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS."""
+def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
+                cfg: GPTConfig) -> torch.Tensor:
+    """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
+    model's and MTP's; the pipeline's head phase calls it too)."""
     B, S, D = h_BSD.shape
     logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
     return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+
+
+def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
+              cfg: GPTConfig) -> torch.Tensor:
+    """Return z_BSD [B, S-1, D], MTP's input (module docstring): proj([norm(h_i); norm(embed(token i+1))])
+    from the main model's last hidden state and the targets (token i+1 = targets[:, i]); `mtp` the MTP
+    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding. The pipeline's MTP
+    input phase calls it too."""
+    hn_BSD = rms_norm(h_BSD[:, :-1], mtp["hidden_norm"], cfg.norm_eps)
+    next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), table_VD)
+    e_BSD = rms_norm(next_BSD, mtp["embed_norm"], cfg.norm_eps)
+    return linear(torch.cat([hn_BSD, e_BSD], dim=-1), mtp["w_proj"])
 
 
 def _trunk(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig, state: dict[str, Any],
@@ -156,19 +169,16 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     if check:
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
     x_BSD, moe_aux, new_layers = _trunk(params, ids_BS, cfg, state, dispatcher)
-    main = _logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
+    main = logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
     new_state: dict[str, Any] = {"layers": new_layers}
     mtp = main.new_zeros(())
     if cfg.mtp and ids_BS.shape[1] > 1:
         m = params["mtp"]
-        h_BSD = rms_norm(x_BSD[:, :-1], m["hidden_norm"], cfg.norm_eps)
-        next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), params["embed"]["table"])
-        e_BSD = rms_norm(next_BSD, m["embed_norm"], cfg.norm_eps)
-        z_BSD = linear(torch.cat([h_BSD, e_BSD], dim=-1), m["w_proj"])
+        z_BSD = mtp_input(m, params["embed"]["table"], x_BSD, targets_BS, cfg)
         z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher, check=False)
         moe_aux.append(a)
         new_state["mtp"] = a.new_state
-        mtp = _logits_loss(z_BSD, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg)
+        mtp = logits_loss(z_BSD, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg)
     elif cfg.mtp:
         new_state["mtp"] = state.get("mtp", {})
     balance = sum((a.loss for a in moe_aux), main.new_zeros(()))

@@ -29,7 +29,8 @@ import torch
 from fmoe import block
 from fmoe.config import GPTConfig
 from fmoe.layer import uses_token_dispatch
-from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
+from fmoe.model import logits_loss, mtp_input
+from fmoe.ops import embedding, permute, permute_probs
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
@@ -262,12 +263,9 @@ def mtp_in_layer(cfg: GPTConfig) -> Layer:
     stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions)."""
     def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         table, hidden_norm, embed_norm, w_proj = p
-        h_BSD = acts[H]
-        hn_BSD = rms_norm(h_BSD[:, :-1], hidden_norm, cfg.norm_eps)
-        next_BSD = embedding(meta["targets_BS"][:, :-1].clamp(min=0), table)
-        e_BSD = rms_norm(next_BSD, embed_norm, cfg.norm_eps)
-        z_BSD = linear(torch.cat([hn_BSD, e_BSD], dim=-1), w_proj)
-        return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": h_BSD, H: z_BSD}, meta
+        mtp = {"hidden_norm": hidden_norm, "embed_norm": embed_norm, "w_proj": w_proj}
+        z_BSD = mtp_input(mtp, table, acts[H], meta["targets_BS"], cfg)
+        return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": acts[H], H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
     return Layer("mtp_in", (Phase("mtp_in", "compute", fn=fn, param_paths=paths),))
@@ -276,20 +274,14 @@ def mtp_in_layer(cfg: GPTConfig) -> Layer:
 def head_layer(cfg: GPTConfig) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
     mtp_loss_weight * the MTP cross-entropy ("mtp"). Ends the path: returns losses only."""
-    def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, w_DV: torch.Tensor,
-                    targets_BS: torch.Tensor) -> torch.Tensor:
-        B, S, D = h_BSD.shape
-        logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), w_DV)
-        return cross_entropy(logits_TV, targets_BS.reshape(B * S))
-
     def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
         norm_D, w_DV = p[0], p[1]
         targets = meta["targets_BS"]
         if cfg.mtp:
-            mtp = logits_loss(acts[H], p[2], w_DV, targets[:, 1:])
-            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets)
+            mtp = logits_loss(acts[H], p[2], w_DV, targets[:, 1:], cfg)
+            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg)
             return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, meta
-        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets)}, meta
+        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg)}, meta
 
     paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
     losses = ("ce", "mtp") if cfg.mtp else ("ce",)
