@@ -1,5 +1,6 @@
-"""benchmarks/overlap.py --quick with the compute model: it runs, reports the model and the targets, and
-its Chrome trace gives back the hidden share from the trace alone (about 15 s on 2 cores)."""
+"""benchmarks/overlap.py --quick with the compute model and the lone forwards' all-to-all in two chunks: it
+runs, reports the model, the three modes and the targets, and its Chrome trace gives back the hidden share
+from the trace alone (about 20 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_quick_run_with_the_compute_model(tmp_path) -> None:
     trace = tmp_path / "t.json"
     out = subprocess.run([sys.executable, "benchmarks/overlap.py", "--quick", "--no-memory", "--configs",
-                          "combined_1f1b", "--compute-model", "on", "--trace", str(trace)],
+                          "combined_1f1b", "--compute-model", "on", "--a2a-chunks", "2",
+                          "--trace", str(trace)],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    assert "combined_1f1b +cm  on" in text and "compute model, overlap on:" in text
-    assert "targets combined_1f1b +cm:" in text and "loss on" in text
+    assert "combined_1f1b +cm a2a/2 on " in text and "combined_1f1b +cm a2a/2 on1 " in text
+    assert "compute model, overlap on:" in text and "compute model, overlap on1:" in text
+    assert "targets combined_1f1b +cm a2a/2:" in text and "loss on" in text
+    assert "dispatch.1-F" in text and "combine.0-F" in text  # the lone forward's chunks ran
     doc = json.loads(trace.read_text())
     assert doc["otherData"]["compute_model"].startswith("on")
     line = next(ln for ln in text.splitlines() if "from the trace alone" in ln)
