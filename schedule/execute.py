@@ -496,7 +496,7 @@ class _Executor:
         stats: list[tuple[str, str, Any]] = []
 
         def run_phase(ph: Phase, layer: str, p: Any, a: Acts, m: Meta) -> tuple[Acts, Meta]:
-            out, m = ph.fn(tuple(next(p) for _ in ph.param_paths), a, m)
+            out, m = ph.run(tuple(next(p) for _ in ph.param_paths), a, m)
             _check_floating(out, stage, layer, ph.name)
             if isinstance(m, dict) and "stats" in m:
                 m = dict(m)
@@ -552,7 +552,7 @@ class _Executor:
                       defer: bool) -> Side:
         """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns its Side."""
         params = self._params_at(prog, ph.param_paths)
-        out, vjp_dx, _ = split_vjp(lambda p, a: ph.fn(p, a, meta), params, acts, has_aux=True,
+        out, vjp_dx, _ = split_vjp(lambda p, a: ph.run(p, a, meta), params, acts, has_aux=True,
                                    engine=self.engine, defer=defer)
         return Side(out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()})
 
@@ -561,7 +561,7 @@ class _Executor:
         params = self._params_at(prog, ph.param_paths)
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
-            out, meta_out = ph.fn(p, a, meta)
+            out, meta_out = ph.run(p, a, meta)
             _check_floating(out, stage, layer, ph.name)
             return out, meta_out
 

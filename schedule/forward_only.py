@@ -42,12 +42,12 @@ def run_stage(prog: StageProgram, acts: Acts, meta: Meta) -> tuple[Acts, dict[st
     for layer in prog.layers:
         for ph in layer.phases:
             if ph.kind == "compute":
-                acts, meta = ph.fn(params(ph.param_paths), acts, meta)
+                acts, meta = ph.run(params(ph.param_paths), acts, meta)
                 acts = dict(acts)
                 losses.update((k, acts.pop(k)) for k in ph.losses)
             else:
                 pending, rest = issue(ph, acts, meta)
-                side = ph.side.fn(params(ph.side.param_paths), acts, meta)[0] if ph.side is not None else None
+                side = None if ph.side is None else ph.side.run(params(ph.side.param_paths), acts, meta)[0]
                 got, meta = pending.wait()
                 acts = {**rest, **got}  # a deferred exchange (Phase.defer_wait) took only its `reads`
                 if side is not None:

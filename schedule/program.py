@@ -2,7 +2,7 @@
 
 A stage program is a sequence of layers; a layer is a sequence of phases with one signature:
 
-    compute:  fn(params: tuple[subtree, ...], acts: dict[str, Tensor], meta: dict) -> (acts, meta)
+    compute:  fn(params: the user's tree, acts: dict[str, Tensor], meta: dict) -> (acts, meta)
     comm:     start(acts, meta) -> Pending;  Pending.wait() -> (acts, meta)
               start_transpose(ct_acts, meta) -> Pending;  Pending.wait() -> ct_acts
 
@@ -30,7 +30,10 @@ the step result (per-microbatch expert loads and the like), so the model can upd
 step.
 
 `params` of a phase are the subtrees at `param_paths` of the stage's parameter pytree (nested dicts whose
-keys are the model's global names); a phase with no weights has `param_paths = ()`. The same path on two
+keys are the model's global names), handed to `fn` as the tree the user wrote below `param_root` holding
+just those subtrees (`Phase.run`, `nested`): the attention phase of the block at ("layers", "3") gets
+{"attn_norm": ..., "w_q": ..., "moe": {"router": ...}}, the head {"norm": ..., "head": {"w": ...}}; a
+phase with no weights has `param_paths = ()` and gets {}. The same path on two
 stages (a shared weight) is allowed: the executor returns per-stage gradients and `shared_keys` says which
 must be summed across ranks.
 
@@ -68,8 +71,10 @@ class Phase:
 
     name: str
     kind: Literal["compute", "comm"]
-    fn: Callable[[tuple[Any, ...], Acts, Meta], tuple[Acts, Meta]] | None = None
+    fn: Callable[[Any, Acts, Meta], tuple[Acts, Meta]] | None = None
     param_paths: tuple[Path, ...] = ()
+    # compute: `fn` receives the subtrees at `param_paths` as the user's tree below this path (`run`)
+    param_root: Path = ()
     losses: tuple[str, ...] = ()
     start: Callable[[Acts, Meta], Pending] | None = None
     start_transpose: Callable[[Acts, Meta], Pending] | None = None
@@ -104,8 +109,38 @@ class Phase:
         if self.reads and not self.defer_wait:
             raise ValueError(f"phase {self.name!r}: `reads` names the acts of a deferred exchange "
                              "(defer_wait)")
+        outside = [p for p in self.param_paths if tuple(p[:len(self.param_root)]) != tuple(self.param_root)]
+        if outside:
+            raise ValueError(f"phase {self.name!r}: param_paths {outside} are not below param_root "
+                             f"{self.param_root}")
         if self.kind not in ("compute", "comm"):
             raise ValueError(f"phase {self.name!r}: kind must be 'compute' or 'comm', got {self.kind!r}")
+
+
+    def run(self, params: tuple[Any, ...], acts: Acts, meta: Meta) -> tuple[Acts, Meta]:
+        """Runs compute phase `fn` on `params` (the subtrees at `param_paths`, in order) given as the
+        user's tree below `param_root` (`nested`); returns fn's (acts, meta)."""
+        return self.fn(nested(self.param_root, self.param_paths, params), acts, meta)
+
+
+def nested(root: Path, paths: tuple[Path, ...], values: tuple[Any, ...]) -> Any:
+    """Returns `values` (one subtree per path) as nested dicts keyed by each path below `root`: the tree the
+    user wrote, holding just these subtrees. A single path equal to `root` gives its subtree itself; no
+    path gives {}. Raises ValueError for a path given twice or inside another."""
+    if len(paths) == 1 and tuple(paths[0]) == tuple(root):
+        return values[0]
+    out: dict[str, Any] = {}
+    for path, value in zip(paths, values):
+        rel = tuple(path[len(root):])
+        node = out
+        for k in rel[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"param path {'.'.join(path)} lies inside another path of the phase")
+        if not rel or rel[-1] in node:
+            raise ValueError(f"param path {'.'.join(path)} given twice, or beside a path that holds it")
+        node[rel[-1]] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
 
     tc = TrainConfig.from_sources("tiny", None, {
         **layout, "steps": 1, "progress": False, "markov_sequences": 64, "global_batch_size": 8,
-        "micro_batch_size": 1, "seq_length": 16, "keep_host_memory": False, "eval_interval": 1, "eval_iters": 1})
+        "micro_batch_size": 1, "seq_length": 16, "keep_host_memory": False, "eval_interval": 1,
+        "eval_iters": 1})
     par = ParallelLayout(pp=layout["pp"], ep=layout["ep"], dp=layout["dp"], topology=Topology(world, world),
                          device_type="cpu")
     trainer = Trainer(tc, World(rank, world, par, torch.device("cpu")))

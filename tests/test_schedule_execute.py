@@ -58,11 +58,11 @@ def _program(s: S.Schedule, stage: int, params: dict, local: bool = False,
     last = {s.path(mb)[-1] for mb in range(s.m)}
     key = f"c{chunk}"
 
-    def body(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def body(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: {key: the chunk's params}
         h = meta["x"] if stage in first else acts["h"]
-        return {"h": _chunk(p[0], h)}, meta
+        return {"h": _chunk(p[key], h)}, meta
 
-    def loss(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def loss(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         return {"mse": ((acts["h"] - meta["y"]) ** 2).mean()}, meta
 
     phases = [Phase("body", "compute", fn=body, param_paths=((key,),)), _doubling(local, travelling)]
@@ -331,3 +331,26 @@ def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
     # rank 0 fails at its first P2P call with the dead rank: the send of mb 1 or a receive, either way named
     assert re.search(r"(from|to) pipeline rank 1 failed", err), err
 
+
+
+def test_a_phase_gets_the_users_tree_below_its_root() -> None:
+    """Phase.run hands fn its weights as the tree the user wrote below param_root (program.nested)."""
+    from fmoe.schedule.program import nested
+
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    root = ("layers", "3")
+    got = nested(root, ((*root, "w_q"), (*root, "moe", "router")), (a, {"w": b}))
+    assert got.keys() == {"w_q", "moe"} and got["w_q"] is a and got["moe"]["router"]["w"] is b
+    assert nested(root, (root,), (c,)) is c  # the path is the root: its subtree itself
+    assert nested((), (), ()) == {}
+    got = nested((), (("norm",), ("head", "w"), ("mtp", "norm")), (a, b, c))
+    assert got["norm"] is a and got["head"]["w"] is b and got["mtp"]["norm"] is c
+    with pytest.raises(ValueError, match="given twice"):
+        nested((), (("w",), ("w",)), (a, b))
+    with pytest.raises(ValueError, match="not below param_root"):
+        Phase("x", "compute", fn=lambda p, a_, m: (a_, m), param_paths=(("other", "w"),), param_root=root)
+    seen = {}
+    ph = Phase("x", "compute", fn=lambda p, a_, m: (seen.update(p) or a_, m),
+               param_paths=((*root, "w_q"),), param_root=root)
+    ph.run((a,), {}, {})
+    assert seen == {"w_q": a}

@@ -35,10 +35,11 @@ class _Delayed:
 
 
 def _program(delay: float) -> StageProgram:
-    def body(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {"h": torch.tanh(linear(meta["x"] if "h" not in acts else acts["h"], p[0]))}, meta
+    def body(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: {"w<k>": the layer's weight}
+        (w,) = p.values()
+        return {"h": torch.tanh(linear(meta["x"] if "h" not in acts else acts["h"], w))}, meta
 
-    def loss(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def loss(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         return {"mse": (acts["h"] ** 2).mean()}, meta
 
     move = Phase("dispatch", "comm", start=lambda a, m: _Delayed((dict(a), m), delay),

@@ -41,18 +41,19 @@ H = "h_BSD"  # the hidden state that crosses layers and stages
 
 def embed_layer() -> Layer:
     """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]."""
-    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {**acts, H: embedding(meta["ids_BS"], p[0])}, meta
+    def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {**acts, H: embedding(meta["ids_BS"], p["embed"]["table"])}, meta
 
     return Layer("embed", (Phase("embed", "compute", fn=fn, param_paths=(("embed", "table"),)),))
 
 
 def dense_layer(cfg: GPTConfig, i: int) -> Layer:
     """Returns dense block `i` as one compute phase over acts[h_BSD]."""
-    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {**acts, H: block.dense_block(p[0], acts[H], cfg, check=False)}, meta  # gpt_programs checked
+    def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: the block's params
+        return {**acts, H: block.dense_block(p, acts[H], cfg, check=False)}, meta  # gpt_programs checked
 
-    return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(("layers", str(i)),)),))
+    path = ("layers", str(i))
+    return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(path,), param_root=path),))
 
 
 def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
@@ -82,15 +83,14 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     has_shared = "shared" in block_params["moe"]
     balance = f"balance:{name}"
 
-    def attention(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        params = {**dict(zip(attn_keys, p[:-1])), "moe": {"router": p[-1]}}
+    def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
         # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
-        out, route = block.attention(params, acts[H], cfg, state, permute_tokens=False, check=False)
+        out, route = block.attention(p, acts[H], cfg, state, permute_tokens=False, check=False)
         out[balance] = out.pop("loss")
         rest = {k: v for k, v in acts.items() if k != H}
         return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
 
-    def permute_rows(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def permute_rows(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         layout = meta[route_key].layout
         out = {**acts, "rows_RD": permute(acts["normed_TD"], layout)}  # permute-1
         if moe_cfg.probs_in_expert:  # the gate weights ride with their rows
@@ -103,25 +103,26 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     def with_meta(pending: Any, meta: dict) -> Any:
         return _Then(pending, lambda a: (a, meta))
 
-    def mlp(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def mlp(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         plan: RowPlan = meta[plan_key]
         grouped = {**acts, "rows_MD": plan.to_experts(acts["rows_MD"])}  # permute-2
         if "probs_M" in acts:
             grouped["probs_M"] = plan.to_experts(acts["probs_M"])
-        out = block.experts({"experts": p[0]}, grouped, plan.counts_L, cfg, meta[route_key].remat,
+        out = block.experts(p["moe"], grouped, plan.counts_L, cfg, meta[route_key].remat,
                             weight_outputs=token_level, check=False)
         out["rows_MD"] = plan.from_experts(out["rows_MD"])
         return out, meta
 
-    def shared(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {"shared_TD": block.shared_expert(p[0], acts)}, meta
+    def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {"shared_TD": block.shared_expert(p["moe"]["shared"], acts)}, meta
 
-    def finish(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         out = block.finish(acts, meta[route_key])
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     head = (
-        Phase("attention", "compute", fn=attention, param_paths=attn_paths, losses=(balance,)),
+        Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
+              losses=(balance,)),
         # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
         # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
         Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
@@ -129,22 +130,23 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         *(() if token_level else (Phase("permute", "compute", fn=permute_rows),)),
     )
     # the shared expert reads the tokens only: it runs while the dispatch travels
-    shared_side = Phase("shared", "compute", fn=shared, param_paths=(shared_path,)) if has_shared else None
+    shared_side = (Phase("shared", "compute", fn=shared, param_paths=(shared_path,), param_root=path)
+                   if has_shared else None)
     lone = None
     if a2a_chunks == 2 and not local:  # a forward with no pair to hide its exchanges hides them itself
-        lone = head + chunked_moe_phases(cfg, ex, name, mlp_paths, shared_side, finish)
+        lone = head + chunked_moe_phases(cfg, ex, name, path, shared_side, finish)
     return Layer(name, lone_phases=lone, phases=head + (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
               side_consumes=("normed_TD",) if has_shared else (), local=local),
-        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths),
+        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths, param_root=path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local),
         Phase("unpermute", "compute", fn=finish),
     ))
 
 
-def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, shared_side: Phase | None,
+def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...], shared_side: Phase | None,
                        finish: Any) -> tuple[Phase, ...]:
     """Returns the phases of an MoE layer after permute-1 with its all-to-all in two row chunks
     (`fmoe.parallel.alltoall.row_chunks`; routing, capacity and the losses stay the microbatch's):
@@ -161,6 +163,7 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, sha
     backward mirrors it (fmoe.schedule.program: Phase.defer_wait)."""
     plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
     probs = ("probs_R",) if cfg.moe.probs_in_expert else ()
+    mlp_paths = ((*path, "moe", "experts"),)
 
     def sent(acts: dict, chunk: Any) -> dict:
         return {k: acts[k].index_select(0, chunk.rows_R) for k in ("rows_RD", *probs)}
@@ -202,10 +205,10 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, sha
                      lambda got: scattered(got, chunk))
 
     def mlp(c: int) -> Any:
-        def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+        def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
             plan: RowPlan = meta[chunks_key][c].plan
             grouped = {k: plan.to_experts(v) for k, v in untagged(acts, c).items()}  # permute-2
-            out = block.experts({"experts": p[0]}, grouped, plan.counts_L, cfg, meta[f"route:{name}"].remat,
+            out = block.experts(p["moe"], grouped, plan.counts_L, cfg, meta[f"route:{name}"].remat,
                                 check=False)
             rest = {k: v for k, v in acts.items() if not k.endswith(f".{c}") and k != "normed_TD"}
             return {**rest, f"rows_MD.{c}": plan.from_experts(out["rows_MD"])}, meta
@@ -226,7 +229,7 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, sha
                          lambda got: {**rest, **tagged(got, c)})
         return start, transpose
 
-    def merged(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
+    def merged(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         chunks = meta[chunks_key]
         order_R = torch.argsort(torch.cat([ch.rows_R for ch in chunks]))
         rows_RD = torch.cat([acts["rows_RD.0"], acts["rows_RD.1"]]).index_select(0, order_R)
@@ -241,10 +244,10 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, mlp_paths: tuple, sha
               side_consumes=("normed_TD",) if shared_side is not None else ()),
         Phase("dispatch.1", "comm", start=dispatch1, start_transpose=dispatch1_t, switch=False,
               defer_wait=True, reads=("rows_RD", *probs)),
-        Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths),
+        Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths, param_root=path),
         Phase("combine.0", "comm", start=combine0, start_transpose=combine0_t, switch=False, defer_wait=True,
               reads=("rows_MD.0",)),
-        Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths),
+        Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths, param_root=path),
         Phase("combine", "comm", start=combine1, start_transpose=combine1_t),
         Phase("unpermute", "compute", fn=merged),
     )
@@ -261,10 +264,8 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
 def mtp_in_layer(cfg: GPTConfig) -> Layer:
     """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
     stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions)."""
-    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        table, hidden_norm, embed_norm, w_proj = p
-        mtp = {"hidden_norm": hidden_norm, "embed_norm": embed_norm, "w_proj": w_proj}
-        z_BSD = mtp_input(mtp, table, acts[H], meta["targets_BS"], cfg)
+    def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg)
         return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": acts[H], H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
@@ -274,11 +275,11 @@ def mtp_in_layer(cfg: GPTConfig) -> Layer:
 def head_layer(cfg: GPTConfig) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
     mtp_loss_weight * the MTP cross-entropy ("mtp"). Ends the path: returns losses only."""
-    def fn(p: tuple, acts: dict, meta: dict) -> tuple[dict, dict]:
-        norm_D, w_DV = p[0], p[1]
+    def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        norm_D, w_DV = p["norm"], p["head"]["w"]
         targets = meta["targets_BS"]
         if cfg.mtp:
-            mtp = logits_loss(acts[H], p[2], w_DV, targets[:, 1:], cfg)
+            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, targets[:, 1:], cfg)
             ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg)
             return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, meta
         return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg)}, meta
