@@ -67,6 +67,15 @@ def _steps(n: int, c: int, r: int, stage: tuple[int, int], mb0: tuple[int, int],
     return acts
 
 
+def check_dualpipev_layers(pp: int, layers: int) -> None:
+    """Raises ScheduleError unless `layers` suit DualPipeV on pp ranks: at least 2pp and a multiple of 2pp
+    (seed 001: every one of the 2pp stages of the V holds as many layers)."""
+    require(isinstance(layers, int) and layers >= 2 * pp, "dualpipev",
+            f"needs layers >= 2*pp = {2 * pp}, got layers={layers}")
+    require(layers % (2 * pp) == 0, "dualpipev",
+            f"layers must be a multiple of 2*pp = {2 * pp}, got {layers}")
+
+
 def dualpipev(pp: int, m: int, dw_detach: bool = False, *, layers: int | None = None, v: int = 1) -> Schedule:
     """Returns DualPipeV on pp ranks (2pp stages in a V, rank r holds stages r and 2pp-1-r).
 
@@ -80,10 +89,7 @@ def dualpipev(pp: int, m: int, dw_detach: bool = False, *, layers: int | None = 
     require(m >= 2 * pp, "dualpipev", f"needs microbatches >= 2*pp = {2 * pp}, got m={m}")
     require(v == 1, "dualpipev", f"cannot be combined with interleaving (virtual pipeline), got v={v}")
     if layers is not None:
-        require(isinstance(layers, int) and layers >= 2 * pp, "dualpipev",
-                f"needs layers >= 2*pp = {2 * pp}, got layers={layers}")
-        require(layers % (2 * pp) == 0, "dualpipev",
-                f"layers must be a multiple of 2*pp = {2 * pp}, got {layers}")
+        check_dualpipev_layers(pp, layers)
     ranks = [_steps(pp, m, r, (r, 2 * pp - 1 - r), (0, 0), dw_detach) for r in range(pp)]
     return build("dualpipev" + ("+dw_detach" if dw_detach else ""), stages.vshape(pp), m, ranks)
 

@@ -10,7 +10,7 @@ vpp 4 would rank a layout no executor runs. `chunks_per_rank` is that rule alone
 from __future__ import annotations
 
 from fmoe.schedule.gen_1f1b import combined_1f1b, gpipe, interleaved_1f1b, one_f_one_b
-from fmoe.schedule.gen_dualpipe import dualpipe, dualpipev
+from fmoe.schedule.gen_dualpipe import check_dualpipev_layers, dualpipe, dualpipev
 from fmoe.schedule.gen_zb import zb_h1, zbv
 from fmoe.schedule.ir import Schedule, ScheduleError
 
@@ -41,6 +41,19 @@ def chunks_per_rank(name: str, v: int | None = None) -> int:
         raise ScheduleError(f"{name} holds {fixed} model chunk{'s' if fixed > 1 else ''} per rank, not "
                             f"vpp {v} (only {takes} take a virtual pipeline size)")
     return fixed
+
+
+# schedules with a rule on the model's transformer layers (the others cut any count into their chunks)
+LAYER_RULES = {"dualpipev": check_dualpipev_layers, "dualpipev+dw_detach": check_dualpipev_layers}
+
+
+def check_layers(name: str, pp: int, layers: int) -> None:
+    """Raises ScheduleError when `layers` transformer layers break schedule `name`'s own layer rule
+    (DualPipeV: at least 2pp and a multiple of 2pp); the rule `build(..., layers=)` applies, without
+    generating the schedule (the planner checks thousands of layouts)."""
+    rule = LAYER_RULES.get(name)
+    if rule is not None:
+        rule(pp, layers)
 
 
 def build(name: str, pp: int, m: int, v: int | None = None, *, layers: int | None = None) -> Schedule:

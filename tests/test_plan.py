@@ -293,7 +293,8 @@ def test_extrapolated_makespan_matches_the_full_simulation(name: str, pp: int) -
         full = L.executed_schedule(name, pp, m, v)  # what the executor runs, as the planner simulates
         lay = L.Layout(tp=1, pp=pp, ep=2, dp=1, vpp=v, schedule=name, overlap=True, micro_batch=1)
         # the planner's own per-stage costs for this layout (embedding and head make the ends uneven) ...
-        ctx = E.Context(toy_model(layers=8), toy_cluster(devices_per_node=8), 2 * pp, 2 * m)
+        # 24 layers: a multiple of 2pp for every pp here (DualPipeV's layer rule)
+        ctx = E.Context(toy_model(layers=24), toy_cluster(devices_per_node=8), 2 * pp, 2 * m)
         assert L.problem(ctx.model, ctx.cluster, ctx.devices, lay, ctx.global_batch) is None
         planner = E.evaluate(ctx, lay).costs
         assert planner is not None
@@ -538,3 +539,19 @@ def test_big_request_is_sane_and_fast() -> None:
     assert best.mem_gib <= 80 and best.layout.world == 256
     assert best.tokens_per_s == pytest.approx(512 * model.seq / best.step_s)
     assert seconds < 60  # generous: a loaded two-core machine
+
+
+@pytest.mark.parametrize("layers, pp", [(9, 2), (6, 2), (12, 3), (2, 2)])
+def test_the_planner_applies_dualpipevs_layer_rule_as_fmoe_train_does(layers: int, pp: int) -> None:
+    """A layout `fmoe plan` may rank is one `fmoe train` accepts: DualPipeV needs layers >= 2pp and a
+    multiple of 2pp (fmoe.schedule.registry.check_layers, the rule `build(..., layers=)` applies)."""
+    from fmoe.train.config import TrainConfig
+
+    lay = L.Layout(tp=1, pp=pp, ep=1, dp=1, vpp=2, schedule="dualpipev", overlap=True, micro_batch=1)
+    why = L.problem(toy_model(layers=layers), toy_cluster(devices_per_node=8), pp, lay, 8 * pp)
+    train = TrainConfig(pp=pp, ep=1, schedule="dualpipev", num_layers=layers, global_batch_size=8 * pp,
+                        micro_batch_size=1).problem()
+    ok = layers >= 2 * pp and layers % (2 * pp) == 0
+    assert (why is None) == ok == (train is None), (why, train)
+    if not ok:
+        assert "2*pp" in why and "2*pp" in train

@@ -23,7 +23,7 @@ from fmoe import schedule as S
 from fmoe.parallel.topology import check_layout
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
-from fmoe.schedule.registry import CHUNKS
+from fmoe.schedule.registry import CHUNKS, check_layers
 
 # the schedules searched for pp > 1; the chunks per rank each runs (and whether it takes a vpp) are the
 # registry's rule (fmoe.schedule.registry.CHUNKS), which `build` enforces for the planner and the runtime
@@ -145,6 +145,7 @@ def problem(
     m = layout.microbatches(global_batch)
     try:
         s = build_schedule(layout.schedule, layout.pp, rule_microbatches(m, layout.pp), max(layout.vpp, 1))
+        check_layers(layout.schedule, layout.pp, model.layers)  # the schedule's own rule, as fmoe train's
         S.place_layers(S.stages.chunk_placement(s.placement), model.layers, min_layers=1)
     except S.ScheduleError as exc:
         return f"{layout.schedule} with pp {layout.pp}, vpp {layout.vpp}, {m} microbatches: {exc}"
