@@ -468,6 +468,19 @@ def test_bad_specs_from_files(tmp_path: Path) -> None:
     assert load_cluster(_toml(tmp_path, "c2", 'base = "h100"\nmem_gib = 40\n')).mem_gib == 40
 
 
+def test_a_cluster_file_may_build_on_this_machines_calibration(tmp_path: Path) -> None:
+    """`base = "local"` resolves as `--cluster local` does: through the file the caller names for it (the
+    machine's calibration; here a stand-in), not as a path called "local"."""
+    local = _toml(tmp_path, "local-cluster", 'base = "h100"\nmem_gib = 12\n')
+    mine = _toml(tmp_path, "mine", 'base = "local"\ndevices_per_node = 2\n')
+    files = {"local": lambda: local}
+    spec = load_cluster(mine, files=files)
+    assert spec.mem_gib == 12 and spec.devices_per_node == 2
+    assert load_cluster("local", files=files).mem_gib == 12
+    with pytest.raises(PlanError, match="local"):  # without the caller's file: an error naming it
+        load_cluster(mine)
+
+
 def _plan_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     rc = main(["plan", *argv])
     out, err = capsys.readouterr()

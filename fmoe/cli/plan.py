@@ -116,7 +116,7 @@ def context(args: argparse.Namespace) -> E.Context:
     if args.seq_length is not None:
         model = model.replace(seq=args.seq_length)
     # "local": this machine, as its calibration's spec file says (measured on first use)
-    cluster = load_cluster(str(cluster_file()) if args.cluster == "local" else args.cluster, known=("local",))
+    cluster = load_cluster(args.cluster, files={"local": lambda: str(cluster_file())})
     gb = args.global_batch
     if gb is None:
         if args.model in ("tiny", "small"):

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -456,15 +456,18 @@ def load_model(name_or_path: str, overrides: dict[str, Any] | None = None,
 
 
 def load_cluster(name_or_path: str, overrides: dict[str, Any] | None = None,
-                 known: tuple[str, ...] = ()) -> ClusterSpec:
-    """Returns the ClusterSpec of a preset name (CLUSTER_PRESETS) or a TOML file (optionally
-    `base = "h800"`; `to_toml` writes one, as the calibration of this machine does: fmoe.calibrate),
-    `overrides` last. `known`: further names the caller resolves itself, listed in the error for a path
-    that is no file."""
+                 files: Mapping[str, Callable[[], str]] | None = None) -> ClusterSpec:
+    """Returns the ClusterSpec of a preset name (CLUSTER_PRESETS), a name of `files` (name -> a function
+    returning the path of its spec file: "local", this machine's calibration, fmoe.calibrate) or a TOML
+    file (optionally `base =` any of those; `to_toml` writes one), `overrides` last."""
+    files = files or {}
     if name_or_path in CLUSTER_PRESETS:
         spec = CLUSTER_PRESETS[name_or_path]
+    elif name_or_path in files:
+        spec = load_cluster(files[name_or_path](), None, files)
     else:
-        spec = _from_toml(name_or_path, ClusterSpec, "cluster", load_cluster, (*CLUSTER_PRESETS, *known))
+        spec = _from_toml(name_or_path, ClusterSpec, "cluster", lambda base: load_cluster(base, None, files),
+                          (*CLUSTER_PRESETS, *files))
     return spec.replace(**overrides) if overrides else spec
 
 
