@@ -1,0 +1,144 @@
+"""Tensor and sequence parallelism as pure functions over weight shards (Megatron's, after its
+tensor_parallel/layers.py and mappings.py; seed 002 lists MoE with sequence parallelism).
+
+Legend (the package's, docs/moe.md): P ranks of the tensor-parallel group, T tokens (B * S, sequence
+major), T/P a rank's sequence shard under sequence parallelism, D model width, F a projection's full
+output width, F/P its shard, V vocabulary, V/P a rank's vocabulary shard.
+
+Which tensor is split how (w_DF a projection as `fmoe.ops.linear` takes it, x @ w_DF):
+    column-parallel   w_DF split on F: rank p holds w_D(F/P) columns p*F/P ..; its output is a shard
+    row-parallel      w_FD split on F: rank p holds rows p*F/P ..; its input is the matching shard, its
+                      output partial sums, summed over the group (all-reduce, or reduce-scatter under SP)
+    vocab-parallel    table_VD and head w_DV split on V: rank p holds vocabulary rows / columns p*V/P ..
+
+The region maps (Megatron's f and g) and their transposes: a function computed identically on every
+rank of the group counts its loss once, so the map that makes a replicated input reach every shard sums
+the shards' input gradients (`copy_to_tp`: identity forward, all-reduce backward) and the map that sums
+partial outputs hands the replicated gradient back unchanged (`reduce_from_tp`: all-reduce forward,
+identity backward). Under sequence parallelism the activations outside the TP regions are sharded over
+the sequence: an all-gather enters a region (its backward a reduce-scatter) and a reduce-scatter leaves
+it (its backward an all-gather): `fmoe.parallel.collectives.all_gather` / `reduce_scatter` as they are.
+Everything here is a setup_context Function or built from them, so it is correct under
+`torch.func.vjp` and `split_vjp` (whose weight gradients `fmoe.ops.linear` defers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fmoe._compat import Function
+from fmoe.ops import embedding, linear
+from fmoe.parallel.collectives import CommGroup, all_gather, all_reduce, reduce_scatter
+
+IGNORE_INDEX = -100  # a target that takes no loss (fmoe.ops.cross_entropy's)
+
+
+class _CopyToTP(Function):
+    @staticmethod
+    def forward(x, comm, op):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.comm, ctx.op = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g, ctx.comm, op=ctx.op + ".bwd"), None, None
+
+
+class _ReduceFromTP(Function):
+    @staticmethod
+    def forward(x, comm, op):
+        return all_reduce(x, comm, op=op)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+def copy_to_tp(x: torch.Tensor, comm: CommGroup, *, op: str = "tp.copy") -> torch.Tensor:
+    """Returns `x` (replicated on the group) entering a TP region: identity forward, its gradient summed
+    over the group in the backward (every shard's use of x contributes). Megatron's f."""
+    return _CopyToTP.apply(x, comm, op)
+
+
+def reduce_from_tp(x: torch.Tensor, comm: CommGroup, *, op: str = "tp.reduce") -> torch.Tensor:
+    """Returns the sum over the group of the partial results `x`, leaving a TP region: all-reduce
+    forward, the (replicated) gradient passed back unchanged. Megatron's g."""
+    return _ReduceFromTP.apply(x, comm, op)
+
+
+def shard_range(n: int, comm: CommGroup, what: str) -> tuple[int, int]:
+    """Returns [start, end) of this rank's equal shard of `n` (ValueError naming `what` unless the group
+    size divides n)."""
+    if n % comm.size:
+        raise ValueError(f"{what}: {n} does not split over {comm.size} tensor-parallel ranks")
+    k = n // comm.size
+    return comm.rank * k, (comm.rank + 1) * k
+
+
+def column_parallel_linear(x_TD: torch.Tensor, w_DF: torch.Tensor, comm: CommGroup, *,
+                           sequence_parallel: bool = False) -> torch.Tensor:
+    """Returns y_T(F/P) = x @ w_DF for this rank's column shard w_D(F/P). x_TD: replicated on the group,
+    or with `sequence_parallel` this rank's sequence shard x_(T/P)D, gathered first (its backward a
+    reduce-scatter)."""
+    x_TD = all_gather(x_TD, comm, op="tp.sp_gather") if sequence_parallel else copy_to_tp(x_TD, comm)
+    return linear(x_TD, w_DF)
+
+
+def row_parallel_linear(x_TF: torch.Tensor, w_FD: torch.Tensor, comm: CommGroup, *,
+                        sequence_parallel: bool = False) -> torch.Tensor:
+    """Returns y = x @ w_FD summed over the group, from this rank's input shard x_T(F/P) and row shard
+    w_(F/P)D: y_TD replicated, or with `sequence_parallel` this rank's sequence shard y_(T/P)D
+    (reduce-scatter instead of all-reduce)."""
+    part_TD = linear(x_TF, w_FD)
+    if sequence_parallel:
+        return reduce_scatter(part_TD, comm, op="tp.sp_scatter")
+    return reduce_from_tp(part_TD, comm)
+
+
+def vocab_parallel_embedding(ids_BS: torch.Tensor, table_VD: torch.Tensor, comm: CommGroup, vocab: int, *,
+                             sequence_parallel: bool = False) -> torch.Tensor:
+    """Returns the embedding of ids_BS [B, S] from this rank's vocabulary shard table_(V/P)D of a
+    `vocab`-token table: h_BSD replicated, or with `sequence_parallel` this rank's sequence shard
+    h_(T/P)D of the flattened tokens (T = B*S, sequence major). Ids outside the shard embed to zero here
+    and come from their own rank."""
+    start, end = shard_range(vocab, comm, "vocab_parallel_embedding")
+    if table_VD.shape[0] != end - start:
+        raise ValueError(f"vocab_parallel_embedding: the shard has {table_VD.shape[0]} rows, expected "
+                         f"{end - start} of {vocab}")
+    mine_BS = (ids_BS >= start) & (ids_BS < end)
+    local_BS = torch.where(mine_BS, ids_BS - start, torch.zeros_like(ids_BS))
+    part_BSD = embedding(local_BS, table_VD) * mine_BS.unsqueeze(-1).to(table_VD.dtype)
+    if sequence_parallel:
+        return reduce_scatter(part_BSD.flatten(0, 1), comm, op="tp.sp_scatter")
+    return reduce_from_tp(part_BSD, comm)
+
+
+def vocab_parallel_cross_entropy(logits_TV: torch.Tensor, targets_T: torch.Tensor, comm: CommGroup,
+                                 vocab: int) -> torch.Tensor:
+    """Returns the mean cross-entropy (0-dim, fp32 or wider) over targets_T [T] (IGNORE_INDEX takes no
+    loss) of logits whose vocabulary is split over the group: logits_T(V/P) this rank's columns. The
+    softmax's max, normaliser and target logit are reduced over the group; the gradient reaching the
+    logits is this shard's softmax minus its one-hot, as on one process."""
+    start, end = shard_range(vocab, comm, "vocab_parallel_cross_entropy")
+    if logits_TV.shape[-1] != end - start:
+        raise ValueError(f"vocab_parallel_cross_entropy: {logits_TV.shape[-1]} logit columns, expected "
+                         f"{end - start} of {vocab}")
+    z_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+    with torch.no_grad():  # a shift for stability only: it cancels in the loss and takes no gradient
+        m_T = z_TV.amax(-1)
+        torch.distributed.all_reduce(m_T, op=torch.distributed.ReduceOp.MAX, group=comm.group)
+    sum_T = reduce_from_tp(torch.exp(z_TV - m_T.unsqueeze(-1)).sum(-1), comm)
+    keep_T = targets_T != IGNORE_INDEX
+    mine_T = keep_T & (targets_T >= start) & (targets_T < end)
+    local_T = torch.where(mine_T, targets_T - start, torch.zeros_like(targets_T))
+    picked_T = z_TV.gather(-1, local_T.unsqueeze(-1)).squeeze(-1) * mine_T.to(z_TV.dtype)
+    target_T = reduce_from_tp(picked_T, comm)
+    loss_T = (torch.log(sum_T) + m_T - target_T) * keep_T.to(z_TV.dtype)
+    return loss_T.sum() / keep_T.sum().clamp(min=1)

@@ -1,0 +1,157 @@
+"""Tensor and sequence parallelism (fmoe/parallel/tensor.py) on gloo ranks against one process in fp64.
+
+Oracle: the same function with whole weights in one process (plain torch: x @ w, torch.nn.functional
+embedding and cross_entropy), differentiated by torch.func.vjp. Each rank differentiates its own shard
+function by torch.func.vjp (and the MLP once more by split_vjp, dw deferred) with the oracle's cotangent
+(its sequence shard under sequence parallelism); its input gradient must equal the oracle's (or its
+shard) and its weight-shard gradient the oracle's gradient sliced the same way. Odd group sizes (3),
+zero tokens, and targets that are all ignored are among the cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as tnf
+from dist_utils import spawn
+
+from fmoe.parallel import CommGroup
+from fmoe.parallel.tensor import (
+    IGNORE_INDEX,
+    column_parallel_linear,
+    row_parallel_linear,
+    shard_range,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
+from fmoe.transforms import split_vjp
+
+DT = torch.float64
+# (tokens T, width D, hidden F, vocabulary V, seed): T and F multiples of 6 so that 2 and 3 ranks split them
+CASES = [(12, 4, 6, 6, 0), (6, 3, 12, 12, 1), (0, 4, 6, 6, 2), (18, 5, 6, 18, 3)]
+
+
+def _data(T: int, D: int, F: int, V: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=DT)
+
+    targets = torch.randint(0, V, (T,), generator=g)
+    targets[::4] = IGNORE_INDEX  # some take no loss
+    return {"x": rnd(T, D), "w1": rnd(D, F) / D ** 0.5, "w2": rnd(F, D) / F ** 0.5, "ct": rnd(T, D),
+            "ids": torch.randint(0, V, (2, T // 2), generator=g), "table": rnd(V, D),
+            "ct_emb": rnd(2, T // 2, D), "logits": rnd(T, V), "targets": targets,
+            "all_ignored": torch.full((T,), IGNORE_INDEX)}
+
+
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return tnf.silu(x @ w1) @ w2
+
+
+def _oracle(case: tuple) -> dict[str, torch.Tensor]:
+    d = _data(*case)
+    out = {}
+    y, vjp = torch.func.vjp(_mlp, d["x"], d["w1"], d["w2"])
+    out["y"], (out["dx"], out["dw1"], out["dw2"]) = y, vjp(d["ct"])
+    e, vjp = torch.func.vjp(lambda t: tnf.embedding(d["ids"], t), d["table"])
+    out["emb"], (out["dtable"],) = e, vjp(d["ct_emb"])
+    for key in ("targets", "all_ignored"):
+        loss, vjp = torch.func.vjp(lambda z, k=key: tnf.cross_entropy(z, d[k], ignore_index=IGNORE_INDEX)
+                                   if bool((d[k] != IGNORE_INDEX).any()) else z.sum() * 0, d["logits"])
+        out[f"ce_{key}"], (out[f"dlogits_{key}"],) = loss, vjp(torch.ones((), dtype=DT))
+    return out
+
+
+def _rank(rank: int, world: int) -> dict:
+    comm = CommGroup(torch.distributed.group.WORLD)
+    results = {}
+    for case in CASES:
+        T, D, F, V, _ = case
+        d = _data(*case)
+        f0, f1 = shard_range(F, comm, "F")
+        v0, v1 = shard_range(V, comm, "V")
+        t0, t1 = shard_range(T, comm, "T")
+        w1, w2, table = d["w1"][:, f0:f1], d["w2"][f0:f1], d["table"][v0:v1]
+        got = {}
+        for sp in (False, True):
+            x = d["x"][t0:t1] if sp else d["x"]
+            ct = d["ct"][t0:t1] if sp else d["ct"]
+
+            def mlp(x_, a, b, sp=sp):
+                h = tnf.silu(column_parallel_linear(x_, a, comm, sequence_parallel=sp))
+                return row_parallel_linear(h, b, comm, sequence_parallel=sp)
+
+            y, vjp = torch.func.vjp(mlp, x, w1, w2)
+            got[f"y{sp}"], (got[f"dx{sp}"], got[f"dw1{sp}"], got[f"dw2{sp}"]) = y, vjp(ct)
+            def embed(t, sp=sp, ids=d["ids"], V=V):
+                return vocab_parallel_embedding(ids, t, comm, V, sequence_parallel=sp)
+
+            e, vjp = torch.func.vjp(embed, table)
+            ct_e = d["ct_emb"].flatten(0, 1)[t0:t1] if sp else d["ct_emb"]
+            got[f"emb{sp}"], (got[f"dtable{sp}"],) = e, vjp(ct_e)
+        # split_vjp: the same MLP, dw deferred to the second call
+        y, vjp_dx = split_vjp(lambda p, x_: row_parallel_linear(
+            tnf.silu(column_parallel_linear(x_, p["w1"], comm)), p["w2"], comm), {"w1": w1, "w2": w2}, d["x"])
+        (dx,), vjp_dw = vjp_dx(d["ct"])
+        got["split"] = (y, dx, vjp_dw())
+        for key in ("targets", "all_ignored"):
+            def ce(z, targets=d[key], V=V):
+                return vocab_parallel_cross_entropy(z, targets, comm, V)
+
+            loss, vjp = torch.func.vjp(ce, d["logits"][:, v0:v1])
+            got[f"ce_{key}"], (got[f"dlogits_{key}"],) = loss, vjp(torch.ones((), dtype=DT))
+        # tensors leave the rank as (shape, values): a shared-memory tensor dies with its process
+        results[case] = torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), got)
+    return results
+
+
+def _back(x: tuple) -> torch.Tensor:
+    return torch.tensor(x[1], dtype=DT).reshape(x[0])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int) -> None:
+    out = spawn(_rank, world, timeout_s=120)
+    for case in CASES:
+        T, D, F, V, _ = case
+        want = _oracle(case)
+        for r in out:
+            got = torch.utils._pytree.tree_map(_back, r.value[case], is_leaf=lambda v: isinstance(v, tuple)
+                                               and len(v) == 2 and isinstance(v[1], list))
+            f = slice(r.rank * F // world, (r.rank + 1) * F // world)
+            v = slice(r.rank * V // world, (r.rank + 1) * V // world)
+            t = slice(r.rank * T // world, (r.rank + 1) * T // world)
+            for sp in (False, True):
+                rows = t if sp else slice(None)
+                msg = f"world {world} case {case} rank {r.rank} sp {sp}"
+                torch.testing.assert_close(got[f"y{sp}"], want["y"][rows], msg=msg)
+                torch.testing.assert_close(got[f"dx{sp}"], want["dx"][rows], msg=msg)
+                torch.testing.assert_close(got[f"dw1{sp}"], want["dw1"][:, f], msg=msg)
+                torch.testing.assert_close(got[f"dw2{sp}"], want["dw2"][f], msg=msg)
+                emb = want["emb"].flatten(0, 1)[t] if sp else want["emb"]
+                torch.testing.assert_close(got[f"emb{sp}"], emb, msg=msg)
+                torch.testing.assert_close(got[f"dtable{sp}"], want["dtable"][v], msg=msg)
+            y, dx, dw = got["split"]
+            torch.testing.assert_close(y, want["y"])
+            torch.testing.assert_close(dx, want["dx"])
+            torch.testing.assert_close(dw["w1"], want["dw1"][:, f])
+            torch.testing.assert_close(dw["w2"], want["dw2"][f])
+            for key in ("targets", "all_ignored"):
+                torch.testing.assert_close(got[f"ce_{key}"], want[f"ce_{key}"], msg=f"{case} {key}")
+                torch.testing.assert_close(got[f"dlogits_{key}"], want[f"dlogits_{key}"][:, v],
+                                           msg=f"{case} {key}")
+
+
+def _uneven(rank: int, world: int) -> str:
+    comm = CommGroup(torch.distributed.group.WORLD)
+    try:
+        vocab_parallel_cross_entropy(torch.zeros(2, 2), torch.zeros(2, dtype=torch.long), comm, 5)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_vocabulary_the_group_does_not_split_is_refused() -> None:
+    for r in spawn(_uneven, 2, timeout_s=60):
+        assert "5 does not split over 2" in r.value
