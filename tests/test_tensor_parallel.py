@@ -155,3 +155,53 @@ def _uneven(rank: int, world: int) -> str:
 def test_a_vocabulary_the_group_does_not_split_is_refused() -> None:
     for r in spawn(_uneven, 2, timeout_s=60):
         assert "5 does not split over 2" in r.value
+
+
+def _property(rank: int, world: int, n: int) -> int:
+    """Runs a derandomized hypothesis search on every rank (the same draws everywhere, so the ranks'
+    collectives pair up): the column -> row MLP with and without sequence parallelism and the
+    vocab-parallel loss, each against the whole-weight function computed on this rank, fp64. Returns the
+    examples checked."""
+    from hypothesis import example, given, settings
+    from hypothesis import strategies as st
+
+    comm = CommGroup(torch.distributed.group.WORLD)
+    seen = []
+
+    @settings(derandomize=True, max_examples=n, deadline=None, database=None)
+    @given(st.integers(0, 3), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.booleans(),
+           st.integers(0, 2**16))
+    @example(0, 1, 1, 1, True, 0)  # no token, one-wide everything
+    @example(2, 1, 1, 1, False, 1)
+    def check(t: int, D: int, f: int, v: int, sp: bool, seed: int) -> None:
+        T, F, V = t * world, f * world, v * world  # sizes the group splits
+        d = _data(T, D, F, V, seed)
+        fs, vs, ts = (slice(*shard_range(n_, comm, "x")) for n_ in (F, V, T))
+        rows = ts if sp else slice(None)
+
+        def mlp(x_, a, b):
+            return row_parallel_linear(tnf.silu(column_parallel_linear(x_, a, comm, sequence_parallel=sp)), b,
+                                       comm, sequence_parallel=sp)
+
+        y, vjp = torch.func.vjp(mlp, d["x"][rows], d["w1"][:, fs], d["w2"][fs])
+        dx, dw1, dw2 = vjp(d["ct"][rows])
+        y_, vjp_ = torch.func.vjp(_mlp, d["x"], d["w1"], d["w2"])
+        dx_, dw1_, dw2_ = vjp_(d["ct"])
+        for got, want in ((y, y_[rows]), (dx, dx_[rows]), (dw1, dw1_[:, fs]), (dw2, dw2_[fs])):
+            torch.testing.assert_close(got, want)
+        loss, vjp = torch.func.vjp(lambda z: vocab_parallel_cross_entropy(z, d["targets"], comm, V),
+                                   d["logits"][:, vs])
+        kept = bool((d["targets"] != IGNORE_INDEX).any())
+        loss_, vjp_ = torch.func.vjp(lambda z: tnf.cross_entropy(z, d["targets"], ignore_index=IGNORE_INDEX)
+                                     if kept else z.sum() * 0, d["logits"])
+        torch.testing.assert_close(loss, loss_)
+        torch.testing.assert_close(vjp(torch.ones((), dtype=DT))[0], vjp_(torch.ones((), dtype=DT))[0][:, vs])
+        seen.append(1)
+
+    check()
+    return len(seen)
+
+
+def test_tensor_parallel_properties_on_three_ranks() -> None:
+    for r in spawn(_property, 3, 25, timeout_s=180):
+        assert r.value >= 25
