@@ -57,9 +57,12 @@ from fmoe.layer import (
     route_tokens,
 )
 from fmoe.ops import linear, rms_norm
+from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp
 from fmoe.recompute import part
 from fmoe.seams import attention_of
 from fmoe.structure import check_block, check_moe, local_experts
+from fmoe.tp_layout import SPLITS, check_shard, check_tp
 
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
 
@@ -93,28 +96,41 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
 
 
 def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                   check: bool = True) -> torch.Tensor:
+                   check: bool = True, tp: CommGroup | None = None) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
     rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]); with cfg.qk_norm, q and k are
-    RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first."""
+    RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first.
+    `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: its H/P query and G/P
+    kv heads; x and the result replicated on the group)."""
+    P = 1 if tp is None else tp.size
     if check:
-        check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
-    H, G = cfg.n_heads, cfg.n_kv_heads
+        if tp is None:
+            check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
+        else:
+            check_tp(cfg, P, dense=False)
+            check_shard(params, cfg, P, _ATTENTION_PATHS)
+    H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     h_BSD = rms_norm(x_BSD, params["attn_norm"], cfg.norm_eps)
+    if tp is not None:  # enters the TP region: every head shard reads h (its gradient summed over them)
+        h_BSD = copy_to_tp(h_BSD, tp)
     # Heads split off the feature axis ([B, S, H*d] -> [B, S, H, d]) and merged back after attention.
     q_BSHd = linear(h_BSD, params["w_q"]).unflatten(-1, (H, cfg.head_dim))
     k_BSGd = linear(h_BSD, params["w_k"]).unflatten(-1, (G, cfg.head_dim))
     v_BSGd = linear(h_BSD, params["w_v"]).unflatten(-1, (G, cfg.head_dim))
     if cfg.qk_norm:
-        q_BSHd = rms_norm(q_BSHd, params["q_norm"], cfg.norm_eps)
-        k_BSGd = rms_norm(k_BSGd, params["k_norm"], cfg.norm_eps)
+        # replicated scales used on this rank's heads only: their gradient is summed over the group
+        q_norm, k_norm = (params[k] if tp is None else copy_to_tp(params[k], tp)
+                          for k in ("q_norm", "k_norm"))
+        q_BSHd = rms_norm(q_BSHd, q_norm, cfg.norm_eps)
+        k_BSGd = rms_norm(k_BSGd, k_norm, cfg.norm_eps)
     attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
 
     def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
         return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
 
     o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
-    return x_BSD + linear(o_BSHd.flatten(-2), params["w_o"])
+    o_BSD = linear(o_BSHd.flatten(-2), params["w_o"])
+    return x_BSD + (o_BSD if tp is None else reduce_from_tp(o_BSD, tp))  # the heads' partial sums
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
@@ -276,10 +292,15 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                check: bool = True) -> torch.Tensor:
+                check: bool = True, tp: CommGroup | None = None) -> torch.Tensor:
     """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x)). `check`: check
-    the params against `cfg` (a dense block) first; False skips it."""
+    the params against `cfg` (a dense block) first; False skips it. `tp`: the tensor-parallel group,
+    `params` this rank's shard (fmoe/tp_layout.py; x and y replicated on the group)."""
     if check:
-        check_block(params, cfg, dense=True)
-    r_BSD = self_attention(params, x_BSD, cfg, check=False)
-    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps)
+        if tp is None:
+            check_block(params, cfg, dense=True)
+        else:
+            check_tp(cfg, tp.size, dense=True)
+            check_shard(params, cfg, tp.size, tuple(SPLITS))
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp)
+    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp)

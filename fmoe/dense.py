@@ -15,6 +15,8 @@ import torch
 from fmoe._checks import positive
 from fmoe.init import param_device, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
+from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
@@ -27,11 +29,16 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
             "w_gate": normal(d_model, d_ff), "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
 
 
-def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6,
+               tp: CommGroup | None = None) -> torch.Tensor:
     """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
-    axes, e.g. [B, S, D], work the same)."""
+    axes, e.g. [B, S, D], work the same). `tp`: the tensor-parallel group, `p` this rank's shard (w_gate,
+    w_up by columns, w_down by rows; fmoe/tp_layout.py), x and the result replicated on the group."""
     h_TD = rms_norm(x_TD, p["norm"], eps)
-    return x_TD + swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
+    if tp is None:
+        return x_TD + swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
+    part_TD = swiglu_linear(*linear_pair(copy_to_tp(h_TD, tp), p["w_gate"], p["w_up"]), p["w_down"])
+    return x_TD + reduce_from_tp(part_TD, tp)  # the ffn shards' partial sums
 
 
 def init_dense_stack(num_layers: int, d_model: int, d_ff: int, generator: torch.Generator | None = None,

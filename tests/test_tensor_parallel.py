@@ -110,6 +110,11 @@ def _back(x: tuple) -> torch.Tensor:
     return torch.tensor(x[1], dtype=DT).reshape(x[0])
 
 
+def _is_packed(v: object) -> bool:
+    """A tensor as a rank returns it: (shape, values)."""
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], list)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int) -> None:
     out = spawn(_rank, world, timeout_s=120)
@@ -117,8 +122,7 @@ def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int) ->
         T, D, F, V, _ = case
         want = _oracle(case)
         for r in out:
-            got = torch.utils._pytree.tree_map(_back, r.value[case], is_leaf=lambda v: isinstance(v, tuple)
-                                               and len(v) == 2 and isinstance(v[1], list))
+            got = torch.utils._pytree.tree_map(_back, r.value[case], is_leaf=_is_packed)
             f = slice(r.rank * F // world, (r.rank + 1) * F // world)
             v = slice(r.rank * V // world, (r.rank + 1) * V // world)
             t = slice(r.rank * T // world, (r.rank + 1) * T // world)
@@ -205,3 +209,81 @@ def _property(rank: int, world: int, n: int) -> int:
 def test_tensor_parallel_properties_on_three_ranks() -> None:
     for r in spawn(_property, 3, 25, timeout_s=180):
         assert r.value >= 25
+
+
+def _block_cfg(qk_norm: bool):
+    from fmoe import GPTConfig, MoEConfig
+
+    moe = MoEConfig(d_model=24, d_ff=8, num_experts=2, top_k=1)  # 12 query heads over 6 kv heads (GQA)
+    return GPTConfig(vocab_size=16, d_model=24, n_layers=1, n_heads=12, n_kv_heads=6, moe=moe,
+                     num_dense_layers=1, d_ff_dense=12, qk_norm=qk_norm)
+
+
+def _dense_rank(rank: int, world: int) -> dict:
+    """A dense block (GQA attention + SwiGLU MLP) on this rank's tp shard (fmoe/tp_layout.py), and its
+    gradients, for qk_norm off and on."""
+    from fmoe import init_gpt
+    from fmoe.block import dense_block
+    from fmoe.tp_layout import shard_block
+
+    comm = CommGroup(torch.distributed.group.WORLD)
+    out = {}
+    for qk in (False, True):
+        cfg = _block_cfg(qk)
+        full = init_gpt(cfg, torch.Generator().manual_seed(3), DT)["layers"][0]
+        if qk:  # non-trivial scales, so their gradients mean something
+            full = {**full, "q_norm": full["q_norm"] * 1.3, "k_norm": full["k_norm"] * 0.7}
+        mine = shard_block(full, cfg, rank, world)
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
+        ct = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
+        y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg: dense_block(p, x_, cfg, tp=comm), mine, x)
+        dp, dx = vjp(ct)
+        out[qk] = torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), (y, dx, dp))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_tensor_parallel_dense_block_equals_one_process(world: int) -> None:
+    """Heads, kv heads (GQA) and the ffn split over 2 and 3 ranks: the output and the input gradient equal
+    one process's, each split weight's gradient is the matching slice of the whole one's, and each
+    replicated weight (the norms, q_norm and k_norm) gets the whole gradient on every rank."""
+    from fmoe import init_gpt
+    from fmoe.block import dense_block
+    from fmoe.tp_layout import shard_block
+
+    results = spawn(_dense_rank, world, timeout_s=120)
+    for qk in (False, True):
+        cfg = _block_cfg(qk)
+        full = init_gpt(cfg, torch.Generator().manual_seed(3), DT)["layers"][0]
+        if qk:
+            full = {**full, "q_norm": full["q_norm"] * 1.3, "k_norm": full["k_norm"] * 0.7}
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
+        ct = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
+        y_, vjp_ = torch.func.vjp(lambda p, x_, cfg=cfg: dense_block(p, x_, cfg), full, x)
+        dp_, dx_ = vjp_(ct)
+        for r in results:
+            y, dx, dp = torch.utils._pytree.tree_map(_back, r.value[qk], is_leaf=_is_packed)
+            torch.testing.assert_close(y, y_)
+            torch.testing.assert_close(dx, dx_)
+            want = shard_block(dp_, cfg, r.rank, world)  # the whole gradient cut as the weights are
+            for path, got in torch.utils._pytree.tree_flatten_with_path(dp)[0]:
+                keys = [k.key for k in path]
+                w = want
+                for k in keys:
+                    w = w[k]
+                torch.testing.assert_close(got, w, msg=f"qk_norm {qk} rank {r.rank} {'.'.join(keys)}")
+
+
+def test_a_shard_of_the_wrong_shape_or_an_unsplittable_layout_is_refused() -> None:
+    from fmoe import init_gpt
+    from fmoe.tp_layout import check_shard, check_tp, shard_block
+
+    cfg = _block_cfg(False)
+    full = init_gpt(cfg, torch.Generator().manual_seed(0), DT)["layers"][0]
+    with pytest.raises(ValueError, match="6 kv heads do not split evenly"):
+        check_tp(cfg, 4, dense=True)
+    with pytest.raises(ValueError, match="w_q: the shard"):
+        check_shard(full, cfg, 2, (("w_q",),))  # the whole weight where a half is due
+    check_shard(shard_block(full, cfg, 1, 3), cfg, 3, (("w_q",), ("w_o",), ("mlp", "w_down")))
