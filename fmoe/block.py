@@ -58,7 +58,7 @@ from fmoe.layer import (
 )
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp
+from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 from fmoe.recompute import part
 from fmoe.seams import attention_of
 from fmoe.structure import check_block, check_moe, local_experts
@@ -96,12 +96,15 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
 
 
 def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                   check: bool = True, tp: CommGroup | None = None) -> torch.Tensor:
+                   check: bool = True, tp: CommGroup | None = None,
+                   sequence_parallel: bool = False) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
     rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]); with cfg.qk_norm, q and k are
     RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first.
     `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: its H/P query and G/P
-    kv heads; x and the result replicated on the group)."""
+    kv heads); x and the result replicated on the group, or with `sequence_parallel` this rank's
+    positions [B, S/P, D] (the norm runs on them; gathered before the projections, the output
+    reduce-scattered back)."""
     P = 1 if tp is None else tp.size
     if check:
         if tp is None:
@@ -110,9 +113,13 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
             check_tp(cfg, P, dense=False)
             check_shard(params, cfg, P, _ATTENTION_PATHS)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
-    h_BSD = rms_norm(x_BSD, params["attn_norm"], cfg.norm_eps)
+    if sequence_parallel and tp is None:
+        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
+    norm_D = copy_to_tp(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]
+    h_BSD = rms_norm(x_BSD, norm_D, cfg.norm_eps)
     if tp is not None:  # enters the TP region: every head shard reads h (its gradient summed over them)
-        h_BSD = copy_to_tp(h_BSD, tp)
+        h_BSD = gather_sequence(h_BSD, tp) if sequence_parallel else copy_to_tp(h_BSD, tp)
     # Heads split off the feature axis ([B, S, H*d] -> [B, S, H, d]) and merged back after attention.
     q_BSHd = linear(h_BSD, params["w_q"]).unflatten(-1, (H, cfg.head_dim))
     k_BSGd = linear(h_BSD, params["w_k"]).unflatten(-1, (G, cfg.head_dim))
@@ -130,7 +137,9 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
 
     o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
     o_BSD = linear(o_BSHd.flatten(-2), params["w_o"])
-    return x_BSD + (o_BSD if tp is None else reduce_from_tp(o_BSD, tp))  # the heads' partial sums
+    if tp is not None:  # the heads' partial sums
+        o_BSD = scatter_sequence(o_BSD, tp) if sequence_parallel else reduce_from_tp(o_BSD, tp)
+    return x_BSD + o_BSD
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
@@ -292,15 +301,17 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                check: bool = True, tp: CommGroup | None = None) -> torch.Tensor:
+                check: bool = True, tp: CommGroup | None = None,
+                sequence_parallel: bool = False) -> torch.Tensor:
     """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x)). `check`: check
     the params against `cfg` (a dense block) first; False skips it. `tp`: the tensor-parallel group,
-    `params` this rank's shard (fmoe/tp_layout.py; x and y replicated on the group)."""
+    `params` this rank's shard (fmoe/tp_layout.py); x and y replicated on the group, or with
+    `sequence_parallel` this rank's positions [B, S/P, D]."""
     if check:
         if tp is None:
             check_block(params, cfg, dense=True)
         else:
             check_tp(cfg, tp.size, dense=True)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
-    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp)
-    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp, sequence_parallel)

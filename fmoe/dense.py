@@ -16,7 +16,7 @@ from fmoe._checks import positive
 from fmoe.init import param_device, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp
+from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
@@ -30,15 +30,21 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
 
 
 def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6,
-               tp: CommGroup | None = None) -> torch.Tensor:
+               tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
     """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
     axes, e.g. [B, S, D], work the same). `tp`: the tensor-parallel group, `p` this rank's shard (w_gate,
-    w_up by columns, w_down by rows; fmoe/tp_layout.py), x and the result replicated on the group."""
-    h_TD = rms_norm(x_TD, p["norm"], eps)
+    w_up by columns, w_down by rows; fmoe/tp_layout.py); x and the result replicated on the group, or with
+    `sequence_parallel` x [B, S/P, D] this rank's positions (gathered in, reduce-scattered out)."""
+    if sequence_parallel and tp is None:
+        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
+    h_TD = rms_norm(x_TD, copy_to_tp(p["norm"], tp) if sequence_parallel else p["norm"], eps)
     if tp is None:
         return x_TD + swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
-    part_TD = swiglu_linear(*linear_pair(copy_to_tp(h_TD, tp), p["w_gate"], p["w_up"]), p["w_down"])
-    return x_TD + reduce_from_tp(part_TD, tp)  # the ffn shards' partial sums
+    h_TD = gather_sequence(h_TD, tp) if sequence_parallel else copy_to_tp(h_TD, tp)
+    part_TD = swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
+    # the ffn shards' partial sums
+    return x_TD + (scatter_sequence(part_TD, tp) if sequence_parallel else reduce_from_tp(part_TD, tp))
 
 
 def init_dense_stack(num_layers: int, d_model: int, d_ff: int, generator: torch.Generator | None = None,

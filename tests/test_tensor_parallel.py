@@ -228,52 +228,58 @@ def _dense_rank(rank: int, world: int) -> dict:
 
     comm = CommGroup(torch.distributed.group.WORLD)
     out = {}
-    for qk in (False, True):
+    for qk, sp in ((False, False), (True, False), (True, True)):
         cfg = _block_cfg(qk)
         full = init_gpt(cfg, torch.Generator().manual_seed(3), DT)["layers"][0]
         if qk:  # non-trivial scales, so their gradients mean something
             full = {**full, "q_norm": full["q_norm"] * 1.3, "k_norm": full["k_norm"] * 0.7}
         mine = shard_block(full, cfg, rank, world)
         g = torch.Generator().manual_seed(4)
-        x = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
-        ct = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
-        y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg: dense_block(p, x_, cfg, tp=comm), mine, x)
+        x = torch.randn(2, 2 * world, cfg.d_model, generator=g, dtype=DT)
+        ct = torch.randn(2, 2 * world, cfg.d_model, generator=g, dtype=DT)
+        if sp:  # this rank's positions
+            x, ct = x[:, 2 * rank:2 * rank + 2], ct[:, 2 * rank:2 * rank + 2]
+        y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg, sp=sp: dense_block(p, x_, cfg, tp=comm,
+                                                                          sequence_parallel=sp), mine, x)
         dp, dx = vjp(ct)
-        out[qk] = torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), (y, dx, dp))
+        out[(qk, sp)] = torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()),
+                                                     (y, dx, dp))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_tensor_parallel_dense_block_equals_one_process(world: int) -> None:
-    """Heads, kv heads (GQA) and the ffn split over 2 and 3 ranks: the output and the input gradient equal
-    one process's, each split weight's gradient is the matching slice of the whole one's, and each
-    replicated weight (the norms, q_norm and k_norm) gets the whole gradient on every rank."""
+    """Heads, kv heads (GQA) and the ffn split over 2 and 3 ranks, with and without sequence parallelism:
+    the output and the input gradient equal one process's (their positions of it under SP), each split
+    weight's gradient is the matching slice of the whole one's, and each replicated weight (the norms,
+    q_norm and k_norm) gets the whole gradient on every rank."""
     from fmoe import init_gpt
     from fmoe.block import dense_block
     from fmoe.tp_layout import shard_block
 
     results = spawn(_dense_rank, world, timeout_s=120)
-    for qk in (False, True):
+    for qk, sp in ((False, False), (True, False), (True, True)):
         cfg = _block_cfg(qk)
         full = init_gpt(cfg, torch.Generator().manual_seed(3), DT)["layers"][0]
         if qk:
             full = {**full, "q_norm": full["q_norm"] * 1.3, "k_norm": full["k_norm"] * 0.7}
         g = torch.Generator().manual_seed(4)
-        x = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
-        ct = torch.randn(2, 5, cfg.d_model, generator=g, dtype=DT)
+        x = torch.randn(2, 2 * world, cfg.d_model, generator=g, dtype=DT)
+        ct = torch.randn(2, 2 * world, cfg.d_model, generator=g, dtype=DT)
         y_, vjp_ = torch.func.vjp(lambda p, x_, cfg=cfg: dense_block(p, x_, cfg), full, x)
         dp_, dx_ = vjp_(ct)
         for r in results:
-            y, dx, dp = torch.utils._pytree.tree_map(_back, r.value[qk], is_leaf=_is_packed)
-            torch.testing.assert_close(y, y_)
-            torch.testing.assert_close(dx, dx_)
+            y, dx, dp = torch.utils._pytree.tree_map(_back, r.value[(qk, sp)], is_leaf=_is_packed)
+            mine = slice(2 * r.rank, 2 * r.rank + 2) if sp else slice(None)  # SP: its positions
+            torch.testing.assert_close(y, y_[:, mine])
+            torch.testing.assert_close(dx, dx_[:, mine])
             want = shard_block(dp_, cfg, r.rank, world)  # the whole gradient cut as the weights are
             for path, got in torch.utils._pytree.tree_flatten_with_path(dp)[0]:
                 keys = [k.key for k in path]
                 w = want
                 for k in keys:
                     w = w[k]
-                torch.testing.assert_close(got, w, msg=f"qk_norm {qk} rank {r.rank} {'.'.join(keys)}")
+                torch.testing.assert_close(got, w, msg=f"qk_norm {qk} sp {sp} rank {r.rank} {'.'.join(keys)}")
 
 
 def test_a_shard_of_the_wrong_shape_or_an_unsplittable_layout_is_refused() -> None:

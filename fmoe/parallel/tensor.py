@@ -73,6 +73,19 @@ def reduce_from_tp(x: torch.Tensor, comm: CommGroup, *, op: str = "tp.reduce") -
     return _ReduceFromTP.apply(x, comm, op)
 
 
+def gather_sequence(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns x_B(P*S)D: the sequence shards x_BSD of the group's ranks (rank p holds positions p*S ..)
+    joined on the sequence axis, entering a TP region under sequence parallelism (its backward sums the
+    ranks' gradients and keeps this rank's positions: a reduce-scatter)."""
+    return all_gather(x_BSD.movedim(1, 0), comm, op="tp.sp_gather").movedim(0, 1)
+
+
+def scatter_sequence(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns this rank's positions (p*S/P ..) of the sum over the group of the partial results x_BSD,
+    leaving a TP region under sequence parallelism (reduce-scatter; its backward an all-gather)."""
+    return reduce_scatter(x_BSD.movedim(1, 0), comm, op="tp.sp_scatter").movedim(0, 1)
+
+
 def shard_range(n: int, comm: CommGroup, what: str) -> tuple[int, int]:
     """Returns [start, end) of this rank's equal shard of `n` (ValueError naming `what` unless the group
     size divides n)."""
