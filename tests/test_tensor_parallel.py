@@ -293,3 +293,20 @@ def test_a_shard_of_the_wrong_shape_or_an_unsplittable_layout_is_refused() -> No
     with pytest.raises(ValueError, match="w_q: the shard"):
         check_shard(full, cfg, 2, (("w_q",),))  # the whole weight where a half is due
     check_shard(shard_block(full, cfg, 1, 3), cfg, 3, (("w_q",), ("w_o",), ("mlp", "w_down")))
+
+
+def _counted(rank: int, world: int) -> dict:
+    from fmoe.parallel import CommCounters
+
+    counters = CommCounters()
+    comm = CommGroup(torch.distributed.group.WORLD, counters=counters)
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank), dtype=DT)
+    vocab_parallel_cross_entropy(logits, torch.tensor([0, 1, 2, 3]), comm, 3 * world)
+    return dict(counters.calls)
+
+
+def test_the_vocab_parallel_loss_counts_every_collective_it_issues() -> None:
+    """Its max, normaliser and target logit: three all-reduces, each in the counters (what the planner
+    will charge for TP is what the counters see)."""
+    for r in spawn(_counted, 2, timeout_s=60):
+        assert r.value == {"tp.ce_max": 1, "tp.reduce": 2}, r.value

@@ -140,13 +140,14 @@ def _rs(x_PND: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, Co
     return out, comm._issue(op, [nbytes] * comm.size, launch, x_PND, out)
 
 
-def _ar(x: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
+def _ar(x: torch.Tensor, comm: CommGroup, op: str,
+        reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> tuple[torch.Tensor, CommHandle]:
     out = x.clone(memory_format=torch.contiguous_format)
     # Counted as reduce-scatter + all-gather: 2 (P-1)/P of the tensor leaves this rank.
     share = 2 * out.numel() * out.element_size() // max(comm.size, 1)
 
     def launch():
-        return dist.all_reduce(out, group=comm.group, async_op=True)
+        return dist.all_reduce(out, op=reduce_op, group=comm.group, async_op=True)
 
     return out, comm._issue(op, [share] * comm.size, launch, out)
 
@@ -324,6 +325,15 @@ def exchange_counts(counts_PL: torch.Tensor, comm: CommGroup, *, op: str = "coun
         out, h = _a2a(flat, [1] * comm.size, [1] * comm.size, comm, op)
         h.wait()
     return out.reshape(counts_PL.shape)
+
+
+def all_reduce_max(x: torch.Tensor, comm: CommGroup, *, op: str = "all_reduce_max") -> torch.Tensor:
+    """Return the elementwise max of `x` over the group (a new tensor; not differentiable; blocks until
+    done), counted and link-modelled like `all_reduce`."""
+    with torch.no_grad():
+        out, h = _ar(x, comm, op, dist.ReduceOp.MAX)
+        h.wait()
+    return out
 
 
 def all_gather_counts(counts_X: torch.Tensor, comm: CommGroup, *, op: str = "counts") -> torch.Tensor:

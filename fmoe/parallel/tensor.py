@@ -28,7 +28,7 @@ import torch
 
 from fmoe._compat import Function
 from fmoe.ops import embedding, linear
-from fmoe.parallel.collectives import CommGroup, all_gather, all_reduce, reduce_scatter
+from fmoe.parallel.collectives import CommGroup, all_gather, all_reduce, all_reduce_max, reduce_scatter
 
 IGNORE_INDEX = -100  # a target that takes no loss (fmoe.ops.cross_entropy's)
 
@@ -144,9 +144,8 @@ def vocab_parallel_cross_entropy(logits_TV: torch.Tensor, targets_T: torch.Tenso
         raise ValueError(f"vocab_parallel_cross_entropy: {logits_TV.shape[-1]} logit columns, expected "
                          f"{end - start} of {vocab}")
     z_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
-    with torch.no_grad():  # a shift for stability only: it cancels in the loss and takes no gradient
-        m_T = z_TV.amax(-1)
-        torch.distributed.all_reduce(m_T, op=torch.distributed.ReduceOp.MAX, group=comm.group)
+    # a shift for stability only: it cancels in the loss and takes no gradient
+    m_T = all_reduce_max(z_TV.detach().amax(-1), comm, op="tp.ce_max")
     sum_T = reduce_from_tp(torch.exp(z_TV - m_T.unsqueeze(-1)).sum(-1), comm)
     keep_T = targets_T != IGNORE_INDEX
     mine_T = keep_T & (targets_T >= start) & (targets_T < end)
