@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from fmoe.transforms.tape import WeightGradTape
+from fmoe.transforms.tape import WeightGradTape, tensors_in
 
 
 def _is_python(node: Node) -> bool:
@@ -68,13 +68,9 @@ def _saved_tensors(node: Node) -> list[torch.Tensor]:
         if not name.startswith("_saved_"):
             continue
         try:
-            v = getattr(node, name)
+            found += tensors_in(getattr(node, name))
         except RuntimeError:  # already freed
             continue
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(t for t in v if isinstance(t, torch.Tensor))
     return found
 
 

@@ -229,18 +229,23 @@ def may_defer() -> bool:
     return _RECORDING[0] > 0 or _ACTIVE[-1] is not None
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Returns `value` as a list of tensors: itself when a tensor, the tensors of a list or tuple, else []."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for x in value if isinstance(x, torch.Tensor)]
+    return []
+
+
 def _closure_tensors(thunk: Callable[[], Any]) -> list[torch.Tensor]:
     """Return the tensors `thunk` closes over: its closure cells' tensors and tensors in list/tuple cells."""
     found: list[torch.Tensor] = []
     for cell in getattr(thunk, "__closure__", None) or ():
         try:
-            v = cell.cell_contents
+            found += tensors_in(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (list, tuple)):
-            found.extend(x for x in v if isinstance(x, torch.Tensor))
     return found
 
 
