@@ -568,3 +568,32 @@ def test_the_planner_applies_dualpipevs_layer_rule_as_fmoe_train_does(layers: in
     assert (why is None) == ok == (train is None), (why, train)
     if not ok:
         assert "2*pp" in why and "2*pp" in train
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(["1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipev", "dualpipe"]),
+       st.sampled_from([2, 3, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.integers(2, 12),
+       st.sampled_from([8, 16, 24, 32]), st.sampled_from([1, 2, 4]), st.sampled_from([2, 3]))
+@example("dualpipev", 2, 1, 1, 6, 16, 1, 2)  # layers not a multiple of 2pp: both refuse
+@example("dualpipe", 3, 1, 1, 6, 16, 1, 2)  # DualPipe needs pp even: both refuse
+@example("interleaved", 4, 2, 2, 8, 8, 1, 2)  # too few microbatches for the interleaving: both refuse
+def test_a_tp1_layout_the_planner_accepts_is_one_fmoe_train_accepts(schedule: str, pp: int, ep: int, dp: int,
+                                                                      layers: int, gb: int, mb: int,
+                                                                      v: int) -> None:
+    """The planner's layout rules are the runtime's (issue 32): for tensor-parallel size 1, `fmoe plan`'s
+    `problem` and `fmoe train`'s config check accept exactly the same layouts of the tiny preset
+    (schedule, its chunks per rank, microbatches, layers)."""
+    from fmoe.calibrate.models import train_preset_model
+    from fmoe.schedule.registry import CHUNKS
+    from fmoe.train.config import TrainConfig
+
+    vpp = v if CHUNKS[schedule] is None else CHUNKS[schedule]
+    model = train_preset_model("tiny").replace(layers=layers)
+    lay = L.Layout(tp=1, pp=pp, ep=ep, dp=dp, vpp=vpp, schedule=schedule, overlap=True, micro_batch=mb)
+    world = pp * ep * dp  # one node of that many devices, as `fmoe train` on one machine
+    plan = L.problem(model, toy_cluster(devices_per_node=world), world, lay, gb)
+    kw = {"num_virtual_stages_per_pipeline_rank": vpp} if CHUNKS[schedule] is None else {}
+    train = TrainConfig(pp=pp, ep=ep, dp=dp, schedule=schedule, num_layers=layers, global_batch_size=gb,
+                        micro_batch_size=mb, **kw).problem()
+    note(f"plan: {plan}; train: {train}")
+    assert (plan is None) == (train is None), (plan, train)
