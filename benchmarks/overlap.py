@@ -78,6 +78,7 @@ from _ranks import per_rank
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
+from fmoe.calibrate.machine import ping_pong
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.shared_grads import SharedGrads
@@ -275,12 +276,7 @@ def _p2p_one_way(r: Rank, n: int = 30) -> float:
     for it in range(n + 3):
         dist.barrier()
         t = time.perf_counter()
-        if r.stage_rank == 0:
-            dist.send(x, peer)
-            dist.recv(x, peer)
-        else:
-            dist.recv(x, peer)
-            dist.send(x, peer)
+        ping_pong(x, peer, r.stage_rank == 0)
         if it >= 3:
             times.append((time.perf_counter() - t) / 2)
     return statistics.median(times)

@@ -69,6 +69,7 @@ from torch.distributed import pipelining as tpp
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe._compat import grouped_mm
+from fmoe.calibrate.machine import ping_pong
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
 from fmoe.schedule.timeline import summarize
@@ -337,12 +338,7 @@ def _p2p_one_way(args: argparse.Namespace, rank: int, n: int = 30) -> float:
     for it in range(n + 3):
         dist.barrier()
         t = time.perf_counter()
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
-        else:
-            dist.recv(x, 0)
-            dist.send(x, 0)
+        ping_pong(x, 1 - rank, rank == 0)
         if it >= 3:
             times.append((time.perf_counter() - t) / 2)
     return statistics.median(times)

@@ -51,7 +51,7 @@ def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
     return tree
 
 
-def shard_range(cfg: GPTConfig, path: tuple[str, ...], rank: int, size: int) -> tuple[int, slice]:
+def shard_slice(cfg: GPTConfig, path: tuple[str, ...], rank: int, size: int) -> tuple[int, slice]:
     """Returns (axis, slice) of rank `rank`'s part of the split weight at `path` of a block."""
     axis, unit = SPLITS[path]
     n, width = _units(cfg)[unit]
@@ -68,7 +68,7 @@ def shard_block(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) ->
     for path in SPLITS:
         if path[0] == "mlp" and not dense:
             continue
-        axis, part = shard_range(cfg, path, rank, size)
+        axis, part = shard_slice(cfg, path, rank, size)
         node = out
         for k in path[:-1]:
             node = node[k]
@@ -93,7 +93,7 @@ def check_shard(params: dict[str, Any], cfg: GPTConfig, size: int,
             w = _at(params, path)
         except (KeyError, TypeError):
             continue
-        axis, part = shard_range(cfg, path, 0, size)
+        axis, part = shard_slice(cfg, path, 0, size)
         want = list(_full_shape(cfg, path))
         want[axis] = part.stop - part.start
         if list(w.shape) != want:

@@ -54,7 +54,7 @@ from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
-from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, issue, subtree
+from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, issue, subtree, turns
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
@@ -264,7 +264,7 @@ def stage_turns_of(program: StageProgram) -> int:
     """Returns the exchanges in flight at which an op of `program`'s stage hands over to its pair: its
     comm phases that may leave the process and switch (`Phase.switch`), the same for its forward and its
     backward's dx pass; 0 when none may leave the process (the executor runs the stage whole)."""
-    return sum(ph.kind == "comm" and ph.switch and not ph.local for ly in program.layers for ph in ly.phases)
+    return sum(turns(ly.phases) for ly in program.layers)
 
 
 def _check_turns(s: Schedule, rank: int, programs: Mapping[int, StageProgram],

@@ -156,16 +156,18 @@ class Layer:
     lone_phases: tuple[Phase, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.lone_phases is not None and _turns(self.lone_phases) != _turns(self.phases):
-            raise ValueError(f"layer {self.name!r}: lone_phases hand over at {_turns(self.lone_phases)} "
-                             f"exchanges, phases at {_turns(self.phases)}")
+        if self.lone_phases is not None and turns(self.lone_phases) != turns(self.phases):
+            raise ValueError(f"layer {self.name!r}: lone_phases hand over at {turns(self.lone_phases)} "
+                             f"exchanges, phases at {turns(self.phases)}")
 
     def forward_phases(self, paired: bool) -> tuple[Phase, ...]:
         """The phases a forward runs: `phases` in an F&B pair, else `lone_phases` when given."""
         return self.phases if paired or self.lone_phases is None else self.lone_phases
 
 
-def _turns(phases: tuple[Phase, ...]) -> int:
+def turns(phases: tuple[Phase, ...]) -> int:
+    """Returns the exchanges of `phases` at which an op hands over to its fb-overlap pair: comm phases that
+    may leave the process and switch (`Phase.switch`)."""
     return sum(ph.kind == "comm" and ph.switch and not ph.local for ph in phases)
 
 

@@ -83,6 +83,17 @@ def local_cluster(recalibrate: bool = False) -> ClusterSpec:
     return load_cluster(str(cluster_file(recalibrate)))
 
 
+def ping_pong(x: torch.Tensor, peer: int, first: bool) -> None:
+    """One round trip of `x` with global rank `peer` over the default group: send then receive when
+    `first`, else receive then send (the peer calls it with the other `first`); x is overwritten."""
+    if first:
+        dist.send(x, peer)
+        dist.recv(x, peer)
+    else:
+        dist.recv(x, peer)
+        dist.send(x, peer)
+
+
 def _median_s(fn: Callable[[], Any], reps: int = 15, warm: int = 3) -> float:
     """The median seconds of `fn()` over `reps` timed calls after `warm` untimed ones."""
     for _ in range(warm):
@@ -128,16 +139,8 @@ def _link_rank(rank: int, world: int) -> dict[Any, float]:
     for n in (1, 2**20):  # fp32 elements: 4 B and 4 MiB
         x = torch.zeros(n)
 
-        def ping_pong(x: torch.Tensor = x) -> None:
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-
         dist.barrier()
-        out[n] = _median_s(ping_pong, 50 if n == 1 else 15, warm=5) / 2  # one way
+        out[n] = _median_s(lambda x=x: ping_pong(x, 1 - rank, rank == 0), 50 if n == 1 else 15, warm=5) / 2
     x = torch.zeros(2)
     dist.barrier()
     out["a2a"] = _median_s(lambda: dist.all_to_all_single(x, x.clone()), 50, warm=5)

@@ -157,10 +157,10 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...]
       mlp.1      (compute): chunk 1's experts
       combine    (comm):    chunk 1's rows back
       unpermute  (compute): both chunks' rows in layout order, then as one exchange's
-    An fb-overlap pair still hands over at "dispatch" and "combine" only, so its pairings hold (mlp.0 and
-    mlp.1 together in the place of mlp); a
-    lone F hides chunk 1's dispatch and chunk 0's combine behind the experts of the other chunk, and its
-    backward mirrors it (fmoe.schedule.program: Phase.defer_wait)."""
+    Only a forward that runs alone takes these (the layer's lone_phases): it hides chunk 1's dispatch and
+    chunk 0's combine behind the other chunk's experts, and its backward, lone or paired, mirrors it
+    (fmoe.schedule.program: Phase.defer_wait); a paired backward still hands over at "dispatch" and
+    "combine" only, so its pairings hold (mlp.0 and mlp.1 together in the place of mlp)."""
     plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
     probs = ("probs_R",) if cfg.moe.probs_in_expert else ()
     mlp_paths = ((*path, "moe", "experts"),)
