@@ -47,7 +47,7 @@ from fmoe.schedule.verify import verify as verify
 # The executor and stage programs need torch; load them on first use so that generating, verifying and
 # simulating schedules stays torch-free.
 _LAZY = {"execute": ".execute", "StepResult": ".execute", "check_programs": ".execute",
-         "stage_turns_of": ".execute", "Phase": ".program", "Layer": ".program", "StageProgram": ".program",
-         "Ready": ".program",
+         "stage_turns_of": ".execute", "Phase": "fmoe.transforms.program", "Layer": "fmoe.transforms.program",
+         "StageProgram": "fmoe.transforms.program", "Ready": "fmoe.transforms.program",
          "TraceEvent": ".timeline", "report_events": ".timeline"}
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

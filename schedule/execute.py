@@ -32,7 +32,7 @@ Contract:
 - A measured timeline: compute phases on the compute lane, exchanges (issue to completion) on the comm
   lane, and every wait as its own compute-lane event.
 
-Generic: knows stage programs (schedule/program.py), never the model.
+Generic: knows stage programs (fmoe.transforms.program), never the model.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
-from fmoe.schedule.program import Acts, Meta, Phase, StageProgram, issue, subtree, turns
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
+from fmoe.transforms.program import Acts, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
 # (kind F/B/I/W, phase, stage, layer, mb, started perf_counter) -> returns at the phase's modelled end
@@ -494,37 +494,13 @@ class _Executor:
                  for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
         loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
         stats: list[tuple[str, str, Any]] = []
-
-        def run_phase(ph: Phase, layer: str, p: Any, a: Acts, m: Meta) -> tuple[Acts, Meta]:
-            out, m = ph.run(tuple(next(p) for _ in ph.param_paths), a, m)
-            _check_floating(out, stage, layer, ph.name)
-            if isinstance(m, dict) and "stats" in m:
-                m = dict(m)
-                stats.append((layer, ph.name, m.pop("stats")))
-            return out, m
+        hooks = _ForwardHooks(self, stage, mb)
 
         def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
-            it, m, losses = iter(p), meta, {}
-            for layer, ph in steps:
-                t = self._now()
-                if ph.kind == "compute":
-                    a, m = run_phase(ph, layer, it, a, m)
-                    losses.update((k, a.pop(k)) for k in ph.losses)
-                    self._computed("F", ph.name, stage, layer, mb, t)
-                    continue
-                pending, rest = issue(ph, a, m)
-                side = None
-                if ph.side is not None:
-                    ts = self._now()
-                    side, _ = run_phase(ph.side, layer, it, a, m)
-                    self._computed("F", ph.side.name, stage, layer, mb, ts)
-                tw = self._now()
-                got, m = pending.wait()
-                a = {**rest, **got}
-                self._comm_events(pending, ph.name, "F", stage, layer, mb, t, tw)
-                if side is not None:
-                    a = _with_side(a, ph, side)
-            return {**a, **losses}, m
+            it = iter(p)
+            ran = run_phases(prog.layers, lambda ph: tuple(next(it) for _ in ph.param_paths), a, meta, hooks)
+            stats.extend(ran.stats)
+            return {**ran.acts, **ran.losses}, ran.meta
 
         out, vjp_dx, _ = split_vjp(fn, self._params_at(prog, tuple(paths)), acts, has_aux=True,
                                    engine=self.engine, defer=defer)
@@ -938,6 +914,24 @@ class _Executor:
         typed = {"stage": stage, "microbatch": mb, "layer": layer, "phase": phase, "direction": direction}
         self._event("comm", f"a2a {label}", "a2a", issued, end, kind="a2a", **typed)
         self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end, kind="wait a2a", **typed)
+
+
+class _ForwardHooks:
+    """`run_phases`'s hooks for a whole-stage forward (`_Executor._whole_stage_forward`): every output act
+    checked floating, each phase and exchange on the timeline."""
+
+    def __init__(self, ex: _Executor, stage: int, mb: int):
+        self.ex, self.stage, self.mb = ex, stage, mb
+
+    def computed(self, ph: Phase, layer: str, out: Acts, start: float) -> None:
+        """Checks a compute phase's outputs and records it."""
+        _check_floating(out, self.stage, layer, ph.name)
+        self.ex._computed("F", ph.name, self.stage, layer, self.mb, start - self.ex.t0)
+
+    def waited(self, pending: Any, ph: Phase, layer: str, start: float, wait_start: float) -> None:
+        """Records an exchange."""
+        t0 = self.ex.t0
+        self.ex._comm_events(pending, ph.name, "F", self.stage, layer, self.mb, start - t0, wait_start - t0)
 
 
 def _drain(gen: Iterator[None]) -> None:

@@ -15,7 +15,7 @@ parallelism) hold the same stages and so run it at the same (k, mb): nothing wai
 Phases run in order, an exchange's side phase while the exchange travels; nothing is differentiated (the
 caller runs it under torch.no_grad()) and nothing is kept: a microbatch's state is freed once it moved on.
 
-Generic: knows stage programs (schedule/program.py), never the model.
+Generic: knows stage programs (fmoe.transforms.program), never the model.
 """
 
 from __future__ import annotations
@@ -27,34 +27,16 @@ import torch
 import torch.distributed as dist
 
 from fmoe.schedule.ir import Placement, ScheduleError
-from fmoe.schedule.program import Acts, Meta, StageProgram, issue, subtree
+from fmoe.transforms.program import Acts, Meta, StageProgram, run_phases, tree_params
 
 _MAX_KEYS = 64  # acts per message; tags are (position on the path, microbatch, key index)
 
 
 def run_stage(prog: StageProgram, acts: Acts, meta: Meta) -> tuple[Acts, dict[str, torch.Tensor]]:
-    """Runs every phase of `prog` forward on `acts` / `meta`; returns (the acts it passes on, its losses).
-    Routing statistics (meta["stats"]) are dropped: evaluating updates no state."""
-    losses: dict[str, torch.Tensor] = {}
-    def params(paths: tuple) -> tuple[Any, ...]:
-        return tuple(subtree(prog.params, q) for q in paths)
-
-    for layer in prog.layers:
-        for ph in layer.phases:
-            if ph.kind == "compute":
-                acts, meta = ph.run(params(ph.param_paths), acts, meta)
-                acts = dict(acts)
-                losses.update((k, acts.pop(k)) for k in ph.losses)
-            else:
-                pending, rest = issue(ph, acts, meta)
-                side = None if ph.side is None else ph.side.run(params(ph.side.param_paths), acts, meta)[0]
-                got, meta = pending.wait()
-                acts = {**rest, **got}  # a deferred exchange (Phase.defer_wait) took only its `reads`
-                if side is not None:
-                    acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side}
-            if isinstance(meta, dict) and "stats" in meta:
-                meta = {k: v for k, v in meta.items() if k != "stats"}
-    return acts, losses
+    """Runs every phase of `prog` forward on `acts` / `meta` (`run_phases`); returns (the acts it passes
+    on, its losses). Routing statistics (meta["stats"]) are dropped: evaluating updates no state."""
+    ran = run_phases(prog.layers, tree_params(prog.params), acts, meta)
+    return ran.acts, ran.losses
 
 
 def forward_only(placement: Placement, rank: int, programs: Mapping[int, StageProgram],

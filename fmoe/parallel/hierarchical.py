@@ -41,13 +41,14 @@ from typing import Any
 import torch
 
 from fmoe.dispatch.exchange import Chain, RowPlan, chained
-from fmoe.dispatch.sync import SyncRows, exchanged
+from fmoe.dispatch.sync import SyncRows
 from fmoe.ops import Counts, expert_counts
 from fmoe.parallel.alltoall import split_sizes
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.phased import a2a_each
 from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
 from fmoe.parallel.tp_extends_ep import experts_per_rank
+from fmoe.transforms.program import exchanged
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class HierarchicalDispatcher(SyncRows):
             return chained(a, partial(move, plan, transpose=t, name=n))
 
         backward = partial(issue, t=not transposed, n=f"{name}.bwd")
-        return exchanged(partial(issue, t=transposed, n=name), backward, acts, tuple(acts))
+        return exchanged(partial(issue, t=transposed, n=name), backward, acts)
 
     # ---- the plan ---------------------------------------------------------------------------------
     def start_plan(self, route: Any) -> Chain:

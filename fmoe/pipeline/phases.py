@@ -1,4 +1,4 @@
-"""The GPT's layers as executor phases (fmoe.schedule.program): embedding, dense and MoE blocks, MTP, head.
+"""The GPT's layers as executor phases (fmoe.transforms.program): embedding, dense and MoE blocks, MTP, head.
 
 Legend (the package's, docs/moe.md): B sequences, S positions, T = B*S tokens, D width, K top-k slots,
 R rows of this rank's expert-sorted layout, M rows this rank's experts receive.
@@ -34,7 +34,7 @@ from fmoe.ops import embedding, permute, permute_probs
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
-from fmoe.schedule.program import Layer, Phase, Ready
+from fmoe.transforms.program import Layer, Phase, Ready
 
 H = "h_BSD"  # the hidden state that crosses layers and stages
 
@@ -159,7 +159,7 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...]
       unpermute  (compute): both chunks' rows in layout order, then as one exchange's
     Only a forward that runs alone takes these (the layer's lone_phases): it hides chunk 1's dispatch and
     chunk 0's combine behind the other chunk's experts, and its backward, lone or paired, mirrors it
-    (fmoe.schedule.program: Phase.defer_wait); a paired backward still hands over at "dispatch" and
+    (fmoe.transforms.program: Phase.defer_wait); a paired backward still hands over at "dispatch" and
     "combine" only, so its pairings hold (mlp.0 and mlp.1 together in the place of mlp)."""
     plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
     probs = ("probs_R",) if cfg.moe.probs_in_expert else ()

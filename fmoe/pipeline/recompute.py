@@ -4,7 +4,7 @@ under `fmoe.transforms.remat`, so that the executor keeps each phase's input onl
     layers = chunk_layers(cfg.recompute, chunk.layers, layers)   # in gpt_programs, once per stage
 
 "full" puts every compute phase of a recomputed layer (and the side phase its dispatch carries) under
-remat; the exchanges between them run once, as they are not differentiated (schedule/program.py). The
+remat; the exchanges between them run once, as they are not differentiated (fmoe.transforms.program). The
 other parts are recomputed inside the block functions the phases call (fmoe/block.py), except the shared
 expert, which the pipeline runs as a side phase on its own (`shared_expert` takes no config), so
 "shared_experts" wraps that phase here.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from fmoe.recompute import Recompute, recomputed
-from fmoe.schedule.program import Layer, Phase
+from fmoe.transforms.program import Layer, Phase
 
 SHARED = "shared"  # the side phase of the dispatch that runs the shared expert (phases.moe_layer)
 

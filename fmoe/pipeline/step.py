@@ -29,8 +29,8 @@ from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_par
 from fmoe.pipeline.recompute import chunk_layers
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
-from fmoe.schedule.program import Layer, StageProgram
 from fmoe.structure import check_gpt, check_gpt_state, local_experts
+from fmoe.transforms.program import Layer, StageProgram
 
 
 def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,

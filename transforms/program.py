@@ -40,15 +40,24 @@ must be summed across ranks.
 The first stage's forward starts from `acts = {}` (its first phase reads token ids from `meta`); the last
 stage's final phase returns only losses. Between stages `acts` travels as it is: `in_spec` gives the
 shapes and dtypes of a stage's input acts, which receive buffers are allocated from.
+
+`run_phases` runs layers in order in one process, differentiable by autograd (and torch.func): the one
+sequential runner, which the model's own functions (fmoe.model), an executor's stage with nothing to
+overlap and the forward-only evaluation all use. An exchange that leaves the process runs through
+`exchanged`, an autograd Function whose backward issues the transpose; a local one runs inline, so
+autograd differentiates what its `start` computed. Generic: knows phases, never a model or a schedule.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+
+from fmoe._compat import Function
 
 Acts = dict[str, torch.Tensor]
 Meta = dict[str, Any]
@@ -217,3 +226,149 @@ class Ready:
     def wait(self) -> Any:
         """Returns the value it was made with."""
         return self.value
+
+
+class _Exchanged(Function):
+    @staticmethod
+    def forward(issue, transpose, keys, out_keys, *tensors):
+        out = issue(dict(zip(keys, tensors))).wait()
+        out_keys.names = tuple(out)  # known once the exchange delivered (a phase's outputs are its own)
+        return tuple(out.values())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.transpose, ctx.keys, ctx.out_keys = inputs[1:4]
+
+    @staticmethod
+    def backward(ctx, *cts):
+        back = ctx.transpose(dict(zip(ctx.out_keys.names, cts))).wait()
+        return (None,) * 4 + tuple(back[k] for k in ctx.keys)
+
+
+def exchanged(issue: Callable[[Acts], Pending], transpose: Callable[[Acts], Pending], acts: Acts) -> Acts:
+    """Returns `issue(acts)` (a Pending of a linear exchange, waiting gives a dict of tensors) waited,
+    differentiable: its backward waits `transpose(cotangents keyed like the result)`, which returns the
+    cotangents keyed like `acts`."""
+    out_keys = _Names()
+    out = _Exchanged.apply(issue, transpose, tuple(acts), out_keys, *acts.values())
+    return dict(zip(out_keys.names, out))
+
+
+class _Names:
+    """The result keys of one exchange, filled by its forward (an object, not a list: torch.func rebuilds
+    the containers among a Function's arguments)."""
+
+    names: tuple[str, ...] = ()
+
+
+class PhaseHooks(Protocol):
+    """What `run_phases` tells its caller (an executor's timeline, checks): each compute phase once it
+    ran (its output acts, the time it began) and each exchange once it was waited."""
+
+    def computed(self, ph: Phase, layer: str, out: Acts, start: float) -> None: ...
+
+    def waited(self, pending: Any, ph: Phase, layer: str, start: float, wait_start: float) -> None: ...
+
+
+@dataclass
+class Ran:
+    """What `run_phases` returns: the acts left after the last phase, its meta, the losses the phases
+    ended ({name: scalar}) and each phase's meta["stats"] as (layer name, phase name, stats)."""
+
+    acts: Acts
+    meta: Meta
+    losses: dict[str, torch.Tensor]
+    stats: list[tuple[str, str, Any]]
+
+
+def run_phases(layers: tuple[Layer, ...] | list[Layer], params_of: Callable[[Phase], tuple[Any, ...]],
+               acts: Acts, meta: Meta, hooks: PhaseHooks | None = None) -> Ran:
+    """Runs every phase of `layers` (each layer's `phases`) in order on `acts` / `meta`; returns a `Ran`.
+
+    `params_of(phase)`: the subtrees at the phase's `param_paths`, in order (`tree_params` for a tree).
+    Differentiable: compute phases and local exchanges by autograd through what they compute, other
+    exchanges through `exchanged` (their transposes). A side phase runs before its exchange when
+    gradients are recorded (the exchange's issue and wait are one autograd node) and while the exchange
+    travels otherwise; a deferred exchange (Phase.defer_wait) is waited at once, nothing being left to
+    hide it behind. Losses leave the acts where they end; meta["stats"] leaves the meta after each phase."""
+    losses: dict[str, torch.Tensor] = {}
+    stats: list[tuple[str, str, Any]] = []
+    for layer in layers:
+        for ph in layer.phases:
+            start = time.perf_counter()
+            if ph.kind == "compute":
+                acts, meta = ph.run(params_of(ph), acts, meta)
+                acts = dict(acts)
+                if hooks is not None:
+                    hooks.computed(ph, layer.name, acts, start)
+                losses.update((k, acts.pop(k)) for k in ph.losses)
+            else:
+                acts, meta = _exchange(ph, layer.name, params_of, acts, meta, hooks, start)
+            if isinstance(meta, dict) and "stats" in meta:
+                meta = dict(meta)
+                stats.append((layer.name, ph.name, meta.pop("stats")))
+    return Ran(acts, meta, losses, stats)
+
+
+def tree_params(tree: Any) -> Callable[[Phase], tuple[Any, ...]]:
+    """Returns `params_of` for `run_phases` over the nested dicts `tree` (global keys)."""
+    return lambda ph: tuple(subtree(tree, q) for q in ph.param_paths)
+
+
+def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...]], acts: Acts, meta: Meta,
+              hooks: PhaseHooks | None, start: float) -> tuple[Acts, Meta]:
+    """Runs comm phase `ph` (and its side) in `run_phases`; returns (acts, meta) after it."""
+    sent, rest = ({k: acts[k] for k in ph.reads}, {k: v for k, v in acts.items() if k not in ph.reads}) \
+        if ph.defer_wait else (acts, {})
+    side = None
+
+    def run_side() -> Acts:
+        out, _ = ph.side.run(params_of(ph.side), acts, meta)
+        if hooks is not None:
+            hooks.computed(ph.side, layer, out, side_start)
+        return out
+
+    inline = ph.local or not torch.is_grad_enabled()
+    if inline:
+        pending = ph.start(sent, meta)
+        side_start = time.perf_counter()
+        side = run_side() if ph.side is not None else None
+        wait_start = time.perf_counter()
+        got, meta = pending.wait()
+    else:
+        side_start = start
+        side = run_side() if ph.side is not None else None
+        wait_start = time.perf_counter()
+        got, meta, pending = _differentiable(ph, sent, meta)
+    if hooks is not None:
+        hooks.waited(pending, ph, layer, start, wait_start)
+    acts = {**rest, **got}
+    if side is not None:
+        acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side}
+    return acts, meta
+
+
+def _differentiable(ph: Phase, acts: Acts, meta: Meta) -> tuple[Acts, Meta, Any]:
+    """Runs exchange `ph` through `exchanged`; returns (its acts, its meta, its Pending)."""
+    box: dict[str, Any] = {}
+
+    def issue(a: Acts) -> Any:
+        box["pending"] = ph.start(a, meta)
+        return _Waited(box)
+
+    def transpose(ct: Acts) -> Any:
+        return ph.start_transpose(ct, box["meta"])
+
+    got = exchanged(issue, transpose, acts)
+    return got, box["meta"], box["pending"]
+
+
+class _Waited:
+    """A Pending of a phase's exchange that keeps the meta its wait returns (for the transpose)."""
+
+    def __init__(self, box: dict[str, Any]):
+        self.box = box
+
+    def wait(self) -> Acts:
+        acts, self.box["meta"] = self.box["pending"].wait()
+        return acts
