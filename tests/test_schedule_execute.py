@@ -15,8 +15,8 @@ from dist_utils import spawn
 from fmoe import schedule as S
 from fmoe.ops import linear
 from fmoe.schedule.execute import execute
-from fmoe.schedule.program import Layer, Phase, Ready, StageProgram
 from fmoe.schedule.timeline import TraceEvent
+from fmoe.transforms.program import Layer, Phase, Ready, StageProgram
 
 D, T = 8, 6
 
@@ -335,7 +335,7 @@ def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:
 
 def test_a_phase_gets_the_users_tree_below_its_root() -> None:
     """Phase.run hands fn its weights as the tree the user wrote below param_root (program.nested)."""
-    from fmoe.schedule.program import nested
+    from fmoe.transforms.program import nested
 
     a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
     root = ("layers", "3")

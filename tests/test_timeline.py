@@ -13,8 +13,8 @@ from fmoe import schedule as S
 from fmoe.ops import linear
 from fmoe.schedule.compute_model import ComputeModel
 from fmoe.schedule.execute import execute
-from fmoe.schedule.program import Layer, Phase, StageProgram
 from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares, summarize
+from fmoe.transforms.program import Layer, Phase, StageProgram
 
 D, T, M = 8, 4, 4
 
