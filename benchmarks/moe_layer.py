@@ -24,7 +24,8 @@ import time
 import torch
 
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe
+from fmoe.model import moe
 from fmoe.ops import available_backends
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))

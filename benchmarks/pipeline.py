@@ -130,7 +130,7 @@ def _rope(x_BSHd: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class TorchMoEBlock(nn.Module):
-    """fmoe.block.block (MoE block) as an nn.Module under tape autograd: RMSNorm, causal attention with
+    """fmoe.model.block (MoE block) as an nn.Module under tape autograd: RMSNorm, causal attention with
     RoPE, residual, RMSNorm, softmax top-k router (stable sort, renormalised gates), dropless experts on
     torch._grouped_mm over expert-sorted rows, gate-weighted combine, residual. Weights [in, out]."""
 

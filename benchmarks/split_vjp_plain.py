@@ -2,7 +2,7 @@
 
 Three models, each run both ways, interleaved repetition by repetition (the order alternating) and
 compared by medians:
-  moe block   fmoe.block.block (attention + MoE, fmoe.ops only: the tape already defers every weight)
+  moe block   fmoe.model.block (attention + MoE, fmoe.ops only: the tape already defers every weight)
   fmoe dense  fmoe.dense.dense_stack (RMSNorm -> SwiGLU MLP, fmoe.ops only)
   plain mlp   LayerNorm -> F.linear -> SiLU -> F.linear, residual (plain torch ops: nothing on the tape)
 Per model and mode: the step (forward + vjp_dx + vjp_dw), the dx pass alone (what a zero-bubble
@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from fmoe.block import block, init_block
+from fmoe.block import init_block
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dense import dense_stack, init_dense_stack
+from fmoe.model import block
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import tracked_peak_bytes
 

@@ -1,4 +1,4 @@
-"""A transformer block with an MoE MLP, as the phases of seed 000 (pure functions over dicts of acts).
+"""A transformer block with an MoE MLP: the compute of seed 000's phases (pure functions over dicts of acts).
 
     acts, route = attention(params, x_BSD, cfg, state)    # norm, attention, residual, norm, router,
                                                           # permute-1 -> rows_RD
@@ -15,10 +15,11 @@ Each phase maps a dict of activations (floating tensors, keyed with the legend's
 next one; keys it does not use pass through, so a phase run under `split_vjp` takes the cotangent of its
 whole output dict and returns that of its whole input dict: a backward chains the phases with no
 key-by-key assembly. Non-differentiable metadata (`MoERoute`, split sizes) stays outside the dicts.
-The exchanges between the phases are linear maps with no weights: `block` runs them through a
-`Dispatcher`; a pipeline runs them as comm phases (fmoe/pipeline/phases.py). The gate weights are
-acts["probs_TK"] [T, K], applied by `finish`, or, when cfg.moe.probs_in_expert, acts["probs_R"] [R], one
-per layout row, which travel with the rows ("probs_M") into `experts`. The balancing loss is
+The exchanges between the phases are linear maps with no weights: fmoe/phases.py makes them comm phases
+between these functions, which `fmoe.model.block` runs in order and a pipeline's executor with
+overlap. The gate weights are acts["probs_TK"] [T, K], applied by `finish`, or, when
+cfg.moe.probs_in_expert, acts["probs_R"] [R], one per layout row, which travel with the rows ("probs_M")
+into `experts`. The balancing loss is
 acts["loss"] out of `attention`: give it a cotangent (e.g. 1.0).
 
 Parameter layout of a block:
@@ -39,29 +40,24 @@ from typing import Any
 
 import torch
 
-from fmoe.config import GPTConfig
+from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dense import init_swiglu_mlp, swiglu_mlp
-from fmoe.dispatch.base import Dispatcher
-from fmoe.dispatch.local import LocalDispatcher
 from fmoe.experts import shared_experts
 from fmoe.init import param_device, scaled_normal
 from fmoe.layer import (
-    MoEAux,
     MoERoute,
     combine_rows,
-    dispatch_rows,
     expert_rows,
     init_moe,
-    make_aux,
     plan_route,
     route_tokens,
 )
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
-from fmoe.recompute import part
+from fmoe.recompute import Recompute, part
 from fmoe.seams import attention_of
-from fmoe.structure import check_block, check_moe, local_experts
+from fmoe.structure import check_block, check_moe
 from fmoe.tp_layout import SPLITS, check_shard, check_tp
 
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
@@ -179,7 +175,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     return acts, route
 
 
-def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any, cfg: GPTConfig,
+def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any, cfg: GPTConfig | MoEConfig,
             remat: bool = False, *, weight_outputs: bool = False,
             check: bool = True) -> dict[str, torch.Tensor]:
     """Phase 3: the routed experts (and the shared expert) of MoE params `params` ({"experts", "shared"?});
@@ -191,22 +187,23 @@ def experts(params: dict[str, Any], acts: dict[str, torch.Tensor], counts_L: Any
     output (as a combine would). The routed experts run under `fmoe.transforms.remat` when `remat`.
     `check`: check "experts" ([L, D, F], L = len(counts_L)) and "shared" against `cfg` first. Raises
     ValueError when the gate weights would be applied twice (probs_M and probs_TK), never (probs_R left
-    behind) or to other rows (probs_M not one per row).
+    behind) or to other rows (probs_M not one per row). `cfg`: a block's (its recompute choice applies
+    to the shared expert) or a bare MoE layer's.
     """
+    moe_cfg, rc = (cfg.moe, cfg.recompute) if isinstance(cfg, GPTConfig) else (cfg, Recompute())
     if check:
-        check_moe(params, cfg.moe, num_local_experts=len(counts_L), paths=(("experts",), ("shared",)))
+        check_moe(params, moe_cfg, num_local_experts=len(counts_L), paths=(("experts",), ("shared",)))
     _check_expert_acts(acts)
     probs_M = acts.get("probs_M")
     if weight_outputs:
-        y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, cfg.moe, remat, check=False)
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], None, counts_L, moe_cfg, remat, check=False)
         y_MD = y_MD * probs_M.unsqueeze(-1).to(y_MD.dtype)
     else:
-        y_MD = expert_rows(params["experts"], acts["rows_MD"], probs_M, counts_L, cfg.moe, remat, check=False)
+        y_MD = expert_rows(params["experts"], acts["rows_MD"], probs_M, counts_L, moe_cfg, remat, check=False)
     out = {k: v for k, v in acts.items() if k not in ("rows_MD", "probs_M", "normed_TD")}
     out["rows_MD"] = y_MD
     if "shared" in params:
-        out["shared_TD"] = part(cfg.recompute, "shared_experts", shared_experts)(params["shared"],
-                                                                                 acts["normed_TD"])
+        out["shared_TD"] = part(rc, "shared_experts", shared_experts)(params["shared"], acts["normed_TD"])
     return out
 
 
@@ -233,12 +230,14 @@ def _check_expert_acts(acts: dict[str, torch.Tensor]) -> None:
 def _check_finish_acts(acts: dict[str, torch.Tensor], route: MoERoute) -> None:
     """Raise ValueError when `acts` and `route` are not of one microbatch (token and row counts), or the
     gate weights or the shared output would be dropped or broadcast."""
-    r_BSD, T = acts["residual_BSD"], route.layout.num_tokens
-    if r_BSD.shape[0] * r_BSD.shape[1] != T:
+    T = route.layout.num_tokens
+    r_BSD = acts.get("residual_BSD")
+    if r_BSD is not None and r_BSD.shape[0] * r_BSD.shape[1] != T:
         raise ValueError(f"finish: acts hold {r_BSD.shape[0] * r_BSD.shape[1]} tokens (residual_BSD "
                          f"{_shape(r_BSD)}) but the route is for {T} tokens: the route of another "
                          "microbatch?")
-    want = [T, r_BSD.shape[-1]]
+    rows = acts["y_TD"] if "y_TD" in acts else acts["rows_RD"]
+    want = [T, rows.shape[-1]]
     if "y_TD" in acts:
         if "probs_TK" in acts:
             raise ValueError("finish: acts hold both y_TD (tokens a token-level dispatcher combined, gate "
@@ -262,8 +261,10 @@ def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]
 def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Tensor]:
     """Phase 4's compute: return acts with "h_BSD" = residual + unpermute(rows_RD, probs_TK) (+ shared),
     consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
-    "shared_TD" and "residual_BSD"; other keys pass through. Raises ValueError when acts and `route` are
-    not of one microbatch (token or row counts) or the gate weights or shared output would be misapplied."""
+    "shared_TD" and "residual_BSD"; other keys pass through. Without "residual_BSD" (a bare MoE layer,
+    fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. Raises ValueError when acts and
+    `route` are not of one microbatch (token or row counts) or the gate weights or shared output would
+    be misapplied."""
     _check_finish_acts(acts, route)
     if "y_TD" in acts:
         y_TD = acts["y_TD"]
@@ -271,33 +272,14 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Te
         y_TD = combine_rows(acts["rows_RD"], acts.get("probs_TK"), route)
     if "shared_TD" in acts:
         y_TD = y_TD + acts["shared_TD"]
-    r_BSD = acts["residual_BSD"]
     used = ("rows_RD", "y_TD", "probs_TK", "shared_TD", "residual_BSD")
     out = {k: v for k, v in acts.items() if k not in used}
-    out["h_BSD"] = r_BSD + y_TD.reshape(r_BSD.shape)
+    r_BSD = acts.get("residual_BSD")
+    if r_BSD is None:
+        out["out_TD"] = y_TD
+    else:
+        out["h_BSD"] = r_BSD + y_TD.reshape(r_BSD.shape)
     return out
-
-
-def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
-          dispatcher: Dispatcher | None = None, remat: bool | None = None, *,
-          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
-    """Return (y_BSD, aux): the phases composed, the exchanges through `dispatcher` (default local);
-    aux.loss is the differentiable balancing loss. `check`: check the block params (routed experts: the
-    dispatcher's num_local_experts) and the state against `cfg` first; False skips it (for trees that
-    already passed)."""
-    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
-    if check:
-        check_block(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    acts, route = attention(params, x_BSD, cfg, state, remat, check=False)
-    loss = acts.pop("loss")
-    x_MD, probs_M, (counts_L, meta) = dispatch_rows(acts.pop("rows_RD"), acts.pop("probs_R", None), route,
-                                                    dispatcher)
-    acts["rows_MD"] = x_MD
-    if probs_M is not None:
-        acts["probs_M"] = probs_M
-    acts = experts(params["moe"], acts, counts_L, cfg, route.remat, check=False)
-    acts["rows_RD"] = dispatcher.combine(acts.pop("rows_MD"), meta)
-    return finish(acts, route)["h_BSD"], make_aux(loss, route)
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,

@@ -17,7 +17,7 @@ tokens pad to one capacity: each checks its own load against the forecast, they 
 small all-reduce), and only on a miss all-reduce the maximum load
 (fmoe.parallel.capacity_agreement.CapacityAgreement). The forecast is the same on those ranks because
 the window is updated with the step's load reduced over them. A context rather than an argument because
-the layout is made deep inside the router's phase (fmoe/block.py, fmoe/pipeline/phases.py), which does
+the layout is made deep inside the router's phase (fmoe/block.py, fmoe/phases.py), which does
 not see the process groups; outside one, each process decides alone as before.
 """
 

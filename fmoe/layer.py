@@ -2,7 +2,7 @@
 
     params = init_moe(cfg, generator)        # {"router": {"w"}, "experts": {...}, "shared": {...}}
     state = init_moe_state(cfg)              # non-differentiated: expert bias, capacity window
-    y_TD, aux = moe(params, x_TD, cfg, state)
+    y_TD, aux = fmoe.moe(params, x_TD, cfg, state)   # fmoe.model.moe
 
 Legend (the package's, docs/moe.md): T tokens, D model width, E experts, L local experts, K top-k slots,
 N = T * K (token, slot) pairs, R rows of the expert-sorted layout (N dropless, fewer with drops, E * C
@@ -12,8 +12,9 @@ Gate weights have two forms, chosen by cfg.probs_in_expert, and a name each: pro
 at combine (unpermute), or probs_R [R], one per layout row, sent along with the rows (probs_M after
 dispatch) and applied inside the expert. `route_tokens` returns both slots, exactly one of them None.
 
-The pieces (`route_tokens`, `expert_rows`, `combine_rows`) are what the block's stage functions call
-one by one; `moe` composes them. No residual and no norm here: that is the block's job.
+The pieces (`plan_route`, `route_tokens`, `expert_rows`, `combine_rows`) are what the block's phase
+functions call one by one; `fmoe.model.moe` runs the layer's phases (fmoe/phases.py) in order. No residual
+and no norm here: that is the block's job.
 Every function here that takes params or state with a config checks their keys, shapes and dtypes
 against it first (fmoe/structure.py) unless given check=False; `moe` checks once and calls the pieces
 with check=False.
@@ -33,13 +34,12 @@ from fmoe.balance import max_over_mean, update_expert_bias
 from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
-from fmoe.dispatch.local import LocalDispatcher
-from fmoe.experts import init_experts, init_shared, shared_experts
+from fmoe.experts import init_experts, init_shared
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.remat_policy import expert_policy, overloaded
-from fmoe.router import check_seq_len, init_router, route
+from fmoe.router import init_router, route
 from fmoe.seams import check_routing, experts_of, router_of
-from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree, local_experts
+from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree
 
 
 @dataclass(frozen=True)
@@ -264,39 +264,3 @@ def make_aux(loss: torch.Tensor, route: MoERoute) -> MoEAux:
     return MoEAux(loss=loss, losses=dict(route.losses), tokens_per_expert_E=route.tokens_per_expert_E,
                   dropped=route.dropped, new_state=route.new_state, remat=route.remat,
                   capacity=route.capacity, capacity_missed=route.capacity_missed)
-
-
-def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
-        *, seq_len: int | None = None, dispatcher: Dispatcher | None = None,
-        remat: bool | None = None, check: bool = True) -> tuple[torch.Tensor, MoEAux]:
-    """Return (y_TD, aux): the MoE layer's output [T, D] (x's dtype) and its `MoEAux`.
-
-    `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
-    `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major; a
-    positive int dividing T, None = one sequence). `dispatcher`: how rows reach the experts (default
-    LocalDispatcher); one with `dispatch_tokens` gets whole tokens when `uses_token_dispatch` says so.
-    `remat`: force (True) or forbid (False) rematerialising the expert activations; None =
-    cfg.adaptive_remat rule. `check`: check params and state against `cfg` first (keys, shapes, dtypes;
-    the routed experts are the dispatcher's num_local_experts; fmoe/structure.py); pass False only
-    for trees that already passed. aux.loss is differentiable: add it to the loss you differentiate.
-    """
-    if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
-        raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
-    check_seq_len(seq_len, x_TD.shape[0])
-    dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
-    if check:
-        check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    if uses_token_dispatch(dispatcher, cfg):
-        probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat, check=False)
-        x_MD, counts_L, dmeta = dispatcher.dispatch_tokens(x_TD, meta.ids_TK, probs_TK)
-        y_MD = expert_rows(params["experts"], x_MD, None, counts_L, cfg, meta.remat, check=False)
-        y_TD = dispatcher.combine_tokens(y_MD, dmeta).to(x_TD.dtype)
-    else:
-        x_RD, probs_TK, probs_R, loss, meta = route_tokens(params, x_TD, cfg, state, seq_len, remat,
-                                                           check=False)
-        x_MD, probs_M, (counts_L, dmeta) = dispatch_rows(x_RD, probs_R, meta, dispatcher)
-        y_MD = expert_rows(params["experts"], x_MD, probs_M, counts_L, cfg, meta.remat, check=False)
-        y_TD = combine_rows(dispatcher.combine(y_MD, dmeta), probs_TK, meta)
-    if "shared" in params:
-        y_TD = y_TD + shared_experts(params["shared"], x_TD)
-    return y_TD, make_aux(loss, meta)

@@ -1,9 +1,13 @@
-"""A small GPT with MoE layers and an optional DeepSeek-V3 multi-token-prediction (MTP) module.
+"""A small GPT with MoE layers and an optional DeepSeek-V3 multi-token-prediction (MTP) module, run in one
+process: the model's phases (fmoe/phases.py, the one definition a pipeline's executor runs too) in order
+(fmoe.transforms.program.run_phases), differentiable by autograd and torch.func.
 
     params = init_gpt(cfg, generator)
     state = init_gpt_state(cfg)
     loss, aux = gpt_loss(params, ids_BS, targets_BS, cfg, state)   # aux.new_state for the next step
     logits_BSV = gpt_logits(params, ids_BS, cfg)                    # the main model's logits
+    y_BSD, aux = block(block_params, x_BSD, cfg, layer_state)      # one MoE block
+    y_TD, aux = moe(moe_params, x_TD, cfg.moe, layer_state)        # the MoE layer alone (fmoe.moe)
 
 Legend (the package's, docs/moe.md): B sequences, S positions, T = B * S tokens, D model width,
 V vocabulary.
@@ -28,14 +32,17 @@ from typing import Any
 
 import torch
 
-from fmoe.block import block, dense_block, init_block
-from fmoe.config import GPTConfig
+from fmoe.block import init_block
+from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.base import Dispatcher
+from fmoe.dispatch.local import LocalDispatcher
 from fmoe.init import param_device, scaled_normal
-from fmoe.layer import MoEAux, init_moe_state
-from fmoe.ops import cross_entropy, embedding, linear, rms_norm
-from fmoe.recompute import recomputed
-from fmoe.structure import check_gpt, local_experts
+from fmoe.layer import MoEAux, init_moe_state, make_aux
+from fmoe.ops import linear, rms_norm
+from fmoe.phases import gpt_layers, moe_layer
+from fmoe.router import check_seq_len
+from fmoe.structure import check_block, check_gpt, check_moe, local_experts
+from fmoe.transforms.program import Ran, run_phases, tree_params
 
 
 @dataclass(frozen=True)
@@ -86,60 +93,57 @@ def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[s
     return state
 
 
-def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
-                cfg: GPTConfig) -> torch.Tensor:
-    """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
-    model's and MTP's; the pipeline's head phase calls it too)."""
-    B, S, D = h_BSD.shape
-    logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
-    return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+def _run(layers: list, params: dict[str, Any], acts: dict[str, torch.Tensor],
+         meta: dict[str, Any]) -> Ran:
+    """Runs `layers` (fmoe/phases.py) in order over `params` (the whole tree: phases pick theirs)."""
+    return run_phases(layers, tree_params(params), acts, meta)
 
 
-def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
-              cfg: GPTConfig) -> torch.Tensor:
-    """Return z_BSD [B, S-1, D], MTP's input (module docstring): proj([norm(h_i); norm(embed(token i+1))])
-    from the main model's last hidden state and the targets (token i+1 = targets[:, i]); `mtp` the MTP
-    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding. The pipeline's MTP
-    input phase calls it too."""
-    hn_BSD = rms_norm(h_BSD[:, :-1], mtp["hidden_norm"], cfg.norm_eps)
-    next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), table_VD)
-    e_BSD = rms_norm(next_BSD, mtp["embed_norm"], cfg.norm_eps)
-    return linear(torch.cat([hn_BSD, e_BSD], dim=-1), mtp["w_proj"])
+def _moe_aux(ran: Ran) -> list[MoEAux]:
+    """One MoEAux per MoE layer that ran, in order, from its balancing loss and routing statistics."""
+    return [make_aux(ran.losses[f"balance:{name}"], st["route"]) for name, _, st in ran.stats]
 
 
-def _trunk(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig, state: dict[str, Any],
-           dispatcher: Dispatcher | None) -> tuple[torch.Tensor, list[MoEAux], list[dict[str, Any]]]:
-    """Return (h_BSD, MoEAux per MoE layer, new layer states): the embedding and every block, unchecked."""
-    x_BSD = embedding(ids_BS, params["embed"]["table"])
-    moe_aux: list[MoEAux] = []
-    new_layers: list[dict[str, Any]] = []
-    for i, (p, s) in enumerate(zip(params["layers"], state["layers"])):
-        whole = cfg.recompute.layer(i)  # "full" recompute (fmoe/recompute.py): one process is one chunk
-        if i < cfg.num_dense_layers:
-            x_BSD = (_whole_dense if whole else dense_block)(p, x_BSD, cfg, check=False)
-            new_layers.append({})
-        else:
-            x_BSD, a = (_whole_block if whole else block)(p, x_BSD, cfg, s, dispatcher, check=False)
-            moe_aux.append(a)
-            new_layers.append(a.new_state)
-    return x_BSD, moe_aux, new_layers
+def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
+        *, seq_len: int | None = None, dispatcher: Dispatcher | None = None,
+        remat: bool | None = None, check: bool = True) -> tuple[torch.Tensor, MoEAux]:
+    """Return (y_TD, aux): the MoE layer's output [T, D] (x's dtype) and its `MoEAux` (fmoe/layer.py): the
+    phases of `fmoe.phases.moe_layer(bare=True)` in order.
+
+    `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
+    `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major; a
+    positive int dividing T, None = one sequence). `dispatcher`: how rows reach the experts (default
+    LocalDispatcher); one with `dispatch_tokens` gets whole tokens when `uses_token_dispatch` says so.
+    `remat`: force (True) or forbid (False) rematerialising the expert activations; None =
+    cfg.adaptive_remat rule. `check`: check params and state against `cfg` first (keys, shapes, dtypes;
+    the routed experts are the dispatcher's num_local_experts; fmoe/structure.py); pass False only
+    for trees that already passed. aux.loss is differentiable: add it to the loss you differentiate.
+    """
+    if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
+        raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
+    check_seq_len(seq_len, x_TD.shape[0])
+    dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
+    if check:
+        check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    layer = moe_layer(cfg, (), "moe", params, state, dispatcher, remat=remat, bare=True, seq_len=seq_len)
+    ran = _run([layer], params, {"x_TD": x_TD}, {})
+    return ran.acts["out_TD"].to(x_TD.dtype), _moe_aux(ran)[0]
 
 
-def _whole_dense(p: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, check: bool) -> torch.Tensor:
-    """dense_block keeping only its input: the backward recomputes the rest (fmoe/recompute.py)."""
-    return recomputed(lambda p, x: dense_block(p, x, cfg, check=check))(p, x_BSD)
-
-
-def _whole_block(p: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, s: dict[str, Any],
-                 dispatcher: Dispatcher | None, *, check: bool) -> tuple[torch.Tensor, MoEAux]:
-    """block keeping only its input; its balancing loss stays differentiable. The rest of MoEAux (loads,
-    next state) is the forward's: remat hands back non-tensor leaves as the forward made them."""
-    def run(p: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MoEAux]:
-        y_BSD, aux = block(p, x, cfg, s, dispatcher, check=check)
-        return y_BSD, aux.loss, aux
-
-    y_BSD, loss, aux = recomputed(run)(p, x_BSD)
-    return y_BSD, replace(aux, loss=loss)
+def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
+          dispatcher: Dispatcher | None = None, remat: bool | None = None, *,
+          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
+    """Return (y_BSD, aux): an MoE block (fmoe/block.py), the phases of `fmoe.phases.moe_layer` in order,
+    the exchanges through `dispatcher` (default local); aux.loss is the differentiable balancing loss.
+    `remat`: as in `moe`. `check`: check the block params (routed experts: the dispatcher's
+    num_local_experts) and the state against `cfg` first; False skips it (for trees that already
+    passed)."""
+    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
+    if check:
+        check_block(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    layer = moe_layer(cfg, (), "block", params, state, dispatcher, remat=remat)
+    ran = _run([layer], params, {"h_BSD": x_BSD}, {})
+    return ran.acts["h_BSD"], _moe_aux(ran)[0]
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
@@ -149,16 +153,20 @@ def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
     inference framework computes, e.g. to compare with an imported checkpoint (fmoe/hf). `check`: as in
     `gpt_loss`."""
     state = state or init_gpt_state(cfg, ids_BS.device)
+    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     if check:
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    x_BSD = _trunk(params, ids_BS, cfg, state, dispatcher)[0]
+    layers = gpt_layers(cfg, params, state, dispatcher, layers=range(cfg.n_layers), first=True, last=True,
+                        head=False)
+    x_BSD = _run(layers, params, {}, {"ids_BS": ids_BS}).acts["h_BSD"]
     return linear(rms_norm(x_BSD, params["norm"], cfg.norm_eps), params["head"]["w"])
 
 
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
              state: dict[str, Any] | None = None,
              dispatcher: Dispatcher | None = None, *, check: bool = True) -> tuple[torch.Tensor, GPTAux]:
-    """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`.
+    """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`: the GPT's
+    layers (fmoe.phases.gpt_layers, one chunk with every layer) run in order.
 
     ids_BS: input token ids; targets_BS: the next tokens (targets[:, i] = token i + 1; -100 ignored).
     `check`: check params and state against `cfg` first (every layer present, keys, shapes, dtypes; the
@@ -166,23 +174,26 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     unchecked; False skips it, for trees that already passed (e.g. from a loop's second step on).
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
+    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     if check:
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    x_BSD, moe_aux, new_layers = _trunk(params, ids_BS, cfg, state, dispatcher)
-    main = logits_loss(x_BSD, params["norm"], params["head"]["w"], targets_BS, cfg)
-    new_state: dict[str, Any] = {"layers": new_layers}
-    mtp = main.new_zeros(())
-    if cfg.mtp and ids_BS.shape[1] > 1:
-        m = params["mtp"]
-        z_BSD = mtp_input(m, params["embed"]["table"], x_BSD, targets_BS, cfg)
-        z_BSD, a = block(m["block"], z_BSD, cfg, state.get("mtp"), dispatcher, check=False)
-        moe_aux.append(a)
-        new_state["mtp"] = a.new_state
-        mtp = logits_loss(z_BSD, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg)
-    elif cfg.mtp:
-        new_state["mtp"] = state.get("mtp", {})
+    with_mtp = cfg.mtp and ids_BS.shape[1] > 1  # MTP predicts token i + 2: no position for it when S = 1
+    layers = gpt_layers(cfg if with_mtp else replace(cfg, mtp=False), params, state, dispatcher,
+                        layers=range(cfg.n_layers), first=True, last=True)
+    ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS})
+    main = ran.losses["ce"]
+    moe_aux = _moe_aux(ran)
     balance = sum((a.loss for a in moe_aux), main.new_zeros(()))
-    loss = main + balance.to(main.dtype) + cfg.mtp_loss_weight * mtp
+    loss = main + balance.to(main.dtype) + ran.losses.get("mtp", main.new_zeros(()))
+    new_state: dict[str, Any] = {"layers": [{} for _ in range(cfg.n_layers)]}
+    if cfg.mtp:
+        new_state["mtp"] = state.get("mtp", {})
+    for (name, _, _), a in zip(ran.stats, moe_aux):
+        if name == "MTP":
+            new_state["mtp"] = a.new_state
+        else:
+            new_state["layers"][int(name[1:])] = a.new_state
+    mtp = ran.meta.get("mtp_loss", main.new_zeros(()))
     aux = GPTAux(main_loss=main.detach(), mtp_loss=mtp.detach(), balance_loss=balance.detach(),
                  layers=moe_aux, remat_layers=[i for i, a in enumerate(moe_aux) if a.remat],
                  new_state=new_state)

@@ -7,11 +7,10 @@
 - `None` (default): nothing is recomputed.
 - "full": whole transformer layers keep only their input (`fmoe.transforms.remat` with
   `nothing_saveable`): every layer, or with `num_layers` N (Megatron's "block" method) the first N
-  layers of each pipeline chunk. On a pipeline an MoE layer is several phases with exchanges between them
-  (fmoe/pipeline/phases.py), and an exchange cannot be replayed in a backward, so there each compute
-  phase of the layer keeps only its own input (fmoe/pipeline/recompute.py); in one process
-  (`fmoe.model.gpt_loss`) the whole layer does. The embedding, the head and the MTP module are not
-  layers and are never recomputed whole (as in Megatron).
+  layers of each pipeline chunk (one process is one chunk). An MoE layer is several phases with exchanges
+  between them (fmoe/phases.py), and an exchange cannot be replayed in a backward, so each compute phase
+  of the layer keeps only its own input (`chunk_layers`); the exchanges run once. The embedding, the
+  head and the MTP module are not layers and are never recomputed whole (as in Megatron).
 - "selective": only the named parts (Megatron's module names where fmoe has the part): "core_attn" the
   attention core (q, k, v -> o: RoPE and the softmax of the scores), "mlp" a dense layer's SwiGLU MLP,
   "moe" the routed experts (gate, up, activation, down), "shared_experts" the shared expert. Each keeps
@@ -19,14 +18,25 @@
 The MoE layer's load-aware adaptive recompute (seed 002, `MoEConfig.adaptive_remat`) is the routed
 experts' "moe" part, chosen per layer and step from the routing: it is an MoE option, not one here.
 
+`chunk_layers` applies a choice to the layers of a model chunk (fmoe/phases.py): "full" puts every compute
+phase of a recomputed layer (and the side phase its dispatch carries) under remat. The other parts are
+recomputed inside the block functions the phases call (fmoe/block.py), except the shared expert, which
+runs as a side phase of its own (`shared_expert` takes no config), so "shared_experts" wraps that phase
+here. Layers are found by the names fmoe/phases.py gives them: "L<i>" for model layer i, "MTP" for the MTP
+block (not a layer: never recomputed whole, its shared expert is a part).
+
 torch-free at import (fmoe/config.py holds a `Recompute`); `recomputed` loads fmoe.transforms on first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fmoe.transforms.program import Layer, Phase
 
 GRANULARITIES = ("full", "selective")
 # fmoe's layers draw no random numbers (no dropout), so a recompute need not replay the generators: remat
@@ -85,3 +95,66 @@ def recomputed(f: Callable[..., Any]) -> Callable[..., Any]:
 def part(rc: Recompute, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
     """Returns f, or `recomputed(f)` when `rc` recomputes part `name`."""
     return recomputed(f) if rc.module(name) else f
+
+
+SHARED = "shared"  # the side phase of the dispatch that runs the shared expert (phases.moe_layer)
+
+
+def _remat(ph: Phase) -> Phase:
+    return dataclasses.replace(ph, fn=recomputed(ph.fn))
+
+
+def recompute_phases(layer: Layer, whole: bool, shared: bool) -> Layer:
+    """Returns `layer` with every compute phase under remat (`whole`), or only its shared-expert side
+    phase (`shared`); `layer` itself when neither. A whole layer whose exchanges are all local (nothing
+    leaves the process, so its backward may replay them) becomes one compute phase under remat, which
+    keeps the layer's input only."""
+    if not (whole or shared):
+        return layer
+    if whole and layer.lone_phases is None and all(ph.local for ph in layer.phases if ph.kind == "comm"):
+        return _whole_layer(layer)
+
+    def wrapped(phases: tuple[Phase, ...]) -> tuple[Phase, ...]:
+        out = []
+        for ph in phases:
+            if ph.kind == "compute" and whole:
+                ph = _remat(ph)
+            if ph.side is not None and (whole or (shared and ph.side.name == SHARED)):
+                ph = dataclasses.replace(ph, side=_remat(ph.side))
+            out.append(ph)
+        return tuple(out)
+
+    lone = None if layer.lone_phases is None else wrapped(layer.lone_phases)
+    return dataclasses.replace(layer, phases=wrapped(layer.phases), lone_phases=lone)
+
+
+def _whole_layer(layer: Layer) -> Layer:
+    """Returns `layer` (its exchanges local) as one compute phase under remat that runs its phases in
+    order (fmoe.transforms.program.run_phases); its losses and routing statistics are the layer's."""
+    from fmoe.transforms.program import Layer, Phase, run_phases, tree_params
+
+    steps = [ph.side if ph.kind == "comm" else ph for ph in layer.phases
+             if ph.kind == "compute" or ph.side is not None]
+    paths = tuple(dict.fromkeys(q for ph in steps for q in ph.param_paths))
+    losses = tuple(k for ph in layer.phases if ph.kind == "compute" for k in ph.losses)
+
+    def run(p: Any, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: the tree below (), these paths
+        ran = run_phases((layer,), tree_params(p), acts, meta)
+        meta = ran.meta
+        if ran.stats:
+            (_, _, stats), = ran.stats  # one routed layer at most
+            meta = {**meta, "stats": stats}
+        return {**ran.acts, **ran.losses}, meta
+
+    return Layer(layer.name, (Phase(layer.name, "compute", fn=recomputed(run), param_paths=paths,
+                                    losses=losses),))
+
+
+def chunk_layers(rc: Recompute, chunk_layers: tuple[int, ...], layers: list[Layer]) -> list[Layer]:
+    """Returns the stage program's `layers` (embedding, model layers `chunk_layers` in order, MTP, head)
+    with `rc` applied: the k-th model layer of the chunk whole when `rc.layer(k)`, the shared expert of
+    every MoE layer (MTP's too) with part "shared_experts"."""
+    k_of = {f"L{i}": k for k, i in enumerate(chunk_layers)}
+    shared = rc.module("shared_experts")
+    return [recompute_phases(layer, layer.name in k_of and rc.layer(k_of[layer.name]), shared)
+            for layer in layers]

@@ -157,9 +157,9 @@ def _ct_like(tree: object) -> object:
 
 
 def block_syncs(params: dict, x_BSD: torch.Tensor, cfg: object, dispatcher: object = None) -> dict[str, int]:
-    """Host syncs of one MoE block (fmoe.block.block) on one microbatch: {"forward", "dx", "dw"}, the
+    """Host syncs of one MoE block (fmoe.model.block) on one microbatch: {"forward", "dx", "dw"}, the
     forward under split_vjp, then its dx pass and its deferred dw pass."""
-    from fmoe.block import block
+    from fmoe.model import block
     from fmoe.transforms import split_vjp
 
     with count_syncs() as fwd:
@@ -184,9 +184,9 @@ def _pair(out: tuple) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def moe_syncs(params: dict, x_TD: torch.Tensor, cfg: object, dispatcher: object = None) -> dict[str, int]:
-    """Host syncs of the MoE layer function (fmoe.layer.moe) under plain autograd: {"forward",
+    """Host syncs of the MoE layer function (fmoe.model.moe) under plain autograd: {"forward",
     "backward"}."""
-    from fmoe.layer import moe
+    from fmoe.model import moe
 
     leaves = [t.requires_grad_() for t in _leaves(params)]
     with count_syncs() as fwd:
@@ -204,7 +204,7 @@ def _leaves(tree: object) -> list[torch.Tensor]:
 
 
 def phased_block_syncs(params: dict, x_BSD: torch.Tensor, cfg: object, dispatcher: object) -> dict[str, int]:
-    """Host syncs of one MoE block run as a pipeline runs it (fmoe/pipeline/phases.py): its compute phases
+    """Host syncs of one MoE block run as a pipeline runs it (fmoe/phases.py): its compute phases
     under split_vjp, the exchanges through `fmoe.parallel.phased` issue / wait pairs. Returns {"forward",
     "dx" (the dx passes and the transposed exchanges), "dw"}."""
     from fmoe import block

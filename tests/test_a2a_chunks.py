@@ -239,7 +239,7 @@ def test_pairs_still_pair_as_seed_000_with_chunks(runs: dict) -> None:
 
 def test_chunks_need_an_all_to_all() -> None:
     from fmoe.parallel import AllGatherDispatcher
-    from fmoe.pipeline.phases import moe_layer
+    from fmoe.phases import moe_layer
 
     cfg = _cfg(False, False)
     params = init_gpt(cfg, torch.Generator().manual_seed(0))

@@ -14,7 +14,8 @@ from dist_utils import spawn
 
 from fmoe.capacity import capacity_agreement, make_layout
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe
+from fmoe.model import moe
 from fmoe.parallel import AllToAllDispatcher, CommCounters, CommGroup
 from fmoe.parallel.capacity_agreement import FITS_OP, MAX_OP, CapacityAgreement
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from fmoe.balance import aux_loss, seq_aux_loss, update_expert_bias, z_loss
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, init_moe_state, moe
+from fmoe.layer import init_moe, init_moe_state
+from fmoe.model import moe
 from fmoe.router import route
 
 

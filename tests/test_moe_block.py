@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from moe_oracle import oracle_moe
 
 from fmoe._compat import tree_map
-from fmoe.block import attention, block, experts, finish, init_block, self_attention
+from fmoe.block import attention, experts, finish, init_block, self_attention
 from fmoe.config import GPTConfig, MoEConfig
+from fmoe.model import block
 from fmoe.ops import rms_norm
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from fmoe.capacity import capacity_for
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe
+from fmoe.model import moe
 
 BASE = dict(d_model=8, d_ff=16, num_experts=4, top_k=2)
 GPT_BASE = dict(vocab_size=16, d_model=8, n_layers=2, n_heads=2)

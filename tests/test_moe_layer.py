@@ -13,7 +13,8 @@ from moe_oracle import oracle_moe
 
 from fmoe._compat import tree_flatten, tree_map, tree_unflatten
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe, plan_route
+from fmoe.layer import init_moe, plan_route
+from fmoe.model import moe
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, init_moe_state, moe
+from fmoe.layer import init_moe, init_moe_state
+from fmoe.model import moe
 from fmoe.ops import permute, permute_probs, sort_layout, unpermute
 from fmoe.transforms.testing import assert_close, check_vjp
 

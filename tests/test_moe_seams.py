@@ -23,7 +23,8 @@ from fmoe import schedule as S
 from fmoe.examples.routers import expert_choice, make_expert_choice, make_temperature, temperature
 from fmoe.experts import routed_experts
 from fmoe.hf.checkpoint import gpt_config_dict, gpt_config_of
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe
+from fmoe.model import moe
 from fmoe.ops import attention
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.router import Routing, route

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from fmoe import schedule as S
 from fmoe._compat import tree_flatten, tree_map
-from fmoe.block import attention, block, dense_block, experts, self_attention
+from fmoe.block import attention, dense_block, experts, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.layer import expert_rows, init_moe, init_moe_state, moe, plan_route, route_tokens, update_moe_state
-from fmoe.model import gpt_loss, init_gpt, init_gpt_state
+from fmoe.layer import expert_rows, init_moe, init_moe_state, plan_route, route_tokens, update_moe_state
+from fmoe.model import block, gpt_loss, init_gpt, init_gpt_state, moe
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.step import gpt_programs, update_gpt_state
 from fmoe.router import route

@@ -9,7 +9,7 @@ for alltoall, allgather, hierarchical (token level where `uses_token_dispatch`),
 hierarchical through the row-level seam only.
 Checked: y, dx, the local experts' grads, and router / shared-expert grads summed over ranks.
 
-Dropless configs are compared with the single-process layer `fmoe.layer.moe` on the whole global batch
+Dropless configs are compared with the single-process layer `fmoe.model.moe` on the whole global batch
 with all E experts: gate weights at combine; gate weights inside the expert with a shared expert; a
 router biased so every token picks the last rank's experts (imbalanced, other ranks receive nothing); a
 rank with no tokens whose experts nobody picks (it sends nothing and receives nothing).
@@ -34,7 +34,8 @@ import torch.distributed as dist
 from dist_utils import spawn
 
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe, uses_token_dispatch
+from fmoe.layer import init_moe, uses_token_dispatch
+from fmoe.model import moe
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,

@@ -40,6 +40,7 @@ def test_api_tour_runs(capsys):
 @pytest.mark.parametrize("probs_in_expert", [False, True])
 def test_block_phases_in_moe_md_run_as_block(probs_in_expert):
     import fmoe
+    import fmoe.model
     from fmoe import block, layer
 
     moe_cfg = fmoe.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, num_shared_experts=1,
@@ -52,7 +53,7 @@ def test_block_phases_in_moe_md_run_as_block(probs_in_expert):
                  "cfg": cfg, "state": None, "dispatcher": fmoe.LocalDispatcher(4)}
     exec(compile(_python(ROOT / "docs/moe.md", "## Block as phases"), "docs/moe.md (block)", "exec"),
          namespace)
-    y_BSD, aux = block.block(params, x_BSD, cfg)
+    y_BSD, aux = fmoe.model.block(params, x_BSD, cfg)
     torch.testing.assert_close(namespace["h_BSD"], y_BSD, rtol=0, atol=0)
     torch.testing.assert_close(namespace["loss"], aux.loss, rtol=0, atol=0)
 

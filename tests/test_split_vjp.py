@@ -20,7 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe._compat import is_functorch_wrapped, tree_flatten
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, moe
+from fmoe.layer import init_moe
+from fmoe.model import moe
 from fmoe.ops import linear
 from fmoe.transforms import (
     CaptureModifiedError,

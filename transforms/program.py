@@ -192,12 +192,16 @@ class StageProgram:
 
 
 def subtree(tree: Any, path: Path) -> Any:
-    """Returns the node of nested dicts `tree` at `path` (raises KeyError naming the path)."""
+    """Returns the node of nested dicts `tree` at `path` (raises KeyError naming the path); a list or tuple
+    on the way is indexed by a key of digits ("layers", "3")."""
     node = tree
     for i, k in enumerate(path):
-        if not isinstance(node, Mapping) or k not in node:
+        if isinstance(node, (list, tuple)) and k.isdigit() and int(k) < len(node):
+            node = node[int(k)]
+        elif isinstance(node, Mapping) and k in node:
+            node = node[k]
+        else:
             raise KeyError(f"no parameter subtree at {'.'.join(path[:i + 1])!r}")
-        node = node[k]
     return node
 
 

@@ -12,7 +12,7 @@ the moved tensors; compute may run in between):
     start_combine_transpose(plan, ct)     -> cotangents of the outputs    with the splits swapped)
 Row level: dispatch moves acts["rows_RD"] (and acts["probs_R"]) to "rows_MD" ("probs_M"), combine moves
 "rows_MD" back to "rows_RD"; other keys pass through. Permute-2 is compute: `plan.to_experts` /
-`plan.from_experts`. The pipeline runs these directly (fmoe/pipeline/phases.py); the layer's
+`plan.from_experts`. The pipeline runs these directly (fmoe/phases.py); the layer's
 synchronous dispatch / combine is one adapter over them (fmoe/dispatch/sync.py).
 """
 

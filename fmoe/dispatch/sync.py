@@ -12,13 +12,14 @@ methods (fmoe/dispatch/exchange.py), and serves both the layer (here) and the pi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
 from fmoe.dispatch.exchange import RowPlan
-from fmoe.transforms.program import exchanged
+from fmoe.transforms.program import Ready, exchanged
 
 
 class SyncRows:
@@ -41,3 +42,53 @@ class SyncRows:
         out = exchanged(partial(self.start_combine, meta), partial(self.start_combine_transpose, meta),
                         {"rows_MD": meta.from_experts(y_MD)})
         return out["rows_RD"]
+
+
+class InlineRows:
+    """The row-level Exchange of a dispatcher known only by its synchronous `dispatch` / `combine` (the
+    Dispatcher protocol, e.g. a research script's): its exchanges run inline (`local`), so autograd
+    differentiates what its calls do. For sequential runs (fmoe.model); a pipeline's executor needs an
+    issue / wait form (fmoe.parallel.phased) to overlap the exchanges with compute."""
+
+    local = True
+
+    def __init__(self, dispatcher: Any):
+        self.dispatcher = dispatcher
+        self.num_local_experts = dispatcher.num_local_experts
+
+    def start_plan(self, route: Any) -> Ready:
+        """Returns a Ready plan to be filled by the dispatch (its counts are the dispatcher's answer)."""
+        return Ready(_InlinePlan(route.layout.counts_E))
+
+    def start_dispatch(self, plan: _InlinePlan, acts: dict) -> Ready:
+        """Returns Ready acts with "rows_RD" (and "probs_R") moved to "rows_MD" ("probs_M")."""
+        rest = {k: v for k, v in acts.items() if k not in ("rows_RD", "probs_R")}
+        x_MD, plan.counts_L, probs_M, plan.meta = self.dispatcher.dispatch(acts["rows_RD"], plan.counts_E,
+                                                                           acts.get("probs_R"))
+        return Ready({**rest, "rows_MD": x_MD, **({} if probs_M is None else {"probs_M": probs_M})})
+
+    def start_combine(self, plan: _InlinePlan, acts: dict) -> Ready:
+        """Returns Ready acts with "rows_MD" moved back to "rows_RD"."""
+        rest = {k: v for k, v in acts.items() if k != "rows_MD"}
+        return Ready({**rest, "rows_RD": self.dispatcher.combine(acts["rows_MD"], plan.meta)})
+
+    def start_dispatch_transpose(self, plan: _InlinePlan, ct: dict) -> Ready:
+        raise TypeError("an inline exchange is differentiated by autograd, never transposed")
+
+    start_combine_transpose = start_dispatch_transpose
+
+
+@dataclass
+class _InlinePlan:
+    """An inline exchange's plan: the layout's counts, then what the dispatch answered (rows arrive
+    grouped by local expert, so permute-2 is the identity)."""
+
+    counts_E: torch.Tensor
+    counts_L: Any = None
+    meta: Any = None
+
+    def to_experts(self, x_MD: torch.Tensor) -> torch.Tensor:
+        """Returns the rows as they are (already grouped)."""
+        return x_MD
+
+    from_experts = to_experts

@@ -24,13 +24,12 @@ from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import update_moe_state
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import phases as P
+from fmoe.phases import gpt_layers, moe_layer_turns
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
-from fmoe.pipeline.recompute import chunk_layers
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
 from fmoe.structure import check_gpt, check_gpt_state, local_experts
-from fmoe.transforms.program import Layer, StageProgram
+from fmoe.transforms.program import StageProgram
 
 
 def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
@@ -69,20 +68,8 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
     out = {}
     for stage in s.placement.stages_of(rank):
         chunk = chunks[s.placement.layer_chunk[stage]]
-        layers: list[Layer] = [P.embed_layer()] if chunk.first else []
-        for i in chunk.layers:
-            if i < cfg.num_dense_layers:
-                layers.append(P.dense_layer(cfg, i))
-            else:
-                layers.append(P.moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i],
-                                        state["layers"][i], dispatcher, a2a_chunks))
-        if chunk.last:
-            if cfg.mtp:
-                layers.append(P.mtp_in_layer(cfg))
-                layers.append(P.moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"],
-                                        state.get("mtp"), dispatcher, a2a_chunks))
-            layers.append(P.head_layer(cfg))
-        layers = chunk_layers(cfg.recompute, chunk.layers, layers)  # fmoe/recompute.py
+        layers = gpt_layers(cfg, params, state, dispatcher, layers=chunk.layers, first=chunk.first,
+                            last=chunk.last, a2a_chunks=a2a_chunks)
         spec = {} if chunk.first else {"h_BSD": ((B, S, cfg.d_model), dtype)}
         out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
     return out
@@ -161,7 +148,7 @@ def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],
     fb-overlap pair (the executor's `stage_turns`): per MoE layer of its chunk (the MTP block included)
     `moe_layer_turns`. Every rank computes the same, so a pair's two messages go on the wire in the
     order they exist on both ends of the link. `dispatcher` None: local (no turns)."""
-    per_moe = P.moe_layer_turns(cfg, dispatcher or LocalDispatcher(cfg.moe.num_experts))
+    per_moe = moe_layer_turns(cfg, dispatcher or LocalDispatcher(cfg.moe.num_experts))
     out = {}
     for stage in range(s.placement.num_stages):
         chunk = chunks[s.placement.layer_chunk[stage]]

@@ -14,7 +14,9 @@ An MoE layer is the four phases of seed 000, plus the small compute tail of comb
   mlp       (compute): permute-2, routed experts, inverse permute-2
   combine   (comm):    rows back                                            -> rows_RD
   unpermute (compute): unpermute-1 with the gate weights, + shared, + residual  -> h_BSD
-Dense layers, the embedding and the head + loss are one compute phase each. Phases without weights take
+A bare MoE layer (`moe_layer(..., bare=True)`, fmoe.model.moe) starts from acts["x_TD"] with a "route"
+phase (router only) and ends with acts["out_TD"] (no residual). Dense layers, the embedding and the head
++ loss are one compute phase each. Phases without weights take
 no params. `acts` is the whole live state between phases (other keys pass through a phase untouched);
 routing metadata lives in `meta` under the layer's name. Each attention phase reports its layer's routing
 facts in meta["stats"], so the MoE state can be updated once per step (fmoe.layer.update_moe_state).
@@ -27,16 +29,47 @@ from typing import Any
 import torch
 
 from fmoe import block
-from fmoe.config import GPTConfig
-from fmoe.layer import uses_token_dispatch
-from fmoe.model import logits_loss, mtp_input
-from fmoe.ops import embedding, permute, permute_probs
+from fmoe.config import GPTConfig, MoEConfig
+from fmoe.dispatch.sync import InlineRows
+from fmoe.layer import plan_route, uses_token_dispatch
+from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
+from fmoe.recompute import chunk_layers
 from fmoe.transforms.program import Layer, Phase, Ready
 
 H = "h_BSD"  # the hidden state that crosses layers and stages
+
+
+def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
+                cfg: GPTConfig) -> torch.Tensor:
+    """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
+    model's and MTP's)."""
+    B, S, D = h_BSD.shape
+    logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
+    return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+
+
+def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
+              cfg: GPTConfig) -> torch.Tensor:
+    """Return z_BSD [B, S-1, D], MTP's input (fmoe/model.py): proj([norm(h_i); norm(embed(token i+1))])
+    from the main model's last hidden state and the targets (token i+1 = targets[:, i]); `mtp` the MTP
+    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding."""
+    hn_BSD = rms_norm(h_BSD[:, :-1], mtp["hidden_norm"], cfg.norm_eps)
+    next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), table_VD)
+    e_BSD = rms_norm(next_BSD, mtp["embed_norm"], cfg.norm_eps)
+    return linear(torch.cat([hn_BSD, e_BSD], dim=-1), mtp["w_proj"])
+
+
+def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Any, bool]:
+    """Returns (the Exchange the MoE phases drive, whether it takes whole tokens): the dispatcher's own
+    issue / wait form (fmoe.parallel.phased), or for a dispatcher with only the synchronous Dispatcher
+    protocol (a research script's) its calls run inline (`InlineRows`: sequential runs only)."""
+    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
+    if not token_level and not hasattr(dispatcher, "start_plan"):
+        return InlineRows(dispatcher), False
+    return phased(dispatcher, token_level), token_level
 
 
 def embed_layer() -> Layer:
@@ -56,11 +89,15 @@ def dense_layer(cfg: GPTConfig, i: int) -> Layer:
     return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(path,), param_root=path),))
 
 
-def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
-              state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1) -> Layer:
+def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
+              state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1, *,
+              remat: bool | None = None, bare: bool = False, seq_len: int | None = None) -> Layer:
     """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
-    (the block's params) gives the key names: each phase takes exactly the weights it uses.
+    (the block's params) gives the key names: each phase takes exactly the weights it uses. `remat`
+    forces (True) or forbids (False) rematerialising the routed experts (None: the config's rule).
+    `bare`: the MoE layer alone (fmoe.model.moe), `path` its params' (`block_params` them), cfg a
+    MoEConfig, acts["x_TD"] in, acts["out_TD"] out, `seq_len` the router's tokens per sequence.
     `a2a_chunks` 2: a forward that runs alone (no F&B pair to hide its exchanges: warmup, cooldown,
     overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run
     (`chunked_moe_phases`, the layer's lone_phases); a paired forward moves them whole, since there the
@@ -68,27 +105,42 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
     1 (default), or a dispatcher whose exchanges never leave the process: whole."""
     if a2a_chunks not in (1, 2):
         raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
-    moe_cfg = cfg.moe
+    moe_cfg = cfg if bare else cfg.moe
     route_key, plan_key = f"route:{name}", f"plan:{name}"
-    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
-    ex = phased(dispatcher, token_level)
+    ex, token_level = exchange_of(dispatcher, moe_cfg)
     local = bool(getattr(ex, "local", False))
     if a2a_chunks == 2 and not local and not isinstance(ex, AllToAllDispatcher):
         raise ValueError(f"a2a_chunks 2 splits an all-to-all's rows: {type(ex).__name__} has another route "
                          "(use AllToAllDispatcher, or a2a_chunks 1)")
-    attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
-    attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
-    mlp_paths = ((*path, "moe", "experts"),)
-    shared_path = (*path, "moe", "shared")
-    has_shared = "shared" in block_params["moe"]
+    moe_path = path if bare else (*path, "moe")  # where the MoE params are; its phases take them below
+    moe_params = block_params if bare else block_params["moe"]
+    mlp_paths = ((*moe_path, "experts"),)
+    shared_path = (*moe_path, "shared")
+    has_shared = "shared" in moe_params
     balance = f"balance:{name}"
 
     def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
         # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
-        out, route = block.attention(p, acts[H], cfg, state, permute_tokens=False, check=False)
+        out, route = block.attention(p, acts[H], cfg, state, remat, permute_tokens=False, check=False)
         out[balance] = out.pop("loss")
         rest = {k: v for k, v in acts.items() if k != H}
         return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+
+    def route_only(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # a bare layer: the router
+        x_TD = acts["x_TD"]
+        probs_TK, loss, route = plan_route(p, x_TD, moe_cfg, state, seq_len, remat, check=False)
+        rest = {k: v for k, v in acts.items() if k != "x_TD"}
+        out = {**rest, "normed_TD": x_TD, "probs_TK": probs_TK, balance: loss}
+        return out, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+
+    if bare:
+        front = Phase("route", "compute", fn=route_only, param_paths=((*moe_path, "router"),),
+                      param_root=moe_path, losses=(balance,))
+    else:
+        attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
+        attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
+        front = Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
+                      losses=(balance,))
 
     def permute_rows(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         layout = meta[route_key].layout
@@ -108,21 +160,20 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         grouped = {**acts, "rows_MD": plan.to_experts(acts["rows_MD"])}  # permute-2
         if "probs_M" in acts:
             grouped["probs_M"] = plan.to_experts(acts["probs_M"])
-        out = block.experts(p["moe"], grouped, plan.counts_L, cfg, meta[route_key].remat,
+        out = block.experts(p, grouped, plan.counts_L, cfg, meta[route_key].remat,
                             weight_outputs=token_level, check=False)
         out["rows_MD"] = plan.from_experts(out["rows_MD"])
         return out, meta
 
     def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {"shared_TD": block.shared_expert(p["moe"]["shared"], acts)}, meta
+        return {"shared_TD": block.shared_expert(p["shared"], acts)}, meta
 
     def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         out = block.finish(acts, meta[route_key])
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     head = (
-        Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
-              losses=(balance,)),
+        front,
         # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
         # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
         Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
@@ -130,24 +181,24 @@ def moe_layer(cfg: GPTConfig, path: tuple[str, ...], name: str, block_params: di
         *(() if token_level else (Phase("permute", "compute", fn=permute_rows),)),
     )
     # the shared expert reads the tokens only: it runs while the dispatch travels
-    shared_side = (Phase("shared", "compute", fn=shared, param_paths=(shared_path,), param_root=path)
+    shared_side = (Phase("shared", "compute", fn=shared, param_paths=(shared_path,), param_root=moe_path)
                    if has_shared else None)
     lone = None
     if a2a_chunks == 2 and not local:  # a forward with no pair to hide its exchanges hides them itself
-        lone = head + chunked_moe_phases(cfg, ex, name, path, shared_side, finish)
+        lone = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish)
     return Layer(name, lone_phases=lone, phases=head + (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
               side_consumes=("normed_TD",) if has_shared else (), local=local),
-        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths, param_root=path),
+        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths, param_root=moe_path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local),
         Phase("unpermute", "compute", fn=finish),
     ))
 
 
-def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...], shared_side: Phase | None,
-                       finish: Any) -> tuple[Phase, ...]:
+def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: tuple[str, ...],
+                       shared_side: Phase | None, finish: Any) -> tuple[Phase, ...]:
     """Returns the phases of an MoE layer after permute-1 with its all-to-all in two row chunks
     (`fmoe.parallel.alltoall.row_chunks`; routing, capacity and the losses stay the microbatch's):
       dispatch   (comm):    chunk 0's rows to the experts        + shared expert (side)
@@ -162,8 +213,9 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...]
     (fmoe.transforms.program: Phase.defer_wait); a paired backward still hands over at "dispatch" and
     "combine" only, so its pairings hold (mlp.0 and mlp.1 together in the place of mlp)."""
     plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
-    probs = ("probs_R",) if cfg.moe.probs_in_expert else ()
-    mlp_paths = ((*path, "moe", "experts"),)
+    moe_cfg = cfg.moe if isinstance(cfg, GPTConfig) else cfg
+    probs = ("probs_R",) if moe_cfg.probs_in_expert else ()
+    mlp_paths = ((*moe_path, "experts"),)
 
     def sent(acts: dict, chunk: Any) -> dict:
         return {k: acts[k].index_select(0, chunk.rows_R) for k in ("rows_RD", *probs)}
@@ -208,8 +260,7 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...]
         def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
             plan: RowPlan = meta[chunks_key][c].plan
             grouped = {k: plan.to_experts(v) for k, v in untagged(acts, c).items()}  # permute-2
-            out = block.experts(p["moe"], grouped, plan.counts_L, cfg, meta[f"route:{name}"].remat,
-                                check=False)
+            out = block.experts(p, grouped, plan.counts_L, cfg, meta[f"route:{name}"].remat, check=False)
             rest = {k: v for k, v in acts.items() if not k.endswith(f".{c}") and k != "normed_TD"}
             return {**rest, f"rows_MD.{c}": plan.from_experts(out["rows_MD"])}, meta
         return fn
@@ -244,10 +295,10 @@ def chunked_moe_phases(cfg: GPTConfig, ex: Any, name: str, path: tuple[str, ...]
               side_consumes=("normed_TD",) if shared_side is not None else ()),
         Phase("dispatch.1", "comm", start=dispatch1, start_transpose=dispatch1_t, switch=False,
               defer_wait=True, reads=("rows_RD", *probs)),
-        Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths, param_root=path),
+        Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths, param_root=moe_path),
         Phase("combine.0", "comm", start=combine0, start_transpose=combine0_t, switch=False, defer_wait=True,
               reads=("rows_MD.0",)),
-        Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths, param_root=path),
+        Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths, param_root=moe_path),
         Phase("combine", "comm", start=combine1, start_transpose=combine1_t),
         Phase("unpermute", "compute", fn=merged),
     )
@@ -257,8 +308,7 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
     """Returns how many exchanges of one `moe_layer` hand over to an fb-overlap pair
     (fmoe.schedule.stage_turns_of counts them on a built program): the dispatch and the combine when they
     may leave the process (the count exchange never hands over), none for a local dispatcher."""
-    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, cfg.moe)
-    return 0 if getattr(phased(dispatcher, token_level), "local", False) else 2
+    return 0 if getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False) else 2
 
 
 def mtp_in_layer(cfg: GPTConfig) -> Layer:
@@ -274,19 +324,43 @@ def mtp_in_layer(cfg: GPTConfig) -> Layer:
 
 def head_layer(cfg: GPTConfig) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
-    mtp_loss_weight * the MTP cross-entropy ("mtp"). Ends the path: returns losses only."""
+    mtp_loss_weight * the MTP cross-entropy ("mtp"), and the unweighted one, detached, as
+    meta["mtp_loss"]. Ends the path: returns losses only."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         norm_D, w_DV = p["norm"], p["head"]["w"]
         targets = meta["targets_BS"]
         if cfg.mtp:
             mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, targets[:, 1:], cfg)
             ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg)
-            return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, meta
+            return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
         return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg)}, meta
 
     paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
     losses = ("ce", "mtp") if cfg.mtp else ("ce",)
     return Layer("head", (Phase("head", "compute", fn=fn, param_paths=paths, losses=losses),))
+
+
+def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
+               layers: tuple[int, ...] | range, first: bool, last: bool, a2a_chunks: int = 1,
+               head: bool = True) -> list[Layer]:
+    """Returns the GPT's layers of one model chunk in order: the embedding when `first`, model layers
+    `layers` (dense or MoE, reading `state`), and when `last` MTP (if cfg.mtp) and, with `head`, the head
+    + loss; cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs one chunk;
+    one process is one chunk with every layer."""
+    out: list[Layer] = [embed_layer()] if first else []
+    for i in layers:
+        if i < cfg.num_dense_layers:
+            out.append(dense_layer(cfg, i))
+        else:
+            out.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i], state["layers"][i],
+                                 dispatcher, a2a_chunks))
+    if last and head:
+        if cfg.mtp:
+            out.append(mtp_in_layer(cfg))
+            out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
+                                 dispatcher, a2a_chunks))
+        out.append(head_layer(cfg))
+    return chunk_layers(cfg.recompute, tuple(layers), out)
 
 
 class _Then:
