@@ -54,7 +54,14 @@ from fmoe.layer import (
 )
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from fmoe.parallel.tensor import (
+    copy_to_tp,
+    gather_sequence,
+    join_positions,
+    reduce_from_tp,
+    scatter_sequence,
+    split_positions,
+)
 from fmoe.recompute import Recompute, part
 from fmoe.seams import attention_of
 from fmoe.structure import check_block, check_moe
@@ -140,7 +147,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
               state: dict[str, Any] | None = None, remat: bool | None = None, *,
-              permute_tokens: bool = True, check: bool = True) -> tuple[dict[str, torch.Tensor], MoERoute]:
+              permute_tokens: bool = True, check: bool = True, tp: CommGroup | None = None,
+              sequence_parallel: bool = False) -> tuple[dict[str, torch.Tensor], MoERoute]:
     """Phase 1: return (acts, route).
 
     acts: {"residual_BSD": x + attention, "normed_TD": rms_norm(residual) per token (the experts'
@@ -150,19 +158,32 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
     route: the `MoERoute` (layout, load, drops, new state, remat decision). `check`: check the weights
     it reads (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
+    `tp`, `sequence_parallel`: as in `self_attention` (params this rank's attention shard); the MoE's
+    tokens are this rank's positions of every sequence either way (TP extends EP: each tp rank routes
+    and dispatches its own; `split_positions` cuts them from the replicated residual without sequence
+    parallelism), and the router's statistics are the group's (fmoe.layer.plan_route).
     """
     if check:
-        check_block(params, cfg, state, paths=(*_ATTENTION_PATHS, ("mlp_norm",), ("moe", "router")))
+        if tp is None:
+            check_block(params, cfg, state, paths=(*_ATTENTION_PATHS, ("mlp_norm",), ("moe", "router")))
+        else:
+            check_tp(cfg, tp.size, dense=False)
+            check_shard(params, cfg, tp.size, _ATTENTION_PATHS)
+            check_block(params, cfg, state, paths=(("mlp_norm",), ("moe", "router")))
     if remat is None and cfg.recompute.module("moe"):
         remat = True  # selective recompute of the routed experts: every layer, every step
-    S = x_BSD.shape[1]
-    seq_len = S or None  # S = 0: no tokens (T = 0), no sequence to split
-    r_BSD = self_attention(params, x_BSD, cfg, check=False)
-    h_TD = rms_norm(r_BSD, params["mlp_norm"], cfg.norm_eps).flatten(0, 1)  # tokens t = b * S + s
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
+    norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
+    h_BSD = rms_norm(r_BSD, norm_D, cfg.norm_eps)
+    if tp is not None and not sequence_parallel:
+        h_BSD = split_positions(h_BSD, tp)  # this rank's tokens
+    seq_len = h_BSD.shape[1] or None  # positions per sequence here; 0: no tokens, no sequence to split
+    h_TD = h_BSD.flatten(0, 1)  # tokens t = b * S + s
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
     if permute_tokens:
         x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, seq_len,
-                                                            remat, check=False)
+                                                            remat, check=False, tp=tp)
         acts["rows_RD"] = x_RD
         if probs_R is None:
             acts["probs_TK"] = probs_TK
@@ -170,7 +191,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
             acts["probs_R"] = probs_R
     else:
         acts["probs_TK"], loss, route = plan_route(params["moe"], h_TD, cfg.moe, state, seq_len, remat,
-                                                   check=False)
+                                                   check=False, tp=tp)
     acts["loss"] = loss
     return acts, route
 
@@ -227,14 +248,16 @@ def _check_expert_acts(acts: dict[str, torch.Tensor]) -> None:
                          f"{rows_MD.shape[0]} rows: gate weights of other rows (another microbatch's?)")
 
 
-def _check_finish_acts(acts: dict[str, torch.Tensor], route: MoERoute) -> None:
+def _check_finish_acts(acts: dict[str, torch.Tensor], route: MoERoute, shards: int = 1) -> None:
     """Raise ValueError when `acts` and `route` are not of one microbatch (token and row counts), or the
-    gate weights or the shared output would be dropped or broadcast."""
+    gate weights or the shared output would be dropped or broadcast. `shards`: the route is for one of
+    this many equal shards of the residual's tokens."""
     T = route.layout.num_tokens
     r_BSD = acts.get("residual_BSD")
-    if r_BSD is not None and r_BSD.shape[0] * r_BSD.shape[1] != T:
+    if r_BSD is not None and r_BSD.shape[0] * r_BSD.shape[1] != T * shards:
         raise ValueError(f"finish: acts hold {r_BSD.shape[0] * r_BSD.shape[1]} tokens (residual_BSD "
-                         f"{_shape(r_BSD)}) but the route is for {T} tokens: the route of another "
+                         f"{_shape(r_BSD)}) but the route is for {T} tokens"
+                         f"{'' if shards == 1 else f' of one of {shards} shards'}: the route of another "
                          "microbatch?")
     rows = acts["y_TD"] if "y_TD" in acts else acts["rows_RD"]
     want = [T, rows.shape[-1]]
@@ -258,14 +281,17 @@ def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]
     return shared_experts(params, acts["normed_TD"])
 
 
-def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Tensor]:
+def finish(acts: dict[str, torch.Tensor], route: MoERoute,
+           tp: CommGroup | None = None) -> dict[str, torch.Tensor]:
     """Phase 4's compute: return acts with "h_BSD" = residual + unpermute(rows_RD, probs_TK) (+ shared),
     consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
     "shared_TD" and "residual_BSD"; other keys pass through. Without "residual_BSD" (a bare MoE layer,
-    fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. Raises ValueError when acts and
-    `route` are not of one microbatch (token or row counts) or the gate weights or shared output would
-    be misapplied."""
-    _check_finish_acts(acts, route)
+    fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. `tp`: the residual is replicated on
+    this tensor-parallel group and the tokens are this rank's positions (`attention` without sequence
+    parallelism): they are joined first (`join_positions`). Raises ValueError when acts and `route` are
+    not of one microbatch (token or row counts) or the gate weights or shared output would be
+    misapplied."""
+    _check_finish_acts(acts, route, 1 if tp is None else tp.size)
     if "y_TD" in acts:
         y_TD = acts["y_TD"]
     else:
@@ -277,8 +303,11 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute) -> dict[str, torch.Te
     r_BSD = acts.get("residual_BSD")
     if r_BSD is None:
         out["out_TD"] = y_TD
-    else:
+    elif tp is None:
         out["h_BSD"] = r_BSD + y_TD.reshape(r_BSD.shape)
+    else:
+        B, S, D = r_BSD.shape
+        out["h_BSD"] = r_BSD + join_positions(y_TD.reshape(B, S // tp.size, D), tp)
     return out
 
 

@@ -39,9 +39,11 @@ from fmoe.dispatch.local import LocalDispatcher
 from fmoe.init import param_device, scaled_normal
 from fmoe.layer import MoEAux, init_moe_state, make_aux
 from fmoe.ops import linear, rms_norm
+from fmoe.parallel.collectives import CommGroup
 from fmoe.phases import gpt_layers, moe_layer
 from fmoe.router import check_seq_len
 from fmoe.structure import check_block, check_gpt, check_moe, local_experts
+from fmoe.tp_layout import SPLITS, check_shard, check_tp
 from fmoe.transforms.program import Ran, run_phases, tree_params
 
 
@@ -132,16 +134,30 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
           dispatcher: Dispatcher | None = None, remat: bool | None = None, *,
-          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
+          check: bool = True, tp: CommGroup | None = None,
+          sequence_parallel: bool = False) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_BSD, aux): an MoE block (fmoe/block.py), the phases of `fmoe.phases.moe_layer` in order,
     the exchanges through `dispatcher` (default local); aux.loss is the differentiable balancing loss.
     `remat`: as in `moe`. `check`: check the block params (routed experts: the dispatcher's
     num_local_experts) and the state against `cfg` first; False skips it (for trees that already
-    passed)."""
+    passed). `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: attention
+    heads split, norms, router and shared expert replicated, the dispatcher's local experts whole: TP
+    extends EP, the dispatcher's group being the ep x tp expert group); x and y replicated on the group,
+    or with `sequence_parallel` this rank's positions [B, S/P, D]. Each rank routes its own positions
+    of every sequence; the balancing loss is the group's (equal to one process's)."""
+    if sequence_parallel and tp is None:
+        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     if check:
-        check_block(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    layer = moe_layer(cfg, (), "block", params, state, dispatcher, remat=remat)
+        n = local_experts(dispatcher)
+        if tp is None:
+            check_block(params, cfg, state, num_local_experts=n)
+        else:
+            check_tp(cfg, tp.size, dense=False)
+            check_shard(params, cfg, tp.size, tuple(SPLITS))
+            check_block(params, cfg, state, num_local_experts=n, paths=(("mlp_norm",), ("moe",)))
+    layer = moe_layer(cfg, (), "block", params, state, dispatcher, remat=remat, tp=tp,
+                      sequence_parallel=sequence_parallel)
     ran = _run([layer], params, {"h_BSD": x_BSD}, {})
     return ran.acts["h_BSD"], _moe_aux(ran)[0]
 

@@ -34,8 +34,10 @@ from fmoe.dispatch.sync import InlineRows
 from fmoe.layer import plan_route, uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
+from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
+from fmoe.parallel.tensor import copy_to_tp
 from fmoe.recompute import chunk_layers
 from fmoe.transforms.program import Layer, Phase, Ready
 
@@ -91,13 +93,17 @@ def dense_layer(cfg: GPTConfig, i: int) -> Layer:
 
 def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
               state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1, *,
-              remat: bool | None = None, bare: bool = False, seq_len: int | None = None) -> Layer:
+              remat: bool | None = None, bare: bool = False, seq_len: int | None = None,
+              tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
     """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
     (the block's params) gives the key names: each phase takes exactly the weights it uses. `remat`
     forces (True) or forbids (False) rematerialising the routed experts (None: the config's rule).
     `bare`: the MoE layer alone (fmoe.model.moe), `path` its params' (`block_params` them), cfg a
     MoEConfig, acts["x_TD"] in, acts["out_TD"] out, `seq_len` the router's tokens per sequence.
+    `tp`, `sequence_parallel`: the block's tensor parallelism (fmoe.block.attention: each tp rank routes
+    and dispatches its own positions, TP extending EP; the dispatcher's group is the ep x tp expert
+    group); the shared expert's replicated weights take their gradient summed over the group.
     `a2a_chunks` 2: a forward that runs alone (no F&B pair to hide its exchanges: warmup, cooldown,
     overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run
     (`chunked_moe_phases`, the layer's lone_phases); a paired forward moves them whole, since there the
@@ -105,6 +111,8 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
     1 (default), or a dispatcher whose exchanges never leave the process: whole."""
     if a2a_chunks not in (1, 2):
         raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
+    if bare and tp is not None:
+        raise ValueError("tensor parallelism shards a block (fmoe.model.block), not a bare MoE layer")
     moe_cfg = cfg if bare else cfg.moe
     route_key, plan_key = f"route:{name}", f"plan:{name}"
     ex, token_level = exchange_of(dispatcher, moe_cfg)
@@ -121,7 +129,8 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
 
     def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
         # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
-        out, route = block.attention(p, acts[H], cfg, state, remat, permute_tokens=False, check=False)
+        out, route = block.attention(p, acts[H], cfg, state, remat, permute_tokens=False, check=False, tp=tp,
+                                     sequence_parallel=sequence_parallel)
         out[balance] = out.pop("loss")
         rest = {k: v for k, v in acts.items() if k != H}
         return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
@@ -166,10 +175,12 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
         return out, meta
 
     def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {"shared_TD": block.shared_expert(p["shared"], acts)}, meta
+        weights = p["shared"] if tp is None else {k: copy_to_tp(v, tp, op="tp.shared")
+                                                  for k, v in p["shared"].items()}
+        return {"shared_TD": block.shared_expert(weights, acts)}, meta
 
     def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        out = block.finish(acts, meta[route_key])
+        out = block.finish(acts, meta[route_key], None if sequence_parallel else tp)
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     head = (

@@ -86,6 +86,53 @@ def scatter_sequence(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     return reduce_scatter(x_BSD.movedim(1, 0), comm, op="tp.sp_scatter").movedim(0, 1)
 
 
+class _SplitPositions(Function):
+    @staticmethod
+    def forward(x_BSD, comm):
+        n = x_BSD.shape[1] // comm.size
+        return x_BSD[:, comm.rank * n:(comm.rank + 1) * n].contiguous()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g_BnD):
+        return all_gather(g_BnD.movedim(1, 0).contiguous(), ctx.comm, op="tp.positions").movedim(0, 1), None
+
+
+class _JoinPositions(Function):
+    @staticmethod
+    def forward(x_BnD, comm):
+        return all_gather(x_BnD.movedim(1, 0).contiguous(), comm, op="tp.positions").movedim(0, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g_BSD):
+        n = g_BSD.shape[1] // ctx.comm.size
+        return g_BSD[:, ctx.comm.rank * n:(ctx.comm.rank + 1) * n].contiguous(), None
+
+
+def split_positions(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns this rank's positions x_B(S/P)D (p*S/P ..) of x_BSD replicated on the group: the tokens a
+    rank routes under tensor parallelism without sequence parallelism (TP extends EP: each rank dispatches
+    its own). Its backward gathers every rank's positions' gradients (an all-gather): the replicated
+    x's gradient. ValueError unless P divides S."""
+    if x_BSD.shape[1] % comm.size:
+        raise ValueError(f"split_positions: {x_BSD.shape[1]} positions do not split over {comm.size} "
+                         "tensor-parallel ranks")
+    return _SplitPositions.apply(x_BSD, comm)
+
+
+def join_positions(x_BnD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns x_BSD replicated on the group: every rank's positions x_B(S/P)D joined (an all-gather), the
+    transpose of `split_positions` (its backward keeps this rank's positions of the replicated gradient)."""
+    return _JoinPositions.apply(x_BnD, comm)
+
+
 def shard_range(n: int, comm: CommGroup, what: str) -> tuple[int, int]:
     """Returns [start, end) of this rank's equal shard of `n` (ValueError naming `what` unless the group
     size divides n)."""
