@@ -36,10 +36,12 @@ pipeline's gpt_programs).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
+from fmoe.balance import TokenShard
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.experts import shared_experts
@@ -57,10 +59,10 @@ from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import (
     copy_to_tp,
     gather_sequence,
-    join_positions,
+    join_tokens,
     reduce_from_tp,
     scatter_sequence,
-    split_positions,
+    split_tokens,
 )
 from fmoe.recompute import Recompute, part
 from fmoe.seams import attention_of
@@ -68,6 +70,20 @@ from fmoe.structure import check_block, check_moe
 from fmoe.tp_layout import SPLITS, check_shard, check_tp
 
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
+
+
+def token_shard(tp: CommGroup, B: int, S: int, sequence_parallel: bool, device: torch.device) -> TokenShard:
+    """Returns the `TokenShard` of this rank's tokens of the group's B sequences: with sequence parallelism
+    its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens."""
+    if sequence_parallel:
+        seq_ids_T = torch.arange(B, device=device).repeat_interleave(S)
+        B_all, S_all = B, S * tp.size
+    else:
+        n = B * S // tp.size
+        seq_ids_T = torch.arange(tp.rank * n, (tp.rank + 1) * n, device=device) // S
+        B_all, S_all = B, S
+    return TokenShard(total=partial(reduce_from_tp, comm=tp, op="tp.router_stats"), seq_ids_T=seq_ids_T,
+                      num_tokens=B_all * S_all, num_seqs=B_all, seq_len=S_all)
 
 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
@@ -158,10 +174,10 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
     route: the `MoERoute` (layout, load, drops, new state, remat decision). `check`: check the weights
     it reads (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
-    `tp`, `sequence_parallel`: as in `self_attention` (params this rank's attention shard); the MoE's
-    tokens are this rank's positions of every sequence either way (TP extends EP: each tp rank routes
-    and dispatches its own; `split_positions` cuts them from the replicated residual without sequence
-    parallelism), and the router's statistics are the group's (fmoe.layer.plan_route).
+    `tp`, `sequence_parallel`: as in `self_attention` (params this rank's attention shard). Each tp rank
+    routes and dispatches its own tokens (TP extends EP): with sequence parallelism its positions, else
+    its 1/P of the replicated residual's tokens (`split_tokens`); the router's statistics are the
+    group's (`token_shard`, fmoe.layer.plan_route).
     """
     if check:
         if tp is None:
@@ -175,15 +191,18 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
-    h_BSD = rms_norm(r_BSD, norm_D, cfg.norm_eps)
-    if tp is not None and not sequence_parallel:
-        h_BSD = split_positions(h_BSD, tp)  # this rank's tokens
-    seq_len = h_BSD.shape[1] or None  # positions per sequence here; 0: no tokens, no sequence to split
-    h_TD = h_BSD.flatten(0, 1)  # tokens t = b * S + s
+    h_TD = rms_norm(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # tokens t = b * S + s
+    seq_len = x_BSD.shape[1] or None  # S = 0: no tokens (T = 0), no sequence to split
+    shard = None
+    if tp is not None:
+        B, S = r_BSD.shape[:2]
+        if not sequence_parallel:
+            h_TD = split_tokens(h_TD, tp)  # this rank's tokens
+        shard, seq_len = token_shard(tp, B, S, sequence_parallel, h_TD.device), None
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
     if permute_tokens:
         x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, seq_len,
-                                                            remat, check=False, tp=tp)
+                                                            remat, check=False, tp=tp, shard=shard)
         acts["rows_RD"] = x_RD
         if probs_R is None:
             acts["probs_TK"] = probs_TK
@@ -191,7 +210,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
             acts["probs_R"] = probs_R
     else:
         acts["probs_TK"], loss, route = plan_route(params["moe"], h_TD, cfg.moe, state, seq_len, remat,
-                                                   check=False, tp=tp)
+                                                   check=False, tp=tp, shard=shard)
     acts["loss"] = loss
     return acts, route
 
@@ -287,8 +306,8 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute,
     consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
     "shared_TD" and "residual_BSD"; other keys pass through. Without "residual_BSD" (a bare MoE layer,
     fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. `tp`: the residual is replicated on
-    this tensor-parallel group and the tokens are this rank's positions (`attention` without sequence
-    parallelism): they are joined first (`join_positions`). Raises ValueError when acts and `route` are
+    this tensor-parallel group and the tokens are this rank's share of it (`attention` without sequence
+    parallelism): they are joined first (`join_tokens`). Raises ValueError when acts and `route` are
     not of one microbatch (token or row counts) or the gate weights or shared output would be
     misapplied."""
     _check_finish_acts(acts, route, 1 if tp is None else tp.size)
@@ -303,11 +322,8 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute,
     r_BSD = acts.get("residual_BSD")
     if r_BSD is None:
         out["out_TD"] = y_TD
-    elif tp is None:
-        out["h_BSD"] = r_BSD + y_TD.reshape(r_BSD.shape)
     else:
-        B, S, D = r_BSD.shape
-        out["h_BSD"] = r_BSD + join_positions(y_TD.reshape(B, S // tp.size, D), tp)
+        out["h_BSD"] = r_BSD + (y_TD if tp is None else join_tokens(y_TD, tp)).reshape(r_BSD.shape)
     return out
 
 

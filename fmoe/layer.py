@@ -25,20 +25,19 @@ add the reads listed in fmoe/capacity.py and fmoe/remat_policy.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
 from fmoe import transforms
-from fmoe.balance import max_over_mean, update_expert_bias
+from fmoe.balance import TokenShard, max_over_mean, update_expert_bias
 from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.experts import init_experts, init_shared
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.tensor import copy_to_tp, reduce_from_tp
+from fmoe.parallel.tensor import copy_to_tp
 from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import init_router, route
 from fmoe.seams import check_routing, experts_of, router_of
@@ -161,18 +160,18 @@ def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_
 
 def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                state: dict[str, Any] | None = None, seq_len: int | None = None,
-               remat: bool | None = None, *, check: bool = True,
-               tp: CommGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
+               remat: bool | None = None, *, check: bool = True, tp: CommGroup | None = None,
+               shard: TokenShard | None = None) -> tuple[torch.Tensor, torch.Tensor, MoERoute]:
     """Route without moving rows: return (probs_TK, loss, route), with the router cfg.router carries
     (fmoe/seams.py; default fmoe.router.route).
 
     probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
     metadata (layout, next state, remat decision). `remat` overrides the adaptive rule. `check`: check
-    params["router"] (the only entry read) and the state against `cfg` first. `tp`: x_TD is this rank's
-    equal shard of the tokens of the tensor-parallel group (its positions of every sequence, `seq_len`
-    each): the router weight is replicated (its gradient summed over the group), the balancing losses,
-    the load (route.tokens_per_expert_E), the bias update and the remat decision are the group's; the
-    layout and capacity are this rank's, as under expert parallelism.
+    params["router"] (the only entry read) and the state against `cfg` first. `tp`, `shard`: x_TD is
+    this rank's equal shard of the tokens of the tensor-parallel group `tp` (`shard` says which: the
+    block's `token_shard`): the router weight is replicated (its gradient summed over the group), the
+    balancing losses, the load (route.tokens_per_expert_E), the bias update and the remat decision are
+    the group's; the layout and capacity are this rank's, as under expert parallelism.
     """
     if check:
         check_moe(params, cfg, state, paths=[("router",)])
@@ -183,7 +182,10 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         zeros_E = torch.zeros(cfg.num_experts, dtype=torch.float32, device=x_TD.device)
         state = {**state, "expert_bias_E": zeros_E}
     router = router_of(cfg)  # cfg.router (fmoe/seams.py): every caller of the layer routes through here
-    router_params, sharded = params["router"], {}
+    router_params = params["router"]
+    if (tp is None) != (shard is None):
+        raise ValueError("plan_route: tp and shard go together (a tensor-parallel group and this rank's "
+                         "share of its tokens)")
     if tp is not None:
         if cfg.dynamic_capacity_window:
             raise ValueError("dynamic capacity under tensor parallelism: its forecast would be per rank; use "
@@ -191,16 +193,15 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         if router is not route:
             raise ValueError(f"router {getattr(router, '__name__', router)!r} under tensor parallelism: each "
                              "tp rank routes its own tokens and the balancing losses need the group's "
-                             "statistics, which only fmoe.router.route reduces (its total= / shards=)")
+                             "statistics, which only fmoe.router.route reduces (its shard=)")
         router_params = {k: copy_to_tp(v, tp, op="tp.router") for k, v in router_params.items()}
-        sharded = {"total": partial(reduce_from_tp, comm=tp, op="tp.router_stats"), "shards": tp.size}
     if router is route:
-        r = route(router_params, x_TD, cfg, state, seq_len, check=False, **sharded)
+        r = route(router_params, x_TD, cfg, state, seq_len, check=False, shard=shard)
     else:
         r = router(router_params, x_TD, cfg, state, seq_len)
         check_routing(r, x_TD.shape[0], cfg)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state, r.counts_E)
-    load_E = r.counts_E if tp is None else sharded["total"](r.counts_E)  # the group's
+    load_E = r.counts_E if shard is None else shard.total(r.counts_E)  # the group's
     new_state = dict(cap.new_state)
     if "expert_bias_E" in state:
         new_state["expert_bias_E"] = update_expert_bias(state["expert_bias_E"], load_E, cfg.bias_update_rate)
@@ -215,15 +216,17 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
 def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                  state: dict[str, Any] | None = None, seq_len: int | None = None,
                  remat: bool | None = None, *, check: bool = True, tp: CommGroup | None = None,
+                 shard: TokenShard | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, MoERoute]:
     """Route and permute: return (x_RD, probs_TK, probs_R, loss, route).
 
     x_RD: token rows in the expert-sorted layout; probs_TK: gate weights [T, K] to apply at combine
     (None when cfg.probs_in_expert); probs_R: the gate weight of each layout row [R] when
     cfg.probs_in_expert (else None); loss: differentiable balancing loss; route: the `MoERoute`
-    metadata. `remat` overrides the adaptive-remat decision. `check`, `tp`: as in `plan_route`.
+    metadata. `remat` overrides the adaptive-remat decision. `check`, `tp`, `shard`: as in `plan_route`.
     """
-    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat, check=check, tp=tp)
+    probs_TK, loss, meta = plan_route(params, x_TD, cfg, state, seq_len, remat, check=check, tp=tp,
+                                      shard=shard)
     x_RD = permute(x_TD, meta.layout)
     if cfg.probs_in_expert:
         return x_RD, None, permute_probs(probs_TK, meta.layout), loss, meta

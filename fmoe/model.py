@@ -143,8 +143,8 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
     passed). `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: attention
     heads split, norms, router and shared expert replicated, the dispatcher's local experts whole: TP
     extends EP, the dispatcher's group being the ep x tp expert group); x and y replicated on the group,
-    or with `sequence_parallel` this rank's positions [B, S/P, D]. Each rank routes its own positions
-    of every sequence; the balancing loss is the group's (equal to one process's)."""
+    or with `sequence_parallel` this rank's positions [B, S/P, D]. Each rank routes its own share of
+    the tokens; the balancing loss is the group's (equal to one process's)."""
     if sequence_parallel and tp is None:
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)

@@ -102,7 +102,7 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
     `bare`: the MoE layer alone (fmoe.model.moe), `path` its params' (`block_params` them), cfg a
     MoEConfig, acts["x_TD"] in, acts["out_TD"] out, `seq_len` the router's tokens per sequence.
     `tp`, `sequence_parallel`: the block's tensor parallelism (fmoe.block.attention: each tp rank routes
-    and dispatches its own positions, TP extending EP; the dispatcher's group is the ep x tp expert
+    and dispatches its own tokens, TP extending EP; the dispatcher's group is the ep x tp expert
     group); the shared expert's replicated weights take their gradient summed over the group.
     `a2a_chunks` 2: a forward that runs alone (no F&B pair to hide its exchanges: warmup, cooldown,
     overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from einops import rearrange, repeat
 
-from fmoe.balance import Total, aux_loss, graph_zero, seq_aux_loss, z_loss
+from fmoe.balance import TokenShard, aux_loss, graph_zero, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
 from fmoe.ops import compute_dtype, expert_counts, linear
@@ -89,7 +89,7 @@ def check_seq_len(seq_len: int | None, num_tokens: int) -> None:
 
 def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
           state: dict[str, Any] | None = None, seq_len: int | None = None, *, check: bool = True,
-          total: Total | None = None, shards: int = 1) -> Routing:
+          shard: TokenShard | None = None) -> Routing:
     """Route T tokens to K of E experts; returns a `Routing` (see its field shapes).
 
     `params["w"]` is the [D, E] router weight. `state` may hold "expert_bias_E" (selection bias).
@@ -97,9 +97,8 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
     must be a positive int dividing T (ValueError otherwise). `check`: check params and state against
     `cfg` first (fmoe/structure.py; False skips it, for trees that already passed).
     A balancing loss whose coefficient is 0 is an exact 0 (not computed from the data, so a NaN token
-    does not turn it NaN). `total` / `shards`: x_TD is this rank's equal shard of the group's tokens
-    (its positions of every sequence, `seq_len` of them each); the losses take the group's statistics
-    (fmoe/balance.py). counts_E stays this rank's (its layout's).
+    does not turn it NaN). `shard`: x_TD is this rank's equal shard of its tensor-parallel group's tokens;
+    the losses take the group's statistics (fmoe/balance.py). counts_E stays this rank's (its layout's).
     """
     T, E, K = x_TD.shape[0], cfg.num_experts, cfg.top_k
     check_seq_len(seq_len, T)
@@ -131,12 +130,12 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
         scores_TE / scores_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(ct).tiny))
     active = {}
     if cfg.aux_loss_coef:
-        active["aux"] = aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef, total, shards)
+        active["aux"] = aux_loss(dist_TE, counts_E, K, cfg.aux_loss_coef, shard)
     if cfg.seq_aux_loss_coef and T:
         active["seq_aux"] = seq_aux_loss(dist_TE, ids_TK, T if seq_len is None else seq_len,
-                                         cfg.seq_aux_loss_coef, total, shards)
+                                         cfg.seq_aux_loss_coef, shard)
     if cfg.z_loss_coef:
-        active["z"] = z_loss(logits_TE, cfg.z_loss_coef, total, shards)
+        active["z"] = z_loss(logits_TE, cfg.z_loss_coef, shard)
     # A switched-off loss is an exact zero; the total sums the active ones only (an exact zero on the
     # router's graph when none is: its gradient is zero and it reads no value of the logits).
     zero = logits_TE.new_zeros(())

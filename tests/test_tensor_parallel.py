@@ -40,8 +40,8 @@ def _data(T: int, D: int, F: int, V: int, seed: int) -> dict[str, torch.Tensor]:
     targets = torch.randint(0, V, (T,), generator=g)
     targets[::4] = IGNORE_INDEX  # some take no loss
     return {"x": rnd(T, D), "w1": rnd(D, F) / D ** 0.5, "w2": rnd(F, D) / F ** 0.5, "ct": rnd(T, D),
-            "ids": torch.randint(0, V, (2, T // 2), generator=g), "table": rnd(V, D),
-            "ct_emb": rnd(2, T // 2, D), "logits": rnd(T, V), "targets": targets,
+            "ids": torch.randint(0, V, (T // 6, 6), generator=g), "table": rnd(V, D),
+            "ct_emb": rnd(T // 6, 6, D), "logits": rnd(T, V), "targets": targets,
             "all_ignored": torch.full((T,), IGNORE_INDEX)}
 
 
@@ -88,7 +88,8 @@ def _rank(rank: int, world: int) -> dict:
                 return vocab_parallel_embedding(ids, t, comm, V, sequence_parallel=sp)
 
             e, vjp = torch.func.vjp(embed, table)
-            ct_e = d["ct_emb"].flatten(0, 1)[t0:t1] if sp else d["ct_emb"]
+            p0, p1 = shard_range(6, comm, "positions")  # sequence parallel: this rank's positions
+            ct_e = d["ct_emb"][:, p0:p1] if sp else d["ct_emb"]
             got[f"emb{sp}"], (got[f"dtable{sp}"],) = e, vjp(ct_e)
         # split_vjp: the same MLP, dw deferred to the second call
         y, vjp_dx = split_vjp(lambda p, x_: row_parallel_linear(
@@ -133,7 +134,8 @@ def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int) ->
                 torch.testing.assert_close(got[f"dx{sp}"], want["dx"][rows], msg=msg)
                 torch.testing.assert_close(got[f"dw1{sp}"], want["dw1"][:, f], msg=msg)
                 torch.testing.assert_close(got[f"dw2{sp}"], want["dw2"][f], msg=msg)
-                emb = want["emb"].flatten(0, 1)[t] if sp else want["emb"]
+                pos = slice(r.rank * 6 // world, (r.rank + 1) * 6 // world)
+                emb = want["emb"][:, pos] if sp else want["emb"]
                 torch.testing.assert_close(got[f"emb{sp}"], emb, msg=msg)
                 torch.testing.assert_close(got[f"dtable{sp}"], want["dtable"][v], msg=msg)
             y, dx, dw = got["split"]

@@ -86,51 +86,51 @@ def scatter_sequence(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     return reduce_scatter(x_BSD.movedim(1, 0), comm, op="tp.sp_scatter").movedim(0, 1)
 
 
-class _SplitPositions(Function):
+class _SplitRows(Function):
     @staticmethod
-    def forward(x_BSD, comm):
-        n = x_BSD.shape[1] // comm.size
-        return x_BSD[:, comm.rank * n:(comm.rank + 1) * n].contiguous()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, g_BnD):
-        return all_gather(g_BnD.movedim(1, 0).contiguous(), ctx.comm, op="tp.positions").movedim(0, 1), None
-
-
-class _JoinPositions(Function):
-    @staticmethod
-    def forward(x_BnD, comm):
-        return all_gather(x_BnD.movedim(1, 0).contiguous(), comm, op="tp.positions").movedim(0, 1)
+    def forward(x_TD, comm):
+        n = x_TD.shape[0] // comm.size
+        return x_TD[comm.rank * n:(comm.rank + 1) * n].contiguous()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.comm = inputs[1]
 
     @staticmethod
-    def backward(ctx, g_BSD):
-        n = g_BSD.shape[1] // ctx.comm.size
-        return g_BSD[:, ctx.comm.rank * n:(ctx.comm.rank + 1) * n].contiguous(), None
+    def backward(ctx, g_TD):
+        return all_gather(g_TD.contiguous(), ctx.comm, op="tp.tokens"), None
 
 
-def split_positions(x_BSD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
-    """Returns this rank's positions x_B(S/P)D (p*S/P ..) of x_BSD replicated on the group: the tokens a
+class _JoinRows(Function):
+    @staticmethod
+    def forward(x_TD, comm):
+        return all_gather(x_TD.contiguous(), comm, op="tp.tokens")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.comm = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        n = g_TD.shape[0] // ctx.comm.size
+        return g_TD[ctx.comm.rank * n:(ctx.comm.rank + 1) * n].contiguous(), None
+
+
+def split_tokens(x_TD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns this rank's tokens x_(T/P)D (rows p*T/P ..) of x_TD replicated on the group: the tokens a
     rank routes under tensor parallelism without sequence parallelism (TP extends EP: each rank dispatches
-    its own). Its backward gathers every rank's positions' gradients (an all-gather): the replicated
-    x's gradient. ValueError unless P divides S."""
-    if x_BSD.shape[1] % comm.size:
-        raise ValueError(f"split_positions: {x_BSD.shape[1]} positions do not split over {comm.size} "
+    its own). Its backward gathers every rank's rows' gradients (an all-gather): the replicated x's
+    gradient. ValueError unless P divides T."""
+    if x_TD.shape[0] % comm.size:
+        raise ValueError(f"split_tokens: {x_TD.shape[0]} tokens do not split over {comm.size} "
                          "tensor-parallel ranks")
-    return _SplitPositions.apply(x_BSD, comm)
+    return _SplitRows.apply(x_TD, comm)
 
 
-def join_positions(x_BnD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
-    """Returns x_BSD replicated on the group: every rank's positions x_B(S/P)D joined (an all-gather), the
-    transpose of `split_positions` (its backward keeps this rank's positions of the replicated gradient)."""
-    return _JoinPositions.apply(x_BnD, comm)
+def join_tokens(x_TD: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """Returns x_(P*T)D replicated on the group: every rank's tokens joined in rank order (an all-gather),
+    the transpose of `split_tokens` (its backward keeps this rank's rows of the replicated gradient)."""
+    return _JoinRows.apply(x_TD, comm)
 
 
 def shard_range(n: int, comm: CommGroup, what: str) -> tuple[int, int]:
@@ -165,9 +165,9 @@ def row_parallel_linear(x_TF: torch.Tensor, w_FD: torch.Tensor, comm: CommGroup,
 def vocab_parallel_embedding(ids_BS: torch.Tensor, table_VD: torch.Tensor, comm: CommGroup, vocab: int, *,
                              sequence_parallel: bool = False) -> torch.Tensor:
     """Returns the embedding of ids_BS [B, S] from this rank's vocabulary shard table_(V/P)D of a
-    `vocab`-token table: h_BSD replicated, or with `sequence_parallel` this rank's sequence shard
-    h_(T/P)D of the flattened tokens (T = B*S, sequence major). Ids outside the shard embed to zero here
-    and come from their own rank."""
+    `vocab`-token table: h_BSD replicated, or with `sequence_parallel` this rank's positions h_B(S/P)D
+    of every sequence (as `scatter_sequence` leaves them). Ids outside the shard embed to zero here and
+    come from their own rank."""
     start, end = shard_range(vocab, comm, "vocab_parallel_embedding")
     if table_VD.shape[0] != end - start:
         raise ValueError(f"vocab_parallel_embedding: the shard has {table_VD.shape[0]} rows, expected "
@@ -176,7 +176,7 @@ def vocab_parallel_embedding(ids_BS: torch.Tensor, table_VD: torch.Tensor, comm:
     local_BS = torch.where(mine_BS, ids_BS - start, torch.zeros_like(ids_BS))
     part_BSD = embedding(local_BS, table_VD) * mine_BS.unsqueeze(-1).to(table_VD.dtype)
     if sequence_parallel:
-        return reduce_scatter(part_BSD.flatten(0, 1), comm, op="tp.sp_scatter")
+        return scatter_sequence(part_BSD, comm)
     return reduce_from_tp(part_BSD, comm)
 
 
