@@ -180,7 +180,8 @@ def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
 
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
              state: dict[str, Any] | None = None,
-             dispatcher: Dispatcher | None = None, *, check: bool = True) -> tuple[torch.Tensor, GPTAux]:
+             dispatcher: Dispatcher | None = None, *, check: bool = True, tp: CommGroup | None = None,
+             sequence_parallel: bool = False) -> tuple[torch.Tensor, GPTAux]:
     """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`: the GPT's
     layers (fmoe.phases.gpt_layers, one chunk with every layer) run in order.
 
@@ -188,14 +189,21 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     `check`: check params and state against `cfg` first (every layer present, keys, shapes, dtypes; the
     routed experts are the dispatcher's num_local_experts; fmoe/structure.py), then run the blocks
     unchecked; False skips it, for trees that already passed (e.g. from a loop's second step on).
+    `tp`, `sequence_parallel`: tensor parallelism (`params` this rank's `fmoe.tp_layout.shard_gpt` with
+    the dispatcher's local experts, the dispatcher over the ep x tp expert group; ids and targets the
+    same on the group's ranks); the loss is the whole model's on every rank (MTP without sequence
+    parallelism only).
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
-    if check:
+    if check and tp is None:
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    elif check:
+        _check_tp_shards(params, cfg, tp.size)
     with_mtp = cfg.mtp and ids_BS.shape[1] > 1  # MTP predicts token i + 2: no position for it when S = 1
     layers = gpt_layers(cfg if with_mtp else replace(cfg, mtp=False), params, state, dispatcher,
-                        layers=range(cfg.n_layers), first=True, last=True)
+                        layers=range(cfg.n_layers), first=True, last=True, tp=tp,
+                        sequence_parallel=sequence_parallel)
     ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS})
     main = ran.losses["ce"]
     moe_aux = _moe_aux(ran)
@@ -214,3 +222,15 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
                  layers=moe_aux, remat_layers=[i for i, a in enumerate(moe_aux) if a.remat],
                  new_state=new_state)
     return loss, aux
+
+
+def _check_tp_shards(params: dict[str, Any], cfg: GPTConfig, size: int) -> None:
+    """Raises ValueError naming what `size` tp ranks do not split, or a block weight that is not its shard
+    (fmoe/tp_layout.py)."""
+    check_tp(cfg, size, dense=cfg.num_dense_layers > 0)
+    for p in params["layers"] + ([params["mtp"]["block"]] if "mtp" in params else []):
+        check_shard(p, cfg, size, tuple(SPLITS))
+    want = cfg.vocab_size // size
+    if params["embed"]["table"].shape[0] != want or params["head"]["w"].shape[1] != want:
+        raise ValueError(f"vocab-parallel embedding and head: {want} of the {cfg.vocab_size} tokens per tp "
+                         f"rank, got {params['embed']['table'].shape[0]} and {params['head']['w'].shape[1]}")

@@ -37,7 +37,12 @@ from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
-from fmoe.parallel.tensor import copy_to_tp
+from fmoe.parallel.tensor import (
+    copy_to_tp,
+    gather_sequence,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 from fmoe.recompute import chunk_layers
 from fmoe.transforms.program import Layer, Phase, Ready
 
@@ -45,21 +50,31 @@ H = "h_BSD"  # the hidden state that crosses layers and stages
 
 
 def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
-                cfg: GPTConfig) -> torch.Tensor:
+                cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
     """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
-    model's and MTP's)."""
-    B, S, D = h_BSD.shape
-    logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
-    return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+    model's and MTP's). `tp`: head_DV is this rank's vocabulary columns [D, V/P] (vocab-parallel head
+    and cross-entropy); h replicated, or with `sequence_parallel` this rank's positions (gathered)."""
+    if tp is None:
+        B, S, D = h_BSD.shape
+        logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
+        return cross_entropy(logits_TV, targets_BS.reshape(B * S))
+    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
+    h_BSD = rms_norm(h_BSD, copy_to_tp(norm_D, tp) if sequence_parallel else norm_D, cfg.norm_eps)
+    h_BSD = gather_sequence(h_BSD, tp) if sequence_parallel else copy_to_tp(h_BSD, tp)
+    logits_TV = linear(h_BSD.flatten(0, 1), head_DV)
+    return vocab_parallel_cross_entropy(logits_TV, targets_BS.flatten(), tp, cfg.vocab_size)
 
 
 def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
-              cfg: GPTConfig) -> torch.Tensor:
+              cfg: GPTConfig, tp: CommGroup | None = None) -> torch.Tensor:
     """Return z_BSD [B, S-1, D], MTP's input (fmoe/model.py): proj([norm(h_i); norm(embed(token i+1))])
     from the main model's last hidden state and the targets (token i+1 = targets[:, i]); `mtp` the MTP
-    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding."""
+    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding (with `tp` this rank's
+    vocabulary rows; h and z replicated on the group)."""
     hn_BSD = rms_norm(h_BSD[:, :-1], mtp["hidden_norm"], cfg.norm_eps)
-    next_BSD = embedding(targets_BS[:, :-1].clamp(min=0), table_VD)
+    ids_BS = targets_BS[:, :-1].clamp(min=0)
+    next_BSD = embedding(ids_BS, table_VD) if tp is None else vocab_parallel_embedding(ids_BS, table_VD, tp,
+                                                                                       cfg.vocab_size)
     e_BSD = rms_norm(next_BSD, mtp["embed_norm"], cfg.norm_eps)
     return linear(torch.cat([hn_BSD, e_BSD], dim=-1), mtp["w_proj"])
 
@@ -74,18 +89,26 @@ def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Any, bool]:
     return phased(dispatcher, token_level), token_level
 
 
-def embed_layer() -> Layer:
-    """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]."""
+def embed_layer(cfg: GPTConfig | None = None, tp: CommGroup | None = None,
+                sequence_parallel: bool = False) -> Layer:
+    """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]. `tp`: the table is
+    this rank's vocabulary rows (vocab-parallel embedding, cfg's vocabulary); h replicated, or with
+    `sequence_parallel` this rank's positions."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        return {**acts, H: embedding(meta["ids_BS"], p["embed"]["table"])}, meta
+        if tp is None:
+            return {**acts, H: embedding(meta["ids_BS"], p["embed"]["table"])}, meta
+        return {**acts, H: vocab_parallel_embedding(meta["ids_BS"], p["embed"]["table"], tp, cfg.vocab_size,
+                                                    sequence_parallel=sequence_parallel)}, meta
 
     return Layer("embed", (Phase("embed", "compute", fn=fn, param_paths=(("embed", "table"),)),))
 
 
-def dense_layer(cfg: GPTConfig, i: int) -> Layer:
-    """Returns dense block `i` as one compute phase over acts[h_BSD]."""
+def dense_layer(cfg: GPTConfig, i: int, tp: CommGroup | None = None,
+                sequence_parallel: bool = False) -> Layer:
+    """Returns dense block `i` as one compute phase over acts[h_BSD] (`tp`: fmoe.block.dense_block's)."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: the block's params
-        return {**acts, H: block.dense_block(p, acts[H], cfg, check=False)}, meta  # gpt_programs checked
+        h_BSD = block.dense_block(p, acts[H], cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+        return {**acts, H: h_BSD}, meta  # gpt_programs / gpt_loss checked
 
     path = ("layers", str(i))
     return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(path,), param_root=path),))
@@ -322,29 +345,31 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
     return 0 if getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False) else 2
 
 
-def mtp_in_layer(cfg: GPTConfig) -> Layer:
+def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None) -> Layer:
     """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
-    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions)."""
+    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions). `tp`: the
+    embedding is vocab-parallel, h replicated (sequence parallelism does not run MTP: its S - 1
+    positions would not split like the main stream's S)."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg)
+        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, tp)
         return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": acts[H], H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
     return Layer("mtp_in", (Phase("mtp_in", "compute", fn=fn, param_paths=paths),))
 
 
-def head_layer(cfg: GPTConfig) -> Layer:
+def head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
     mtp_loss_weight * the MTP cross-entropy ("mtp"), and the unweighted one, detached, as
-    meta["mtp_loss"]. Ends the path: returns losses only."""
+    meta["mtp_loss"]. Ends the path: returns losses only. `tp`: `logits_loss`'s (vocab-parallel)."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         norm_D, w_DV = p["norm"], p["head"]["w"]
         targets = meta["targets_BS"]
         if cfg.mtp:
-            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, targets[:, 1:], cfg)
-            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg)
+            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, targets[:, 1:], cfg, tp)
+            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg, tp)
             return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
-        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg)}, meta
+        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg, tp, sequence_parallel)}, meta
 
     paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
     losses = ("ce", "mtp") if cfg.mtp else ("ce",)
@@ -353,24 +378,31 @@ def head_layer(cfg: GPTConfig) -> Layer:
 
 def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
                layers: tuple[int, ...] | range, first: bool, last: bool, a2a_chunks: int = 1,
-               head: bool = True) -> list[Layer]:
+               head: bool = True, tp: CommGroup | None = None,
+               sequence_parallel: bool = False) -> list[Layer]:
     """Returns the GPT's layers of one model chunk in order: the embedding when `first`, model layers
     `layers` (dense or MoE, reading `state`), and when `last` MTP (if cfg.mtp) and, with `head`, the head
     + loss; cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs one chunk;
-    one process is one chunk with every layer."""
-    out: list[Layer] = [embed_layer()] if first else []
+    one process is one chunk with every layer. `tp`, `sequence_parallel`: tensor parallelism of every
+    layer (params this rank's shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group)."""
+    if sequence_parallel and (tp is None or (cfg.mtp and last and head)):
+        raise ValueError("sequence parallelism needs a tensor-parallel group, and does not run MTP (its "
+                         "S - 1 positions do not split like the main stream's S); use tensor parallelism "
+                         "alone")
+    sp = sequence_parallel
+    out: list[Layer] = [embed_layer(cfg, tp, sp)] if first else []
     for i in layers:
         if i < cfg.num_dense_layers:
-            out.append(dense_layer(cfg, i))
+            out.append(dense_layer(cfg, i, tp, sp))
         else:
             out.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i], state["layers"][i],
-                                 dispatcher, a2a_chunks))
+                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp))
     if last and head:
         if cfg.mtp:
-            out.append(mtp_in_layer(cfg))
+            out.append(mtp_in_layer(cfg, tp))
             out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
-                                 dispatcher, a2a_chunks))
-        out.append(head_layer(cfg))
+                                 dispatcher, a2a_chunks, tp=tp))
+        out.append(head_layer(cfg, tp, sp))
     return chunk_layers(cfg.recompute, tuple(layers), out)
 
 

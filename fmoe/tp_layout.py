@@ -9,6 +9,8 @@ block's ffn width, P tensor-parallel ranks; rank p holds the p-th of P equal par
     mlp.w_gate, mlp.w_up [D, F]   columns                        (column-parallel)
     mlp.w_down [F, D]             rows                           (row-parallel)
     attn_norm, q_norm, k_norm, mlp.norm, mlp_norm, moe.router: replicated
+    GPT: embed.table [V, D] rows and head.w [D, V] columns by vocabulary (vocab-parallel); norm and the
+    MTP's norms and w_proj replicated (`shard_gpt`)
 
 One table (`SPLITS`), read by the block's functions to check a shard and by `shard_block` to cut one
 (tests now; sharded initialisation and checkpoints across tp layouts next, issue 32). The routed
@@ -99,3 +101,21 @@ def check_shard(params: dict[str, Any], cfg: GPTConfig, size: int,
         if list(w.shape) != want:
             raise ValueError(f"{'.'.join(path)}: the shard of tp rank of {size} is {tuple(want)}, got "
                              f"{tuple(w.shape)}")
+
+
+def shard_gpt(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) -> dict[str, Any]:
+    """Returns the GPT params tp rank `rank` of `size` holds (init_gpt's layout): every block's
+    `shard_block`, the embedding's vocabulary rows and the head's vocabulary columns; the rest replicated
+    (the same tensors). The routed experts stay whole: which of them a rank holds is expert parallelism's
+    (TP extends EP). ValueError unless `size` splits the heads, kv heads, dense ffn and vocabulary."""
+    if cfg.vocab_size % size:
+        raise ValueError(f"tensor parallelism over {size} ranks: the vocabulary of {cfg.vocab_size} does not "
+                         "split evenly")
+    per = cfg.vocab_size // size
+    out = dict(params)
+    out["embed"] = {"table": params["embed"]["table"][rank * per:(rank + 1) * per].contiguous()}
+    out["head"] = {"w": params["head"]["w"][:, rank * per:(rank + 1) * per].contiguous()}
+    out["layers"] = [shard_block(p, cfg, rank, size) for p in params["layers"]]
+    if "mtp" in params:
+        out["mtp"] = {**params["mtp"], "block": shard_block(params["mtp"]["block"], cfg, rank, size)}
+    return out

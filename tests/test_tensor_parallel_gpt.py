@@ -1,0 +1,102 @@
+"""The GPT under tensor parallelism on gloo ranks against one process (fp64): vocab-parallel embedding and
+head with the vocab-parallel cross-entropy, a dense block and an MoE block sharded by fmoe/tp_layout.py,
+TP extending EP for the routed experts, MTP (without sequence parallelism) and sequence parallelism.
+
+Oracle: `fmoe.model.gpt_loss` with whole weights in one process (itself checked against a plain
+composition in tests/test_moe_model.py), differentiated by torch.func.grad. Each rank's loss parts must
+equal the oracle's and its gradients the oracle's, cut as its params are (`shard_gpt`, its experts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from fmoe.config import GPTConfig, MoEConfig
+from fmoe.model import gpt_loss, init_gpt, init_gpt_state
+from fmoe.parallel import CommGroup
+from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.tp_layout import shard_gpt
+from fmoe.transforms.testing import assert_close
+
+DT = torch.float64
+E = 4
+
+
+def _cfg(mtp: bool) -> GPTConfig:
+    moe = MoEConfig(d_model=8, d_ff=6, num_experts=E, top_k=2, num_shared_experts=1, aux_loss_coef=0.01,
+                    seq_aux_loss_coef=0.02, z_loss_coef=0.001, bias_update_rate=0.1)
+    return GPTConfig(vocab_size=12, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, moe=moe,
+                     num_dense_layers=1, d_ff_dense=8, mtp=mtp, mtp_loss_weight=0.3, qk_norm=True)
+
+
+def _data(cfg: GPTConfig, S: int) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    params = init_gpt(cfg, g, DT)
+    ids = torch.randint(0, cfg.vocab_size, (2, S), generator=g)
+    targets = ids.roll(-1, 1)
+    targets[0, 1] = -100  # a position that takes no loss
+    return params, ids, targets
+
+
+def _mine(tree: dict, cfg: GPTConfig, rank: int, size: int) -> dict:
+    """Rank `rank`'s part of a GPT tree: its tp shard and its E / size whole experts."""
+    out = shard_gpt(tree, cfg, rank, size)
+    L = E // size
+
+    def experts(block: dict) -> dict:
+        return {**block, "moe": {**block["moe"], "experts": {k: v[rank * L:(rank + 1) * L]
+                                                            for k, v in block["moe"]["experts"].items()}}}
+
+    out["layers"] = [experts(b) if "moe" in b else b for b in out["layers"]]
+    if "mtp" in out:
+        out["mtp"] = {**out["mtp"], "block": experts(out["mtp"]["block"])}
+    return out
+
+
+def _one(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.Tensor, **kw) -> tuple:
+    state = init_gpt_state(cfg)
+
+    def f(p):
+        loss, aux = gpt_loss(p, ids, targets, cfg, state, **kw)
+        return loss, {"loss": loss.detach(), "main": aux.main_loss, "balance": aux.balance_loss,
+                      "mtp": aux.mtp_loss, "bias": aux.new_state["layers"][1]["expert_bias_E"]}
+
+    grads, parts = torch.func.grad(f, has_aux=True)(params)
+    return {**parts, "grads": grads}
+
+
+def _rank(rank: int, world: int, mtp: bool, sp: bool, S: int) -> dict:
+    comm = CommGroup(torch.distributed.group.WORLD)
+    cfg = _cfg(mtp)
+    params, ids, targets = _data(cfg, S)
+    got = _one(cfg, _mine(params, cfg, rank, world), ids, targets, dispatcher=AllToAllDispatcher(comm, E),
+               tp=comm, sequence_parallel=sp)
+    return torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), got)
+
+
+def _is_packed(v: object) -> bool:
+    """A tensor as a rank returns it: (shape, values)."""
+    return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], list)
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S"), [(True, False, 5), (False, True, 4)])
+def test_gpt_under_tp_equals_one_process(mtp: bool, sp: bool, S: int) -> None:
+    world = 2
+    cfg = _cfg(mtp)
+    params, ids, targets = _data(cfg, S)
+    want = _one(cfg, params, ids, targets)
+    for rank, r in enumerate(spawn(_rank, world, mtp, sp, S, timeout_s=150)):
+        got = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]), r.value,
+                                           is_leaf=_is_packed)
+        for key in ("loss", "main", "balance", "mtp", "bias"):
+            assert_close(got[key], want[key].to(DT), msg=key)
+        assert_close(got["grads"], _mine(want["grads"], cfg, rank, world))
+
+
+def test_sequence_parallel_refuses_mtp() -> None:
+    cfg = _cfg(True)
+    params, ids, targets = _data(cfg, 4)
+    with pytest.raises(ValueError, match="does not run MTP"):
+        gpt_loss(params, ids, targets, cfg, sequence_parallel=True, tp=object(), check=False)
