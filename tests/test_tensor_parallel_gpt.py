@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_utils import spawn
 
+from fmoe._compat import keystr, tree_flatten_with_path
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
 from fmoe.parallel import CommGroup
@@ -24,17 +25,17 @@ DT = torch.float64
 E = 4
 
 
-def _cfg(mtp: bool) -> GPTConfig:
+def _cfg(mtp: bool, n_layers: int = 2) -> GPTConfig:
     moe = MoEConfig(d_model=8, d_ff=6, num_experts=E, top_k=2, num_shared_experts=1, aux_loss_coef=0.01,
                     seq_aux_loss_coef=0.02, z_loss_coef=0.001, bias_update_rate=0.1)
-    return GPTConfig(vocab_size=12, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, moe=moe,
+    return GPTConfig(vocab_size=12, d_model=8, n_layers=n_layers, n_heads=2, n_kv_heads=2, moe=moe,
                      num_dense_layers=1, d_ff_dense=8, mtp=mtp, mtp_loss_weight=0.3, qk_norm=True)
 
 
-def _data(cfg: GPTConfig, S: int) -> tuple:
+def _data(cfg: GPTConfig, S: int, B: int = 2) -> tuple:
     g = torch.Generator().manual_seed(7)
     params = init_gpt(cfg, g, DT)
-    ids = torch.randint(0, cfg.vocab_size, (2, S), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     targets = ids.roll(-1, 1)
     targets[0, 1] = -100  # a position that takes no loss
     return params, ids, targets
@@ -100,3 +101,58 @@ def test_sequence_parallel_refuses_mtp() -> None:
     params, ids, targets = _data(cfg, 4)
     with pytest.raises(ValueError, match="does not run MTP"):
         gpt_loss(params, ids, targets, cfg, sequence_parallel=True, tp=object(), check=False)
+
+
+M = 4  # microbatches
+
+
+def _paths(tree: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a gradient tree by path ("layers.1.moe.router.w"); None leaves (not held) left out."""
+    leaves, _ = tree_flatten_with_path(tree)
+    return {keystr(p): v for p, v in leaves if v is not None}
+
+
+def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str) -> dict:
+    """pp 2 x tp 2 (ep 1: the expert group is the tp pair): the pipeline step with fb overlap."""
+    from fmoe import schedule as sched
+    from fmoe.parallel import ParallelLayout, Topology
+    from fmoe.pipeline import gpt_pipeline_step
+
+    layout = ParallelLayout(pp=2, tp=2, topology=Topology(world, world))
+    tp = CommGroup(layout.group("tp"))
+    cfg = _cfg(mtp, n_layers=4)  # four model chunks
+    params, ids, targets = _data(cfg, S, B=2 * M)
+    pp_group = layout.group("pp")
+    pp_rank = torch.distributed.get_rank(pp_group)
+    s = sched.build(schedule, 2, M)
+    step = gpt_pipeline_step(cfg, s, pp_rank, _mine(params, cfg, tp.rank, 2), init_gpt_state(cfg),
+                             list(zip(ids.chunk(M), targets.chunk(M))), group=pp_group,
+                             dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E), tp=tp,
+                             sequence_parallel=sp, overlap=True)
+    held = {path: (tuple(v.shape), v.flatten().tolist()) for path, v in _paths(step.grads).items()}
+    return {"tp_rank": tp.rank, "loss": float(step.loss), "grads": held}
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S", "schedule"), [(True, False, 5, "dualpipev"),
+                                                            (False, True, 4, "interleaved")])
+def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool, S: int,
+                                                             schedule: str) -> None:
+    """pp 2 x tp 2 on 4 ranks: DualPipeV with fb overlap (MTP, tp alone) and interleaved 1F1B (vpp 2,
+    sequence parallel) against the mean over microbatches of the one-process loss."""
+    cfg = _cfg(mtp, n_layers=4)
+    params, ids, targets = _data(cfg, S, B=2 * M)
+    state = init_gpt_state(cfg)
+
+    def mean_loss(p):
+        return sum(gpt_loss(p, i, t, cfg, state)[0] for i, t in zip(ids.chunk(M), targets.chunk(M))) / M
+
+    want_loss = mean_loss(params)
+    want = torch.func.grad(mean_loss)(params)
+    for r in spawn(_pp_rank, 4, mtp, sp, S, schedule, timeout_s=240):
+        got = r.value
+        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
+        mine = _mine(want, cfg, got["tp_rank"], 2)
+        expected = _paths(mine)
+        assert got["grads"]  # every rank holds some of the model
+        for path, (shape, values) in got["grads"].items():
+            assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path], msg=path)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import update_moe_state
+from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.phases import gpt_layers, moe_layer_turns
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
@@ -48,29 +49,40 @@ def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
 def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
                  *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
                  dispatcher: Any = None, dtype: torch.dtype = torch.float32,
-                 check: bool = True, a2a_chunks: int = 1) -> dict[int, StageProgram]:
+                 check: bool = True, a2a_chunks: int = 1, tp: CommGroup | None = None,
+                 sequence_parallel: bool = False) -> dict[int, StageProgram]:
     """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
     (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
     `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`).
     `check`: check the params this rank's chunks read, and their layer states, against `cfg` first
     (keys, shapes, dtypes; routed experts: the dispatcher's num_local_experts; fmoe/structure.py); the
     phases then run unchecked. False skips it, for trees that already passed. `a2a_chunks` 2: each MoE
-    layer's all-to-all in two row chunks that hide each other behind their experts (`moe_layer`)."""
+    layer's all-to-all in two row chunks that hide each other behind their experts (`moe_layer`).
+    `tp`, `sequence_parallel`: tensor parallelism (fmoe.phases.gpt_layers; `params` this rank's shards,
+    the dispatcher over the ep x tp expert group). Its collectives run inside the compute phases (the
+    forward's in the phase, the backward's in its dx pass), not as comm phases: each feeds the very
+    next GEMM, so there is nothing to run while it travels but the other microbatch of an fb-overlap
+    pair, which the executor already hands over to at the MoE exchanges; every tp rank runs the same
+    program, so they issue the collectives in one order."""
     chunks = chunks or cut_gpt(cfg, s.placement)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     B, S = micro_batch
     if cfg.mtp and S < 2:
         raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
-    if check:
+    if check and tp is None:
         paths = [p for stage in s.placement.stages_of(rank)
                  for p in chunks[s.placement.layer_chunk[stage]].param_paths(cfg)]
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher), paths=paths)
+    if sequence_parallel and S % tp.size:
+        raise ValueError(f"sequence parallelism over {tp.size} ranks: {S} positions do not split evenly")
     out = {}
     for stage in s.placement.stages_of(rank):
         chunk = chunks[s.placement.layer_chunk[stage]]
         layers = gpt_layers(cfg, params, state, dispatcher, layers=chunk.layers, first=chunk.first,
-                            last=chunk.last, a2a_chunks=a2a_chunks)
-        spec = {} if chunk.first else {"h_BSD": ((B, S, cfg.d_model), dtype)}
+                            last=chunk.last, a2a_chunks=a2a_chunks, tp=tp,
+                            sequence_parallel=sequence_parallel)
+        S_here = S // tp.size if sequence_parallel else S  # the hidden state's positions on this rank
+        spec = {} if chunk.first else {"h_BSD": ((B, S_here, cfg.d_model), dtype)}
         out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
     return out
 
@@ -96,7 +108,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       check: bool = True, timeout: timedelta = timedelta(seconds=120),
                       on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
                       loss_scale: float = 1.0, fuse_iw: bool = True,
-                      compute_model: Any = None, a2a_chunks: int = 1) -> PipelineStep:
+                      compute_model: Any = None, a2a_chunks: int = 1, tp: CommGroup | None = None,
+                      sequence_parallel: bool = False) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
@@ -109,7 +122,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     gradients are summed in over microbatches (mixed precision: fp32 for bf16 params). `loss_scale`: the
     gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
     `fmoe.schedule.execute` (an I whose W comes next runs as one B). `compute_model`: the executor's
-    (each compute phase held to a modelled duration; None: off). `a2a_chunks`: as in `gpt_programs`."""
+    (each compute phase held to a modelled duration; None: off). `a2a_chunks`, `tp`,
+    `sequence_parallel`: as in `gpt_programs`."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -120,7 +134,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     (B, S), = shapes
     programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
                             dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check,
-                            a2a_chunks=a2a_chunks)
+                            a2a_chunks=a2a_chunks, tp=tp, sequence_parallel=sequence_parallel)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
