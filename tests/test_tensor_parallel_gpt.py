@@ -112,8 +112,14 @@ def _paths(tree: dict) -> dict[str, torch.Tensor]:
     return {keystr(p): v for p, v in leaves if v is not None}
 
 
-def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str) -> dict:
-    """pp 2 x tp 2 (ep 1: the expert group is the tp pair): the pipeline step with fb overlap."""
+def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str,
+             record: bool = False) -> dict:
+    """pp 2 x tp 2 (ep 1: the expert group is the tp pair): the pipeline step with fb overlap; `record`:
+    also every P2P op, collective and wait it issued (tests/nccl_rules.py)."""
+    from contextlib import nullcontext
+
+    from nccl_rules import recording
+
     from fmoe import schedule as sched
     from fmoe.parallel import ParallelLayout, Topology
     from fmoe.pipeline import gpt_pipeline_step
@@ -125,10 +131,13 @@ def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str) 
     pp_group = layout.group("pp")
     pp_rank = torch.distributed.get_rank(pp_group)
     s = sched.build(schedule, 2, M)
-    step = gpt_pipeline_step(cfg, s, pp_rank, _mine(params, cfg, tp.rank, 2), init_gpt_state(cfg),
-                             list(zip(ids.chunk(M), targets.chunk(M))), group=pp_group,
-                             dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E), tp=tp,
-                             sequence_parallel=sp, overlap=True)
+    with recording() if record else nullcontext() as log:
+        step = gpt_pipeline_step(cfg, s, pp_rank, _mine(params, cfg, tp.rank, 2), init_gpt_state(cfg),
+                                 list(zip(ids.chunk(M), targets.chunk(M))), group=pp_group,
+                                 dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E), tp=tp,
+                                 sequence_parallel=sp, overlap=True)
+    if record:
+        return {"log": log}
     held = {path: (tuple(v.shape), v.flatten().tolist()) for path, v in _paths(step.grads).items()}
     return {"tp_rank": tp.rank, "loss": float(step.loss), "grads": held}
 
@@ -156,3 +165,19 @@ def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool,
         assert got["grads"]  # every rank holds some of the model
         for path, (shape, values) in got["grads"].items():
             assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path], msg=path)
+
+
+@pytest.mark.parametrize(("sp", "S"), [(False, 5), (True, 4)])
+def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp: bool, S: int) -> None:
+    """NCCL's rules (tests/nccl_rules.py: tags ignored, one stream per communicator, rendezvous sends)
+    and the stricter one-queue-per-device model: the TP collectives inside the compute phases, the EP
+    all-to-alls and the pipeline's P2P of a pp 2 x tp 2 DualPipeV step with fb overlap neither deadlock
+    nor mismatch."""
+    from nccl_rules import replay
+
+    runs = spawn(_pp_rank, 4, not sp, sp, S, "dualpipev", True, timeout_s=240)
+    logs = {r.rank: r.value["log"] for r in runs}
+    tp_pair = (0, 1)  # rank 0's tp group (pp is the outer dimension of the layout)
+    assert any(op.kind == "coll" and op.comm == tp_pair for _, op in logs[0])  # the TP collectives ran
+    assert replay(logs, "nccl") == []
+    assert replay(logs, "device") == []
