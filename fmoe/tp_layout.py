@@ -119,3 +119,14 @@ def shard_gpt(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) -> d
     if "mtp" in params:
         out["mtp"] = {**params["mtp"], "block": shard_block(params["mtp"]["block"], cfg, rank, size)}
     return out
+
+
+def tp_split(where: tuple[str | int, ...]) -> bool:
+    """True when the GPT leaf at `where` (e.g. ("layers", 1, "w_q"), ("embed", "table")) is split over the
+    tensor-parallel ranks (`SPLITS`, the vocabulary-parallel embedding and head); False when replicated."""
+    where = tuple(str(k) for k in where)
+    if where in (("embed", "table"), ("head", "w")):
+        return True
+    if where[:1] == ("layers",):
+        return where[2:] in SPLITS
+    return where[:2] == ("mtp", "block") and where[2:] in SPLITS

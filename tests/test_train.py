@@ -81,6 +81,26 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
             assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
 
 
+TP_LAYOUTS = {
+    "pp2_tp2_dualpipev_overlap": ("--pp", "2", "--ep", "1", "--tp", "2"),
+    "tp2_ep2_sequence_parallel": ("--pp", "1", "--ep", "2", "--tp", "2", "--sequence-parallel"),
+}
+
+
+def test_tensor_parallel_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
+    """--tp 2: pp 2 x tp 2 under DualPipeV with fb overlap, and tp 2 x ep 2 with sequence parallelism
+    (TP extends EP: four ranks of whole experts), against the one-process run: the same losses, norms
+    and loads, step by step."""
+    steps = ("--steps", "3")
+    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", *steps)
+    for name, flags in TP_LAYOUTS.items():
+        got = _train(tmp_path, name, *flags, *steps)
+        for want, have in zip(ref, got, strict=True):
+            for key in ("loss", "main_loss", "balance_loss", "grad_norm"):
+                assert have[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), (name, want["step"], key)
+            assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
+
+
 def _rank_pids(launcher: int) -> list[int]:
     """The spawned rank processes of the launcher (children running multiprocessing's spawn_main)."""
     kids = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
@@ -140,7 +160,13 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
              (("--link-model", "intra=fast"), "not a number"),
              (("--resume",), "--save"),
              (("--data", str(tmp_path / "missing.bin")), "no such file"),
-             (("--bogus",), "unrecognized")]
+             (("--bogus",), "unrecognized"),
+             (("--sequence-parallel",), "give --tp > 1"),
+             (("--tp", "2", "--sequence-parallel", "--mtp", "--pp", "1", "--ep", "1"), "does not run --mtp"),
+             (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
+             (("--tp", "2", "--pp", "1", "--ep", "1", "--dispatcher", "allgather"), "--dispatcher alltoall"),
+             (("--tp", "2", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c")), "not written yet"),
+             (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep")]
     for flags, needle in cases:
         try:
             code = main(["train", "--no-progress", *flags])

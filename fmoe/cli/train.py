@@ -64,6 +64,8 @@ HELP = {
     "seq_length": "tokens per sequence",
     "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
     "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
+    "tp": "tensor-parallel ranks (Megatron's --tensor-model-parallel-size; extends ep for the experts)",
+    "sequence_parallel": "shard the sequence over the tp ranks outside the TP regions (needs --tp > 1)",
     "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "
                 "pp 1 with ep > 1, accumulate otherwise)",
     "schedule_file": "a schedule written out in its printed form (docs/schedules.md), instead of --schedule: "

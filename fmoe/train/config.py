@@ -165,6 +165,8 @@ class TrainConfig:
     pp: int = 2
     ep: int = 2
     dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
     schedule: str | None = None
     schedule_file: str | None = None
     dualpipev_dw_detach: bool = False
@@ -336,8 +338,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """pp x ep x dp."""
-        return self.pp * self.ep * self.dp
+        """pp x ep x dp x tp."""
+        return self.pp * self.ep * self.dp * self.tp
 
     @property
     def data_ranks(self) -> int:
@@ -419,7 +421,7 @@ class TrainConfig:
         from fmoe.parallel.topology import check_layout
         from fmoe.pipeline.cut import cut_gpt
 
-        for name in ("pp", "ep", "dp", "steps", "seq_length", "micro_batch_size", "global_batch_size",
+        for name in ("pp", "ep", "dp", "tp", "steps", "seq_length", "micro_batch_size", "global_batch_size",
                      "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
@@ -466,9 +468,11 @@ class TrainConfig:
         self._check_data()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
-                             f"--dp {self.dp} = {self.world_size}")
-        if self.num_experts % self.ep:
-            raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by --ep ({self.ep})")
+                             f"--dp {self.dp} x --tp {self.tp} = {self.world_size}")
+        if self.num_experts % (self.ep * self.tp):
+            raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by --ep ({self.ep}) x "
+                             f"--tp ({self.tp}): tensor parallelism extends expert parallelism, each of the "
+                             f"{self.ep * self.tp} ranks of an expert group holding whole experts")
         if self.global_batch_size % (self.micro_batch_size * self.data_ranks):
             raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
                              f"--micro-batch-size ({self.micro_batch_size}) x dp ({self.dp}) x ep "
@@ -494,8 +498,9 @@ class TrainConfig:
         if vpp is not None and vpp < 1:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be a positive integer, got {vpp}")
         rpn = self.ranks_per_node or self.world_size
-        check_layout(self.world_size, tp=1, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
+        check_layout(self.world_size, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
         self._check_routing()
+        self._check_tp()
         for name in ("router", "experts", "attention"):  # the flag named, before the model names its field
             check_seam(f"--{name}", getattr(self, name))
         self._check_recompute()
@@ -565,6 +570,43 @@ class TrainConfig:
         except S.ScheduleError as exc:
             raise ValueError(f"{flag} cuts the model into {chunks} chunk{'s' if chunks > 1 else ''} per rank "
                              f"on {self.pp} ranks: {exc}") from None
+
+    def _check_tp(self) -> None:
+        """--tp and --sequence-parallel, with what they need of the model, the batch and the other flags."""
+        from fmoe.tp_layout import check_tp
+
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel shards the sequence over the tensor-parallel ranks: give "
+                             "--tp > 1")
+        if self.tp == 1:
+            return
+        check_tp(self.model(), self.tp, dense=self.first_k_dense > 0)
+        if self.vocab_size % self.tp:
+            raise ValueError(f"--vocab-size ({self.vocab_size}) must be divisible by --tp ({self.tp}) "
+                             "(vocab-parallel embedding and head)")
+        tokens = self.micro_batch_size * self.seq_length
+        if self.sequence_parallel:
+            if self.mtp:
+                raise ValueError("--sequence-parallel does not run --mtp (its S - 1 positions do not split "
+                                 "like the main stream's S): use --tp alone")
+            if self.seq_length % self.tp:
+                raise ValueError(f"--sequence-parallel: --seq-length ({self.seq_length}) must be divisible "
+                                 f"by --tp ({self.tp})")
+        elif tokens % self.tp or (self.mtp and self.micro_batch_size * (self.seq_length - 1) % self.tp):
+            mtp = ", and with --mtp x (seq-length - 1)" if self.mtp else ""
+            raise ValueError(f"--tp {self.tp}: each tp rank routes 1/{self.tp} of a microbatch's tokens: "
+                             f"--micro-batch-size x --seq-length ({tokens}{mtp}) must divide by it")
+        if self.dispatcher != "alltoall":
+            raise ValueError(f"--tp > 1 runs with --dispatcher alltoall (the one checked under TP), not "
+                             f"{self.dispatcher}")
+        if self.router is not None:
+            raise ValueError("--tp > 1 needs the built-in router: its balancing losses take the tp group's "
+                             "statistics, which a --router function does not reduce")
+        if self.moe_dynamic_capacity_window:
+            raise ValueError("--moe-dynamic-capacity-window under --tp > 1: the forecast would be per rank")
+        if self.save or self.load or self.resume:
+            raise ValueError("--save / --load / --resume with --tp > 1: checkpoints across tensor-parallel "
+                             "layouts are not written yet (issue 32)")
 
     def _check_routing(self) -> None:
         """Group-limited routing and dynamic capacity, named by their flags (MoEConfig checks them too)."""

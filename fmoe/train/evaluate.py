@@ -77,7 +77,8 @@ def evaluate(trainer: Trainer) -> dict[str, float]:
 def _accumulate(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64)
     for ids, targets in batches:
-        loss, aux = gpt_loss(params, ids, targets, trainer.cfg, trainer.state, check=False)
+        loss, aux = gpt_loss(params, ids, targets, trainer.cfg, trainer.state, trainer.dispatcher,
+                             check=False, tp=trainer.tp, sequence_parallel=trainer.tc.sequence_parallel)
         out += torch.stack([loss.detach(), aux.main_loss.detach()]).double().cpu()
     return out
 
@@ -86,7 +87,8 @@ def _pipeline(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     (B, S), = {tuple(ids.shape) for ids, _ in batches}
     programs = gpt_programs(trainer.cfg, trainer.schedule, trainer.pp_rank, params, trainer.state,
                             micro_batch=(B, S), chunks=trainer.chunks, dispatcher=trainer.dispatcher,
-                            dtype=params["embed"]["table"].dtype, check=False)
+                            dtype=params["embed"]["table"].dtype, check=False, tp=trainer.tp,
+                            sequence_parallel=trainer.tc.sequence_parallel)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     sums = forward_only(trainer.schedule.placement, trainer.pp_rank, programs, lambda mb: data[mb],
                         len(batches), group=trainer.pp_group, device=trainer.world.device)

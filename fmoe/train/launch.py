@@ -148,7 +148,7 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
                            "backend": backend})
     layout = None
     if size > 1:
-        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, topology=Topology(size, rpn),
+        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, topology=Topology(size, rpn),
                                 device_type=device.type)
     return World(rank, size, layout, device)
 
@@ -321,7 +321,8 @@ def launch(tc: TrainConfig) -> int:
         device_type = _device_type(tc)
         available = device_counts()[device_type] if device_type != "cpu" else tc.world_size
         if tc.world_size > available:
-            raise ValueError(f"--pp {tc.pp} x --ep {tc.ep} x --dp {tc.dp} = {tc.world_size} ranks, one per "
+            raise ValueError(f"--pp {tc.pp} x --ep {tc.ep} x --dp {tc.dp} x --tp {tc.tp} = {tc.world_size} "
+                             "ranks, one per "
                              f"device, but this machine has {available} {device_type} devices (--device cpu "
                              "runs them on the CPU)")
     except ValueError as exc:

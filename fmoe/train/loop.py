@@ -43,6 +43,7 @@ from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.verify import verify
+from fmoe.tp_layout import shard_gpt
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, microbatches
@@ -79,6 +80,8 @@ class Trainer:
         self.pp_rank = layout.local_rank("pp") if layout else 0
         self.ep_rank = layout.local_rank("ep") if layout else 0
         self.dp_rank = layout.local_rank("dp") if layout else 0
+        self.tp_rank = layout.local_rank("tp") if layout else 0
+        self.expert_rank = layout.local_rank("expert") if layout else 0  # in ep x tp (TP extends EP)
         self.data_rank = layout.local_rank("data") if layout else 0
         self.pp_group = layout.group("pp") if layout and tc.pp > 1 else None
         self.data_group = layout.group("data") if layout and tc.data_ranks > 1 else None
@@ -95,7 +98,9 @@ class Trainer:
         def to_device(t: Any) -> Any:
             return t.to(world.device) if isinstance(t, torch.Tensor) else t
 
-        self.params = tree_map(to_device, local_expert_rows(full, cfg, self.ep_rank, tc.ep))
+        if tc.tp > 1:  # this rank's tensor-parallel shard (fmoe/tp_layout.py)
+            full = shard_gpt(full, cfg, self.tp_rank, tc.tp)
+        self.params = tree_map(to_device, local_expert_rows(full, cfg, self.expert_rank, tc.ep * tc.tp))
         self.state = tree_map(to_device, init_gpt_state(cfg))
         self.accumulate = tc.schedule_name == ACCUMULATE
         if self.accumulate:
@@ -107,17 +112,18 @@ class Trainer:
             self.holders = holders(cfg, self.schedule.placement, self.chunks)
             paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
                      for p in self.chunks[self.schedule.placement.layer_chunk[st]].param_paths(cfg)]
-        L = cfg.moe.num_experts // tc.ep
+        L = cfg.moe.num_experts // (tc.ep * tc.tp)
         self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
-                                              ep_rank=self.ep_rank, num_local_experts=L,
+                                              ep_rank=self.expert_rank, num_local_experts=L,
                                               counts_dense=self.data_rank == 0,
-                                              counts_expert=self.dp_rank == 0)
+                                              counts_expert=self.dp_rank == 0, tp_rank=self.tp_rank)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
         self._plan_reduction()
         self.opt = LeafOptimizer(tc, self.leaves, self.tensors, data_group=self.data_group,
                                  dp_group=self.dp_group)
-        self.dispatcher = self._dispatcher() if tc.ep > 1 else None
+        self.dispatcher = self._dispatcher() if tc.ep * tc.tp > 1 else None
+        self.tp = (CommGroup(layout.group("tp"), timeout=self.timeout) if tc.tp > 1 else None)
         # dynamic capacity: the expert group pads to one agreed capacity (seed 002; fmoe/capacity.py)
         self.capacity_agreement = None
         if cfg.moe.dynamic_capacity_window and tc.ep > 1:
@@ -273,7 +279,9 @@ class Trainer:
                 last[0] = j == m - 1
                 if last[0] and not policy.mixed and self.reducer.buckets:
                     hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
-                loss, aux = gpt_loss(params, ids, targets, cfg, self.state, check=not self._checked)
+                loss, aux = gpt_loss(params, ids, targets, cfg, self.state, self.dispatcher,
+                                     check=not self._checked, tp=self.tp,
+                                     sequence_parallel=self.tc.sequence_parallel)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
                 sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
                 for path, a in zip(_moe_paths(cfg), aux.layers):
@@ -301,7 +309,8 @@ class Trainer:
                                 grad_dtype=policy.grad_dtype if policy.mixed else None,
                                 loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
                                 fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model,
-                                a2a_chunks=self.tc.a2a_chunks)
+                                a2a_chunks=self.tc.a2a_chunks, tp=self.tp,
+                                sequence_parallel=self.tc.sequence_parallel)
         self.last_result = out.result
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)
@@ -362,7 +371,7 @@ class Trainer:
             vec[-1] = peak[0]
             vec = vec.cpu()
         n = self.world.size
-        loss, main, mtp = (vec[:3] / tc.data_ranks).tolist()
+        loss, main, mtp = (vec[:3] / (tc.data_ranks * tc.tp)).tolist()  # every tp rank holds the loss
         # each MoE layer's drops are counted on every pipeline rank holding it once per data rank
         return {"step": self.step_done, "loss": loss, "main_loss": main, "balance_loss": loss - main - (
                     tc.mtp_loss_scaling_factor * mtp), "mtp_loss": mtp, "lr": lr, "grad_norm": norm,

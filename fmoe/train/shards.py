@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.config import GPTConfig
+from fmoe.tp_layout import tp_split
 
 Path = tuple[str, ...]
 BUCKET_BYTES = 16 * 2**20  # gradient all-reduce bucket size
@@ -81,18 +82,22 @@ def decays(where: tuple[str | int, ...]) -> bool:
 
 def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
                 holders: dict[Path, tuple[int, ...]] | None, *, pp_rank: int, ep_rank: int,
-                num_local_experts: int, counts_dense: bool, counts_expert: bool) -> list[Leaf]:
+                num_local_experts: int, counts_dense: bool, counts_expert: bool,
+                tp_rank: int = 0) -> list[Leaf]:
     """Returns the leaves of `params` under the parameter paths `paths` (those of this rank's stages), in
     order, each once. `holders` (path -> pipeline ranks; None: one pipeline rank) decides which pipeline
     rank counts a shared leaf in the norm; `counts_dense` / `counts_expert`: whether this rank is the data
-    rank (dense) / dp rank (experts) that counts its leaves."""
+    rank (dense) / dp rank (experts) that counts its leaves. `ep_rank`: the rank in the ep x tp expert
+    group (its experts' first row); `tp_rank`: a leaf replicated over the tensor-parallel ranks counts on
+    tp rank 0 only (a split one, fmoe/tp_layout.py, and the experts count on each)."""
     out: dict[str, Leaf] = {}
     for path in paths:
         first_holder = holders is None or min(holders[path]) == pp_rank
         for where, t in _walk(get(params, _tree_where(path)), _tree_where(path)):
             key = key_of(where)
             expert = "experts" in where and "moe" in where
-            counts = first_holder and (counts_expert if expert else counts_dense)
+            counts = first_holder and (counts_expert if expert else counts_dense) and (
+                expert or tp_rank == 0 or tp_split(where))
             out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
                                      counts, decays(where), t.numel() * t.element_size()))
     return list(out.values())
