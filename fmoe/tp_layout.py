@@ -121,12 +121,18 @@ def shard_gpt(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) -> d
     return out
 
 
-def tp_split(where: tuple[str | int, ...]) -> bool:
-    """True when the GPT leaf at `where` (e.g. ("layers", 1, "w_q"), ("embed", "table")) is split over the
-    tensor-parallel ranks (`SPLITS`, the vocabulary-parallel embedding and head); False when replicated."""
+def tp_split_axis(where: tuple[str | int, ...]) -> int | None:
+    """Returns the axis along which the GPT leaf at `where` (e.g. ("layers", 1, "w_q"), ("embed", "table"))
+    is split over the tensor-parallel ranks (`SPLITS`, the vocabulary-parallel embedding and head), or
+    None for a replicated leaf."""
     where = tuple(str(k) for k in where)
-    if where in (("embed", "table"), ("head", "w")):
-        return True
+    whole = {("embed", "table"): 0, ("head", "w"): 1}
+    if where in whole:
+        return whole[where]
     if where[:1] == ("layers",):
-        return where[2:] in SPLITS
-    return where[:2] == ("mtp", "block") and where[2:] in SPLITS
+        rel = where[2:]
+    elif where[:2] == ("mtp", "block"):
+        rel = where[2:]
+    else:
+        return None
+    return SPLITS[rel][0] if rel in SPLITS else None

@@ -81,24 +81,26 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
             assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
 
 
-TP_LAYOUTS = {
-    "pp2_tp2_dualpipev_overlap": ("--pp", "2", "--ep", "1", "--tp", "2"),
-    "tp2_ep2_sequence_parallel": ("--pp", "1", "--ep", "2", "--tp", "2", "--sequence-parallel"),
-}
-
-
-def test_tensor_parallel_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
-    """--tp 2: pp 2 x tp 2 under DualPipeV with fb overlap, and tp 2 x ep 2 with sequence parallelism
-    (TP extends EP: four ranks of whole experts), against the one-process run: the same losses, norms
-    and loads, step by step."""
-    steps = ("--steps", "3")
-    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", *steps)
-    for name, flags in TP_LAYOUTS.items():
-        got = _train(tmp_path, name, *flags, *steps)
-        for want, have in zip(ref, got, strict=True):
+def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_layouts(tmp_path: Path) -> None:
+    """--tp 2: pp 2 x tp 2 under DualPipeV with fb overlap against the one-process run (the same losses,
+    norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed in one
+    process, and the one-process run's resumed as tp 2 x ep 2 with sequence parallelism (TP extends EP:
+    four ranks of whole experts), each equal to the uninterrupted run."""
+    steps = ("--steps", "4", "--save-interval", "2")
+    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c1"), *steps)
+    tp = _train(tmp_path, "tp", "--pp", "2", "--ep", "1", "--tp", "2", "--save", str(tmp_path / "c2"),
+                *steps)
+    one = _train(tmp_path, "one", "--pp", "1", "--ep", "1", "--load",
+                 str(tmp_path / "c2" / "step_00000002"), "--steps", "4")
+    sp = _train(tmp_path, "sp", "--pp", "1", "--ep", "2", "--tp", "2", "--sequence-parallel", "--load",
+                str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
+    runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->tp2_ep2_sp", sp, ref[2:]))
+    for name, got, want in runs:
+        assert [m["step"] for m in got] == [m["step"] for m in want], name
+        for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "grad_norm"):
-                assert have[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), (name, want["step"], key)
-            assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
+                assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
+            assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
 
 
 def _rank_pids(launcher: int) -> list[int]:
@@ -165,7 +167,6 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
              (("--tp", "2", "--sequence-parallel", "--mtp", "--pp", "1", "--ep", "1"), "does not run --mtp"),
              (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
              (("--tp", "2", "--pp", "1", "--ep", "1", "--dispatcher", "allgather"), "--dispatcher alltoall"),
-             (("--tp", "2", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c")), "not written yet"),
              (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep")]
     for flags, needle in cases:
         try:

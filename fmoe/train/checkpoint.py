@@ -3,7 +3,9 @@ taken with one layout loads into another.
 
 Keys (each rank writes the ones it holds; DCP stores a key held by several ranks once):
 - model/<leaf key>: a weight ("layers.3.w_q"); routed experts one key per global expert,
-  model/<leaf key>/expert<e>, so any expert-parallel split can read its rows;
+  model/<leaf key>/expert<e>, so any expert-parallel split can read its rows; a weight split over the
+  tensor-parallel ranks (fmoe/tp_layout.py) is saved as the DTensor of its shards (Shard(axis) on the tp
+  mesh), so DCP writes the whole tensor once and any tp layout (tp 1 included) reads its part;
 - optim/<leaf key>/{exp_avg, exp_avg_sq, step}: AdamW's state, split like the weight;
 - moe_state/<layer>/<name>: the MoE layer states (expert bias, capacity window);
 - train/step: steps done (the data position: a step's batch is a function of the step);
@@ -33,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
 
+from fmoe.tp_layout import tp_split_axis
 from fmoe.train import checksums
 from fmoe.train.checksums import CHECKSUMS
 from fmoe.train.run_errors import CheckpointError as CheckpointError  # where callers have found it
@@ -110,29 +114,41 @@ def _expert_rows(lf: Leaf, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(f"{lf.key}/expert{lf.expert_offset + i}", t[i]) for i in range(t.shape[0])]
 
 
-def _named(leaves: list[Leaf], tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def _named(leaves: list[Leaf], tensors: dict[str, torch.Tensor],
+           tp_mesh: Any = None) -> list[tuple[str, Any]]:
     out = []
     for lf in leaves:
         t = tensors[lf.key]
-        out += _expert_rows(lf, t) if lf.expert else [(lf.key, t)]
+        out += _expert_rows(lf, t) if lf.expert else [(lf.key, _global(lf, t, tp_mesh))]
     return out
+
+
+def _global(lf: Leaf, t: torch.Tensor, tp_mesh: Any) -> Any:
+    """`t` itself, or for a leaf split over the tensor-parallel ranks the DTensor of the shards (its local
+    tensor `t`, so a load writes into it)."""
+    axis = None if tp_mesh is None else tp_split_axis(lf.where)
+    if axis is None:
+        return t
+    return DTensor.from_local(t, tp_mesh, [Shard(axis)], run_check=False)
 
 
 def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: Any,
                 moe_state: dict[str, dict[str, torch.Tensor]], step: int, rank: int,
-                with_rng: bool) -> dict[str, torch.Tensor]:
+                with_rng: bool, tp_mesh: Any = None) -> dict[str, torch.Tensor]:
     """Returns {checkpoint key: tensor} for this rank: views of the live tensors (weights, the AdamW state
     `opt.state_of` gives for the leaves this rank keeps it for, MoE states), the step, and the RNG state
-    when `with_rng`. Loading writes into these same tensors."""
+    when `with_rng`. Loading writes into these same tensors. `tp_mesh`: the tensor-parallel DeviceMesh
+    (None at tp 1): split weights and their AdamW moments become DTensors of their shards."""
     items: dict[str, torch.Tensor] = {}
-    for name, t in _named(leaves, params):
+    for name, t in _named(leaves, params, tp_mesh):
         items[f"model/{name}"] = t
     for lf in leaves:
         st = opt.state_of(lf.key)
         if st is None:  # ZeRO-1: another rank of the group keeps this leaf's AdamW state and writes it
             continue
         for field in ("exp_avg", "exp_avg_sq"):
-            for name, t in (_expert_rows(lf, st[field]) if lf.expert else [(lf.key, st[field])]):
+            for name, t in (_expert_rows(lf, st[field]) if lf.expert else
+                            [(lf.key, _global(lf, st[field], tp_mesh))]):
                 items[f"optim/{name}/{field}"] = t
         items[f"optim/{lf.key}/step"] = st["step"]
     for layer, tensors in moe_state.items():

@@ -604,9 +604,6 @@ class TrainConfig:
                              "statistics, which a --router function does not reduce")
         if self.moe_dynamic_capacity_window:
             raise ValueError("--moe-dynamic-capacity-window under --tp > 1: the forecast would be per rank")
-        if self.save or self.load or self.resume:
-            raise ValueError("--save / --load / --resume with --tp > 1: checkpoints across tensor-parallel "
-                             "layouts are not written yet (issue 32)")
 
     def _check_routing(self) -> None:
         """Group-limited routing and dynamic capacity, named by their flags (MoEConfig checks them too)."""

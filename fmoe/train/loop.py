@@ -386,8 +386,9 @@ class Trainer:
         for layer in self.moe_layers:
             node = self.state["mtp"] if layer == "mtp" else self.state["layers"][int(layer.split(".")[1])]
             moe_state[layer] = node
+        tp_mesh = self.world.layout.mesh["tp"] if self.tc.tp > 1 else None
         items = checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
-                                       self.world.rank, with_rng)
+                                       self.world.rank, with_rng, tp_mesh)
         if self.loss_scale is not None:  # fp16: the scale and its counters, so a resumed run goes on alike
             ls = self.loss_scale
             items["train/loss_scale"] = torch.tensor([ls.scale, ls.good_steps, ls.hysteresis_left],
@@ -400,7 +401,7 @@ class Trainer:
         fields, `fmoe convert fmoe-to-hf` builds it) and carries the original config.json ("hf_config") of
         a checkpoint this run loaded, so the export needs no --arch and keeps that file's other fields."""
         meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
-                "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp,
+                "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp, "tp": self.tc.tp,
                            "schedule": self.tc.schedule_name}}
         if self.tc.schedule_file is not None:  # what ran, printed (fmoe.schedule.load_schedule_text reads it)
             meta["layout"]["schedule_text"] = str(self.schedule)
@@ -421,7 +422,7 @@ class Trainer:
             checkpoint.check_schedule(meta, self.tc.as_dict(), path)
         saved = meta.get("layout", {})
         same = meta.get("world_size") == self.world.size and all(
-            saved.get(k) == getattr(self.tc, k) for k in ("pp", "ep", "dp"))
+            saved.get(k, 1 if k == "tp" else None) == getattr(self.tc, k) for k in ("pp", "ep", "dp", "tp"))
         items = self._items(with_rng=same)
         fresh_scale = "train/loss_scale" in items and not checkpoint.has_key(path, "train/loss_scale")
         if fresh_scale:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.config import GPTConfig
-from fmoe.tp_layout import tp_split
+from fmoe.tp_layout import tp_split_axis
 
 Path = tuple[str, ...]
 BUCKET_BYTES = 16 * 2**20  # gradient all-reduce bucket size
@@ -97,7 +97,7 @@ def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
             key = key_of(where)
             expert = "experts" in where and "moe" in where
             counts = first_holder and (counts_expert if expert else counts_dense) and (
-                expert or tp_rank == 0 or tp_split(where))
+                expert or tp_rank == 0 or tp_split_axis(where) is not None)
             out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
                                      counts, decays(where), t.numel() * t.element_size()))
     return list(out.values())
