@@ -84,17 +84,19 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
 def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_layouts(tmp_path: Path) -> None:
     """--tp 2: pp 2 x tp 2 under DualPipeV with fb overlap against the one-process run (the same losses,
     norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed in one
-    process, and the one-process run's resumed as tp 2 x ep 2 with sequence parallelism (TP extends EP:
-    four ranks of whole experts), each equal to the uninterrupted run."""
+    process; and the one-process run's resumed in Pangu's layout shape scaled down (seed 003: pp 2 x tp 2
+    x ep 2, interleaved with vpp 2, sequence parallel, TP extending EP: 8 ranks of whole experts), each
+    equal to the uninterrupted run."""
     steps = ("--steps", "4", "--save-interval", "2")
     ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c1"), *steps)
     tp = _train(tmp_path, "tp", "--pp", "2", "--ep", "1", "--tp", "2", "--save", str(tmp_path / "c2"),
                 *steps)
     one = _train(tmp_path, "one", "--pp", "1", "--ep", "1", "--load",
                  str(tmp_path / "c2" / "step_00000002"), "--steps", "4")
-    sp = _train(tmp_path, "sp", "--pp", "1", "--ep", "2", "--tp", "2", "--sequence-parallel", "--load",
-                str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
-    runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->tp2_ep2_sp", sp, ref[2:]))
+    pangu = _train(tmp_path, "pangu", "--pp", "2", "--ep", "2", "--tp", "2", "--schedule", "interleaved",
+                   "--num-virtual-stages-per-pipeline-rank", "2", "--sequence-parallel", "--load",
+                   str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
+    runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->pp2_tp2_ep2_vpp2_sp", pangu, ref[2:]))
     for name, got, want in runs:
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
