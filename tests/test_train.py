@@ -94,7 +94,7 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
     one = _train(tmp_path, "one", "--pp", "1", "--ep", "1", "--load",
                  str(tmp_path / "c2" / "step_00000002"), "--steps", "4")
     pangu = _train(tmp_path, "pangu", "--pp", "2", "--ep", "2", "--tp", "2", "--schedule", "interleaved",
-                   "--num-virtual-stages-per-pipeline-rank", "2", "--sequence-parallel", "--load",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel", "--load",
                    str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
     runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->pp2_tp2_ep2_vpp2_sp", pangu, ref[2:]))
     for name, got, want in runs:
@@ -166,6 +166,9 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
              (("--data", str(tmp_path / "missing.bin")), "no such file"),
              (("--bogus",), "unrecognized"),
              (("--sequence-parallel",), "give --tp > 1"),
+             (("--num-layers-per-virtual-pipeline-stage", "3"), "divides --num-layers (4) / --pp (2)"),
+             (("--num-layers-per-virtual-pipeline-stage", "1", "--num-virtual-stages-per-pipeline-rank", "3"),
+              "give one"),
              (("--tp", "2", "--sequence-parallel", "--mtp", "--pp", "1", "--ep", "1"), "does not run --mtp"),
              (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
              (("--tp", "2", "--pp", "1", "--ep", "1", "--dispatcher", "allgather"), "--dispatcher alltoall"),

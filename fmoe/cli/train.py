@@ -77,6 +77,8 @@ HELP = {
                   "two row chunks, each travelling while the other's experts run (--dispatcher alltoall)",
     "ranks_per_node": "treat this many consecutive local ranks as one node",
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
+    "num_layers_per_virtual_pipeline_stage": "Megatron's other vpp flag: layers per model chunk (vpp = "
+                                             "num-layers / (pp x N))",
     "num_virtual_stages_per_pipeline_rank": "vpp: model chunks per rank of the interleaved schedules "
                                             "(default 2; other schedules run their own count)",
     "lr": "peak learning rate", "min_lr": "learning rate at the end of the decay (--lr-decay-iters)",

@@ -86,6 +86,8 @@ class TrainConfig:
     other chunk's experts run, so it hides its combine too; all-to-all dispatcher only), dispatcher,
     ranks_per_node,
     link_model ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
+    num_layers_per_virtual_pipeline_stage (Megatron's other spelling of vpp: layers per model chunk, so
+    vpp = num_layers / (pp x N)),
     num_virtual_stages_per_pipeline_rank (vpp: model chunks per rank of the interleaved schedules, default
     2; the other schedules run their own count and refuse another: fmoe.schedule.registry.chunks_per_rank).
     Optimizer: lr, min_lr, lr_warmup_iters (linear warmup from lr_warmup_init), lr_decay_style (constant,
@@ -177,6 +179,7 @@ class TrainConfig:
     ranks_per_node: int | None = None
     link_model: str | None = None
     num_virtual_stages_per_pipeline_rank: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
     # optimizer
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -252,6 +255,7 @@ class TrainConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = _renamed(values)
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}  # TOML, argparse
+        values = _virtual_stages(values, {k: f.default for k, f in fields.items()})
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
@@ -675,6 +679,26 @@ def _renamed(values: dict[str, Any]) -> dict[str, Any]:
                       "follows Megatron's, see docs/train.md)", FutureWarning, stacklevel=3)
         out[new] = value
     return out
+
+
+def _virtual_stages(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`values` with Megatron's --num-layers-per-virtual-pipeline-stage N turned into the vpp it means,
+    num_layers / (pp x N) chunks per pipeline rank; ValueError unless that divides, or when
+    --num-virtual-stages-per-pipeline-rank says otherwise."""
+    n = values.get("num_layers_per_virtual_pipeline_stage")
+    if n is None:
+        return values
+    layers = values.get("num_layers", defaults["num_layers"])
+    pp = values.get("pp", defaults["pp"])
+    if not isinstance(n, int) or n < 1 or layers % (pp * n):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage ({n}) must be a positive integer that "
+                         f"divides --num-layers ({layers}) / --pp ({pp})")
+    vpp = layers // (pp * n)
+    given = values.get("num_virtual_stages_per_pipeline_rank")
+    if given is not None and given != vpp:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {n} means {vpp} virtual stages per "
+                         f"pipeline rank, but --num-virtual-stages-per-pipeline-rank is {given}: give one")
+    return {**values, "num_virtual_stages_per_pipeline_rank": vpp}
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> None:
