@@ -20,7 +20,7 @@ from fmoe.block import init_block
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.layer import init_moe_state
 from fmoe.model import block
-from fmoe.parallel import CommGroup
+from fmoe.parallel import AllGatherDispatcher, CommGroup, HierarchicalDispatcher
 from fmoe.parallel.alltoall import AllToAllDispatcher
 from fmoe.tp_layout import shard_block
 from fmoe.transforms import split_vjp
@@ -74,7 +74,8 @@ def _positions(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return t[:, rank * n:(rank + 1) * n]
 
 
-def _rank(rank: int, world: int, tp: int, seed: int, sequence_parallel: bool, engine: str) -> dict:
+def _rank(rank: int, world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
+          kind: str = "alltoall") -> dict:
     """Rank `rank` of ep x tp (ep = world / tp): ep rank e = rank // tp runs batch e with the
     tp ranks e*tp .. e*tp+tp-1; the expert group is every rank."""
     torch.manual_seed(0)
@@ -87,7 +88,15 @@ def _rank(rank: int, world: int, tp: int, seed: int, sequence_parallel: bool, en
     x, ct = d["x"], d["ct"]
     if sequence_parallel:
         x, ct = _positions(x, t, tp), _positions(ct, t, tp)
-    dispatcher = AllToAllDispatcher(CommGroup(torch.distributed.group.WORLD), E)
+    expert = CommGroup(torch.distributed.group.WORLD)
+    if kind == "alltoall":
+        dispatcher = AllToAllDispatcher(expert, E)
+    elif kind == "allgather":
+        dispatcher = AllGatherDispatcher(expert, E)
+    else:  # nodes of tp ranks: intra {0, 1}, {2, 3}; inter {0, 2}, {1, 3} (every rank builds every group)
+        intra = [torch.distributed.new_group([2 * a, 2 * a + 1]) for a in range(world // 2)]
+        inter = [torch.distributed.new_group([i, i + 2]) for i in range(2)]
+        dispatcher = HierarchicalDispatcher(CommGroup(inter[rank % 2]), CommGroup(intra[rank // 2]), E)
 
     def f(p, x_):
         y, aux = block(p, x_, cfg, d["state"], dispatcher, tp=comm, sequence_parallel=sequence_parallel)
@@ -114,13 +123,14 @@ def _back(v: tuple) -> torch.Tensor:
     return torch.tensor(v[1], dtype=DT).reshape(v[0])
 
 
-def _check(world: int, tp: int, seed: int, sequence_parallel: bool, engine: str) -> None:
+def _check(world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
+           kind: str = "alltoall") -> None:
     cfg = _cfg()
     wants = [_oracle(cfg, _data(cfg, seed, e)) for e in range(world // tp)]
     # an expert's gradient sums the tokens of every batch routed to it
     expert_grads = {k: sum(w["dp"]["moe"]["experts"][k] for w in wants)
                     for k in wants[0]["dp"]["moe"]["experts"]}
-    out = spawn(_rank, world, tp, seed, sequence_parallel, engine, timeout_s=150)
+    out = spawn(_rank, world, tp, seed, sequence_parallel, engine, kind, timeout_s=150)
     for rank, r in enumerate(out):
         e, t = divmod(rank, tp)
         want = wants[e]
@@ -140,11 +150,12 @@ def test_moe_block_under_tp_equals_one_process(sequence_parallel: bool, engine: 
     _check(2, 2, 3, sequence_parallel, engine)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp_extends_ep_experts_whole_over_the_ep_x_tp_group(sequence_parallel: bool) -> None:
+@pytest.mark.parametrize(("sequence_parallel", "kind"), [(False, "alltoall"), (True, "alltoall"),
+                                                         (False, "hierarchical"), (True, "allgather")])
+def test_tp_extends_ep_experts_whole_over_the_ep_x_tp_group(sequence_parallel: bool, kind: str) -> None:
     """tp 2 x ep 2 on 4 ranks: two batches, each on a tp pair; every rank owns one whole expert and
-    dispatches its own positions to all four."""
-    _check(4, 2, 5, sequence_parallel, "split")
+    dispatches its own tokens to all four, by each dispatcher (hierarchical: nodes of two ranks)."""
+    _check(4, 2, 5, sequence_parallel, "split", kind)
 
 
 def _property(rank: int, world: int, n: int) -> int:

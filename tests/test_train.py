@@ -171,7 +171,6 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
               "give one"),
              (("--tp", "2", "--sequence-parallel", "--mtp", "--pp", "1", "--ep", "1"), "does not run --mtp"),
              (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
-             (("--tp", "2", "--pp", "1", "--ep", "1", "--dispatcher", "allgather"), "--dispatcher alltoall"),
              (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep")]
     for flags, needle in cases:
         try:

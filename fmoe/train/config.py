@@ -600,9 +600,6 @@ class TrainConfig:
             mtp = ", and with --mtp x (seq-length - 1)" if self.mtp else ""
             raise ValueError(f"--tp {self.tp}: each tp rank routes 1/{self.tp} of a microbatch's tokens: "
                              f"--micro-batch-size x --seq-length ({tokens}{mtp}) must divide by it")
-        if self.dispatcher != "alltoall":
-            raise ValueError(f"--tp > 1 runs with --dispatcher alltoall (the one checked under TP), not "
-                             f"{self.dispatcher}")
         if self.router is not None:
             raise ValueError("--tp > 1 needs the built-in router: its balancing losses take the tp group's "
                              "statistics, which a --router function does not reduce")
