@@ -190,7 +190,7 @@ def test_torchrun_world_size_must_match_the_layout(monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv(k, v)
     assert launch(TrainConfig()) == 2  # returns before init_process_group (which would hang on port 1)
     err = capsys.readouterr().err.strip()
-    assert err == "fmoe train: error: the launcher gives 3 ranks but --pp 2 x --ep 2 x --dp 1 = 4"
+    assert err == "fmoe train: error: the launcher gives 3 ranks but --pp 2 x --ep 2 x --dp 1 x --tp 1 = 4"
 
 
 def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:

@@ -124,15 +124,27 @@ def markov_corpus(chain: MarkovChain, num_sequences: int, length: int, seed: int
     """Return int64 [N, length]: N independent sequences of `chain`, each started from the stationary
     distribution, so the next-token conditional entropy at every position equals `chain.entropy_rate`.
 
-    Drawn with torch.multinomial from a Generator seeded with `seed`, all N rows at once per position.
+    Drawn from a Generator seeded with `seed`, all N rows at once per position, by inverting the
+    cumulative distribution of each row's next token at a uniform draw (the first token whose cumulative
+    probability exceeds it): a search per row instead of torch.multinomial's pass over all V
+    probabilities of every row, which made building the default corpus take seconds on every rank.
     """
     N = integer("num_sequences", num_sequences)
     L = integer("length", length)
     generator = torch.Generator().manual_seed(integer("seed", seed, minimum=0))
+    V = chain.transition_VV.shape[0]
+    cdf_VV = chain.transition_VV.cumsum(1)
     ids_NL = torch.empty(N, L, dtype=torch.int64, device="cpu")
-    ids_NL[:, 0] = torch.multinomial(chain.stationary_V, N, replacement=True, generator=generator)
+    u_LN = torch.rand(L, N, 1, generator=generator, dtype=torch.float64)
+    # a draw above a row's last cumulative sum (1 up to rounding) takes the row's last possible token
+    last_V = (V - 1) - (chain.transition_VV.flip(1) > 0).to(torch.int64).argmax(1)
+    start_V = chain.stationary_V
+    first_last = (V - 1) - int((start_V.flip(0) > 0).to(torch.int64).argmax())
+    ids_NL[:, 0] = torch.searchsorted(start_V.cumsum(0), u_LN[0, :, 0], right=True).clamp(max=first_last)
     for t in range(1, L):
-        ids_NL[:, t] = torch.multinomial(chain.transition_VV[ids_NL[:, t - 1]], 1, generator=generator)[:, 0]
+        prev_N = ids_NL[:, t - 1]
+        drawn_N = torch.searchsorted(cdf_VV.index_select(0, prev_N), u_LN[t], right=True)[:, 0]
+        ids_NL[:, t] = torch.minimum(drawn_N, last_V.index_select(0, prev_N))
     return ids_NL
 
 
