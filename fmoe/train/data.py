@@ -135,7 +135,7 @@ def markov_corpus(chain: MarkovChain, num_sequences: int, length: int, seed: int
     V = chain.transition_VV.shape[0]
     cdf_VV = chain.transition_VV.cumsum(1)
     ids_NL = torch.empty(N, L, dtype=torch.int64, device="cpu")
-    u_LN = torch.rand(L, N, 1, generator=generator, dtype=torch.float64)
+    u_LN = torch.rand(L, N, 1, generator=generator, dtype=torch.float64, device="cpu")
     # a draw above a row's last cumulative sum (1 up to rounding) takes the row's last possible token
     last_V = (V - 1) - (chain.transition_VV.flip(1) > 0).to(torch.int64).argmax(1)
     start_V = chain.stationary_V
