@@ -30,6 +30,10 @@ SPLITS: dict[tuple[str, ...], tuple[int, str]] = {
 }
 
 
+# the vocabulary-parallel GPT leaves -> the axis of their vocabulary (table rows, head columns)
+VOCAB_SPLITS: dict[tuple[str, ...], int] = {("embed", "table"): 0, ("head", "w"): 1}
+
+
 def _units(cfg: GPTConfig) -> dict[str, tuple[int, int]]:
     """unit -> (how many, width of one): heads of head_dim columns, the dense ffn one column each."""
     return {"heads": (cfg.n_heads, cfg.head_dim), "kv_heads": (cfg.n_kv_heads, cfg.head_dim),
@@ -113,8 +117,8 @@ def shard_gpt(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) -> d
                          "split evenly")
     per = cfg.vocab_size // size
     out = dict(params)
-    out["embed"] = {"table": params["embed"]["table"][rank * per:(rank + 1) * per].contiguous()}
-    out["head"] = {"w": params["head"]["w"][:, rank * per:(rank + 1) * per].contiguous()}
+    for (top, name), axis in VOCAB_SPLITS.items():
+        out[top] = {**params[top], name: params[top][name].narrow(axis, rank * per, per).contiguous()}
     out["layers"] = [shard_block(p, cfg, rank, size) for p in params["layers"]]
     if "mtp" in params:
         out["mtp"] = {**params["mtp"], "block": shard_block(params["mtp"]["block"], cfg, rank, size)}
@@ -126,9 +130,8 @@ def tp_split_axis(where: tuple[str | int, ...]) -> int | None:
     is split over the tensor-parallel ranks (`SPLITS`, the vocabulary-parallel embedding and head), or
     None for a replicated leaf."""
     where = tuple(str(k) for k in where)
-    whole = {("embed", "table"): 0, ("head", "w"): 1}
-    if where in whole:
-        return whole[where]
+    if where in VOCAB_SPLITS:
+        return VOCAB_SPLITS[where]
     if where[:1] == ("layers",):
         rel = where[2:]
     elif where[:2] == ("mtp", "block"):

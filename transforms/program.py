@@ -324,24 +324,22 @@ def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...
     """Runs comm phase `ph` (and its side) in `run_phases`; returns (acts, meta) after it."""
     sent, rest = ({k: acts[k] for k in ph.reads}, {k: v for k, v in acts.items() if k not in ph.reads}) \
         if ph.defer_wait else (acts, {})
-    side = None
-
-    def run_side() -> Acts:
+    def run_side() -> Acts | None:
+        if ph.side is None:
+            return None
+        side_start = time.perf_counter()
         out, _ = ph.side.run(params_of(ph.side), acts, meta)
         if hooks is not None:
             hooks.computed(ph.side, layer, out, side_start)
         return out
 
-    inline = ph.local or not torch.is_grad_enabled()
-    if inline:
+    if ph.local or not torch.is_grad_enabled():  # inline: the side runs while the exchange travels
         pending = ph.start(sent, meta)
-        side_start = time.perf_counter()
-        side = run_side() if ph.side is not None else None
+        side = run_side()
         wait_start = time.perf_counter()
         got, meta = pending.wait()
-    else:
-        side_start = start
-        side = run_side() if ph.side is not None else None
+    else:  # one autograd node issues and waits: the side runs first
+        side = run_side()
         wait_start = time.perf_counter()
         got, meta, pending = _differentiable(ph, sent, meta)
     if hooks is not None:
