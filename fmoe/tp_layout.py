@@ -57,10 +57,17 @@ def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
     return tree
 
 
-def shard_slice(cfg: GPTConfig, path: tuple[str, ...], rank: int, size: int) -> tuple[int, slice]:
-    """Returns (axis, slice) of rank `rank`'s part of the split weight at `path` of a block."""
+def split_units(cfg: GPTConfig, path: tuple[str, ...]) -> tuple[int, int, int]:
+    """Returns (axis, n, width) of the split weight at `path` of a block: it is cut along `axis` into `n`
+    units (heads, ffn columns) of `width` entries each, which the tp ranks share out whole."""
     axis, unit = SPLITS[path]
     n, width = _units(cfg)[unit]
+    return axis, n, width
+
+
+def shard_slice(cfg: GPTConfig, path: tuple[str, ...], rank: int, size: int) -> tuple[int, slice]:
+    """Returns (axis, slice) of rank `rank`'s part of the split weight at `path` of a block."""
+    axis, n, width = split_units(cfg, path)
     per = n // size * width
     return axis, slice(rank * per, (rank + 1) * per)
 
