@@ -24,7 +24,8 @@ acts["loss"] out of `attention`: give it a cotangent (e.g. 1.0).
 
 Parameter layout of a block:
 {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D], "mlp_norm": [D],
- "moe": fmoe.init_moe params}, plus "q_norm": [d] and "k_norm": [d] with cfg.qk_norm; a dense block has
+ "moe": fmoe.init_moe params}, plus "q_norm": [d] and "k_norm": [d] with cfg.qk_norm (with cfg.mla the
+attention weights are multi-head latent attention's, fmoe/mla.py); a dense block has
 "mlp": fmoe.dense.init_swiglu_mlp params instead of "mlp_norm" and "moe". `attention` reads the
 attention weights, "mlp_norm" and "moe"/"router" only; `experts` reads "moe"/"experts" (and "moe"/"shared").
 
@@ -45,7 +46,8 @@ from fmoe.balance import TokenShard
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.experts import shared_experts
-from fmoe.init import param_device, scaled_normal
+from fmoe.init import ones, scaled_normal
+from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.layer import (
     MoERoute,
     combine_rows,
@@ -72,6 +74,11 @@ from fmoe.tp_layout import SPLITS, check_shard, check_tp
 _ATTENTION_PATHS = (("attn_norm",), ("w_q",), ("w_k",), ("w_v",), ("w_o",), ("q_norm",), ("k_norm",))
 
 
+def attention_paths(cfg: GPTConfig) -> tuple[tuple[str, ...], ...]:
+    """Returns the key paths of a block's attention weights under `cfg` (GQA's, or MLA's: fmoe/mla.py)."""
+    return mla_paths(cfg) if cfg.mla else _ATTENTION_PATHS
+
+
 def token_shard(tp: CommGroup, B: int, S: int, sequence_parallel: bool, device: torch.device) -> TokenShard:
     """Returns the `TokenShard` of this rank's tokens of the group's B sequences: with sequence parallelism
     its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens."""
@@ -89,16 +96,19 @@ def token_shard(tp: CommGroup, B: int, S: int, sequence_parallel: bool, device: 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Return {"attn_norm": [D], "w_q": [D, H*d], "w_k": [D, G*d], "w_v": [D, G*d], "w_o": [H*d, D]}
-    (+ "q_norm": [d], "k_norm": [d] of ones with cfg.qk_norm)."""
+    (+ "q_norm": [d], "k_norm": [d] of ones with cfg.qk_norm); with cfg.mla, MLA's weights instead
+    (fmoe.mla.init_mla)."""
+    if cfg.mla:
+        return init_mla(cfg, generator, dtype)
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    p = {"attn_norm": torch.ones(D, dtype=dtype, device=param_device(generator)),
+    p = {"attn_norm": ones(D, generator, dtype),
          "w_q": scaled_normal((D, Hd), D, generator, dtype),
          "w_k": scaled_normal((D, Gd), D, generator, dtype),
          "w_v": scaled_normal((D, Gd), D, generator, dtype),
          "w_o": scaled_normal((Hd, D), Hd, generator, dtype)}
     if cfg.qk_norm:
         for name in ("q_norm", "k_norm"):
-            p[name] = torch.ones(cfg.head_dim, dtype=dtype, device=param_device(generator))
+            p[name] = ones(cfg.head_dim, generator, dtype)
     return p
 
 
@@ -109,7 +119,7 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
     if dense:
         p["mlp"] = init_swiglu_mlp(cfg.d_model, cfg.d_ff_dense, generator, dtype)
     else:
-        p["mlp_norm"] = torch.ones(cfg.d_model, dtype=dtype, device=param_device(generator))
+        p["mlp_norm"] = ones(cfg.d_model, generator, dtype)
         p["moe"] = init_moe(cfg.moe, generator, dtype)
     return p
 
@@ -123,17 +133,20 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: its H/P query and G/P
     kv heads); x and the result replicated on the group, or with `sequence_parallel` this rank's
     positions [B, S/P, D] (the norm runs on them; gathered before the projections, the output
-    reduce-scattered back)."""
+    reduce-scattered back). With cfg.mla: multi-head latent attention instead (fmoe.mla.mla), with the
+    same `tp` and `sequence_parallel`."""
     P = 1 if tp is None else tp.size
     if check:
         if tp is None:
-            check_block(params, cfg, dense=True, paths=_ATTENTION_PATHS)  # the same entries in both kinds
+            check_block(params, cfg, dense=True, paths=attention_paths(cfg))  # the same in both kinds
         else:
             check_tp(cfg, P, dense=False)
-            check_shard(params, cfg, P, _ATTENTION_PATHS)
-    H, G = cfg.n_heads // P, cfg.n_kv_heads // P
+            check_shard(params, cfg, P, attention_paths(cfg))
     if sequence_parallel and tp is None:
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+    if cfg.mla:
+        return mla(params, x_BSD, cfg, tp=tp, sequence_parallel=sequence_parallel)
+    H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]
     h_BSD = rms_norm(x_BSD, norm_D, cfg.norm_eps)
@@ -181,10 +194,10 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     """
     if check:
         if tp is None:
-            check_block(params, cfg, state, paths=(*_ATTENTION_PATHS, ("mlp_norm",), ("moe", "router")))
+            check_block(params, cfg, state, paths=(*attention_paths(cfg), ("mlp_norm",), ("moe", "router")))
         else:
             check_tp(cfg, tp.size, dense=False)
-            check_shard(params, cfg, tp.size, _ATTENTION_PATHS)
+            check_shard(params, cfg, tp.size, attention_paths(cfg))
             check_block(params, cfg, state, paths=(("mlp_norm",), ("moe", "router")))
     if remat is None and cfg.recompute.module("moe"):
         remat = True  # selective recompute of the routed experts: every layer, every step

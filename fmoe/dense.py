@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fmoe._checks import positive
-from fmoe.init import param_device, scaled_normal
+from fmoe.init import ones, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
@@ -25,7 +25,7 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
     def normal(*shape: int) -> torch.Tensor:
         return scaled_normal(shape, shape[0], generator, dtype)
 
-    return {"norm": torch.ones(d_model, dtype=dtype, device=param_device(generator)),
+    return {"norm": ones(d_model, generator, dtype),
             "w_gate": normal(d_model, d_ff), "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
 
 
