@@ -13,7 +13,8 @@ One rule for every numeric and bool field (fmoe/_checks.py), applied at construc
 So after construction a config holds only Python ints, floats, bools, strings and None.
 
 Legend (the package's, docs/moe.md): D model width, F expert ffn width, E routed experts, K top-k slots,
-J expert groups, H query heads, G kv heads, d head dim.
+J expert groups, H query heads, G kv heads, d head dim; with multi-head latent attention (MLA) also
+r rotary qk dim, e v head dim, Cq query latent width, Ckv key/value latent width.
 """
 
 from __future__ import annotations
@@ -185,6 +186,12 @@ class GPTConfig:
     whole layers, or named parts); the MoE layer's load-aware adaptive recompute is moe.adaptive_remat.
     attention: the core attention, None (fmoe.ops.attention), a callable or an import path
     "package.module:function" (signature fmoe.seams.Attention; docs/research.md).
+    Multi-head latent attention (DeepSeek-V2/V3; fmoe/mla.py), on when kv_lora_rank > 0 (`cfg.mla`):
+    keys and values come from a kv_lora_rank-wide latent, queries through a q_lora_rank-wide one (0: a
+    plain projection), each of the H heads has head_dim (d) non-rotary qk features, qk_rope_head_dim (r,
+    even) rotary ones (the keys' shared by all heads) and v_head_dim (e; None: head_dim) value features.
+    With MLA n_kv_heads is n_heads (None resolves to it), qk_norm and the attention seam do not apply;
+    without it q_lora_rank and qk_rope_head_dim are 0 and v_head_dim None.
     """
 
     vocab_size: int
@@ -203,6 +210,10 @@ class GPTConfig:
     qk_norm: bool = False
     recompute: Recompute = Recompute()
     attention: Callable[..., Any] | str | None = None
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.moe, MoEConfig):
@@ -212,7 +223,8 @@ class GPTConfig:
                              f"{self.recompute!r}")
         _normalise(self,
                    ints={"vocab_size": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
-                         "head_dim": 1, "d_ff_dense": 1, "num_dense_layers": 0},
+                         "head_dim": 1, "d_ff_dense": 1, "num_dense_layers": 0, "q_lora_rank": 0,
+                         "kv_lora_rank": 0, "qk_rope_head_dim": 0, "v_head_dim": 1},
                    reals={"rope_theta": (0.0, True), "norm_eps": (0.0, False),
                           "mtp_loss_weight": (0.0, False)},
                    flags=("mtp", "qk_norm"))
@@ -220,8 +232,15 @@ class GPTConfig:
         if self.n_heads % kv:
             raise ValueError(f"GPTConfig.n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
         hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-        if hd <= 0 or hd % 2:
+        if self.kv_lora_rank:
+            self._check_mla(kv, hd)
+        elif hd <= 0 or hd % 2:
             raise ValueError(f"GPTConfig.head_dim must be positive and even (RoPE), got {hd}")
+        else:
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name):
+                    raise ValueError(f"GPTConfig.{name} is multi-head latent attention's: it needs "
+                                     "kv_lora_rank > 0")
         if not 0 <= self.num_dense_layers <= self.n_layers:
             raise ValueError(f"GPTConfig.num_dense_layers must lie in [0, n_layers={self.n_layers}], got "
                              f"{self.num_dense_layers}")
@@ -234,3 +253,38 @@ class GPTConfig:
         object.__setattr__(self, "n_kv_heads", kv)
         object.__setattr__(self, "head_dim", hd)
         object.__setattr__(self, "d_ff_dense", d_ff_dense)
+        if self.kv_lora_rank and self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", hd)
+
+    def _check_mla(self, kv: int, hd: int) -> None:
+        """Raise ValueError naming the field that multi-head latent attention cannot take."""
+        if hd <= 0:
+            raise ValueError(f"GPTConfig.head_dim (the non-rotary qk part under MLA) must be positive, "
+                             f"got {hd}")
+        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            raise ValueError("GPTConfig.qk_rope_head_dim must be positive and even (RoPE) with "
+                             f"kv_lora_rank > 0, got {self.qk_rope_head_dim}")
+        if kv != self.n_heads:
+            raise ValueError(f"GPTConfig.n_kv_heads ({kv}): multi-head latent attention gives every one of "
+                             f"the {self.n_heads} heads its own keys and values; leave it None")
+        if self.qk_norm:
+            raise ValueError("GPTConfig.qk_norm does not apply to multi-head latent attention (its latents "
+                             "have their own norms)")
+        if self.attention is not None:
+            raise ValueError("GPTConfig.attention (a core attention that applies RoPE to whole heads, "
+                             "fmoe.seams.Attention) does not apply to multi-head latent attention")
+
+    @property
+    def mla(self) -> bool:
+        """True for multi-head latent attention (kv_lora_rank > 0), else grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of one head's queries and keys: d, or d + r under MLA."""
+        return self.head_dim + self.qk_rope_head_dim
+
+    @property
+    def o_head_dim(self) -> int:
+        """The width of one head's values and attention output: d, or e under MLA."""
+        return self.v_head_dim if self.mla else self.head_dim

@@ -12,7 +12,8 @@ leaf, e.g. "moe params: router.w has shape (8, 3), config says [D=8, E=4]",
 "moe state: expert_bias_E has shape (3,), config says [E=4]".
 
 Legend (the package's, docs/moe.md): D model width, F ffn width, E experts, L local experts, H, G, d
-query heads, kv heads, head dim, V vocabulary, W capacity forecast window.
+query heads, kv heads, head dim, V vocabulary, W capacity forecast window; multi-head latent attention's
+Q, C, r, e, k: fmoe/mla.py.
 
 The specs (`moe_params_spec`, `moe_state_spec`, `block_params_spec`, `gpt_params_spec`,
 `gpt_state_spec`) are the layouts of docs/moe.md, written once here with a legend name per axis (so a
@@ -271,13 +272,41 @@ def moe_state_spec(cfg: MoEConfig) -> Mapping[str, Any]:
     return spec
 
 
+MLA_KEYS = ("w_q_a", "q_a_norm", "w_q_b", "w_kv_a", "kv_a_norm", "w_kv_b")
+
+
 def _attention_spec(cfg: GPTConfig) -> dict[str, Any]:
+    if cfg.mla:
+        return _mla_spec(cfg)
     D, Hd, Gd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     spec: dict[str, Any] = {"attn_norm": Leaf((("D", D),)), "w_q": Leaf((("D", D), ("H*d", Hd))),
                             "w_k": Leaf((("D", D), ("G*d", Gd))), "w_v": Leaf((("D", D), ("G*d", Gd))),
                             "w_o": Leaf((("H*d", Hd), ("D", D)))}
     for name in ("q_norm", "k_norm"):
         spec[name] = Leaf((("d", cfg.head_dim),)) if cfg.qk_norm else Absent("qk_norm=False")
+    spec.update({k: Absent("kv_lora_rank=0") for k in MLA_KEYS})
+    return spec
+
+
+def _mla_spec(cfg: GPTConfig) -> dict[str, Any]:
+    """The attention weights of multi-head latent attention (fmoe/mla.py's layout; legend there: Q, C the
+    query and key/value latent widths, k = d + r a head's qk width, e its value width)."""
+    D, H, Q, C, r = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    Hk, He, Hde = H * cfg.qk_head_dim, H * cfg.o_head_dim, H * (cfg.head_dim + cfg.o_head_dim)
+    spec: dict[str, Any] = {"attn_norm": Leaf((("D", D),)),
+                            "w_kv_a": Leaf((("D", D), ("C+r", C + r))), "kv_a_norm": Leaf((("C", C),)),
+                            "w_kv_b": Leaf((("C", C), ("H*(d+e)", Hde))),
+                            "w_o": Leaf((("H*e", He), ("D", D)))}
+    if Q:
+        spec.update(w_q_a=Leaf((("D", D), ("Q", Q))), q_a_norm=Leaf((("Q", Q),)),
+                    w_q_b=Leaf((("Q", Q), ("H*k", Hk))), w_q=Absent(f"q_lora_rank={Q}: w_q_a, w_q_b"))
+    else:
+        spec.update({k: Absent("q_lora_rank=0") for k in ("w_q_a", "q_a_norm", "w_q_b")})
+        spec["w_q"] = Leaf((("D", D), ("H*k", Hk)))
+    for name in ("w_k", "w_v"):
+        spec[name] = Absent("multi-head latent attention: keys and values from w_kv_a, w_kv_b")
+    for name in ("q_norm", "k_norm"):
+        spec[name] = Absent("multi-head latent attention")
     return spec
 
 

@@ -9,6 +9,11 @@ block's ffn width, P tensor-parallel ranks; rank p holds the p-th of P equal par
     mlp.w_gate, mlp.w_up [D, F]   columns                        (column-parallel)
     mlp.w_down [F, D]             rows                           (row-parallel)
     attn_norm, q_norm, k_norm, mlp.norm, mlp_norm, moe.router: replicated
+  multi-head latent attention (cfg.mla, fmoe/mla.py: k = d + r a head's qk width, e its value width):
+    w_q_b [Q, H*k], w_q [D, H*k]  columns, by heads of k           (column-parallel)
+    w_kv_b [C, H*(d+e)]           columns, by heads of d + e       (column-parallel)
+    w_o [H*e, D]                  rows, by heads of e              (row-parallel)
+    w_q_a, q_a_norm, w_kv_a, kv_a_norm: replicated (the down projections and their latents' norms)
     GPT: embed.table [V, D] rows and head.w [D, V] columns by vocabulary (vocab-parallel); norm and the
     MTP's norms and w_proj replicated (`shard_gpt`)
 
@@ -25,9 +30,13 @@ from fmoe.config import GPTConfig
 
 # path in a block's params -> (the axis split, the unit it is split in)
 SPLITS: dict[tuple[str, ...], tuple[int, str]] = {
-    ("w_q",): (1, "heads"), ("w_k",): (1, "kv_heads"), ("w_v",): (1, "kv_heads"), ("w_o",): (0, "heads"),
+    ("w_q",): (1, "heads"), ("w_k",): (1, "kv_heads"), ("w_v",): (1, "kv_heads"), ("w_o",): (0, "o_heads"),
+    ("w_q_b",): (1, "heads"), ("w_kv_b",): (1, "kv_b_heads"),
     ("mlp", "w_gate"): (1, "ffn"), ("mlp", "w_up"): (1, "ffn"), ("mlp", "w_down"): (0, "ffn"),
 }
+# the split leaves of multi-head latent attention (cfg.mla) and of grouped-query attention
+_MLA_ONLY = (("w_q_b",), ("w_kv_b",))
+_GQA_ONLY = (("w_k",), ("w_v",))
 
 
 # the vocabulary-parallel GPT leaves -> the axis of their vocabulary (table rows, head columns)
@@ -35,9 +44,25 @@ VOCAB_SPLITS: dict[tuple[str, ...], int] = {("embed", "table"): 0, ("head", "w")
 
 
 def _units(cfg: GPTConfig) -> dict[str, tuple[int, int]]:
-    """unit -> (how many, width of one): heads of head_dim columns, the dense ffn one column each."""
-    return {"heads": (cfg.n_heads, cfg.head_dim), "kv_heads": (cfg.n_kv_heads, cfg.head_dim),
-            "ffn": (cfg.d_ff_dense, 1)}
+    """unit -> (how many, width of one): query heads of their qk width (w_q, w_q_b), of their output width
+    (w_o), kv heads (GQA) or heads of their key + value width (w_kv_b, MLA), the dense ffn one column
+    each. Without MLA every head is head_dim wide."""
+    units = {"heads": (cfg.n_heads, cfg.qk_head_dim), "o_heads": (cfg.n_heads, cfg.o_head_dim),
+             "ffn": (cfg.d_ff_dense, 1)}
+    if cfg.mla:
+        units["kv_b_heads"] = (cfg.n_heads, cfg.head_dim + cfg.o_head_dim)
+    else:
+        units["kv_heads"] = (cfg.n_kv_heads, cfg.head_dim)
+    return units
+
+
+def split_paths(cfg: GPTConfig, dense: bool) -> tuple[tuple[str, ...], ...]:
+    """Returns the paths of `SPLITS` that a block under `cfg` holds (`dense`: a dense block, with "mlp")."""
+    if cfg.mla:  # w_q_b with a query latent, else w_q
+        absent = _GQA_ONLY + ((("w_q",),) if cfg.q_lora_rank else (("w_q_b",),))
+    else:
+        absent = _MLA_ONLY
+    return tuple(p for p in SPLITS if p not in absent and (dense or p[0] != "mlp"))
 
 
 def check_tp(cfg: GPTConfig, size: int, dense: bool) -> None:
@@ -47,7 +72,7 @@ def check_tp(cfg: GPTConfig, size: int, dense: bool) -> None:
         if unit == "ffn" and not dense:
             continue
         if n % size:
-            what = unit.replace("_", " ")
+            what = {"o_heads": "heads", "kv_b_heads": "heads"}.get(unit, unit).replace("_", " ")
             raise ValueError(f"tensor parallelism over {size} ranks: {n} {what} do not split evenly")
 
 
@@ -59,9 +84,14 @@ def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 def split_units(cfg: GPTConfig, path: tuple[str, ...]) -> tuple[int, int, int]:
     """Returns (axis, n, width) of the split weight at `path` of a block: it is cut along `axis` into `n`
-    units (heads, ffn columns) of `width` entries each, which the tp ranks share out whole."""
+    units (heads, ffn columns) of `width` entries each, which the tp ranks share out whole. ValueError
+    for a path that `cfg`'s blocks have no split weight at (w_k under MLA, w_kv_b under GQA, ...)."""
     axis, unit = SPLITS[path]
-    n, width = _units(cfg)[unit]
+    units = _units(cfg)
+    if path[0] != "mlp" and path not in split_paths(cfg, dense=False):
+        raise ValueError(f"{'.'.join(path)}: no split weight of a block of this config "
+                         f"({'multi-head latent' if cfg.mla else 'grouped-query'} attention)")
+    n, width = units[unit]
     return axis, n, width
 
 
@@ -78,9 +108,7 @@ def shard_block(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) ->
     dense = "mlp" in params
     check_tp(cfg, size, dense)
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in params.items()}
-    for path in SPLITS:
-        if path[0] == "mlp" and not dense:
-            continue
+    for path in split_paths(cfg, dense):
         axis, part = shard_slice(cfg, path, rank, size)
         node = out
         for k in path[:-1]:
@@ -90,8 +118,11 @@ def shard_block(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) ->
 
 
 def _full_shape(cfg: GPTConfig, path: tuple[str, ...]) -> tuple[int, int]:
-    D, Hd, Gd, F = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff_dense
-    return {("w_q",): (D, Hd), ("w_k",): (D, Gd), ("w_v",): (D, Gd), ("w_o",): (Hd, D),
+    D, F, H = cfg.d_model, cfg.d_ff_dense, cfg.n_heads
+    Hk, He, Gd = H * cfg.qk_head_dim, H * cfg.o_head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {("w_q",): (D, Hk), ("w_k",): (D, Gd), ("w_v",): (D, Gd), ("w_o",): (He, D),
+            ("w_q_b",): (cfg.q_lora_rank, Hk),
+            ("w_kv_b",): (cfg.kv_lora_rank, H * (cfg.head_dim + cfg.o_head_dim)),
             ("mlp", "w_gate"): (D, F), ("mlp", "w_up"): (D, F), ("mlp", "w_down"): (F, D)}[path]
 
 
@@ -100,7 +131,7 @@ def check_shard(params: dict[str, Any], cfg: GPTConfig, size: int,
     """Raises ValueError naming a split weight among `paths` (those of `SPLITS` that `params` holds) whose
     shape is not a 1/`size` shard of its full shape."""
     for path in paths:
-        if path not in SPLITS:
+        if path not in SPLITS or (path[0] != "mlp" and path not in split_paths(cfg, dense=False)):
             continue
         try:
             w = _at(params, path)

@@ -1,0 +1,129 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) as pure functions: a block's attention sublayer
+when cfg.mla (GPTConfig.kv_lora_rank > 0); `fmoe.block.init_attention` and `self_attention` dispatch here.
+
+    p = init_mla(cfg)
+    r_BSD = mla(p, x_BSD, cfg)                          # x + attention, as fmoe.block.self_attention
+
+Legend (the package's, docs/moe.md): B sequences, S positions, D model width, H heads, d a head's
+non-rotary qk dim (cfg.head_dim), r its rotary qk dim (cfg.qk_rope_head_dim), k = d + r its qk width,
+e its value dim (cfg.v_head_dim), Q the query latent width (cfg.q_lora_rank), C the key/value latent
+width (cfg.kv_lora_rank), P tensor-parallel ranks.
+
+DeepSeek-V3's formulation, h = rms_norm(x):
+    queries    cq = rms_norm(h @ w_q_a [D, Q]) (q_a_norm [Q]); q = cq @ w_q_b [Q, H*k]
+               (q_lora_rank 0: q = h @ w_q [D, H*k]); each head's k columns are [nope d, rope r]
+    keys/vals  h @ w_kv_a [D, C + r] = [ckv, kr]; ckv = rms_norm(ckv) (kv_a_norm [C]);
+               ckv @ w_kv_b [C, H*(d + e)], each head's columns [k_nope d, v e]; kr: one rotary key
+               head, shared by all H heads
+    attention  RoPE (fmoe.ops.rope's half-split form; DeepSeek's interleaved pairs are a fixed permutation
+               of the rotary columns of w_q_b and w_kv_a) on q's rope part and on kr; k = [k_nope, kr];
+               causal softmax(q k^T / sqrt(k)) v per head, o [B, S, H*e] @ w_o [H*e, D]; residual.
+
+Tensor parallelism (Megatron-core's MLA; fmoe/tp_layout.py): the down projections w_q_a, w_kv_a and the
+latent norms are replicated, the up projections w_q_b (or w_q), w_kv_b column-parallel by heads, w_o
+row-parallel by heads. The latents (cq or h, ckv, kr) enter the TP region together (one concatenated
+tensor, so one collective each way): `copy_to_tp` on replicated x, so the down weights' gradients are
+whole on every rank; `gather_sequence` under sequence parallelism, after the down projections and their
+norms ran on this rank's positions only (norms are per position: before the gather they cost 1/P of the
+work and the gather carries the same widths either way; after it every rank would normalise every
+position again). Those replicated weights then see this rank's positions only, so they enter through
+`copy_to_tp(weight)` (their gradient summed over the group), as the block's attn_norm does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fmoe.config import GPTConfig
+from fmoe.init import ones, scaled_normal
+from fmoe.ops import linear, rms_norm, rope
+from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from fmoe.recompute import part
+
+
+def mla_paths(cfg: GPTConfig) -> tuple[tuple[str, ...], ...]:
+    """Returns the key paths of the MLA weights of a block under `cfg` (w_q_a, q_a_norm and w_q_b with a
+    query latent, else w_q)."""
+    q = (("w_q_a",), ("q_a_norm",), ("w_q_b",)) if cfg.q_lora_rank else (("w_q",),)
+    return (("attn_norm",), *q, ("w_kv_a",), ("kv_a_norm",), ("w_kv_b",), ("w_o",))
+
+
+def init_mla(cfg: GPTConfig, generator: torch.Generator | None = None,
+             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Return {"attn_norm": [D], "w_q_a": [D, Q], "q_a_norm": [Q], "w_q_b": [Q, H*k] (q_lora_rank 0:
+    "w_q": [D, H*k] instead), "w_kv_a": [D, C + r], "kv_a_norm": [C], "w_kv_b": [C, H*(d + e)],
+    "w_o": [H*e, D]}: projections N(0, 1/fan_in), norms ones."""
+    D, H, Q, C = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    Hk, He = H * cfg.qk_head_dim, H * cfg.o_head_dim
+    p = {"attn_norm": ones(D, generator, dtype)}
+    if Q:
+        p.update(w_q_a=scaled_normal((D, Q), D, generator, dtype), q_a_norm=ones(Q, generator, dtype),
+                 w_q_b=scaled_normal((Q, Hk), Q, generator, dtype))
+    else:
+        p["w_q"] = scaled_normal((D, Hk), D, generator, dtype)
+    p.update(w_kv_a=scaled_normal((D, C + cfg.qk_rope_head_dim), D, generator, dtype),
+             kv_a_norm=ones(C, generator, dtype),
+             w_kv_b=scaled_normal((C, H * (cfg.head_dim + cfg.o_head_dim)), C, generator, dtype),
+             w_o=scaled_normal((He, D), He, generator, dtype))
+    return p
+
+
+def latent_attention(q_BSHk: torch.Tensor, k_BSHk: torch.Tensor, v_BSHe: torch.Tensor) -> torch.Tensor:
+    """Return o_BSHe [B, S, H, e] = causal softmax(q k^T / sqrt(k)) v per head, of queries and keys
+    RoPE already applied to (their rotary part only), values of their own width e."""
+    # sdpa's default scale is 1/sqrt(q's last dim), i.e. 1/sqrt(d + r); it takes e != k
+    o_BHSe = F.scaled_dot_product_attention(q_BSHk.transpose(1, 2), k_BSHk.transpose(1, 2),
+                                            v_BSHe.transpose(1, 2), is_causal=True)
+    return o_BHSe.transpose(1, 2)
+
+
+def _entered(parts: list[torch.Tensor], tp: CommGroup | None, sequence_parallel: bool) -> list[torch.Tensor]:
+    """Return `parts` ([B, S, *] each) inside the TP region: as they are without `tp`, else concatenated
+    on features so one collective moves them all (`copy_to_tp`, or `gather_sequence` under SP) and split
+    back."""
+    if tp is None:
+        return parts
+    widths = [t.shape[-1] for t in parts]
+    joined = torch.cat(parts, -1)
+    joined = gather_sequence(joined, tp) if sequence_parallel else copy_to_tp(joined, tp)
+    return list(joined.split(widths, -1))
+
+
+def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, tp: CommGroup | None = None,
+        sequence_parallel: bool = False) -> torch.Tensor:
+    """Return r_BSD [B, S, D] = x + MLA(rms_norm(x)) (the module docstring; params unchecked: the caller's
+    `fmoe.block.self_attention` checks them). `tp`: the tensor-parallel group, `params` this rank's shard
+    (its H/P heads of w_q_b or w_q, w_kv_b and w_o); x and the result replicated on the group, or with
+    `sequence_parallel` this rank's positions [B, S/P, D] (the down projections and norms run on them)."""
+    H = cfg.n_heads // (1 if tp is None else tp.size)
+    d, r, C = cfg.head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+
+    def mine(name: str) -> torch.Tensor:
+        # replicated weights used on this rank's positions only (SP): their gradient summed over the group
+        return copy_to_tp(params[name], tp) if sequence_parallel else params[name]
+
+    h_BSD = rms_norm(x_BSD, mine("attn_norm"), cfg.norm_eps)
+    ckv_BSC, kr_BSr = linear(h_BSD, mine("w_kv_a")).split((C, r), -1)
+    ckv_BSC = rms_norm(ckv_BSC, mine("kv_a_norm"), cfg.norm_eps)
+    if cfg.q_lora_rank:
+        q_in = rms_norm(linear(h_BSD, mine("w_q_a")), mine("q_a_norm"), cfg.norm_eps)  # cq_BSQ
+        q_in, ckv_BSC, kr_BSr = _entered([q_in, ckv_BSC, kr_BSr], tp, sequence_parallel)
+        q_BSHk = linear(q_in, params["w_q_b"]).unflatten(-1, (H, d + r))
+    else:
+        q_in, ckv_BSC, kr_BSr = _entered([h_BSD, ckv_BSC, kr_BSr], tp, sequence_parallel)
+        q_BSHk = linear(q_in, params["w_q"]).unflatten(-1, (H, d + r))
+    kv_BSHde = linear(ckv_BSC, params["w_kv_b"]).unflatten(-1, (H, d + cfg.o_head_dim))
+    k_nope_BSHd, v_BSHe = kv_BSHde.split((d, cfg.o_head_dim), -1)
+    q_nope_BSHd, q_rope_BSHr = q_BSHk.split((d, r), -1)
+    q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, theta=cfg.rope_theta)], -1)
+    kr_BS1r = rope(kr_BSr.unsqueeze(-2), theta=cfg.rope_theta)  # one rotary key head for all H heads
+    k_BSHk = torch.cat([k_nope_BSHd, kr_BS1r.expand(*k_nope_BSHd.shape[:-1], r)], -1)
+    o_BSHe = part(cfg.recompute, "core_attn", latent_attention)(q_BSHk, k_BSHk, v_BSHe)  # fmoe/recompute.py
+    o_BSD = linear(o_BSHe.flatten(-2), params["w_o"])
+    if tp is not None:  # the heads' partial sums
+        o_BSD = scatter_sequence(o_BSD, tp) if sequence_parallel else reduce_from_tp(o_BSD, tp)
+    return x_BSD + o_BSD
