@@ -23,7 +23,7 @@ _EXPORTS = {
     "GPTAux": ".model",
     "gpt_logits": ".model",
     "gpt_loss": ".model",
-    "init_gpt": ".model",
+    "init_gpt": ".gpt_init",
     "init_gpt_state": ".model",
     "Routing": ".router",
     "route": ".router",

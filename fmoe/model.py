@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from fmoe.block import init_block
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.init import param_device, scaled_normal
+from fmoe.gpt_init import init_gpt  # noqa: F401  (the model's init, re-exported)
 from fmoe.layer import MoEAux, init_moe_state, make_aux
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.collectives import CommGroup
@@ -62,28 +61,6 @@ class GPTAux:
     layers: list[MoEAux]
     remat_layers: list[int]
     new_state: dict[str, Any]
-
-
-def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
-             dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Return the GPT parameter pytree (layout in the module docstring), on the generator's device
-    (fmoe/init.py)."""
-    D, V = cfg.d_model, cfg.vocab_size
-    dev = param_device(generator)
-    params: dict[str, Any] = {
-        "embed": {"table": (torch.randn(V, D, generator=generator, device=dev) * 0.02).to(dtype)},
-        "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
-                   for i in range(cfg.n_layers)],
-        "norm": torch.ones(D, dtype=dtype, device=dev),
-        "head": {"w": scaled_normal((D, V), D, generator, dtype)},
-    }
-    if cfg.mtp:
-        params["mtp"] = {"hidden_norm": torch.ones(D, dtype=dtype, device=dev),
-                         "embed_norm": torch.ones(D, dtype=dtype, device=dev),
-                         "w_proj": scaled_normal((2 * D, D), 2 * D, generator, dtype),
-                         "block": init_block(cfg, generator, dtype),
-                         "norm": torch.ones(D, dtype=dtype, device=dev)}
-    return params
 
 
 def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.model import init_gpt
+from fmoe.gpt_init import gpt_spec
 from fmoe.train import checkpoint
 from fmoe.train.shards import Leaf, get, rank_leaves
 
@@ -142,8 +142,7 @@ def load_fmoe(path: str | Path) -> tuple[GPTConfig, dict[str, Any], dict[str, An
             known = {f.name for f in dataclasses.fields(TrainConfig)}
             cfg = TrainConfig.build({k: v for k, v in saved.items() if k in known}).model()
         dtype = DTYPES[saved.get("dtype", "float32")]
-        with torch.device("meta"):
-            shapes = init_gpt(cfg)
+        shapes = gpt_spec(cfg)
         params = _tree_empty(shapes, dtype)
         leaves, tensors = _leaves(params, cfg)
         items = checkpoint.state_items(leaves, tensors, _NoOptimizer(), {}, 0, 0, with_rng=False)

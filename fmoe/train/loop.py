@@ -21,9 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fmoe import init_gpt, init_gpt_state
+from fmoe import init_gpt_state
 from fmoe._compat import tree_map
 from fmoe.capacity import capacity_agreement
+from fmoe.gpt_init import init_gpt_shard
+from fmoe.init import init_seed
 from fmoe.model import gpt_loss
 from fmoe.parallel import (
     AllGatherDispatcher,
@@ -43,13 +45,12 @@ from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.verify import verify
-from fmoe.tp_layout import shard_gpt
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, microbatches
 from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
 from fmoe.train.overflow import check_fp16_step
-from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, local_expert_rows, rank_leaves
+from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, rank_leaves
 from fmoe.train.splits import train_dataset, valid_dataset
 
 
@@ -94,14 +95,6 @@ class Trainer:
         if warning is not None and world.rank == 0:  # once per run, not once per rank
             warnings.warn(warning, stacklevel=2)
         self.loss_scale = tc.loss_scaler()  # fp16: the loss-scaling state, carried from step to step
-        full = init_gpt(cfg, torch.Generator().manual_seed(tc.seed), self.policy.param_dtype)
-        def to_device(t: Any) -> Any:
-            return t.to(world.device) if isinstance(t, torch.Tensor) else t
-
-        if tc.tp > 1:  # this rank's tensor-parallel shard (fmoe/tp_layout.py)
-            full = shard_gpt(full, cfg, self.tp_rank, tc.tp)
-        self.params = tree_map(to_device, local_expert_rows(full, cfg, self.expert_rank, tc.ep * tc.tp))
-        self.state = tree_map(to_device, init_gpt_state(cfg))
         self.accumulate = tc.schedule_name == ACCUMULATE
         if self.accumulate:
             self.schedule, self.chunks, self.holders = None, None, None
@@ -112,6 +105,14 @@ class Trainer:
             self.holders = holders(cfg, self.schedule.placement, self.chunks)
             paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
                      for p in self.chunks[self.schedule.placement.layer_chunk[st]].param_paths(cfg)]
+        # Only this rank's share is drawn (its stages, its tp part, its experts), from keyed seeds: the
+        # same weights as the one-process run of the seed (fmoe/gpt_init.py); leaves of other stages
+        # stay meta tensors.
+        self.params = init_gpt_shard(cfg, init_seed(torch.Generator().manual_seed(tc.seed)),
+                                     self.policy.param_dtype, tp=(self.tp_rank, tc.tp),
+                                     experts=(self.expert_rank, tc.ep * tc.tp), holds=paths,
+                                     device=world.device)
+        self.state = tree_map(lambda t: t.to(world.device), init_gpt_state(cfg))  # tensors only
         L = cfg.moe.num_experts // (tc.ep * tc.tp)
         self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
                                               ep_rank=self.expert_rank, num_local_experts=L,

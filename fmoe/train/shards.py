@@ -1,8 +1,9 @@
 """Which weights one rank holds, under global names, and how their gradients are reduced.
 
-Every rank builds the whole model from the seed (so every layout starts from the same weights), keeps
-the experts of its expert-parallel rank (rows [e0, e0 + L) of each [E, ...] expert tensor) and trains the
-leaves of its pipeline stages. A leaf's key is its path in `init_gpt`'s tree joined by dots
+Every rank draws only its share of the model from the seed's keyed draws (fmoe/gpt_init.py: the leaves of
+its pipeline stages, its tensor-parallel part, the experts of its expert rank: rows [e0, e0 + L) of each
+[E, ...] expert tensor), so every layout starts from the same weights, and trains those leaves. A leaf's
+key is its path in `init_gpt`'s tree joined by dots
 ("layers.3.moe.experts.w_up"): the same name in every layout, which is what checkpoints store.
 
 Gradient reduction (expert parallelism is carved out of data parallelism): a stage's non-expert
@@ -101,19 +102,6 @@ def rank_leaves(params: dict[str, Any], cfg: GPTConfig, paths: Iterable[Path],
             out.setdefault(key, Leaf(key, where, expert, ep_rank * num_local_experts if expert else 0,
                                      counts, decays(where), t.numel() * t.element_size()))
     return list(out.values())
-
-
-def local_expert_rows(params: dict[str, Any], cfg: GPTConfig, ep_rank: int, ep: int) -> dict[str, Any]:
-    """Returns `params` (the whole model, all E experts) with every routed-expert tensor cut to the rows
-    of EP rank `ep_rank` of `ep` (cloned, so the slices own their memory); other tensors are shared."""
-    if ep == 1:
-        return params
-    L = cfg.moe.num_experts // ep
-    blocks = list(params["layers"][cfg.num_dense_layers:]) + ([params["mtp"]["block"]] if cfg.mtp else [])
-    for b in blocks:
-        rows = slice(ep_rank * L, (ep_rank + 1) * L)
-        b["moe"]["experts"] = {k: v[rows].clone() for k, v in b["moe"]["experts"].items()}
-    return params
 
 
 class GradientReducer:
