@@ -34,6 +34,10 @@ HELP = {
     "kv_channels": "head dim (default: --hidden-size / --num-attention-heads)",
     "rotary_base": "RoPE base (theta)", "norm_epsilon": "RMSNorm epsilon",
     "qk_layernorm": "RMSNorm over each head's q and k before RoPE (Qwen3)",
+    "multi_latent_attention": "multi-head latent attention (DeepSeek-V2/V3) instead of GQA: the flags below",
+    "q_lora_rank": "MLA: query latent width (default: no query latent, a plain projection)",
+    "kv_lora_rank": "MLA: key/value latent width", "qk_head_dim": "MLA: a head's non-rotary qk dim",
+    "qk_pos_emb_head_dim": "MLA: a head's rotary qk dim (even)", "v_head_dim": "MLA: a head's value dim",
     "moe_router_pre_softmax": "softmax over all experts, top-k weights not renormalised (default: "
                               "renormalised over the top k, a softmax over the k selected logits)",
     "moe_router_score_function": "softmax or sigmoid", "moe_aux_loss_coeff": "load-balancing loss",

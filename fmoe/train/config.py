@@ -56,6 +56,10 @@ class TrainConfig:
     first_k_dense (leading dense layers), moe_shared_experts, vocab_size, mtp (+ mtp_loss_scaling_factor),
     kv_channels (head dim; None = hidden_size / num_attention_heads), rotary_base (RoPE theta),
     norm_epsilon (RMSNorm eps), qk_layernorm (an RMSNorm over each head's q and k, as Qwen3).
+    Multi-head latent attention (DeepSeek-V2/V3, fmoe/mla.py; Megatron's flags): multi_latent_attention
+    switches it on, with q_lora_rank (the query latent; None = a plain query projection), kv_lora_rank
+    (the key/value latent), qk_head_dim (a head's non-rotary qk dim; kv_channels does not apply),
+    qk_pos_emb_head_dim (its rotary dim) and v_head_dim; without the switch they are not read.
     Routing and balancing: moe_router_score_function, moe_router_pre_softmax (softmax over all experts,
     then the top k kept as they are; default: renormalised over the top k, i.e. a softmax over the k
     selected logits, as Megatron's default and Mixtral; softmax only: fmoe's MoEConfig.topk_norm
@@ -137,6 +141,12 @@ class TrainConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = False
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # routing and balancing
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
@@ -291,8 +301,19 @@ class TrainConfig:
                          d_ff_dense=self.ffn_hidden_size, num_dense_layers=self.first_k_dense,
                          moe=moe, recompute=self.recompute_choice(),
                          mtp=self.mtp, mtp_loss_weight=self.mtp_loss_scaling_factor,
-                         head_dim=self.kv_channels, rope_theta=self.rotary_base, norm_eps=self.norm_epsilon,
-                         qk_norm=self.qk_layernorm, attention=self.attention)
+                         rope_theta=self.rotary_base, norm_eps=self.norm_epsilon,
+                         qk_norm=self.qk_layernorm, attention=self.attention, **self._attention_sizes())
+
+    def _attention_sizes(self) -> dict[str, Any]:
+        """GPTConfig's head sizes: --kv-channels, or with --multi-latent-attention the MLA flags'."""
+        if not self.multi_latent_attention:
+            return {"head_dim": self.kv_channels}
+        if self.kv_channels is not None:
+            raise ValueError("--kv-channels is grouped-query attention's head dim: with "
+                             "--multi-latent-attention give --qk-head-dim (and --v-head-dim)")
+        return {"head_dim": self.qk_head_dim, "q_lora_rank": self.q_lora_rank or 0,
+                "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_pos_emb_head_dim,
+                "v_head_dim": self.v_head_dim}
 
     def recompute_choice(self) -> Recompute:
         """The Recompute the recompute flags ask for; ValueError naming the flag that cannot be one."""
@@ -736,9 +757,27 @@ def read_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def _deepseek_like(hidden: int, vocab: int, seq: int) -> dict[str, Any]:
+    """A DeepSeek-V3-shaped preset: 61 layers (3 dense of ffn 18432), MLA of 128 heads (q_lora 1536,
+    kv_lora 512, qk 128 + rope 64, v 128), 256 routed experts of ffn 2048 + 1 shared, top 8 of sigmoid
+    scores from 4 of 8 groups with an aux-loss-free bias, MTP; laid out on 8 expert-parallel ranks."""
+    return {"num_layers": 61, "hidden_size": hidden, "ffn_hidden_size": 18432, "moe_ffn_hidden_size": 2048,
+            "num_experts": 256, "moe_router_topk": 8, "num_attention_heads": 128, "first_k_dense": 3,
+            "moe_shared_experts": 1, "vocab_size": vocab, "mtp": True, "multi_latent_attention": True,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+            "v_head_dim": 128, "moe_router_score_function": "sigmoid", "moe_router_num_groups": 8,
+            "moe_router_group_topk": 4, "moe_router_bias_update_rate": 1e-3, "moe_aux_loss_coeff": 1e-4,
+            "seq_length": seq, "micro_batch_size": 1, "global_batch_size": 64, "pp": 1, "ep": 8}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # pp 2 x ep 2 = 4 ranks, DualPipeV with fb overlap, on CPU, about a minute on 2 cores
     "tiny": {},
+    # the planner's architectures (fmoe/plan/specs.py MODEL_PRESETS), for the config check's judgement of a
+    # layout (`fmoe train --preset deepseek-v3 --pp .. --ep ..` fails or passes before launch); 671B and
+    # 718B of weights: not for building on one machine
+    "deepseek-v3": _deepseek_like(7168, 129280, 4096),
+    "pangu-ultra-moe": _deepseek_like(7680, 153376, 8192),
     "small": {"num_layers": 8, "hidden_size": 128, "ffn_hidden_size": 384, "moe_ffn_hidden_size": 128,
               "num_experts": 16, "moe_router_topk": 4, "num_attention_heads": 8, "num_query_groups": 4,
               "vocab_size": 256, "seq_length": 128, "global_batch_size": 64, "steps": 300},
