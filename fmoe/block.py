@@ -47,7 +47,6 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dense import init_swiglu_mlp, swiglu_mlp
 from fmoe.experts import shared_experts
 from fmoe.init import ones, scaled_normal
-from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.layer import (
     MoERoute,
     combine_rows,
@@ -56,6 +55,7 @@ from fmoe.layer import (
     plan_route,
     route_tokens,
 )
+from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import (
