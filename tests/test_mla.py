@@ -27,7 +27,7 @@ from fmoe.block import init_attention, init_block, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
 from fmoe.parallel import CommGroup
-from fmoe.structure import block_params_spec, check_block
+from fmoe.structure import Absent, block_params_spec, check_block
 from fmoe.tp_layout import check_shard, shard_block, split_units
 from fmoe.transforms.testing import assert_close
 
@@ -125,7 +125,7 @@ def test_init_matches_the_spec_and_checks(Q: int) -> None:
         p = init_block(cfg, torch.Generator().manual_seed(0), DT, dense=dense)
         check_block(p, cfg, dense=dense)
         spec = block_params_spec(cfg, dense)
-        assert {k for k, v in spec.items() if not type(v).__name__ == "Absent"} == set(p)
+        assert {k for k, v in spec.items() if not isinstance(v, Absent)} == set(p)
     p = init_attention(cfg)
     with pytest.raises(ValueError, match="w_kv_b has shape"):
         check_block({**p, "w_kv_b": p["w_kv_b"][:, 1:]}, cfg, dense=True, paths=(("w_kv_b",),))
