@@ -143,4 +143,6 @@ def init_gpt(cfg: GPTConfig, generator: torch.Generator | None = None,
     """Return the GPT parameter pytree (layout in fmoe/model.py's docstring), on the generator's device
     (fmoe/init.py): `init_gpt_shard` of everything, from a seed the generator draws (`init_seed`)."""
     device = param_device(generator) or torch.get_default_device()
+    if device.type == "meta":  # shapes only (under `with torch.device("meta")`): nothing to draw
+        return gpt_spec(cfg, dtype)
     return init_gpt_shard(cfg, init_seed(generator), dtype, device=device, draw_device=device)

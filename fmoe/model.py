@@ -16,7 +16,9 @@ Layers: cfg.num_dense_layers dense blocks, then MoE blocks (fmoe/block.py). Loss
 cross-entropy + sum of the MoE balancing losses + mtp_loss_weight * MTP loss.
 MTP (depth 1, DeepSeek-V3 section 2.2): at position i the main model's last hidden state h_i and the
 embedding of token i+1 are normalised, concatenated and projected, h'_i = proj([norm(h_i); norm(e_{i+1})]),
-passed through one more MoE block, and the shared head predicts token i+2 (S - 1 positions).
+passed through one more MoE block, and the shared head predicts token i+2. As in Megatron's MTP it runs
+on all S positions (the last one's token i+2 lies outside the window: its loss is ignored, and an ignored
+token i+1 embeds token 0), so it splits over the sequence like the main stream.
 The embedding and output head are shared with the main model.
 
 Parameter layout:
@@ -27,7 +29,7 @@ Parameter layout:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -168,8 +170,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     unchecked; False skips it, for trees that already passed (e.g. from a loop's second step on).
     `tp`, `sequence_parallel`: tensor parallelism (`params` this rank's `fmoe.tp_layout.shard_gpt` with
     the dispatcher's local experts, the dispatcher over the ep x tp expert group; ids and targets the
-    same on the group's ranks); the loss is the whole model's on every rank (MTP without sequence
-    parallelism only).
+    same on the group's ranks); the loss is the whole model's on every rank.
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
@@ -177,8 +178,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
         check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
     elif check:
         _check_tp_shards(params, cfg, tp.size)
-    with_mtp = cfg.mtp and ids_BS.shape[1] > 1  # MTP predicts token i + 2: no position for it when S = 1
-    layers = gpt_layers(cfg if with_mtp else replace(cfg, mtp=False), params, state, dispatcher,
+    layers = gpt_layers(cfg, params, state, dispatcher,
                         layers=range(cfg.n_layers), first=True, last=True, tp=tp,
                         sequence_parallel=sequence_parallel)
     ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS})

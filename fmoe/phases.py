@@ -38,6 +38,7 @@ from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
 from fmoe.parallel.tensor import (
+    IGNORE_INDEX,
     copy_to_tp,
     gather_sequence,
     vocab_parallel_cross_entropy,
@@ -66,17 +67,27 @@ def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor
 
 
 def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
-              cfg: GPTConfig, tp: CommGroup | None = None) -> torch.Tensor:
-    """Return z_BSD [B, S-1, D], MTP's input (fmoe/model.py): proj([norm(h_i); norm(embed(token i+1))])
-    from the main model's last hidden state and the targets (token i+1 = targets[:, i]); `mtp` the MTP
-    params (its hidden_norm, embed_norm, w_proj), `table_VD` the shared embedding (with `tp` this rank's
-    vocabulary rows; h and z replicated on the group)."""
-    hn_BSD = rms_norm(h_BSD[:, :-1], mtp["hidden_norm"], cfg.norm_eps)
-    ids_BS = targets_BS[:, :-1].clamp(min=0)
-    next_BSD = embedding(ids_BS, table_VD) if tp is None else vocab_parallel_embedding(ids_BS, table_VD, tp,
-                                                                                       cfg.vocab_size)
-    e_BSD = rms_norm(next_BSD, mtp["embed_norm"], cfg.norm_eps)
-    return linear(torch.cat([hn_BSD, e_BSD], dim=-1), mtp["w_proj"])
+              cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """Return z_BSD [B, S, D], MTP's input (fmoe/model.py): proj([norm(h_i); norm(embed(token i+1))])
+    from the main model's last hidden state and the targets (token i+1 = targets[:, i]; an ignored
+    target embeds token 0); `mtp` the MTP params (its hidden_norm, embed_norm, w_proj), `table_VD` the
+    shared embedding (with `tp` this rank's vocabulary rows; h and z replicated on the group, or with
+    `sequence_parallel` this rank's positions)."""
+    def shared(w: torch.Tensor) -> torch.Tensor:  # under SP used on this rank's positions: grads summed
+        return copy_to_tp(w, tp) if sequence_parallel else w
+
+    hn_BSD = rms_norm(h_BSD, shared(mtp["hidden_norm"]), cfg.norm_eps)
+    ids_BS = targets_BS.clamp(min=0)
+    next_BSD = embedding(ids_BS, table_VD) if tp is None else vocab_parallel_embedding(
+        ids_BS, table_VD, tp, cfg.vocab_size, sequence_parallel=sequence_parallel)
+    e_BSD = rms_norm(next_BSD, shared(mtp["embed_norm"]), cfg.norm_eps)
+    return linear(torch.cat([hn_BSD, e_BSD], dim=-1), shared(mtp["w_proj"]))
+
+
+def mtp_targets(targets_BS: torch.Tensor) -> torch.Tensor:
+    """Returns MTP's targets [B, S]: token i+2 at position i (targets[:, i+1]), the last position ignored
+    (there is no token S+1 in the window)."""
+    return torch.cat([targets_BS[:, 1:], targets_BS.new_full((targets_BS.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
 def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Any, bool]:
@@ -345,13 +356,14 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
     return 0 if getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False) else 2
 
 
-def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None) -> Layer:
+def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
     """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
-    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD] (S - 1 positions). `tp`: the
-    embedding is vocab-parallel, h replicated (sequence parallelism does not run MTP: its S - 1
-    positions would not split like the main stream's S)."""
+    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD], on all S positions (Megatron's
+    MTP: the last one's loss is ignored, `mtp_targets`), so it splits like the main stream under sequence
+    parallelism. `tp`, `sequence_parallel`: `mtp_input`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, tp)
+        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, tp,
+                          sequence_parallel)
         return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": acts[H], H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
@@ -361,15 +373,17 @@ def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None) -> Layer:
 def head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
     mtp_loss_weight * the MTP cross-entropy ("mtp"), and the unweighted one, detached, as
-    meta["mtp_loss"]. Ends the path: returns losses only. `tp`: `logits_loss`'s (vocab-parallel)."""
+    meta["mtp_loss"]. Ends the path: returns losses only. `tp`, `sequence_parallel`: `logits_loss`'s."""
+    sp = sequence_parallel
+
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         norm_D, w_DV = p["norm"], p["head"]["w"]
         targets = meta["targets_BS"]
         if cfg.mtp:
-            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, targets[:, 1:], cfg, tp)
-            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg, tp)
+            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, mtp_targets(targets), cfg, tp, sp)
+            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg, tp, sp)
             return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
-        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg, tp, sequence_parallel)}, meta
+        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg, tp, sp)}, meta
 
     paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
     losses = ("ce", "mtp") if cfg.mtp else ("ce",)
@@ -385,10 +399,8 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
     + loss; cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs one chunk;
     one process is one chunk with every layer. `tp`, `sequence_parallel`: tensor parallelism of every
     layer (params this rank's shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group)."""
-    if sequence_parallel and (tp is None or (cfg.mtp and last and head)):
-        raise ValueError("sequence parallelism needs a tensor-parallel group, and does not run MTP (its "
-                         "S - 1 positions do not split like the main stream's S); use tensor parallelism "
-                         "alone")
+    if sequence_parallel and tp is None:
+        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     sp = sequence_parallel
     out: list[Layer] = [embed_layer(cfg, tp, sp)] if first else []
     for i in layers:
@@ -399,9 +411,9 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
                                  dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp))
     if last and head:
         if cfg.mtp:
-            out.append(mtp_in_layer(cfg, tp))
+            out.append(mtp_in_layer(cfg, tp, sp))
             out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
-                                 dispatcher, a2a_chunks, tp=tp))
+                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp))
         out.append(head_layer(cfg, tp, sp))
     return chunk_layers(cfg.recompute, tuple(layers), out)
 

@@ -61,12 +61,15 @@ def oracle_gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: to
             balance = balance + loss
     main = _ce(h, params["norm"], params["head"]["w"], targets_BS, cfg.norm_eps)
     mtp = h.new_zeros(())
-    if cfg.mtp and ids_BS.shape[1] > 1:
+    if cfg.mtp:  # Megatron's MTP: every position, token i+1 embedded, token i+2 predicted, the last ignored
         m = params["mtp"]
-        nxt = params["embed"]["table"][targets_BS[:, :-1].clamp(min=0)]
-        hn, en = _norm(h[:, :-1], m["hidden_norm"], cfg.norm_eps), _norm(nxt, m["embed_norm"], cfg.norm_eps)
+        nxt = params["embed"]["table"][targets_BS.clamp(min=0)]
+        hn, en = _norm(h, m["hidden_norm"], cfg.norm_eps), _norm(nxt, m["embed_norm"], cfg.norm_eps)
         z = torch.cat([hn, en], -1) @ m["w_proj"]
         z, loss = _moe_block(m["block"], z, cfg, state.get("mtp") or None)
         balance = balance + loss
-        mtp = _ce(z, m["norm"], params["head"]["w"], targets_BS[:, 1:], cfg.norm_eps)
+        later = torch.full_like(targets_BS, -100)
+        later[:, :-1] = targets_BS[:, 1:]
+        if (later >= 0).any():  # torch's mean over no target is NaN; fmoe's (and Megatron's) is 0
+            mtp = _ce(z, m["norm"], params["head"]["w"], later, cfg.norm_eps)
     return {"loss": main + balance + cfg.mtp_loss_weight * mtp, "main": main, "balance": balance, "mtp": mtp}

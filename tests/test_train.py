@@ -86,25 +86,25 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_layouts(tmp_path: Path) -> None:
-    """--tp 2: pp 2 x tp 2 under DualPipeV with fb overlap against the one-process run (the same losses,
-    norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed in one
-    process; and the one-process run's resumed in Pangu's layout shape scaled down (seed 003: pp 2 x tp 2
-    x ep 2, interleaved with vpp 2, sequence parallel, TP extending EP: 8 ranks of whole experts), each
-    equal to the uninterrupted run."""
+    """--tp 2, with MTP: pp 2 x tp 2 under DualPipeV with fb overlap against the one-process run (the same
+    losses, norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed
+    in one process; and the one-process run's resumed in Pangu's layout shape scaled down (seed 003:
+    pp 2 x tp 2 x ep 2, interleaved with vpp 2, sequence parallel, TP extending EP: 8 ranks of whole
+    experts), each equal to the uninterrupted run."""
     steps = ("--steps", "4", "--save-interval", "2")
-    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c1"), *steps)
-    tp = _train(tmp_path, "tp", "--pp", "2", "--ep", "1", "--tp", "2", "--save", str(tmp_path / "c2"),
-                *steps)
-    one = _train(tmp_path, "one", "--pp", "1", "--ep", "1", "--load",
+    ref = _train(tmp_path, "ref", "--mtp", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c1"), *steps)
+    tp = _train(tmp_path, "tp", "--mtp", "--pp", "2", "--ep", "1", "--tp", "2", "--save",
+                str(tmp_path / "c2"), *steps)
+    one = _train(tmp_path, "one", "--mtp", "--pp", "1", "--ep", "1", "--load",
                  str(tmp_path / "c2" / "step_00000002"), "--steps", "4")
-    pangu = _train(tmp_path, "pangu", "--pp", "2", "--ep", "2", "--tp", "2", "--schedule", "interleaved",
-                   "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel", "--load",
-                   str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
+    pangu = _train(tmp_path, "pangu", "--mtp", "--pp", "2", "--ep", "2", "--tp", "2", "--schedule",
+                   "interleaved", "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
+                   "--load", str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
     runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->pp2_tp2_ep2_vpp2_sp", pangu, ref[2:]))
     for name, got, want in runs:
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
-            for key in ("loss", "main_loss", "balance_loss", "grad_norm"):
+            for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
                 assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
             assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
 
@@ -173,7 +173,8 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
              (("--num-layers-per-virtual-pipeline-stage", "3"), "divides --num-layers (4) / --pp (2)"),
              (("--num-layers-per-virtual-pipeline-stage", "1", "--num-virtual-stages-per-pipeline-rank", "3"),
               "give one"),
-             (("--tp", "2", "--sequence-parallel", "--mtp", "--pp", "1", "--ep", "1"), "does not run --mtp"),
+             (("--tp", "2", "--sequence-parallel", "--seq-length", "15", "--pp", "1", "--ep", "1"),
+              "must be divisible by --tp"),
              (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
              (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep")]
     for flags, needle in cases:

@@ -611,16 +611,12 @@ class TrainConfig:
                              "(vocab-parallel embedding and head)")
         tokens = self.micro_batch_size * self.seq_length
         if self.sequence_parallel:
-            if self.mtp:
-                raise ValueError("--sequence-parallel does not run --mtp (its S - 1 positions do not split "
-                                 "like the main stream's S): use --tp alone")
             if self.seq_length % self.tp:
                 raise ValueError(f"--sequence-parallel: --seq-length ({self.seq_length}) must be divisible "
                                  f"by --tp ({self.tp})")
-        elif tokens % self.tp or (self.mtp and self.micro_batch_size * (self.seq_length - 1) % self.tp):
-            mtp = ", and with --mtp x (seq-length - 1)" if self.mtp else ""
+        elif tokens % self.tp:
             raise ValueError(f"--tp {self.tp}: each tp rank routes 1/{self.tp} of a microbatch's tokens: "
-                             f"--micro-batch-size x --seq-length ({tokens}{mtp}) must divide by it")
+                             f"--micro-batch-size x --seq-length ({tokens}) must divide by it")
         if self.router is not None:
             raise ValueError("--tp > 1 needs the built-in router: its balancing losses take the tp group's "
                              "statistics, which a --router function does not reduce")
