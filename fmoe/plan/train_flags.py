@@ -1,0 +1,65 @@
+"""The `fmoe train` options of a planned layout: what to run to train a layout `fmoe plan` ranks.
+
+    flags = train_overrides(layout, global_batch, cluster)   # TrainConfig fields -> values
+    TrainConfig.from_sources(preset="pangu-ultra-moe", overrides=flags).problem(layout.world)   # None
+
+Field names are `fmoe.train.config.TrainConfig`'s (Megatron's vocabulary); the planner's picks assume
+sequence parallelism whenever tp > 1 (its activation memory and TP collectives are those of SP), and
+TP extending EP (the runtime's only TP layout for the routed experts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fmoe.plan.layout import Layout
+from fmoe.plan.specs import ClusterSpec, PlanError
+
+# the planner's recompute choice -> TrainConfig's recompute fields
+_RECOMPUTE: dict[str, dict[str, Any]] = {
+    "none": {},
+    "adaptive": {"moe_adaptive_recompute_activation": True},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> dict[str, Any]:
+    """Returns the TrainConfig fields (field -> value) that run `layout` at `global_batch` sequences per
+    step on `cluster`'s nodes: sizes, schedule and its chunks, fb overlap, microbatch, recompute, the
+    dispatcher, capacity, ZeRO-1 and sequence parallelism. PlanError for what the runtime cannot run
+    (tp splitting the experts' ffn instead of extending EP)."""
+    if layout.tp > 1 and not layout.tp_extends_ep:
+        raise PlanError(f"{layout.label()}: fmoe train runs tensor parallelism extending expert parallelism "
+                        "only (the tp ranks hold whole experts), not tp splitting each expert's ffn")
+    out: dict[str, Any] = {
+        "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp,
+        "sequence_parallel": layout.tp > 1,
+        "schedule": layout.schedule, "overlap": layout.overlap,
+        "micro_batch_size": layout.micro_batch, "global_batch_size": global_batch,
+        "dispatcher": "hierarchical" if layout.hierarchical else "alltoall",
+        "ranks_per_node": min(cluster.devices_per_node, layout.world),
+        "moe_expert_capacity_factor": layout.capacity_factor,
+        "use_distributed_optimizer": layout.zero1,
+        **_RECOMPUTE[layout.recompute],
+    }
+    if layout.schedule in ("interleaved", "interleaved+extra"):  # the schedules that take a vpp
+        out["num_virtual_stages_per_pipeline_rank"] = layout.vpp
+    return out
+
+
+def train_command(preset: str, layout: Layout, global_batch: int, cluster: ClusterSpec) -> str:
+    """Returns the `fmoe train` command line of `train_overrides` on model preset `preset` (flags that
+    differ from TrainConfig's defaults only)."""
+    from fmoe.train.config import TrainConfig  # the CLI's vocabulary: the planner itself does not need it
+
+    defaults = TrainConfig()
+    parts = ["fmoe train", f"--preset {preset}"]
+    for name, value in train_overrides(layout, global_batch, cluster).items():
+        if getattr(defaults, name) == value:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)

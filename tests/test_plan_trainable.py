@@ -1,0 +1,51 @@
+"""A layout `fmoe plan` may rank is one `fmoe train` accepts (issue 32): the planner's layout rules are
+the runtime's. For the Pangu Ultra MoE and DeepSeek-V3 presets at their published device counts, layouts
+the planner's rules pass (`fmoe.plan.layout.problem`) are turned into `fmoe train` options
+(`fmoe.plan.train_flags.train_overrides`: sizes, schedule and vpp, fb overlap, microbatch, recompute,
+dispatcher, capacity, ZeRO-1, sequence parallelism) and checked by the runtime's own pre-launch check
+(`TrainConfig.problem`, which builds no model). The whole space (16.6k layouts) passed by hand; the test
+walks an evenly spread sample of it, every recompute choice included, to stay within CI's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fmoe.plan import layout as L
+from fmoe.plan.specs import PlanError, load_cluster, load_model
+from fmoe.plan.train_flags import train_command, train_overrides
+from fmoe.train.config import TrainConfig
+
+PUBLISHED = [("pangu-ultra-moe", "ascend-910b", 6144, 3072), ("deepseek-v3", "h800", 2048, 15360)]
+
+
+@pytest.mark.parametrize(("preset", "cluster", "devices", "global_batch"), PUBLISHED)
+def test_layouts_the_planner_may_rank_are_ones_fmoe_train_accepts(preset: str, cluster: str, devices: int,
+                                                                 global_batch: int) -> None:
+    model, spec = load_model(preset), load_cluster(cluster)
+    ok = [lay for lay, why in L.candidates(model, spec, devices, global_batch) if why is None]
+    assert len(ok) > 1000
+    sample = ok[::len(ok) // 150]
+    # (no DualPipeV: its rule wants layers a multiple of 2 pp, and both models have 61)
+    assert {lay.schedule for lay in sample} >= {"dualpipe", "interleaved", "zbv", "1f1b"}
+    assert {lay.tp for lay in sample} >= {1, 2, 8} and any(lay.hierarchical for lay in sample)
+    for i, lay in enumerate(sample):
+        lay = dataclasses.replace(lay, recompute=L.RECOMPUTE[i % len(L.RECOMPUTE)])
+        tc = TrainConfig.from_sources(preset=preset, overrides=train_overrides(lay, global_batch, spec))
+        assert tc.problem(devices) is None, (lay.label(), lay.schedule, tc.problem(devices))
+        assert tc.tp * tc.pp * tc.ep * tc.dp == devices and tc.sequence_parallel == (lay.tp > 1)
+
+
+def test_the_published_shapes_translate_and_what_train_cannot_run_is_named() -> None:
+    spec = load_cluster("ascend-910b")
+    pangu = L.Layout(tp=8, pp=16, ep=4, dp=12, vpp=2, schedule="interleaved", overlap=True, micro_batch=1)
+    flags = train_overrides(pangu, 3072, spec)
+    assert flags["num_virtual_stages_per_pipeline_rank"] == 2 and flags["sequence_parallel"]
+    assert TrainConfig.from_sources(preset="pangu-ultra-moe", overrides=flags).problem(6144) is None
+    command = train_command("pangu-ultra-moe", pangu, 3072, spec)
+    assert command.startswith("fmoe train --preset pangu-ultra-moe --tp 8 --pp 16 --ep 4 --dp 12")
+    assert "--num-virtual-stages-per-pipeline-rank 2" in command and "--sequence-parallel" in command
+    with pytest.raises(PlanError, match="extending expert parallelism"):
+        train_overrides(dataclasses.replace(pangu, tp_extends_ep=False), 3072, spec)
