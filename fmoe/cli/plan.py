@@ -167,12 +167,26 @@ def _run(args: argparse.Namespace) -> int:
     print(Q.format_table(top))
     if len(result.best) > 1:
         print("why: " + Q.why(result.best[0], result.best[1]))
+    _print_train_command(args.model, result.best[0], ctx)
     if args.timeline:
         from fmoe.schedule.timeline import write_png
 
         write_png(E.timeline(result.best[0]), args.timeline)
         print(f"timeline of the best: {args.timeline}")
     return 0
+
+
+def _print_train_command(model: str, best: E.Prediction, ctx: E.Context) -> None:
+    """Prints the `fmoe train` command of the best layout when the model is also a training preset."""
+    from fmoe.plan.train_flags import train_command
+    from fmoe.train.config import PRESETS
+
+    if model not in PRESETS:
+        return
+    try:
+        print("train it: " + train_command(model, best.layout, ctx.global_batch, ctx.cluster))
+    except PlanError as exc:  # a layout the runtime does not run (the planner should not rank it)
+        print(f"train it: not with fmoe train: {exc}")
 
 
 def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> int:
