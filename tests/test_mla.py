@@ -301,3 +301,22 @@ def test_train_config_mla_flags_and_presets() -> None:
     assert "6 heads do not split" in (bad.problem(bad.world_size) or "")
     bad = TrainConfig.from_sources(overrides={"multi_latent_attention": True, "kv_channels": 16})
     assert "--kv-channels" in (bad.problem() or "")
+
+
+def test_a_checkpoint_names_mla_sizes_that_differ_and_older_ones_read_as_gqa() -> None:
+    """head_dim 4 + rope 2 and head_dim 2 + rope 4 give w_q_b one shape: the recorded sizes must say it."""
+    import dataclasses
+
+    from fmoe.train.checkpoint import architecture_diff
+    from fmoe.train.config import TrainConfig
+
+    tc = TrainConfig.build({"multi_latent_attention": True, "kv_lora_rank": 8, "qk_head_dim": 4,
+                            "qk_pos_emb_head_dim": 2, "v_head_dim": 4})
+    swapped = dataclasses.asdict(dataclasses.replace(tc.model(), head_dim=2, qk_rope_head_dim=4))
+    named = [d.split(":")[0] for d in architecture_diff(swapped, tc.as_dict())]
+    assert named == ["head_dim", "qk_rope_head_dim"]
+    gqa = TrainConfig()
+    older = {k: v for k, v in dataclasses.asdict(gqa.model()).items()
+             if k not in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")}
+    assert architecture_diff(older, gqa.as_dict()) == []
+    assert architecture_diff(older, tc.as_dict())  # an older (GQA) checkpoint into an MLA run: refused

@@ -55,7 +55,10 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_
 # flags: --kv-channels, --rotary-base, --norm-epsilon, --qk-layernorm, --moe-router-score-function,
 # --moe-router-pre-softmax (topk_norm); topk_scale and the groups have defaults in fmoe train.
 ARCH_FIELDS = ("head_dim", "rope_theta", "norm_eps", "qk_norm", "moe.score_func", "moe.topk_norm",
-               "moe.topk_scale", "moe.num_groups", "moe.topk_groups")
+               "moe.topk_scale", "moe.num_groups", "moe.topk_groups",
+               # MLA: head_dim 4 + rope 2 and head_dim 2 + rope 4 give w_q_b the same shape
+               "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+_ADDED = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")  # absent from older checkpoints
 # The learning rate of a step depends on the schedule's values (fmoe/train/lr_schedule.py,
 # LRSchedule.compared): a resumed run that changes one changes the LR mid-run (a larger --steps, the
 # default --lr-decay-iters, restarts the decay), refused as Megatron does.
@@ -228,6 +231,7 @@ def read_meta(checkpoint: str | Path) -> dict[str, Any]:
 def architecture_diff(model: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """The ARCH_FIELDS where a recorded GPTConfig (`model`, as dataclasses.asdict) and the one this run's
     TrainConfig fields `config` build differ."""
+    from fmoe.config import GPTConfig
     from fmoe.train.config import TrainConfig
 
     ours = dataclasses.asdict(TrainConfig.build(config).model())
@@ -235,8 +239,11 @@ def architecture_diff(model: dict[str, Any], config: dict[str, Any]) -> list[str
         for part in name.split("."):
             tree = tree.get(part) if isinstance(tree, dict) else None
         return tree
-    return [f"{k}: checkpoint {at(model, k)!r}, this run {at(ours, k)!r}" for k in ARCH_FIELDS
-            if at(model, k) != at(ours, k)]
+    # a checkpoint written before a field existed (the MLA sizes) had its default (GQA)
+    default = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    recorded = {k: at(model, k) if k not in _ADDED or k in model else default[k] for k in ARCH_FIELDS}
+    return [f"{k}: checkpoint {recorded[k]!r}, this run {at(ours, k)!r}" for k in ARCH_FIELDS
+            if recorded[k] != at(ours, k)]
 
 
 def check_compatible(meta: dict[str, Any], config: dict[str, Any], checkpoint: str | Path) -> None:
