@@ -90,7 +90,8 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
     losses, norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed
     in one process; and the one-process run's resumed in Pangu's layout shape scaled down (seed 003:
     pp 2 x tp 2 x ep 2, interleaved with vpp 2, sequence parallel, TP extending EP: 8 ranks of whole
-    experts), each equal to the uninterrupted run."""
+    experts), and the pp 2 x tp 2 checkpoint resumed in dp 2 x tp 2 with SP (the data-parallel reduction
+    under TP), each equal to the uninterrupted run."""
     steps = ("--steps", "4", "--save-interval", "2")
     ref = _train(tmp_path, "ref", "--mtp", "--pp", "1", "--ep", "1", "--save", str(tmp_path / "c1"), *steps)
     tp = _train(tmp_path, "tp", "--mtp", "--pp", "2", "--ep", "1", "--tp", "2", "--save",
@@ -100,7 +101,10 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
     pangu = _train(tmp_path, "pangu", "--mtp", "--pp", "2", "--ep", "2", "--tp", "2", "--schedule",
                    "interleaved", "--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel",
                    "--load", str(tmp_path / "c1" / "step_00000002"), "--steps", "4")
-    runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->pp2_tp2_ep2_vpp2_sp", pangu, ref[2:]))
+    dp_tp = _train(tmp_path, "dp_tp", "--mtp", "--pp", "1", "--ep", "1", "--dp", "2", "--tp", "2",
+                   "--sequence-parallel", "--load", str(tmp_path / "c2" / "step_00000002"), "--steps", "4")
+    runs = (("pp2_tp2", tp, ref), ("tp2->one", one, ref[2:]), ("one->pp2_tp2_ep2_vpp2_sp", pangu, ref[2:]),
+            ("pp2_tp2->dp2_tp2_sp", dp_tp, ref[2:]))
     for name, got, want in runs:
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
