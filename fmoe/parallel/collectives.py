@@ -32,7 +32,12 @@ import torch.distributed as dist
 
 from fmoe._compat import Function
 from fmoe.parallel.async_comm import CommHandle
-from fmoe.parallel.counters import CommCounters
+from fmoe.parallel.counters import (
+    CommCounters,
+    all_gather_per_peer,
+    all_reduce_per_peer,
+    reduce_scatter_per_peer,
+)
 from fmoe.parallel.failure import describe_failure
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.topology import INTRA, Topology
@@ -119,12 +124,12 @@ def _a2a(x_XD: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: 
 def _ag(x_XD: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
     x_XD = x_XD.contiguous()
     out = x_XD.new_empty((comm.size * x_XD.shape[0], *x_XD.shape[1:]))
-    nbytes = x_XD.numel() * x_XD.element_size()
+    share = all_gather_per_peer(out.numel() * out.element_size(), comm.size)  # this rank's chunk
 
     def launch():
         return _all_gather_single(out, x_XD, group=comm.group, async_op=True)
 
-    return out, comm._issue(op, [nbytes] * comm.size, launch, x_XD, out)
+    return out, comm._issue(op, [share] * comm.size, launch, x_XD, out)
 
 
 def _rs(x_PND: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, CommHandle]:
@@ -132,19 +137,19 @@ def _rs(x_PND: torch.Tensor, comm: CommGroup, op: str) -> tuple[torch.Tensor, Co
         raise ValueError(f"reduce_scatter: {x_PND.shape[0]} rows do not split over {comm.size} ranks")
     x_PND = x_PND.contiguous()
     out = x_PND.new_empty((x_PND.shape[0] // comm.size, *x_PND.shape[1:]))
-    nbytes = out.numel() * out.element_size()
+    share = reduce_scatter_per_peer(x_PND.numel() * x_PND.element_size(), comm.size)  # chunk j to rank j
 
     def launch():
         return _reduce_scatter_single(out, x_PND, group=comm.group, async_op=True)
 
-    return out, comm._issue(op, [nbytes] * comm.size, launch, x_PND, out)
+    return out, comm._issue(op, [share] * comm.size, launch, x_PND, out)
 
 
 def _ar(x: torch.Tensor, comm: CommGroup, op: str,
         reduce_op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> tuple[torch.Tensor, CommHandle]:
     out = x.clone(memory_format=torch.contiguous_format)
     # Counted as reduce-scatter + all-gather: 2 (P-1)/P of the tensor leaves this rank.
-    share = 2 * out.numel() * out.element_size() // max(comm.size, 1)
+    share = all_reduce_per_peer(out.numel() * out.element_size(), max(comm.size, 1))
 
     def launch():
         return dist.all_reduce(out, op=reduce_op, group=comm.group, async_op=True)

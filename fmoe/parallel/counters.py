@@ -4,6 +4,9 @@ A `CommCounters` is an explicit object handed to the collectives (no module stat
 nothing. Bytes are logical payload bytes under a direct-exchange model: an all-to-all sends split j to
 rank j; an all-gather sends this rank's chunk to every other rank; a reduce-scatter sends chunk j to
 rank j; an all-reduce counts as reduce-scatter + all-gather. Bytes to oneself are not counted.
+`all_gather_sent`, `reduce_scatter_sent` and `all_reduce_sent` are that model as formulas (the bytes one
+rank sends for a collective of a given total size): the collectives count with them and the planner
+(fmoe/plan/layer_costs.py) prices with them, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,6 +15,42 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from fmoe.parallel.topology import LINK_CLASSES
+
+
+def all_gather_per_peer(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends each peer in an all-gather whose result has `total_bytes` on P
+    ranks: its own chunk."""
+    return total_bytes // P
+
+
+def reduce_scatter_per_peer(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends each peer in a reduce-scatter of `total_bytes` (the input) on P
+    ranks: the peer's chunk of it."""
+    return total_bytes // P
+
+
+def all_reduce_per_peer(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends each peer in an all-reduce of `total_bytes` on P ranks: a
+    reduce-scatter's chunk plus an all-gather's."""
+    return 2 * total_bytes // P
+
+
+def all_gather_sent(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends in an all-gather of `total_bytes` (the result) on P ranks:
+    (P - 1) / P of it."""
+    return (P - 1) * all_gather_per_peer(total_bytes, P)
+
+
+def reduce_scatter_sent(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends in a reduce-scatter of `total_bytes` (the input) on P ranks:
+    (P - 1) / P of it."""
+    return (P - 1) * reduce_scatter_per_peer(total_bytes, P)
+
+
+def all_reduce_sent(total_bytes: int, P: int) -> int:
+    """Returns the bytes one rank sends in an all-reduce of `total_bytes` on P ranks: 2 (P - 1) / P of
+    it."""
+    return (P - 1) * all_reduce_per_peer(total_bytes, P)
 
 
 @dataclass

@@ -7,11 +7,12 @@ P ranks of a group. Times in seconds, memory in bytes (GiB in the Prediction).
 Time of one layer and phase (one rank, one microbatch): GEMM FLOPs / (peak x gemm efficiency), the
 efficiency falling for small GEMMs (ClusterSpec.gemm_half_dim); attention core / (peak x attn_eff); the
 routed experts scaled by the load factor (the capacity factor, or the expected max/mean load when
-dropless); TP collectives (sequence parallel: an all-gather and a reduce-scatter around attention and
-around each MLP that TP splits); a fixed host overhead. The MoE all-to-all (dispatch + combine, bytes per
-link class from fmoe.parallel.traffic, the dispatchers' own formulas) goes to the simulator as `a2a`, so
-fb overlap hides it where the schedule pairs F and B. P2P between stages, the data-parallel gradient
-reduce (issued when a rank's last backward ends) and the optimizer step (memory bound) complete the step.
+dropless); the TP collectives the runtime issues under sequence parallelism (layer_costs.tp_collectives:
+the forward's in F, the backward's in I, weight-gradient sums included); a fixed host overhead. The MoE
+all-to-all (dispatch + combine, bytes per link class from fmoe.parallel.traffic, the dispatchers' own
+formulas) goes to the simulator as `a2a`, so fb overlap hides it where the schedule pairs F and B. P2P
+between stages, the data-parallel gradient reduce (issued when a rank's last backward ends) and the
+optimizer step (memory bound) complete the step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from fmoe import schedule as S
 from fmoe.parallel import traffic
 from fmoe.plan import layout as L
-from fmoe.plan.layer_costs import LayerCost, block_cost, embed_cost, head_cost, totals
+from fmoe.plan.layer_costs import LayerCost, block_cost, embed_cost, head_cost, totals, tp_collectives
 from fmoe.plan.memory import peak_bytes
 from fmoe.plan.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 from fmoe.schedule.ir import B, F, Op, W
@@ -131,7 +132,7 @@ class _Phases:
     i: float
     w: float
     recompute: float  # extra I time recompute costs
-    tp_comm: float  # TP collectives in each of F and I
+    tp_comm: float  # TP collectives of F and I together
     b: float  # I and W run as one B (its host cost may differ from a split I + W)
 
 
@@ -145,29 +146,33 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     expert = 0.0
     if cost.expert_flops:
         load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
-        if lay.tp_extends_ep:  # each rank dispatches its own T / tp tokens to whole experts
-            rows = T / tp * m.top_k * lay.expert_group / m.routed_experts
-            dim = min(rows, m.expert_ffn)
-        else:  # the tp ranks share the gathered T tokens, each holding 1/tp of every local expert
-            rows = T * m.top_k * lay.ep / m.routed_experts
-            dim = min(rows, m.expert_ffn / tp)
-        expert = load * T * cost.expert_flops / tp / (peak * _eff(c, max(dim, 1.0)))
-    tp_comm = 0.0
-    if tp > 1:
-        # sequence parallel: all-gather + reduce-scatter of [T, h] around attention and around an MLP that
-        # TP splits (TP-extends-EP dispatches each rank's own tokens: no collective around the experts)
-        n = 2 + (2 if (not cost.moe or not lay.tp_extends_ep) else 0)
-        nbytes = (tp - 1) / tp * T * m.hidden * DTYPE_BYTES[m.dtype]
-        tp_comm = n * _collective_s(c, nbytes, True, tp - 1)
+        # TP extends EP: each rank dispatches its own T / tp tokens to whole experts
+        rows = T / tp * m.top_k * lay.expert_group / m.routed_experts
+        expert = load * T * cost.expert_flops / tp / (peak * _eff(c, max(min(rows, m.expert_ffn), 1.0)))
+    tp_f, tp_b = _tp_comm_s(ctx, lay, cost.kind)
     oh = c.host_s(cost.kind, T / tp, lay.expert_group > 1)  # sequence parallel: T / tp tokens per rank
-    f = dense + attn + expert + tp_comm + oh
-    i_compute, w_compute = dense + 2 * attn + expert + tp_comm, dense + expert
+    f = dense + attn + expert + tp_f + oh
+    i_compute, w_compute = dense + 2 * attn + expert + tp_b, dense + expert
     i = i_compute + c.i_overhead_ratio * oh
     w = w_compute + c.w_overhead_ratio * oh
     extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
     b = i_compute + w_compute + b_ratio * oh
-    return _Phases(f, i + extra, w, extra, tp_comm, b + extra)
+    return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra)
+
+
+def _tp_comm_s(ctx: Context, lay: L.Layout, kind: str) -> tuple[float, float]:
+    """Seconds of one layer's TP collectives for one microbatch: (forward, backward dx pass). They are the
+    runtime's with sequence parallelism (`layer_costs.tp_collectives`, bytes from the counters' formulas),
+    each a ring on the node's links: (tp - 1) steps, twice that for an all-reduce."""
+    tp, c = lay.tp, ctx.cluster
+    if tp == 1:
+        return 0.0, 0.0
+    out = {"F": 0.0, "B": 0.0}
+    for coll in tp_collectives(ctx.model, kind, lay.micro_batch * ctx.model.seq):
+        steps = 2 * (tp - 1) if coll.kind == "all_reduce" else tp - 1
+        out[coll.phase] += _collective_s(c, coll.sent(tp), True, steps)
+    return out["F"], out["B"]
 
 
 def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
@@ -177,7 +182,7 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
     if P == 1:
         return 0.0, {"intra": 0.0, "inter": 0.0}
     T = lay.micro_batch * m.seq
-    group_per_node = min(P, ctx.rpn) if lay.tp_extends_ep else max(1, min(lay.ep, ctx.rpn // lay.tp))
+    group_per_node = min(P, ctx.rpn)
     tokens = T // lay.tp  # sequence parallel: each tp rank dispatches its own share
     row = m.hidden * DTYPE_BYTES[m.dtype]
     if lay.hierarchical:  # across nodes each token also carries its K ids (int64) and probs (fp32)

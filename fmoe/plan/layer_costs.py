@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from fmoe.parallel.counters import all_gather_sent, all_reduce_sent, reduce_scatter_sent
 from fmoe.plan.specs import DTYPE_BYTES, ModelSpec
 
 
@@ -154,3 +155,121 @@ def totals(m: ModelSpec) -> ModelTotals:
     active = sum((c.dense_params + c.expert_params * e_active) * n for c, n in blocks)
     flops = sum(c.fwd_flops * n for c, n in blocks)
     return ModelTotals(int(params), int(active), 3.0 * flops)
+
+
+# ---- tensor-parallel collectives ---------------------------------------------------------------------
+
+INT64_BYTES = 8  # the router's load counts (fmoe.ops.expert_counts) are int64
+FP32_BYTES = 4  # the vocab-parallel cross-entropy reduces in fp32 (or wider)
+SEND = {"all_gather": all_gather_sent, "reduce_scatter": reduce_scatter_sent, "all_reduce": all_reduce_sent}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One tensor-parallel collective a layer issues per microbatch: `op` the runtime's name for it (what
+    `CommCounters` counts it under), `kind` ("all_gather", "reduce_scatter", "all_reduce"), `phase` "F"
+    (forward) or "B" (the backward's dx pass, where the runtime runs every backward collective) and
+    `total_bytes` (an all-gather's result, a reduce-scatter's input, an all-reduce's tensor)."""
+
+    op: str
+    kind: str
+    phase: str
+    total_bytes: int
+
+    def sent(self, tp: int) -> int:
+        """Returns the bytes one of `tp` ranks sends (fmoe.parallel.counters' formulas)."""
+        return SEND[self.kind](self.total_bytes, tp)
+
+
+def _enter(op: str, nbytes: int, sp: bool) -> tuple[Collective, ...]:
+    """A replicated-input TP region entered with `nbytes` of activations: under SP an all-gather (its
+    backward a reduce-scatter), else copy_to_tp (its backward an all-reduce)."""
+    if sp:
+        return (Collective(op, "all_gather", "F", nbytes),
+                Collective(op + ".bwd", "reduce_scatter", "B", nbytes))
+    return (Collective("tp.copy.bwd", "all_reduce", "B", nbytes),)
+
+
+def _leave(nbytes: int, sp: bool) -> tuple[Collective, ...]:
+    """A TP region's partial sums of `nbytes` leaving it: under SP a reduce-scatter (backward all-gather),
+    else reduce_from_tp (an all-reduce; its backward passes the gradient on)."""
+    if sp:
+        return (Collective("tp.sp_scatter", "reduce_scatter", "F", nbytes),
+                Collective("tp.sp_scatter.bwd", "all_gather", "B", nbytes))
+    return (Collective("tp.reduce", "all_reduce", "F", nbytes),)
+
+
+def _grad_sums(op: str, elems: tuple[int, ...], b: int) -> tuple[Collective, ...]:
+    """Replicated weights of these sizes entering through copy_to_tp: each one's gradient all-reduced in
+    the backward, every microbatch."""
+    return tuple(Collective(op, "all_reduce", "B", n * b) for n in elems if n)
+
+
+def _attention_collectives(m: ModelSpec, T: int, sp: bool, qk_norm: bool) -> tuple[Collective, ...]:
+    """fmoe.block.self_attention's collectives: GQA's, or MLA's (fmoe.mla.mla: the latents, concatenated,
+    enter the TP region in one collective; under SP the down projections and latent norms run before it on
+    the rank's positions, so their gradients are summed)."""
+    h, b = m.hidden, DTYPE_BYTES[m.dtype]
+    if not m.mla:
+        entry = _enter("tp.sp_gather", T * h * b, sp)
+        norms = (h if sp else 0,) + ((m.head_dim, m.head_dim) if qk_norm else ())
+    else:
+        kv = m.kv_lora_rank + m.qk_rope_dim  # the kv latent and the shared rotary key
+        q = m.q_lora_rank or h  # no q bottleneck: the queries project from the normed input itself
+        entry = _enter("tp.sp_gather", T * (q + kv) * b, sp)  # concatenated: one collective moves both
+        # under SP the replicated down-projections and latent norms see the rank's positions only
+        norms = (h, h * m.q_lora_rank, m.q_lora_rank, h * kv, m.kv_lora_rank) if sp else ()
+    return entry + _leave(T * h * b, sp) + _grad_sums("tp.copy.bwd", norms, b)
+
+
+def _loss_collectives(m: ModelSpec, T: int, sp: bool) -> tuple[Collective, ...]:
+    """fmoe.phases.logits_loss's: the norm, the gather into the vocab-parallel head, the cross-entropy's
+    max, normaliser and target logit (fp32 [T] each)."""
+    h, b = m.hidden, DTYPE_BYTES[m.dtype]
+    out = _grad_sums("tp.copy.bwd", (h,) if sp else (), b) + _enter("tp.sp_gather", T * h * b, sp)
+    return out + (Collective("tp.ce_max", "all_reduce", "F", T * FP32_BYTES),
+                  Collective("tp.reduce", "all_reduce", "F", T * FP32_BYTES),
+                  Collective("tp.reduce", "all_reduce", "F", T * FP32_BYTES))
+
+
+@functools.lru_cache(maxsize=1024)
+def tp_collectives(m: ModelSpec, kind: str, T: int, *, sequence_parallel: bool = True,
+                   qk_norm: bool = False) -> tuple[Collective, ...]:
+    """Returns the tensor-parallel collectives one layer of `kind` ("dense", "moe", "embed", "head")
+    issues for a microbatch of T tokens (the tp group's), forward and backward, as the runtime does
+    (fmoe.block, fmoe.dense.swiglu_mlp, fmoe.phases; the MoE block with TP extending EP). `qk_norm`: GQA
+    with per-head q / k norms (ModelSpec does not say; the planner passes False).
+
+    Not here: the balancing losses' statistics (cfg.moe's aux / seq_aux / z losses each add an
+    all-reduce of at most B x E floats, a choice ModelSpec does not carry)."""
+    h, b, sp = m.hidden, DTYPE_BYTES[m.dtype], sequence_parallel
+    if kind == "embed":  # vocab-parallel: the shards' partial rows summed (scattered over positions)
+        return _leave(T * h * b, sp)
+    if kind == "head":  # the loss, and each MTP module's input, MoE block and loss (all under SP too)
+        mtp_in = _leave(T * h * b, sp) + _grad_sums("tp.copy.bwd", (h, h, 2 * h * h) if sp else (), b)
+        block = tp_collectives(m, "moe", T, sequence_parallel=sp, qk_norm=qk_norm)
+        mtp = mtp_in + block + _loss_collectives(m, T, sp)
+        return _loss_collectives(m, T, sp) + mtp * m.mtp
+    out = _attention_collectives(m, T, sp, qk_norm)
+    if kind == "dense":  # the SwiGLU: its norm, column- then row-parallel
+        return out + _grad_sums("tp.copy.bwd", (h if sp else 0,), b) + _enter(
+            "tp.sp_gather", T * h * b, sp) + _leave(T * h * b, sp)
+    # MoE, TP extending EP: each rank routes its own tokens (under SP its positions, else split_tokens'
+    # share, joined back after the combine), so no collective wraps the experts; the router and the
+    # shared expert are replicated and their gradients summed, the load counts are the group's
+    out += _grad_sums("tp.copy.bwd", (h if sp else 0,), b)
+    out += (Collective("tp.router_stats", "all_reduce", "F", m.routed_experts * INT64_BYTES),)
+    out += _grad_sums("tp.router.bwd", (h * m.routed_experts,), b)
+    out += _grad_sums("tp.shared.bwd", (3 * h * m.shared_experts * m.expert_ffn,), b)
+    if not sp:  # split_tokens' backward and join_tokens' forward: all-gathers of [T, D]
+        out += (Collective("tp.tokens", "all_gather", "B", T * h * b),
+                Collective("tp.tokens", "all_gather", "F", T * h * b))
+    return out
+
+
+def tp_bytes(colls: tuple[Collective, ...], tp: int) -> dict[str, int]:
+    """Returns {op: bytes one of `tp` ranks sends} of `colls`, summed per op (CommCounters' view)."""
+    out: dict[str, int] = {}
+    for c in colls:
+        out[c.op] = out.get(c.op, 0) + c.sent(tp)
+    return {op: n for op, n in out.items() if n}

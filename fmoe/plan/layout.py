@@ -34,8 +34,9 @@ RECOMPUTE = ("none", "adaptive", "full")
 
 @dataclass(frozen=True)
 class Layout:
-    """One point of the search: sizes, schedule, fb overlap, microbatch size, recompute, TP-extends-EP,
-    hierarchical dispatch, capacity factor (None = dropless), ZeRO-1 (Adam state sharded)."""
+    """One point of the search: sizes, schedule, fb overlap, microbatch size, recompute, TP-extends-EP
+    (False, TP splitting each expert, is a reason under tp > 1: the runtime has no such path), hierarchical
+    dispatch, capacity factor (None = dropless), ZeRO-1 (Adam state sharded)."""
 
     tp: int
     pp: int
@@ -133,8 +134,9 @@ def problem(
         return str(exc)
     if layout.tp > 1 and model.heads % layout.tp:
         return f"tp {layout.tp} does not divide {model.heads} attention heads"
-    if layout.tp > 1 and not layout.tp_extends_ep and model.expert_ffn % layout.tp:
-        return f"tp {layout.tp} does not divide the expert ffn {model.expert_ffn}"
+    if layout.tp > 1 and not layout.tp_extends_ep:
+        # the runtime's MoE block under TP always extends EP (fmoe.block.attention): none splits the experts
+        return "tp-splits-experts: the runtime has no MoE block whose tp ranks split each expert's weights"
     if global_batch % (layout.micro_batch * layout.data_ranks):
         return (
             f"global batch {global_batch} is not a multiple of micro batch {layout.micro_batch} x dp "
@@ -182,10 +184,8 @@ def candidates(
         if devices % (tp * pp * ep) or pp > model.layers or ep > model.routed_experts:
             continue
         dp = devices // (tp * pp * ep)
-        for mb, cap, extends in itertools.product(
-            micro_batches, capacity_factors, (True, False) if tp > 1 else (True,)
-        ):
-            group = ep * tp if extends else ep
+        for mb, cap in itertools.product(micro_batches, capacity_factors):
+            group = ep * tp  # TP extends EP, the runtime's only MoE block under TP
             spans_nodes = group > min(rpn, devices)
             names = SINGLE if pp == 1 else tuple(SCHEDULES)
             for name, hier in itertools.product(names, (False, True) if spans_nodes else (False,)):
@@ -196,5 +196,5 @@ def candidates(
                             continue  # that is plain 1f1b
                         if overlap and group == 1:
                             continue  # no all-to-all leaves the device: nothing to hide, same as off
-                        lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", extends, hier, cap, zero1)
+                        lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", True, hier, cap, zero1)
                         yield lay, problem(model, cluster, devices, lay, global_batch)
