@@ -213,8 +213,8 @@ def test_forward_gemm_flops_match_the_flop_counter(preset: str, mtp: bool, backe
     if backend == "grouped_mm":
         assert counts.get("aten._grouped_mm", 0) > 0  # the experts really ran as grouped GEMMs
     main_model = gemm_flops(spec.replace(mtp=0), _gemm)
-    mtp_part = gemm_flops(spec, _gemm) - main_model  # the MTP module sees seq - 1 positions
-    assert gemms == main_model * B * seq + mtp_part * B * (seq - 1)
+    mtp_part = gemm_flops(spec, _gemm) - main_model  # the MTP module sees all seq positions (Megatron's)
+    assert gemms == main_model * B * seq + mtp_part * B * seq
 
 
 # ---- 3. activation memory against the simulator --------------------------------------------------------
