@@ -20,6 +20,9 @@ from fmoe.schedule.gen_dualpipe import dualpipev as dualpipev
 from fmoe.schedule.gen_zb import zb_h1 as zb_h1
 from fmoe.schedule.gen_zb import zbv as zbv
 from fmoe.schedule.imbalance import LayerPlacement as LayerPlacement
+from fmoe.schedule.imbalance import balance_layers as balance_layers
+from fmoe.schedule.imbalance import balance_layers_or_empty as balance_layers_or_empty
+from fmoe.schedule.imbalance import cost_rank_costs as cost_rank_costs
 from fmoe.schedule.imbalance import even_layers as even_layers
 from fmoe.schedule.imbalance import imbalance_pct as imbalance_pct
 from fmoe.schedule.imbalance import place_layers as place_layers

@@ -9,6 +9,7 @@ import pytest
 
 from fmoe import schedule as S
 from fmoe.config import GPTConfig, MoEConfig
+from fmoe.flops import gpt_part_flops
 from fmoe.pipeline.cut import cut_gpt
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
@@ -48,7 +49,7 @@ def test_the_pipeline_cut_follows_chunk_placement(name: str, pp: int) -> None:
     cfg = GPTConfig(vocab_size=32, d_model=16, n_layers=2 * chunks.num_stages, n_heads=2, moe=moe)
     cut = cut_gpt(cfg, placement)
     assert len(cut) == chunks.num_stages
-    balanced = S.place_layers(chunks, cfg.n_layers, 1.0, 1.0, min_layers=1).layers  # cut_gpt's extras
+    balanced = S.balance_layers_or_empty(chunks, *gpt_part_flops(cfg)).layers  # cut_gpt's rule and costs
     assert tuple(len(c.layers) for c in cut) == balanced
 
 

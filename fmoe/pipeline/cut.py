@@ -3,8 +3,9 @@
 Legend: S stages, C model chunks (C = S, except DualPipe where two stages run each chunk), n layers.
 
 A schedule's placement says where stages live and which chunk each runs (`layer_chunk`). The layers are
-spread over the chunks by `fmoe.schedule.place_layers` (balanced: the embedding costs `first_extra`
-layers on the first chunk, the head + loss + MTP `last_extra` on the last) or by explicit counts. The
+spread over the chunks by `fmoe.schedule.balance_layers` (the cut that minimises the costliest rank under
+the FLOP model of fmoe.flops: dense and MoE layers priced apart, the embedding on the first chunk, the
+head + loss + MTP on the last) or by explicit counts. The
 first chunk holds the embedding, the last the final norm, head, loss and the MTP module. On a V
 placement both ends are on rank 0; with MTP the last chunk also reads the embedding table, so that table
 is held by two stages (and maybe two ranks): `holders` says which ranks hold each parameter path.
@@ -17,6 +18,7 @@ from typing import Any
 
 from fmoe import schedule
 from fmoe.config import GPTConfig
+from fmoe.flops import gpt_part_flops
 from fmoe.schedule.ir import Placement, ScheduleError
 from fmoe.schedule.stages import chunk_placement
 
@@ -44,19 +46,46 @@ class ChunkSpec:
         return tuple(dict.fromkeys(paths))
 
 
+def balanced_cut(cfg: GPTConfig, placement: Placement, seq: int = 0,
+                 min_layers: int | None = None) -> schedule.LayerPlacement:
+    """Returns the `balance_layers` cut of cfg's layers over the chunks of `placement`, costs in
+    FLOPs per token at sequence length `seq` (fmoe.flops), at least `min_layers` per chunk. None: a
+    layer per chunk, or chunks without layers (only the embedding, only the head + loss + MTP, or one
+    passing the hidden state on) where that lowers the imbalance enough (`balance_layers_or_empty`); a
+    model with fewer layers than chunks is refused."""
+    layers, first, last = gpt_part_flops(cfg, seq)
+    chunks = chunk_placement(placement)
+    if min_layers is None:
+        return schedule.balance_layers_or_empty(chunks, layers, first, last)
+    return schedule.balance_layers(chunks, layers, first, last, min_layers)
+
+
+def cut_imbalance_pct(cfg: GPTConfig, placement: Placement, chunks: tuple[ChunkSpec, ...],
+                      seq: int = 0) -> float:
+    """Returns the modelled per-rank compute imbalance ((max/mean - 1) x 100, FLOPs of fmoe.flops) of
+    the cut `chunks`."""
+    layers, first, last = gpt_part_flops(cfg, seq)
+    counts = tuple(len(c.layers) for c in chunks)
+    cost = schedule.cost_rank_costs(chunk_placement(placement), layers, counts, first, last)
+    return schedule.imbalance_pct(cost)
+
+
 def cut_gpt(cfg: GPTConfig, placement: Placement, layers: tuple[int, ...] | None = None,
-            first_extra: float = 1.0, last_extra: float = 1.0) -> tuple[ChunkSpec, ...]:
+            seq: int = 0, min_layers: int | None = None) -> tuple[ChunkSpec, ...]:
     """Returns one ChunkSpec per model chunk of `placement`. `layers`: explicit layer counts per chunk
-    (default: the balanced `place_layers` placement with the given extra costs, in layers). Raises
-    ScheduleError when the counts do not sum to cfg.n_layers or a chunk would get none."""
+    (default: `balanced_cut` at sequence length `seq` and `min_layers`). Raises ScheduleError when the
+    counts do not sum to cfg.n_layers, or a chunk gets fewer than `min_layers` (None: explicit counts
+    need a layer per chunk; the default cut may leave chunks without one, see `balanced_cut`)."""
     chunks = chunk_placement(placement)
     n = chunks.num_stages
     if layers is None:
-        layers = schedule.place_layers(chunks, cfg.n_layers, first_extra, last_extra, min_layers=1).layers
+        layers = balanced_cut(cfg, placement, seq, min_layers).layers
+        min_layers = 0
     layers = tuple(layers)
-    if len(layers) != n or sum(layers) != cfg.n_layers or min(layers) < 1:
-        raise ScheduleError(f"layer counts {layers} must give each of the {n} chunks at least one of the "
-                            f"model's {cfg.n_layers} layers")
+    min_layers = 1 if min_layers is None else min_layers
+    if len(layers) != n or sum(layers) != cfg.n_layers or min(layers) < min_layers:
+        raise ScheduleError(f"layer counts {layers} must give each of the {n} chunks at least {min_layers} "
+                            f"of the model's {cfg.n_layers} layers")
     out, start = [], 0
     for c, k in enumerate(layers):
         out.append(ChunkSpec(c, tuple(range(start, start + k)), first=c == 0, last=c == n - 1))

@@ -55,6 +55,7 @@ class Prediction:
     memory: dict[str, float] = field(default_factory=dict)
     a2a_bytes: dict[str, float] = field(default_factory=dict)
     costs: S.Costs | None = None  # what the simulator was given (per stage, seconds)
+    cut_imbalance_pct: float = 0.0  # the layer cut's modelled per-rank compute imbalance, (max/mean-1) x 100
 
     def as_dict(self) -> dict[str, object]:
         """Plain summary (for --json): the layout's fields, schedule, overlap and the predicted figures."""
@@ -86,6 +87,7 @@ class Prediction:
             "simulated": self.simulated,
             "times": self.times,
             "memory": self.memory,
+            "cut_imbalance_pct": self.cut_imbalance_pct,
         }
 
 
@@ -209,16 +211,34 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
 def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
     """The model-chunk placement and the layers per chunk (the balanced cut, as the runtime's)."""
     chunks = S.stages.chunk_placement(s.placement)
+    return chunks, _cut(ctx, lay, chunks).layers
+
+
+CUT_ROUND = 20  # the cut's costs in 1/20 of a MoE layer: finer moves no layer, and misses the cache
+
+
+def _cut(ctx: Context, lay: L.Layout, chunks: S.Placement) -> S.LayerPlacement:
+    """The cut that evens per-rank compute (`S.balance_layers_or_empty`, the runtime's rule), priced by
+    the modelled F + B of a microbatch: dense and MoE layers apart, the embedding on the first chunk, the
+    head + loss + MTP on the last; costs in MoE layers, rounded to 1/CUT_ROUND so that alike layouts
+    share one search."""
     m = ctx.model
-    layer_f = _layer_phases(ctx, lay, block_cost(m, True)).f
-    first = _layer_phases(ctx, lay, embed_cost(m)).f / layer_f
-    last = _layer_phases(ctx, lay, head_cost(m)).f / layer_f
-    return chunks, _place(chunks, m.layers, round(first, 2), round(last, 2))
+
+    def busy(cost: LayerCost) -> float:
+        ph = _layer_phases(ctx, lay, cost)
+        return ph.f + ph.b
+
+    moe = busy(block_cost(m, True)) if m.moe_layers else busy(block_cost(m, False))
+    dense, first, last = (busy(c) / moe for c in (block_cost(m, False), embed_cost(m), head_cost(m)))
+    dense, first, last = (round(x * CUT_ROUND) / CUT_ROUND for x in (dense, first, last))
+    return _place(chunks, m.dense_layers, m.moe_layers, dense, first, last)
 
 
 @functools.lru_cache(maxsize=65536)
-def _place(chunks: S.Placement, layers: int, first: float, last: float) -> tuple[int, ...]:
-    return S.place_layers(chunks, layers, first, last, min_layers=1).layers
+def _place(chunks: S.Placement, n_dense: int, n_moe: int, dense: float, first: float,
+           last: float) -> S.LayerPlacement:
+    """The balanced cut of n_dense layers costing `dense` then n_moe costing 1 (cached: layouts share it)."""
+    return S.balance_layers_or_empty(chunks, (dense,) * n_dense + (1.0,) * n_moe, first, last)
 
 
 def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None, int]:
@@ -411,6 +431,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         mem,
         a2a_bytes,
         costs,
+        _cut(ctx, lay, S.stages.chunk_placement(s_full.placement)).imbalance_pct,
     )
 
 

@@ -550,7 +550,7 @@ class TrainConfig:
             # module ride on the end chunks and are not layers), then the cut (a layer per chunk)
             s = S.build(name, self.pp, self.microbatches, self.num_virtual_stages_per_pipeline_rank,
                         layers=self.num_layers)
-            cut_gpt(cfg, s.placement)
+            cut_gpt(cfg, s.placement, seq=self.seq_length)
         except S.ScheduleError as exc:
             vpp = "" if self.num_virtual_stages_per_pipeline_rank is None else (
                 f", vpp {self.num_virtual_stages_per_pipeline_rank}")
@@ -591,7 +591,7 @@ class TrainConfig:
                              f"({s.placement.kind} placement), not --num-virtual-stages-per-pipeline-rank "
                              f"{vpp}")
         try:
-            cut_gpt(cfg, s.placement)
+            cut_gpt(cfg, s.placement, seq=self.seq_length)
         except S.ScheduleError as exc:
             raise ValueError(f"{flag} cuts the model into {chunks} chunk{'s' if chunks > 1 else ''} per rank "
                              f"on {self.pp} ranks: {exc}") from None

@@ -41,7 +41,10 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
+from fmoe.pipeline.cut import cut_imbalance_pct
 from fmoe.precision import float32_matmul_precision
+from fmoe.schedule.imbalance import imbalance_pct
+from fmoe.schedule.timeline import TraceEvent
 from fmoe.train import checkpoint, preflight, save_dir
 from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
@@ -251,6 +254,24 @@ def _gather_trace(trainer: Trainer, path: str, lead: bool) -> None:
     if lead:
         model = trainer.tc.compute_model if trainer.compute_model is not None else 0.0
         write_step_trace(gathered, path, meta={"compute_model": model or "off"})
+        if len(gathered) > 1:
+            print(f"fmoe train: traced step {trainer.tc.trace_step}: measured per-rank compute imbalance "
+                  f"{_measured_imbalance(gathered):.1f}%", flush=True)
+
+
+def _cut(tc: TrainConfig, trainer: Trainer) -> str:
+    """The pipeline cut for the banner: layers per chunk and the modelled per-rank imbalance (FLOPs)."""
+    if trainer.schedule is None or len(trainer.chunks) == 1:
+        return ""
+    pct = cut_imbalance_pct(trainer.cfg, trainer.schedule.placement, trainer.chunks, tc.seq_length)
+    return (f", cut {'+'.join(str(len(c.layers)) for c in trainer.chunks)} layers "
+            f"(modelled rank imbalance {pct:.1f}%)")
+
+
+def _measured_imbalance(events_by_rank: list[list[TraceEvent]]) -> float:
+    """Returns the measured per-rank compute imbalance ((max/mean - 1) x 100) of one traced step."""
+    busy = [sum(e.end - e.start for e in evs if e.lane == "compute") for evs in events_by_rank]
+    return imbalance_pct(tuple(busy))
 
 
 def _describe(tc: TrainConfig, trainer: Trainer) -> str:
@@ -258,7 +279,7 @@ def _describe(tc: TrainConfig, trainer: Trainer) -> str:
                     if getattr(tc, name) is not None)  # the functions replacing fmoe's (docs/research.md)
     return (f"{tc.num_layers} layers, D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}"
             f"{seams}; pp {tc.pp} x ep {tc.ep} x dp {tc.dp}, {tc.schedule_name}"
-            f"{' + fb overlap' if tc.overlap and trainer.schedule is not None else ''}; "
+            f"{' + fb overlap' if tc.overlap and trainer.schedule is not None else ''}{_cut(tc, trainer)}; "
             f"{trainer.dataset.describe()}"
             f"{f'; held out: {trainer.valid.describe()}' if trainer.valid is not None else ''}")
 

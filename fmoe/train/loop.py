@@ -101,7 +101,7 @@ class Trainer:
             paths = ChunkSpec(0, tuple(range(cfg.n_layers)), first=True, last=True).param_paths(cfg)
         else:
             self.schedule = tc.pipeline_schedule()  # the named one built, or --schedule-file's
-            self.chunks = cut_gpt(cfg, self.schedule.placement)
+            self.chunks = cut_gpt(cfg, self.schedule.placement, seq=tc.seq_length)
             self.holders = holders(cfg, self.schedule.placement, self.chunks)
             paths = [p for st in self.schedule.placement.stages_of(self.pp_rank)
                      for p in self.chunks[self.schedule.placement.layer_chunk[st]].param_paths(cfg)]
