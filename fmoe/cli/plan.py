@@ -12,6 +12,7 @@ Examples:
   fmoe plan --model tiny --cluster local --devices 2 --global-batch 32 --explain "tp1 pp2 ep1 vpp1 dp1 mb4"
   fmoe plan --model small --cluster h100 --devices 8 --explain "tp1 pp2 ep2 vpp2 dp2 mb1" --schedule zbv
   fmoe plan --model model.toml --cluster cluster.toml --devices 64 --capacity-factors none,1.25
+  fmoe plan --model deepseek-v3 --published    # as the published run: FP8, 4 nodes per token, 2048 H800
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fmoe.calibrate.models import load_model, model_names
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
 from fmoe.plan import search as Q
-from fmoe.plan.specs import CLUSTER_PRESETS, PlanError, load_cluster
+from fmoe.plan.specs import CLUSTER_PRESETS, FP8_GROUPS, PUBLISHED, PlanError, Published, load_cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f'a preset ({", ".join(model_names())}) or a TOML file (base = "preset", fields)',
     )
     parser.add_argument(
-        "--cluster", required=True, help=f"a preset ({', '.join((*CLUSTER_PRESETS, 'local'))}) or a TOML file"
+        "--cluster", default=None,
+        help=f"a preset ({', '.join((*CLUSTER_PRESETS, 'local'))}) or a TOML file "
+        "(required but with --published)",
     )
     parser.add_argument(
-        "--devices", type=int, required=True, help="devices in the job (a multiple of a node)"
+        "--devices", type=int, default=None,
+        help="devices in the job (a multiple of a node; required but with --published)",
+    )
+    parser.add_argument(
+        "--published", action="store_true",
+        help=f"as the preset's published run ({', '.join(PUBLISHED)}): its precision, routing limit, "
+        "recompute, batch, sequence length, cluster and devices (flags given explicitly win); reports the "
+        "published layout's rank and predicted tokens/s against the published",
     )
     parser.add_argument(
         "--global-batch",
@@ -110,14 +120,33 @@ def _caps(text: str) -> tuple[float | None, ...]:
     return tuple(out)
 
 
+def _published(args: argparse.Namespace) -> Published | None:
+    """The published run `--published` names (PlanError for a model without one), or None."""
+    if not args.published:
+        return None
+    if args.model not in PUBLISHED:
+        raise PlanError(f"--published: no published run of {args.model!r} (have {', '.join(PUBLISHED)})")
+    return PUBLISHED[args.model]
+
+
 def context(args: argparse.Namespace) -> E.Context:
-    """Returns the planning Context the arguments describe (PlanError on a bad spec)."""
+    """Returns the planning Context the arguments describe (PlanError on a bad spec); `--published` fills
+    what the flags leave out from the published run and constrains precision, routing and recompute."""
+    pub = _published(args)
     model = load_model(args.model)
+    if pub is not None:
+        model = pub.model(model)
     if args.seq_length is not None:
         model = model.replace(seq=args.seq_length)
+    cluster_name = args.cluster if args.cluster is not None or pub is None else pub.cluster
+    devices = args.devices if args.devices is not None or pub is None else pub.devices
+    if cluster_name is None or devices is None:
+        raise PlanError("--cluster and --devices are required (but with --published)")
     # "local": this machine, as its calibration's spec file says (measured on first use)
-    cluster = load_cluster(args.cluster, files={"local": lambda: str(cluster_file())})
+    cluster = load_cluster(cluster_name, files={"local": lambda: str(cluster_file())})
     gb = args.global_batch
+    if gb is None and pub is not None:
+        gb = pub.global_batch
     if gb is None:
         if args.model in ("tiny", "small"):
             from fmoe.train.config import TrainConfig
@@ -127,7 +156,8 @@ def context(args: argparse.Namespace) -> E.Context:
             gb = 1024
     if not args.imbalance >= 1.0:
         raise PlanError(f"--imbalance is max / mean load: must be >= 1, got {args.imbalance}")
-    return E.Context(model, cluster, args.devices, gb, args.imbalance)
+    recompute = pub.recompute or None if pub is not None else None
+    return E.Context(model, cluster, devices, gb, args.imbalance, recompute)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,12 +189,15 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     m = ctx.model
     print(
-        f"{m.name} ({m.dtype}, seq {m.seq}) on {ctx.devices} x {ctx.cluster.name}, "
+        f"{m.name} ({_precision(ctx)}, seq {m.seq}) on {ctx.devices} x {ctx.cluster.name}, "
         f"global batch {ctx.global_batch}: "
         f"{result.screened} candidates fit, {len(result.rejected)} rejected, {len(result.best)} simulated, "
         f"in {seconds:.1f} s"
     )
     print(Q.format_table(top))
+    pub = _published(args)
+    if pub is not None:
+        print(_published_line(ctx, pub, result))
     if len(result.best) > 1:
         print("why: " + Q.why(result.best[0], result.best[1]))
     _print_train_command(args.model, result.best[0], ctx)
@@ -174,6 +207,51 @@ def _run(args: argparse.Namespace) -> int:
         write_png(E.timeline(result.best[0]), args.timeline)
         print(f"timeline of the best: {args.timeline}")
     return 0
+
+
+def _precision(ctx: E.Context) -> str:
+    """The model's dtype and its FP8 GEMMs, saying when the cluster runs them at the dtype's peak."""
+    m = ctx.model
+    if not m.fp8_gemms:
+        return m.dtype
+    groups = "all linear GEMMs" if len(m.fp8_gemms) == len(FP8_GROUPS) else ", ".join(m.fp8_gemms)
+    if not ctx.cluster.fp8_flops:
+        return f"{m.dtype}; FP8 asked for {groups}, but {ctx.cluster.name} has no FP8: run in {m.dtype}"
+    return f"{m.dtype}, FP8 {groups}"
+
+
+def _published_line(ctx: E.Context, pub: Published, result: Q.PlanResult) -> str:
+    """One line: the published layout's rank among the ranked layouts and its predicted tokens/s against
+    the published (evaluated directly when the search did not simulate it)."""
+    want = {**Q.parse_label(pub.layout), "schedule": pub.schedule}
+    want.setdefault("hierarchical", False)
+    matches = [p for p in result.best if all(getattr(p.layout, k) == v for k, v in want.items())]
+    if matches:
+        pred, rank = matches[0], result.best.index(matches[0]) + 1
+        where = f"rank {rank} of {len(result.best)}"
+    else:
+        pred = E.fastest_fitting(ctx, _layout(ctx, want))
+        ahead = sum(p.step_s < pred.step_s for p in result.best)
+        where = f"not simulated by the search; {ahead} of the {len(result.best)} simulated are faster"
+    fits = "" if pred.fits else f" (does not fit: {pred.reason})"
+    return (f"published: {pub.layout} {pub.schedule}, recompute {pred.layout.recompute}: {where}; "
+            f"predicted {pred.tokens_per_s / 1e6:.3g}M tokens/s vs {pub.tokens_per_s / 1e6:.3g}M published "
+            f"({100 * (pred.tokens_per_s / pub.tokens_per_s - 1):+.0f}%){fits} [{pub.source}]")
+
+
+def _layout(ctx: E.Context, fields: dict[str, object]) -> L.Layout:
+    """The Layout `fields` (parse_label's, plus a schedule) name, the rest at defaults (dp fills the
+    devices); PlanError naming the rule it breaks."""
+    fields = {"vpp": 1, "micro_batch": 1, "overlap": True, "schedule": "1f1b", **fields}
+    if "dp" not in fields:
+        sizes = [int(fields.get(k, 1)) for k in ("tp", "pp", "ep")]  # type: ignore[call-overload]
+        fields["dp"] = ctx.devices // (sizes[0] * sizes[1] * sizes[2])
+    base = L.Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=True, micro_batch=1)
+    lay = replace(base, **fields)
+    why_not = L.problem(ctx.model, ctx.cluster, ctx.devices, lay, ctx.global_batch)
+    if why_not is not None:
+        raise PlanError(f"{lay.label()} {lay.schedule}: {why_not}")
+    return lay
 
 
 def _print_train_command(model: str, best: E.Prediction, ctx: E.Context) -> None:

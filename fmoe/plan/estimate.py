@@ -18,18 +18,28 @@ optimizer step (memory bound) complete the step.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 
 from fmoe import schedule as S
 from fmoe.parallel import traffic
 from fmoe.plan import layout as L
-from fmoe.plan.layer_costs import LayerCost, block_cost, embed_cost, head_cost, totals, tp_collectives
+from fmoe.plan.layer_costs import (
+    LayerCost,
+    block_cost,
+    embed_cost,
+    fp8_flops,
+    fp8_saved_bytes,
+    head_cost,
+    part_costs,
+    totals,
+    tp_collectives,
+)
 from fmoe.plan.memory import peak_bytes
 from fmoe.plan.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 from fmoe.schedule.ir import B, F, Op, W
 
 GIB = 2**30
-LONE_HIDE = 0.5  # share of a lone F/B's all-to-all fb overlap hides (seed 000: 50% in warmup/cooldown)
 SIM_CAP = 4  # simulate at most SIM_CAP x pp microbatches exactly; extrapolate linearly beyond
 
 
@@ -94,13 +104,15 @@ class Prediction:
 @dataclass(frozen=True)
 class Context:
     """What every evaluation of one request shares: model, cluster, devices, global batch, the load
-    factor of dropless routing (`imbalance`, expected max / mean expert load)."""
+    factor of dropless routing (`imbalance`, expected max / mean expert load), the recompute choices the
+    search may pick (`recompute`, lightest first; None: layout.recompute_ladder's)."""
 
     model: ModelSpec
     cluster: ClusterSpec
     devices: int
     global_batch: int
     imbalance: float = 1.2
+    recompute: tuple[str, ...] | None = None  # the recompute choices to try, lightest first (None: all)
 
     @property
     def rpn(self) -> int:
@@ -139,25 +151,45 @@ class _Phases:
 
 
 def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
-    """Seconds of F, I, W of one layer for one microbatch on one rank (all-to-all excluded)."""
+    """Seconds of F, I, W of one layer for one microbatch on one rank (all-to-all excluded). GEMMs of the
+    model's FP8 groups run at the cluster's FP8 peak (the compute dtype's where it has none); recompute
+    adds the forward of what it recomputes (all of F under full, else its parts') to the backward."""
     m, c, tp = ctx.model, ctx.cluster, lay.tp
     T = lay.micro_batch * m.seq
     peak = c.flops(m.dtype)
-    dense = T * cost.dense_flops / tp / (peak * _eff(c, min(T, m.hidden)))
+    peak8 = c.gemm_flops(m.dtype, True)
+    fp8_dense, fp8_expert = fp8_flops(m, cost.kind)
+    dense_eff = _eff(c, min(T, m.hidden))
+    dense = T * ((cost.dense_flops - fp8_dense) / peak + fp8_dense / peak8) / tp / dense_eff
     attn = T * cost.attn_flops / tp / (peak * c.attn_eff)
     expert = 0.0
     if cost.expert_flops:
         load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
         # TP extends EP: each rank dispatches its own T / tp tokens to whole experts
         rows = T / tp * m.top_k * lay.expert_group / m.routed_experts
-        expert = load * T * cost.expert_flops / tp / (peak * _eff(c, max(min(rows, m.expert_ffn), 1.0)))
+        expert_peak = peak8 if fp8_expert else peak
+        expert_eff = _eff(c, max(min(rows, m.expert_ffn), 1.0))
+        expert = load * T * cost.expert_flops / tp / (expert_peak * expert_eff)
     tp_f, tp_b = _tp_comm_s(ctx, lay, cost.kind)
     oh = c.host_s(cost.kind, T / tp, lay.expert_group > 1)  # sequence parallel: T / tp tokens per rank
     f = dense + attn + expert + tp_f + oh
     i_compute, w_compute = dense + 2 * attn + expert + tp_b, dense + expert
     i = i_compute + c.i_overhead_ratio * oh
     w = w_compute + c.w_overhead_ratio * oh
-    extra = {"none": 0.0, "adaptive": expert, "full": f}[lay.recompute]
+    if lay.recompute == "full":
+        extra = f
+    else:  # each part's forward again: the attention core at its kernel's rate, the GEMMs at theirs
+        extra = 0.0
+        for part, (flops, _) in part_costs(m, cost.kind).items():
+            if part not in (L.recompute_parts(lay.recompute) or ()):
+                continue
+            if part == "moe":
+                extra += expert
+            elif part == "core_attn":
+                extra += attn
+            else:
+                group = "dense_mlp" if part == "mlp" else "shared_experts"
+                extra += T * flops / tp / (c.gemm_flops(m.dtype, m.fp8(group)) * dense_eff)
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
     b = i_compute + w_compute + b_ratio * oh
     return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra)
@@ -178,34 +210,61 @@ def _tp_comm_s(ctx: Context, lay: L.Layout, kind: str) -> tuple[float, float]:
 
 
 def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
-    """Seconds of one dispatch (or one combine) of one MoE layer, and its bytes per link class."""
+    """Seconds of one dispatch (or one combine) of one MoE layer, and its bytes per link class.
+
+    Bytes: the dispatchers' formulas (fmoe.parallel.traffic); under node-limited routing
+    (ModelSpec.max_nodes_per_token) the hierarchical dispatch's inter-node rows, one per node a token
+    touches, are capped (`_nodes_touched`). A dispatch of FP8 experts sends FP8 rows (1 byte per element)
+    and its combine the compute dtype's: each direction is priced at their mean. Latency: a pairwise
+    all-to-all posts one send and one receive per peer, so each link class costs its latency once per peer
+    on it (the count exchange reaches every peer, whatever the rows)."""
     m, c = ctx.model, ctx.cluster
     P = lay.expert_group
     if P == 1:
         return 0.0, {"intra": 0.0, "inter": 0.0}
     T = lay.micro_batch * m.seq
     group_per_node = min(P, ctx.rpn)
+    nodes = P // group_per_node
     tokens = T // lay.tp  # sequence parallel: each tp rank dispatches its own share
-    row = m.hidden * DTYPE_BYTES[m.dtype]
+    b = DTYPE_BYTES[m.dtype]
+    row = m.hidden * ((1 + b) / 2 if m.fp8("experts") else b)
     if lay.hierarchical:  # across nodes each token also carries its K ids (int64) and probs (fp32)
-        inter = traffic.expected_hierarchical_bytes(
+        hier = traffic.expected_hierarchical_bytes(
             tokens, m.top_k, m.routed_experts, P, group_per_node, row + 12 * m.top_k
-        )["inter"]
+        )
+        remote = _nodes_touched(m, nodes) * (nodes - 1) / nodes  # the token's own node is one of those
+        inter = tokens * remote * (row + 12 * m.top_k) if m.max_nodes_per_token else hier["inter"]
         intra = traffic.expected_hierarchical_bytes(
             tokens, m.top_k, m.routed_experts, P, group_per_node, row
         )["intra"]
         nbytes = {"intra": intra, "inter": inter}
+        peers = {"intra": group_per_node - 1, "inter": nodes - 1}  # node level: the same slot on each node
     else:
         nbytes = traffic.expected_alltoall_bytes(tokens, m.top_k, m.routed_experts, P, group_per_node, row)
+        peers = {"intra": group_per_node - 1, "inter": P - group_per_node}
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
     # the busiest rank sends `load` x the mean; one all-to-all's link classes run at once, the two levels
     # of the hierarchical dispatch one after the other
-    times = [
-        lat + load * n / bw for link, n in nbytes.items() if n > 0 for bw, lat in [_link(c, link == "intra")]
-    ]
+    times = [_exchange_s(c, link == "intra", peers[link], n, load) for link, n in nbytes.items() if n > 0]
     t = sum(times) if lay.hierarchical else max(times, default=0.0)
     calls = 4 if lay.hierarchical else 2  # each level: its count exchange, then the rows
     return t + calls * c.comm_overhead_s, nbytes
+
+
+def _exchange_s(c: ClusterSpec, intra: bool, peers: int, nbytes: float, load: float) -> float:
+    """Seconds of one all-to-all's traffic on one link class: a latency per peer on it, and the busiest
+    rank's bytes (`load` x the mean `nbytes`) at the link's bandwidth."""
+    bw, lat = _link(c, intra)
+    return peers * lat + load * nbytes / bw
+
+
+def _nodes_touched(m: ModelSpec, nodes: int) -> float:
+    """Expected nodes of an expert group spread over `nodes` nodes that one token's top-k experts touch:
+    uniform routing misses a node with probability C(E - E/nodes, K) / C(E, K); node-limited routing
+    (max_nodes_per_token) caps it (min of the cap and the mean: Jensen's bound on E[min], never low)."""
+    E, K = m.routed_experts, m.top_k
+    touched = nodes * (1 - math.comb(E - E // nodes, K) / math.comb(E, K))
+    return min(touched, m.max_nodes_per_token) if m.max_nodes_per_token else touched
 
 
 def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
@@ -360,17 +419,26 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     # each stage's messages to and from stages on other ranks: their host cost, in F (activations) and in
     # I or B (gradients)
     msg = [c.p2p_overhead_s * _remote_neighbours(s_full, st) for st in range(len(stage_chunk))]
+    # fb overlap hides the cluster's measured shares: the simulator's pairs hide all of an exchange they
+    # can (each part costs max(compute, exchange)), so the unhidden (1 - pair_hide) of every exchange is
+    # charged to the phase as time it waits: max(compute + (1 - h) x, x) = max(compute, h x) + (1 - h) x.
+    # A lone phase then hides lone_hide of the whole when the simulator's lone share is lone_hide + 1 - h
+    # (exact for lone_hide <= pair_hide)
+    hides = lay.overlap and c.comm_hides
+    pair_hide = c.pair_hide if hides else 1.0
+    lone_hide = min(1.0, c.lone_hide + 1.0 - pair_hide) if hides else 0.0
+    wait = 2 * (1 - pair_hide) * a2a_unit * moe_per_chunk
     costs = S.Costs(
-        f=tuple(chunk_f[k] + msg[st] for st, k in enumerate(stage_chunk)),
-        i=tuple(chunk_i[k] + msg[st] for st, k in enumerate(stage_chunk)),
+        f=tuple(chunk_f[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
+        i=tuple(chunk_i[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
         w=tuple(chunk_w[k] for k in stage_chunk),
-        b=tuple(chunk_b[k] + msg[st] for st, k in enumerate(stage_chunk)),
+        b=tuple(chunk_b[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
         p2p=p2p,
         a2a=a2a_unit,
         moe_layers=moe_per_chunk,
         attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk),
-        lone_hide=LONE_HIDE if lay.overlap and c.comm_hides else 0.0,
-        pair_overlap=lay.overlap and c.comm_hides,
+        lone_hide=lone_hide,
+        pair_overlap=hides,
     )
 
     # data-parallel gradient reduce and the optimizer step, per rank
@@ -451,12 +519,18 @@ def _chunk(
         [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*head, 1)] if last else [])
     )
     act = wb = 0.0
+    recomputed = L.recompute_parts(lay.recompute) or ()
     for _, lc, q in parts:
         keep = lc.act_bytes + (load - 1) * lc.expert_act_bytes  # headroom for the busiest expert rank
+        fp8_dense, fp8_expert = fp8_saved_bytes(model, lc.kind)
+        keep -= fp8_dense + (0.0 if "moe" in recomputed else load * fp8_expert)
         if lay.recompute == "full" and lc.kind in ("dense", "moe"):
             keep = b * model.hidden  # only the layer input
-        elif lay.recompute == "adaptive":
-            keep -= load * lc.expert_act_bytes
+        else:  # each recomputed part keeps only its inputs (kept anyway): what it saved is freed
+            for part, (_, freed) in part_costs(model, lc.kind).items():
+                if part in recomputed:
+                    keep -= (load if part == "moe" else 1.0) * freed
+            keep = max(keep, b * model.hidden if lc.kind in ("dense", "moe") else 0.0)
         act += q * keep * T / lay.tp
         wb += q * min(lc.w_bytes, keep) * T / lay.tp
     return (
@@ -565,10 +639,12 @@ def timeline(pred: Prediction) -> S.Report:
 
 
 def fastest_fitting(ctx: Context, lay: L.Layout, simulate: bool = True) -> Prediction:
-    """Returns the Prediction of `lay` with the cheapest recompute that fits (none, adaptive, full),
-    or the full-recompute one (not fitting, with its reason) when none does."""
-    for rc in L.RECOMPUTE[:-1]:
+    """Returns the Prediction of `lay` with the lightest recompute that fits (`ctx.recompute`, or none,
+    adaptive, the other parts the runtime recomputes selectively, full: `layout.recompute_ladder`), or the
+    heaviest one (not fitting, with its reason) when none does."""
+    ladder = ctx.recompute or L.recompute_ladder(ctx.model)
+    for rc in ladder[:-1]:
         pred = evaluate(ctx, replace(lay, recompute=rc), simulate, memory_first=True)
         if pred.fits:
             return pred
-    return evaluate(ctx, replace(lay, recompute=L.RECOMPUTE[-1]), simulate)
+    return evaluate(ctx, replace(lay, recompute=ladder[-1]), simulate)

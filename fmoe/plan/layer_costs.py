@@ -273,3 +273,86 @@ def tp_bytes(colls: tuple[Collective, ...], tp: int) -> dict[str, int]:
     for c in colls:
         out[c.op] = out.get(c.op, 0) + c.sent(tp)
     return {op: n for op, n in out.items() if n}
+
+
+# ---- FP8 GEMMs and recompute parts ---------------------------------------------------------------------
+
+
+def _mlp_flops(m: ModelSpec, kind: str) -> dict[str, float]:
+    """Forward GEMM FLOPs per token of a layer of `kind` per group of specs.FP8_GROUPS (the MTP modules'
+    blocks count in the head's)."""
+    h, f, S = m.hidden, m.expert_ffn, m.shared_experts
+    if kind == "embed":
+        return {}
+    if kind == "head":
+        if not m.mtp:
+            return {}
+        blk = _mlp_flops(m, "moe" if m.moe_layers > 0 else "dense")
+        return {**{g: m.mtp * x for g, x in blk.items()}, "mtp_proj": m.mtp * 4.0 * h * h}
+    proj = _attention(m)[1]
+    if kind == "dense":
+        return {"attn_proj": proj, "dense_mlp": 6.0 * h * m.dense_ffn}
+    return {"attn_proj": proj, "shared_experts": 6.0 * h * f * S, "experts": 6.0 * h * f * m.top_k}
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_flops(m: ModelSpec, kind: str) -> tuple[float, float]:
+    """Returns (non-expert, routed-expert) forward GEMM FLOPs per token of a layer of `kind` that run in
+    FP8 (`m.fp8_gemms`); the backward's GEMMs follow their forward's precision."""
+    groups = _mlp_flops(m, kind)
+    dense = sum(x for g, x in groups.items() if g != "experts" and m.fp8(g))
+    return dense, groups.get("experts", 0.0) if m.fp8("experts") else 0.0
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_saved_bytes(m: ModelSpec, kind: str) -> tuple[float, float]:
+    """Returns the (non-expert, routed-expert) activation bytes per token a layer of `kind` saves by keeping
+    the inputs of its FP8 GEMMs for the backward in FP8 (1 byte) instead of the compute dtype, as
+    DeepSeek-V3 caches its Linear inputs (report 3.3.2): the normed input, MLA's latents and the attention
+    output for the projections, the normed input and the activation for a SwiGLU, the dispatched rows and
+    their activation for the routed experts (per routed row), the MTP projection's 2h input."""
+    b = DTYPE_BYTES[m.dtype]
+    if kind == "embed" or b <= 1:
+        return 0.0, 0.0
+    if kind == "head":
+        if not m.mtp:
+            return 0.0, 0.0
+        d, e = fp8_saved_bytes(m, "moe" if m.moe_layers > 0 else "dense")
+        return m.mtp * (d + (b - 1) * 2 * m.hidden * m.fp8("mtp_proj")), m.mtp * e
+    h = m.hidden
+    elems = {"attn_proj": h + m.heads * m.v_head_dim + m.q_lora_rank + m.kv_lora_rank}
+    if kind == "dense":
+        elems["dense_mlp"] = h + m.dense_ffn
+    else:
+        # the shared expert's activation; its normed input stays wide: the router reads it too
+        elems["shared_experts"] = m.shared_experts * m.expert_ffn
+        elems["experts"] = m.top_k * (h + m.expert_ffn)
+    dense = sum(n for g, n in elems.items() if g != "experts" and m.fp8(g))
+    return (b - 1) * dense, (b - 1) * elems.get("experts", 0) * m.fp8("experts")
+
+
+@functools.lru_cache(maxsize=1024)
+def part_costs(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
+    """Returns {part: (forward FLOPs, activation bytes it frees)} per token of a layer of `kind` for each
+    part the runtime can recompute selectively (fmoe.recompute.MODULES): "core_attn" the attention core
+    (it keeps q, k, v, which are its inputs, so it frees only the fp32 softmax statistics), "mlp" a dense
+    layer's SwiGLU (gate, up, activation), "moe" the routed experts (what adaptive recompute frees),
+    "shared_experts" the shared expert (gate, up, activation). The head's are its MTP blocks'."""
+    b, h = DTYPE_BYTES[m.dtype], m.hidden
+    if kind == "embed":
+        return {}
+    if kind == "head":
+        if not m.mtp:
+            return {}
+        blk = part_costs(m, "moe" if m.moe_layers > 0 else "dense")
+        return {p: (m.mtp * f, m.mtp * n) for p, (f, n) in blk.items()}
+    cost = block_cost(m, kind == "moe")
+    out = {"core_attn": (cost.attn_flops, 4.0 * m.heads)}
+    if kind == "dense":
+        out["mlp"] = (6.0 * h * m.dense_ffn, b * 3.0 * m.dense_ffn)
+    else:
+        f, S = m.expert_ffn, m.shared_experts
+        out["moe"] = (cost.expert_flops, cost.expert_act_bytes)
+        if S:
+            out["shared_experts"] = (6.0 * h * f * S, b * 3.0 * f * S)
+    return out

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from fmoe import schedule as S
 from fmoe.parallel.topology import check_layout
 from fmoe.parallel.tp_extends_ep import experts_per_rank
+from fmoe.plan.layer_costs import block_cost, part_costs
 from fmoe.plan.specs import ClusterSpec, ModelSpec, PlanError
+from fmoe.recompute import MODULES
 from fmoe.schedule.registry import CHUNKS, check_layers
 
 # the schedules searched for pp > 1; the chunks per rank each runs (and whether it takes a vpp) are the
@@ -30,6 +32,40 @@ from fmoe.schedule.registry import CHUNKS, check_layers
 SCHEDULES = ("1f1b", "interleaved", "interleaved+extra", "zb_h1", "zbv", "dualpipev", "dualpipe")
 SINGLE = ("1f1b", "combined_1f1b")  # pp = 1: microbatches in turn, or paired for fb overlap
 RECOMPUTE = ("none", "adaptive", "full")
+# beside those, a recompute choice may name the parts the runtime recomputes selectively (fmoe.recompute's
+# MODULES, Megatron's --recompute-modules), joined by "+": "moe+shared_experts". "adaptive" is the routed
+# experts ("moe"), priced as recomputed in every layer (the load-aware choice recomputes the overloaded
+# ones). The runtime has no RMSNorm or MLA up-projection part (what DeepSeek-V3 recomputes): not offered.
+PART_SEP = "+"
+
+
+def recompute_parts(choice: str) -> tuple[str, ...] | None:
+    """Returns the parts a recompute choice recomputes selectively (() for "none" and "full", ("moe",) for
+    "adaptive"), or None when `choice` is neither one of RECOMPUTE nor "+"-joined parts of MODULES."""
+    if choice in ("none", "full"):
+        return ()
+    if choice == "adaptive":
+        return ("moe",)
+    parts = tuple(choice.split(PART_SEP))
+    return parts if parts and all(p in MODULES for p in parts) and len(set(parts)) == len(parts) else None
+
+
+def recompute_ladder(model: ModelSpec) -> tuple[str, ...]:
+    """Returns the recompute choices the search tries, lightest first: none, adaptive (the routed experts),
+    then the other parts added one at a time, the fewest recompute FLOPs per byte freed first (parts that
+    free under 1 % of a block's activations are left out: they cost time for nothing), then full."""
+    kinds = ("moe",) + (("dense",) if model.dense_layers else ())
+    ratio: dict[str, float] = {}
+    for kind in kinds:
+        keep = block_cost(model, kind == "moe").act_bytes
+        for part, (flops, freed) in part_costs(model, kind).items():
+            if part != "moe" and freed >= 0.01 * keep:
+                ratio[part] = min(ratio.get(part, float("inf")), flops / freed)
+    out, parts = ["none", "adaptive"], ["moe"]
+    for part in sorted(ratio, key=ratio.__getitem__):
+        parts.append(part)
+        out.append(PART_SEP.join(parts))
+    return (*out, "full")
 
 
 @dataclass(frozen=True)
@@ -142,8 +178,9 @@ def problem(
             f"global batch {global_batch} is not a multiple of micro batch {layout.micro_batch} x dp "
             f"{layout.dp} x ep {layout.ep}"
         )
-    if layout.recompute not in RECOMPUTE:
-        return f"recompute must be one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}"
+    if recompute_parts(layout.recompute) is None:
+        return (f"recompute must be one of {', '.join(RECOMPUTE)} or parts of {', '.join(MODULES)} joined "
+                f"by '{PART_SEP}', got {layout.recompute!r}")
     m = layout.microbatches(global_batch)
     try:
         s = build_schedule(layout.schedule, layout.pp, rule_microbatches(m, layout.pp), max(layout.vpp, 1))

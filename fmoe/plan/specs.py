@@ -32,6 +32,11 @@ LAYER_KINDS = ("embed", "dense", "moe", "head")  # the kinds of fmoe.plan.layer_
 # host overheads are priced per layer kind, and apart for an MoE layer whose exchange leaves the device
 # (expert parallel: the runtime runs its phases one by one around the all-to-all)
 OVERHEAD_KINDS = (*LAYER_KINDS, "moe_ep")
+# GEMM groups that may run in FP8 (ModelSpec.fp8_gemms), forward, input and weight gradient alike: the
+# attention projections, a dense layer's SwiGLU, the shared and the routed experts, and the MTP modules'
+# 2h -> h projections. The attention core, the router, the embedding and the output head stay in the
+# compute dtype (as DeepSeek-V3's recipe keeps them: report 3.3.1).
+FP8_GROUPS = ("attn_proj", "dense_mlp", "shared_experts", "experts", "mtp_proj")
 
 
 def _positive_ints(obj: object, names: tuple[str, ...], minimum: int = 1) -> None:
@@ -74,6 +79,10 @@ class ModelSpec:
     modules (each one MoE block plus a 2h -> h projection; it shares the embedding and head).
     `seq`: default sequence length; `dtype`: compute dtype ("bf16" = mixed precision with fp32 master
     weights, gradients and Adam state; "fp32" = everything fp32).
+    `fp8_gemms`: the GEMM groups (FP8_GROUPS, or "linear" for all of them) that run in FP8, forward and
+    both backward GEMMs, on a cluster with an FP8 peak (ClusterSpec.fp8_flops; else at the dtype's peak);
+    their inputs are kept for the backward in FP8 too. `max_nodes_per_token`: node-limited routing (each
+    token's experts on at most this many nodes of the expert group; 0 = unlimited).
     """
 
     name: str
@@ -97,8 +106,18 @@ class ModelSpec:
     v_head_dim: int = 0  # 0 = head_dim
     tied_embeddings: bool = False
     dtype: str = "bf16"
+    fp8_gemms: tuple[str, ...] = ()
+    max_nodes_per_token: int = 0
 
     def __post_init__(self) -> None:
+        groups = (self.fp8_gemms,) if isinstance(self.fp8_gemms, str) else tuple(self.fp8_gemms)
+        if "linear" in groups:
+            groups = FP8_GROUPS
+        if any(g not in FP8_GROUPS for g in groups):
+            raise PlanError(f"ModelSpec.fp8_gemms must name groups of {', '.join(FP8_GROUPS)} (or 'linear'), "
+                            f"got {self.fp8_gemms!r}")
+        # a tuple, in FP8_GROUPS' order: the spec stays hashable (the cost functions cache on it)
+        object.__setattr__(self, "fp8_gemms", tuple(g for g in FP8_GROUPS if g in groups))
         _positive_ints(
             self,
             (
@@ -125,6 +144,7 @@ class ModelSpec:
                 "kv_lora_rank",
                 "qk_rope_dim",
                 "v_head_dim",
+                "max_nodes_per_token",
             ),
             minimum=0,
         )
@@ -147,6 +167,10 @@ class ModelSpec:
     def mla(self) -> bool:
         """True for multi-head latent attention (kv_lora_rank > 0)."""
         return self.kv_lora_rank > 0
+
+    def fp8(self, group: str) -> bool:
+        """Whether GEMM group `group` (one of FP8_GROUPS) runs in FP8."""
+        return group in self.fp8_gemms
 
     @property
     def moe_layers(self) -> int:
@@ -193,7 +217,14 @@ class ClusterSpec:
     it: per remote neighbour stage, once in its forward and once in its backward.
     `comm_hides`: whether an exchange progresses while the ranks compute, so that fb overlap can hide
     it (True: a device's links and copy engines move the bytes; False: the transport needs the cores
-    the compute holds, as gloo on a CPU with no spare core, where fb overlap measured no faster)."""
+    the compute holds, as gloo on a CPU with no spare core, where fb overlap measured no faster).
+    `pair_hide` / `lone_hide`: the share of the all-to-all that fb overlap hides inside an F&B pair and
+    in a lone F or B (warm-up, cool-down), where `comm_hides`; measured inputs, not constants: the
+    defaults are what fmoe's executor hides on a modelled device (BENCHMARKS.md, "fb overlap: lone
+    forwards move the all-to-all in two row chunks", compute model on: pairs 96.1-96.5 %, lone phases
+    72.0-76.5 %; the seed assumed 100 % and 50 %).
+    `fp8_flops`: dense FP8 peak FLOP/s per device for the GEMMs a model runs in FP8 (0: the device has
+    no FP8, they run at the compute dtype's peak)."""
 
     name: str
     devices_per_node: int
@@ -221,6 +252,9 @@ class ClusterSpec:
     comm_hides: bool = True
     small_token_overhead_s: dict[str, float] = dataclasses.field(default_factory=dict)
     token_knee: float = 0.0
+    pair_hide: float = 0.96
+    lone_hide: float = 0.72
+    fp8_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.comm_hides, bool):
@@ -232,9 +266,10 @@ class ClusterSpec:
             self,
             ("intra_latency_s", "inter_latency_s", "op_overhead_s", "comm_overhead_s", "base_mem_gib",
              "i_overhead_ratio", "w_overhead_ratio", "step_overhead_s", "stage_overhead_s", "p2p_overhead_s",
-             "token_knee"),
+             "token_knee", "fp8_flops"),
             allow_zero=True,
         )
+        _positive_reals(self, ("pair_hide", "lone_hide"), allow_zero=True, upper=1.0)
         if self.b_overhead_ratio is not None:
             _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
         for field in ("layer_overhead_s", "token_overhead_s", "small_token_overhead_s"):
@@ -264,6 +299,10 @@ class ClusterSpec:
                 f"cluster {self.name} gives no peak FLOP/s for {dtype} (has {', '.join(self.peak_flops)})"
             )
         return float(self.peak_flops[dtype])
+
+    def gemm_flops(self, dtype: str, fp8: bool) -> float:
+        """Peak FLOP/s of a GEMM in `dtype`, or in FP8 when `fp8` and the device has an FP8 peak."""
+        return float(self.fp8_flops) if fp8 and self.fp8_flops else self.flops(dtype)
 
     def overhead_s(self, kind: str, expert_parallel: bool = False) -> float:
         """Host seconds of one forward of a layer of `kind` (one of LAYER_KINDS); an MoE layer with
@@ -354,9 +393,9 @@ def _gbps(x: float) -> float:
 
 
 CLUSTER_PRESETS: dict[str, ClusterSpec] = {
-    # Atlas 800T A2: 8 x Ascend 910B (64 GB HBM, ~313 TFLOP/s fp16/bf16), HCCS ~56 GB/s per link inside
-    # a node (~196 GB/s per NPU over the full mesh, about half usable one way for all-to-all), 200 Gb/s
-    # RoCE per NPU across nodes.
+    # Atlas 800T A2: 8 x Ascend 910B (64 GB HBM, ~313 TFLOP/s fp16/bf16, no FP8: fp8_flops 0), HCCS
+    # ~56 GB/s per link inside a node (~196 GB/s per NPU over the full mesh, about half usable one way for
+    # all-to-all), 200 Gb/s RoCE per NPU across nodes.
     "ascend-910b": ClusterSpec(
         name="ascend-910b",
         devices_per_node=8,
@@ -386,6 +425,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         hbm_bytes_per_s=3.35e12,
         comm_overhead_s=10e-6,
         base_mem_gib=2.0,
+        fp8_flops=1979e12,  # H800 / H100 SXM dense FP8 (twice bf16)
     ),
 }
 
@@ -393,6 +433,56 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
 CLUSTER_PRESETS["h100"] = CLUSTER_PRESETS["h800"].replace(name="h100", intra_bytes_per_s=370e9)
 # H200 SXM: H100 with 141 GB HBM3e at 4.8 TB/s
 CLUSTER_PRESETS["h200"] = CLUSTER_PRESETS["h100"].replace(name="h200", mem_gib=141, hbm_bytes_per_s=4.8e12)
+
+@dataclass(frozen=True)
+class Published:
+    """What a preset's published training run had, for `fmoe plan --published`: the cluster, devices,
+    global batch (sequences) and sequence length; the layout (a label `--explain` reads) and schedule;
+    the GEMMs in FP8 (ModelSpec.fp8_gemms), node-limited routing (ModelSpec.max_nodes_per_token), the
+    recompute choices the search may pick (the planner's names; the nearest the runtime has where it lacks
+    the published one); the published throughput (tokens/s) and where each figure comes from."""
+
+    cluster: str
+    devices: int
+    global_batch: int
+    seq: int
+    layout: str
+    schedule: str
+    fp8_gemms: tuple[str, ...]
+    max_nodes_per_token: int
+    recompute: tuple[str, ...]
+    tokens_per_s: float
+    source: str
+
+    def model(self, spec: ModelSpec) -> ModelSpec:
+        """Returns `spec` with the published run's precision, routing limit and sequence length."""
+        return spec.replace(fp8_gemms=self.fp8_gemms, max_nodes_per_token=self.max_nodes_per_token,
+                            seq=self.seq)
+
+
+PUBLISHED: dict[str, Published] = {
+    # DeepSeek-V3 technical report: 2048 H800, PP16 (DualPipe) x EP64 over 8 nodes, no TP, ZeRO-1; FP8 for
+    # every Linear's fprop / dgrad / wgrad (attention core, embedding, head, router, norms in bf16:
+    # 3.3.1); each token to at most 4 nodes (2.1.2); batch 15360 x 4096 tokens (4.2, after the ramp);
+    # 2.664M H800 hours for 14.8T tokens: 3.16M tokens/s on 2048 GPUs. Recompute: RMSNorm and the MLA
+    # up-projections (3.2.3), parts fmoe's runtime has none of: the search keeps its choices (none,
+    # adaptive, selective parts, full) and the prediction says which one fits.
+    "deepseek-v3": Published(
+        cluster="h800", devices=2048, global_batch=15360, seq=4096, layout="tp1 pp16 ep64 dp2 mb1 hier",
+        schedule="dualpipe", fp8_gemms=FP8_GROUPS, max_nodes_per_token=4, recompute=(),
+        tokens_per_s=3.16e6, source="DeepSeek-V3 technical report, 3.2-3.3 and 4.2",
+    ),
+    # Pangu Ultra MoE (seed 003, ../shared/MISSION.md): 6144 Ascend 910B, PP16 TP8 EP4 VPP2 DP48 (fmoe's dp
+    # 12 x ep 4), interleaved 1F1B, bf16 (the 910B has no FP8), adaptive recompute (seed 002: the MoE
+    # layer's load-aware one; MindSpeed's adaptive selection between none and full), no node limit;
+    # 30.0% MFU, about 1.46M tokens/s; batch 3072 x 8192 as docs/plan.md plans it.
+    "pangu-ultra-moe": Published(
+        cluster="ascend-910b", devices=6144, global_batch=3072, seq=8192, layout="tp8 pp16 ep4 vpp2 dp12 mb1",
+        schedule="interleaved", fp8_gemms=(), max_nodes_per_token=0, recompute=("none", "adaptive", "full"),
+        tokens_per_s=1.46e6, source="Pangu Ultra MoE report (seed 003)",
+    ),
+}
+
 
 def _read_toml(path: str, what: str, names: Iterable[str]) -> dict[str, Any]:
     p = Path(path)
@@ -478,6 +568,8 @@ def _toml_value(v: Any, where: str) -> str:
         return repr(v)  # Python's repr of a float is TOML's too (inf, nan, 1e-05) and reads back exactly
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x, f"{where}[{k}]") for k, x in enumerate(v)) + "]"
     if isinstance(v, Mapping):
         pairs = (f"{json.dumps(k)} = {_toml_value(x, f'{where}.{k}')}" for k, x in v.items())
         return "{" + ", ".join(pairs) + "}"

@@ -23,6 +23,14 @@ _RECOMPUTE: dict[str, dict[str, Any]] = {
 }
 
 
+def _recompute(choice: str) -> dict[str, Any]:
+    """TrainConfig's recompute fields for a planner recompute choice (a RECOMPUTE name, or parts joined by
+    "+": selective recompute of those modules)."""
+    if choice in _RECOMPUTE:
+        return _RECOMPUTE[choice]
+    return {"recompute_granularity": "selective", "recompute_modules": tuple(choice.split("+"))}
+
+
 def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> dict[str, Any]:
     """Returns the TrainConfig fields (field -> value) that run `layout` at `global_batch` sequences per
     step on `cluster`'s nodes: sizes, schedule and its chunks, fb overlap, microbatch, recompute, the
@@ -40,7 +48,7 @@ def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> 
         "ranks_per_node": min(cluster.devices_per_node, layout.world),
         "moe_expert_capacity_factor": layout.capacity_factor,
         "use_distributed_optimizer": layout.zero1,
-        **_RECOMPUTE[layout.recompute],
+        **_recompute(layout.recompute),
     }
     if layout.schedule in ("interleaved", "interleaved+extra"):  # the schedules that take a vpp
         out["num_virtual_stages_per_pipeline_rank"] = layout.vpp
