@@ -472,7 +472,7 @@ PUBLISHED: dict[str, Published] = {
         schedule="dualpipe", fp8_gemms=FP8_GROUPS, max_nodes_per_token=4, recompute=(),
         tokens_per_s=3.16e6, source="DeepSeek-V3 technical report, 3.2-3.3 and 4.2",
     ),
-    # Pangu Ultra MoE (seed 003, ../shared/MISSION.md): 6144 Ascend 910B, PP16 TP8 EP4 VPP2 DP48 (fmoe's dp
+    # Pangu Ultra MoE (seed 003): 6144 Ascend 910B, PP16 TP8 EP4 VPP2 DP48 (fmoe's dp
     # 12 x ep 4), interleaved 1F1B, bf16 (the 910B has no FP8), adaptive recompute (seed 002: the MoE
     # layer's load-aware one; MindSpeed's adaptive selection between none and full), no node limit;
     # 30.0% MFU, about 1.46M tokens/s; batch 3072 x 8192 as docs/plan.md plans it.
