@@ -26,7 +26,7 @@ import torch
 from fmoe.block import init_block
 from fmoe.config import GPTConfig
 from fmoe.init import Units, draw_units, init_seed, normal, ones, param_device, scaled_normal
-from fmoe.tp_layout import SPLITS, VOCAB_SPLITS, split_units
+from fmoe.tp_layout import SPLITS, VOCAB_SPLITS, block_path, split_units
 
 Where = tuple[str | int, ...]
 
@@ -55,33 +55,13 @@ def gpt_spec(cfg: GPTConfig, dtype: torch.dtype = torch.float32) -> dict[str, An
         return _init_tree(cfg, None, dtype)
 
 
-def _walk(node: Any, where: Where) -> Iterable[tuple[Where, torch.Tensor]]:
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _walk(v, (*where, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _walk(v, (*where, i))
-    else:
-        yield where, node
-
-
-def _block_path(where: Where) -> tuple[str, ...] | None:
-    """The path inside its block of a leaf of a main or MTP block; None elsewhere."""
-    if where[:1] == ("layers",):
-        return tuple(str(k) for k in where[2:])
-    if where[:2] == ("mtp", "block"):
-        return tuple(str(k) for k in where[2:])
-    return None
-
-
 def leaf_units(cfg: GPTConfig, where: Where) -> tuple[Units, str] | None:
     """Returns (units, group) of the GPT leaf at `where`: how its keyed draws cut it and which group
     shares the units out ("tp": tensor parallelism's table; "expert": the ep x tp expert group, one expert
     a unit), or None for a leaf drawn whole."""
     if tuple(where) in VOCAB_SPLITS:
         return Units(VOCAB_SPLITS[tuple(where)], cfg.vocab_size, 1), "tp"
-    rel = _block_path(where)
+    rel = block_path(where)
     if rel is None:
         return None
     if rel in SPLITS:

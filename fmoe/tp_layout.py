@@ -163,17 +163,21 @@ def shard_gpt(params: dict[str, Any], cfg: GPTConfig, rank: int, size: int) -> d
     return out
 
 
+def block_path(where: tuple[str | int, ...]) -> tuple[str, ...] | None:
+    """Returns the path inside its block of the GPT leaf at `where` (("layers", 1, "w_q") -> ("w_q",); the
+    MTP block's too), or None for a leaf outside the blocks."""
+    where = tuple(str(k) for k in where)
+    if where[:1] == ("layers",) or where[:2] == ("mtp", "block"):
+        return where[2:]
+    return None
+
+
 def tp_split_axis(where: tuple[str | int, ...]) -> int | None:
     """Returns the axis along which the GPT leaf at `where` (e.g. ("layers", 1, "w_q"), ("embed", "table"))
     is split over the tensor-parallel ranks (`SPLITS`, the vocabulary-parallel embedding and head), or
     None for a replicated leaf."""
-    where = tuple(str(k) for k in where)
-    if where in VOCAB_SPLITS:
-        return VOCAB_SPLITS[where]
-    if where[:1] == ("layers",):
-        rel = where[2:]
-    elif where[:2] == ("mtp", "block"):
-        rel = where[2:]
-    else:
-        return None
+    names = tuple(str(k) for k in where)
+    if names in VOCAB_SPLITS:
+        return VOCAB_SPLITS[names]
+    rel = block_path(where)
     return SPLITS[rel][0] if rel in SPLITS else None
