@@ -33,6 +33,7 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.sync import InlineRows
 from fmoe.layer import plan_route, uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
+from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
@@ -128,7 +129,8 @@ def dense_layer(cfg: GPTConfig, i: int, tp: CommGroup | None = None,
 def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
               state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1, *,
               remat: bool | None = None, bare: bool = False, seq_len: int | None = None,
-              tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
+              tp: CommGroup | None = None, sequence_parallel: bool = False,
+              overlap: LayerOverlap | None = None) -> Layer:
     """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
     docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
     (the block's params) gives the key names: each phase takes exactly the weights it uses. `remat`
@@ -142,18 +144,25 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
     overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run
     (`chunked_moe_phases`, the layer's lone_phases); a paired forward moves them whole, since there the
     paired backward hides them and a second chunk would queue behind its exchange (BENCHMARKS.md).
-    1 (default), or a dispatcher whose exchanges never leave the process: whole."""
+    1 (default), or a dispatcher whose exchanges never leave the process: whole.
+    `overlap` (fmoe.overlap.LayerOverlap, instead of `a2a_chunks`): the layer's modes in an F&B pair and
+    alone. Paired "pair" hands over at the dispatch and the combine; "self" moves chunks in the pair too
+    and does not hand over; "none" moves them whole and does not hand over. Lone "self" is `a2a_chunks` 2.
+    None: LayerOverlap("pair", "self" if a2a_chunks == 2 else "none")."""
     if a2a_chunks not in (1, 2):
         raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
+    if overlap is not None and a2a_chunks != 1:
+        raise ValueError("give the lone forward's chunks as overlap.lone ('self'), not also a2a_chunks")
+    overlap = overlap or LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
     if bare and tp is not None:
         raise ValueError("tensor parallelism shards a block (fmoe.model.block), not a bare MoE layer")
     moe_cfg = cfg if bare else cfg.moe
     route_key, plan_key = f"route:{name}", f"plan:{name}"
     ex, token_level = exchange_of(dispatcher, moe_cfg)
     local = bool(getattr(ex, "local", False))
-    if a2a_chunks == 2 and not local and not isinstance(ex, AllToAllDispatcher):
-        raise ValueError(f"a2a_chunks 2 splits an all-to-all's rows: {type(ex).__name__} has another route "
-                         "(use AllToAllDispatcher, or a2a_chunks 1)")
+    if overlap.chunks and not local and not isinstance(ex, AllToAllDispatcher):
+        raise ValueError(f"self-overlap (a2a_chunks 2) splits an all-to-all's rows: {type(ex).__name__} has "
+                         "another route (use AllToAllDispatcher, or move the rows whole)")
     moe_path = path if bare else (*path, "moe")  # where the MoE params are; its phases take them below
     moe_params = block_params if bare else block_params["moe"]
     mlp_paths = ((*moe_path, "experts"),)
@@ -228,22 +237,27 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
     # the shared expert reads the tokens only: it runs while the dispatch travels
     shared_side = (Phase("shared", "compute", fn=shared, param_paths=(shared_path,), param_root=moe_path)
                    if has_shared else None)
-    lone = None
-    if a2a_chunks == 2 and not local:  # a forward with no pair to hide its exchanges hides them itself
-        lone = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish)
-    return Layer(name, lone_phases=lone, phases=head + (
+    hand = overlap.hands_over  # the same in both forms: a backward follows whichever its forward ran
+    whole = head + (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
-              side_consumes=("normed_TD",) if has_shared else (), local=local),
+              side_consumes=("normed_TD",) if has_shared else (), local=local, switch=hand),
         Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths, param_root=moe_path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
-              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local),
+              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local,
+              switch=hand),
         Phase("unpermute", "compute", fn=finish),
-    ))
+    )
+    if local or not overlap.chunks:  # nothing travels, or whole in both contexts
+        return Layer(name, whole)
+    chunked = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish, switch=hand)
+    paired = chunked if overlap.paired == "self" else whole
+    lone = chunked if overlap.lone == "self" else whole
+    return Layer(name, paired, lone_phases=None if lone is paired else lone)
 
 
 def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: tuple[str, ...],
-                       shared_side: Phase | None, finish: Any) -> tuple[Phase, ...]:
+                       shared_side: Phase | None, finish: Any, switch: bool = True) -> tuple[Phase, ...]:
     """Returns the phases of an MoE layer after permute-1 with its all-to-all in two row chunks
     (`fmoe.parallel.alltoall.row_chunks`; routing, capacity and the losses stay the microbatch's):
       dispatch   (comm):    chunk 0's rows to the experts        + shared expert (side)
@@ -253,10 +267,11 @@ def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path:
       mlp.1      (compute): chunk 1's experts
       combine    (comm):    chunk 1's rows back
       unpermute  (compute): both chunks' rows in layout order, then as one exchange's
-    Only a forward that runs alone takes these (the layer's lone_phases): it hides chunk 1's dispatch and
-    chunk 0's combine behind the other chunk's experts, and its backward, lone or paired, mirrors it
+    A forward that runs alone takes these by default (the layer's lone_phases): it hides chunk 1's dispatch
+    and chunk 0's combine behind the other chunk's experts, and its backward, lone or paired, mirrors it
     (fmoe.transforms.program: Phase.defer_wait); a paired backward still hands over at "dispatch" and
-    "combine" only, so its pairings hold (mlp.0 and mlp.1 together in the place of mlp)."""
+    "combine" only, so its pairings hold (mlp.0 and mlp.1 together in the place of mlp). `switch` False:
+    they hand over at neither (paired self-overlap, fmoe.overlap)."""
     plan_key, chunks_key = f"plan:{name}", f"chunks:{name}"
     moe_cfg = cfg.moe if isinstance(cfg, GPTConfig) else cfg
     probs = ("probs_R",) if moe_cfg.probs_in_expert else ()
@@ -337,23 +352,25 @@ def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path:
     combine1, combine1_t = combine(1)
     return (
         Phase("dispatch", "comm", start=dispatch0, start_transpose=dispatch0_t, side=shared_side,
-              side_consumes=("normed_TD",) if shared_side is not None else ()),
+              side_consumes=("normed_TD",) if shared_side is not None else (), switch=switch),
         Phase("dispatch.1", "comm", start=dispatch1, start_transpose=dispatch1_t, switch=False,
               defer_wait=True, reads=("rows_RD", *probs)),
         Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths, param_root=moe_path),
         Phase("combine.0", "comm", start=combine0, start_transpose=combine0_t, switch=False, defer_wait=True,
               reads=("rows_MD.0",)),
         Phase("mlp.1", "compute", fn=mlp(1), param_paths=mlp_paths, param_root=moe_path),
-        Phase("combine", "comm", start=combine1, start_transpose=combine1_t),
+        Phase("combine", "comm", start=combine1, start_transpose=combine1_t, switch=switch),
         Phase("unpermute", "compute", fn=merged),
     )
 
 
-def moe_layer_turns(cfg: GPTConfig, dispatcher: Any) -> int:
+def moe_layer_turns(cfg: GPTConfig, dispatcher: Any, overlap: LayerOverlap | None = None) -> int:
     """Returns how many exchanges of one `moe_layer` hand over to an fb-overlap pair
     (fmoe.schedule.stage_turns_of counts them on a built program): the dispatch and the combine when they
-    may leave the process (the count exchange never hands over), none for a local dispatcher."""
-    return 0 if getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False) else 2
+    may leave the process and the layer pairs (`overlap.paired` "pair", the default; the count exchange
+    never hands over), none for a local dispatcher."""
+    local = getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False)
+    return 0 if local or not (overlap or LayerOverlap()).hands_over else 2
 
 
 def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
@@ -390,17 +407,26 @@ def head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: b
     return Layer("head", (Phase("head", "compute", fn=fn, param_paths=paths, losses=losses),))
 
 
+def moe_layer_names(cfg: GPTConfig) -> set[str]:
+    """Returns the names `gpt_layers` gives the GPT's MoE layers: "L<i>" for each MoE model layer, "MTP"
+    for the MTP block."""
+    return {f"L{i}" for i in range(cfg.num_dense_layers, cfg.n_layers)} | ({"MTP"} if cfg.mtp else set())
+
+
 def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
                layers: tuple[int, ...] | range, first: bool, last: bool, a2a_chunks: int = 1,
                head: bool = True, tp: CommGroup | None = None,
-               sequence_parallel: bool = False) -> list[Layer]:
+               sequence_parallel: bool = False, overlap: Overlap | None = None) -> list[Layer]:
     """Returns the GPT's layers of one model chunk in order: the embedding when `first`, model layers
     `layers` (dense or MoE, reading `state`), and when `last` MTP (if cfg.mtp) and, with `head`, the head
     + loss; cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs one chunk;
     one process is one chunk with every layer. `tp`, `sequence_parallel`: tensor parallelism of every
-    layer (params this rank's shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group)."""
+    layer (params this rank's shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group).
+    `overlap`: each MoE layer's overlap modes (fmoe.overlap: one LayerOverlap for all, or by layer name,
+    "L3", "MTP"), instead of `a2a_chunks`; None: `a2a_chunks`' (moe_layer)."""
     if sequence_parallel and tp is None:
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+    check_names(overlap, moe_layer_names(cfg))
     sp = sequence_parallel
     out: list[Layer] = [embed_layer(cfg, tp, sp)] if first else []
     for i in layers:
@@ -408,12 +434,14 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
             out.append(dense_layer(cfg, i, tp, sp))
         else:
             out.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i], state["layers"][i],
-                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp))
+                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
+                                 overlap=None if overlap is None else layer_overlap(overlap, f"L{i}")))
     if last and head:
         if cfg.mtp:
             out.append(mtp_in_layer(cfg, tp, sp))
             out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
-                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp))
+                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
+                                 overlap=None if overlap is None else layer_overlap(overlap, "MTP")))
         out.append(head_layer(cfg, tp, sp))
     return chunk_layers(cfg.recompute, tuple(layers), out)
 

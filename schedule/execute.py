@@ -623,12 +623,13 @@ class _Executor:
                         vjp_dw = self._dw_into_sums(stage, side_ph, vjp_dw)
                     queue.append(DwPass(side_ph, side_layer, vjp_dw))
                     self._computed(kind, side_ph.name, stage, side_layer, mb, ts)
-                if _in_flight(pending) and ph.switch:
+                if _in_flight(pending):
                     if weights and self.overlap and not paired:
                         # a lone B: the dw of the phases already differentiated (the routed experts')
-                        # hides the exchange
+                        # hides the exchange, whether or not its layer hands over in a pair
                         self._run_dw(stage, mb, queue)
-                    yield
+                    if ph.switch:
+                        yield
                 tw = self._now()
                 ct = pending.wait()
                 self._comm_events(pending, ph.name, "B", stage, layer, mb, t, tw)

@@ -79,6 +79,8 @@ HELP = {
     "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),
     "a2a_chunks": "2: a forward without an F&B pair (warmup, cooldown) moves each MoE layer's all-to-all in "
                   "two row chunks, each travelling while the other's experts run (--dispatcher alltoall)",
+    "pair_overlap": "how an F&B pair hides each MoE layer's all-to-all: pair (the other microbatch's "
+                    "compute, default), self (row chunks, no handover; --dispatcher alltoall), none",
     "ranks_per_node": "treat this many consecutive local ranks as one node",
     "link_model": "intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]",
     "num_layers_per_virtual_pipeline_stage": "Megatron's other vpp flag: layers per model chunk (vpp = "

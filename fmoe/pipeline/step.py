@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import update_moe_state
+from fmoe.overlap import Overlap, layer_overlap
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.phases import gpt_layers, moe_layer_turns
@@ -50,7 +51,7 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
                  *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
                  dispatcher: Any = None, dtype: torch.dtype = torch.float32,
                  check: bool = True, a2a_chunks: int = 1, tp: CommGroup | None = None,
-                 sequence_parallel: bool = False) -> dict[int, StageProgram]:
+                 sequence_parallel: bool = False, overlap: Overlap | None = None) -> dict[int, StageProgram]:
     """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
     (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
     `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`).
@@ -63,7 +64,8 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
     forward's in the phase, the backward's in its dx pass), not as comm phases: each feeds the very
     next GEMM, so there is nothing to run while it travels but the other microbatch of an fb-overlap
     pair, which the executor already hands over to at the MoE exchanges; every tp rank runs the same
-    program, so they issue the collectives in one order."""
+    program, so they issue the collectives in one order. `overlap`: each MoE layer's overlap modes
+    (fmoe.overlap; instead of `a2a_chunks`), the same on every rank."""
     chunks = chunks or cut_gpt(cfg, s.placement)
     dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     B, S = micro_batch
@@ -80,7 +82,7 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
         chunk = chunks[s.placement.layer_chunk[stage]]
         layers = gpt_layers(cfg, params, state, dispatcher, layers=chunk.layers, first=chunk.first,
                             last=chunk.last, a2a_chunks=a2a_chunks, tp=tp,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, overlap=overlap)
         S_here = S // tp.size if sequence_parallel else S  # the hidden state's positions on this rank
         spec = {} if chunk.first else {"h_BSD": ((B, S_here, cfg.d_model), dtype)}
         out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
@@ -109,7 +111,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
                       on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
                       loss_scale: float = 1.0, fuse_iw: bool = True,
                       compute_model: Any = None, a2a_chunks: int = 1, tp: CommGroup | None = None,
-                      sequence_parallel: bool = False) -> PipelineStep:
+                      sequence_parallel: bool = False, overlap_modes: Overlap | None = None) -> PipelineStep:
     """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
     `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
     process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
@@ -123,7 +125,8 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
     `fmoe.schedule.execute` (an I whose W comes next runs as one B). `compute_model`: the executor's
     (each compute phase held to a modelled duration; None: off). `a2a_chunks`, `tp`,
-    `sequence_parallel`: as in `gpt_programs`."""
+    `sequence_parallel`: as in `gpt_programs`; `overlap_modes`: its `overlap` (each MoE layer's modes,
+    fmoe.overlap)."""
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
@@ -134,12 +137,13 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     (B, S), = shapes
     programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
                             dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check,
-                            a2a_chunks=a2a_chunks, tp=tp, sequence_parallel=sequence_parallel)
+                            a2a_chunks=a2a_chunks, tp=tp, sequence_parallel=sequence_parallel,
+                            overlap=overlap_modes)
     data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
     result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
                      engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
                      loss_scale=loss_scale, fuse_iw=fuse_iw, compute_model=compute_model,
-                     stage_turns=gpt_stage_turns(cfg, s, chunks, dispatcher))
+                     stage_turns=gpt_stage_turns(cfg, s, chunks, dispatcher, overlap_modes))
     if s.pp > 1:
         if shared is None:
             shared = SharedGrads(holders(cfg, s.placement, chunks), group)
@@ -157,17 +161,19 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
 
 
 def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],
-                    dispatcher: Any = None) -> dict[int, int]:
+                    dispatcher: Any = None, overlap: Overlap | None = None) -> dict[int, int]:
     """Returns, for every stage of `s` (every rank's), the exchanges at which its ops hand over to an
     fb-overlap pair (the executor's `stage_turns`): per MoE layer of its chunk (the MTP block included)
-    `moe_layer_turns`. Every rank computes the same, so a pair's two messages go on the wire in the
-    order they exist on both ends of the link. `dispatcher` None: local (no turns)."""
-    per_moe = moe_layer_turns(cfg, dispatcher or LocalDispatcher(cfg.moe.num_experts))
+    `moe_layer_turns` under its `overlap` modes (fmoe.overlap). Every rank computes the same, so a pair's
+    two messages go on the wire in the order they exist on both ends of the link. `dispatcher` None:
+    local (no turns)."""
+    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
     out = {}
     for stage in range(s.placement.num_stages):
         chunk = chunks[s.placement.layer_chunk[stage]]
-        moe = sum(i >= cfg.num_dense_layers for i in chunk.layers) + int(chunk.last and cfg.mtp)
-        out[stage] = per_moe * moe
+        names = [f"L{i}" for i in chunk.layers if i >= cfg.num_dense_layers] + (
+            ["MTP"] if chunk.last and cfg.mtp else [])
+        out[stage] = sum(moe_layer_turns(cfg, dispatcher, layer_overlap(overlap, n)) for n in names)
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.import_path import check_seam
+from fmoe.overlap import PAIRED
 from fmoe.precision import LossScale, Policy, default_policy
 from fmoe.recompute import MODULES as RECOMPUTE_MODULES
 from fmoe.recompute import Recompute
@@ -87,7 +88,10 @@ class TrainConfig:
     microbatches `microbatches`, its chunks per rank the vpp given), dualpipev_dw_detach, overlap, fuse_iw
     (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), a2a_chunks (1, or 2: a
     forward with no F&B pair moves each MoE layer's all-to-all in two row chunks that travel while the
-    other chunk's experts run, so it hides its combine too; all-to-all dispatcher only), dispatcher,
+    other chunk's experts run, so it hides its combine too; all-to-all dispatcher only), pair_overlap
+    (how an F&B pair hides each MoE layer's all-to-all, fmoe.overlap: "pair", the other microbatch's
+    compute, the default; "self", row chunks and no handover, all-to-all dispatcher only; "none"),
+    dispatcher,
     ranks_per_node,
     link_model ("intra=BYTES_PER_S,inter=BYTES_PER_S[,intra_latency=S,inter_latency=S]"),
     num_layers_per_virtual_pipeline_stage (Megatron's other spelling of vpp: layers per model chunk, so
@@ -185,6 +189,7 @@ class TrainConfig:
     overlap: bool = True
     fuse_iw: bool = True
     a2a_chunks: int = 1
+    pair_overlap: str = "pair"
     dispatcher: str = "alltoall"
     ranks_per_node: int | None = None
     link_model: str | None = None
@@ -490,6 +495,11 @@ class TrainConfig:
         if self.a2a_chunks == 2 and self.dispatcher != "alltoall":
             raise ValueError(f"--a2a-chunks 2 splits the all-to-all's rows: it needs --dispatcher alltoall, "
                              f"not {self.dispatcher}")
+        if self.pair_overlap not in PAIRED:
+            raise ValueError(f"--pair-overlap must be one of {', '.join(PAIRED)}, got {self.pair_overlap!r}")
+        if self.pair_overlap == "self" and self.dispatcher != "alltoall":
+            raise ValueError(f"--pair-overlap self splits the all-to-all's rows: it needs --dispatcher "
+                             f"alltoall, not {self.dispatcher}")
         self._check_data()
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "

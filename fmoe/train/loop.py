@@ -27,6 +27,7 @@ from fmoe.capacity import capacity_agreement
 from fmoe.gpt_init import init_gpt_shard
 from fmoe.init import init_seed
 from fmoe.model import gpt_loss
+from fmoe.overlap import LayerOverlap
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,
@@ -310,8 +311,9 @@ class Trainer:
                                 grad_dtype=policy.grad_dtype if policy.mixed else None,
                                 loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
                                 fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model,
-                                a2a_chunks=self.tc.a2a_chunks, tp=self.tp,
-                                sequence_parallel=self.tc.sequence_parallel)
+                                overlap_modes=LayerOverlap(self.tc.pair_overlap,
+                                                           "self" if self.tc.a2a_chunks == 2 else "none"),
+                                tp=self.tp, sequence_parallel=self.tc.sequence_parallel)
         self.last_result = out.result
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)
