@@ -11,6 +11,7 @@ count (`simulate` calls it). What is allowed, and why:
   w          finite and >= 0: W = 0 is meaningful (weight grads free, B = I; the ZB closed forms hold).
   p2p, a2a   finite and >= 0 scalars (0 = no communication).
   attn_frac, lone_hide   shares in [0, 1].
+  self_f, self_b         finite and >= 0.
   moe_layers an int >= 1 (the F&B split divides by it).
   act_mem, wgrad_mem     finite and >= 0.
   pair_overlap           a bool.
@@ -57,8 +58,10 @@ class Costs:
     Defaults: F = I = W = 1, which is the Zero Bubble paper's FLOP model (F = 24bsh^2 + 4bs^2h,
     I = 24bsh^2 + 8bs^2h, W = 24bsh^2 per layer) when seq << hidden; use `from_flops` for the full
     model. Overlap: a lone F/B/I hides `lone_hide` of its all-to-all behind its own shared-expert / dw
-    work (seed: 0.5 with fb overlap, 0 without); a paired F&B step uses the four-stage split, each
-    compute part hiding one all-to-all at cost max(compute, comm) (`pair_overlap=False`: plain sum).
+    work (seed: 0.5 with fb overlap, 0 without), and where it hides them by itself (self-overlap: row
+    chunks, fmoe.overlap) it also pays `self_f` (an F) or `self_b` (a B or I) per MoE layer, its
+    smaller GEMMs and extra exchanges; a paired F&B step uses the four-stage split, each compute part
+    hiding one all-to-all at cost max(compute, comm) (`pair_overlap=False`: the two ops run lone).
     Memory: `act_mem` per in-flight activation (F started, B/I not finished), `wgrad_mem` per deferred
     weight grad (I finished, W not).
     """
@@ -72,6 +75,8 @@ class Costs:
     moe_layers: int = 1
     attn_frac: float = 0.5
     lone_hide: float = 0.0
+    self_f: float = 0.0
+    self_b: float = 0.0
     pair_overlap: bool = True
     act_mem: float = 1.0
     wgrad_mem: float = 0.0
@@ -94,7 +99,7 @@ class Costs:
             else:
                 raise ScheduleError(f"Costs.{name} must be a number or a tuple of per-stage numbers, "
                                     f"got {x!r}")
-        for name in ("p2p", "a2a", "act_mem", "wgrad_mem"):
+        for name in ("p2p", "a2a", "act_mem", "wgrad_mem", "self_f", "self_b"):
             _number(name, getattr(self, name), strict=False)
         for name in ("attn_frac", "lone_hide"):
             _number(name, getattr(self, name), strict=False, upper=1.0)
@@ -142,10 +147,12 @@ class Costs:
         return 0.0 if op.kind not in (F, B, I) else 2.0 * self.a2a * self.moe_layers
 
     def lone(self, op: Op) -> float:
-        """Returns the duration of `op` run alone: the hidden share costs max(compute, comm)."""
+        """Returns the duration of `op` run alone: the hidden share costs max(compute, comm), compute
+        including what hiding its own exchanges costs (`self_f`, `self_b` per MoE layer)."""
         c, x = self.compute(op), self.comm(op)
         if x == 0.0:
             return c
+        c += self.moe_layers * (self.self_f if op.kind == F else self.self_b)
         return max(c, self.lone_hide * x) + (1.0 - self.lone_hide) * x
 
     def pair(self, fop: Op, bop: Op) -> float:

@@ -1,7 +1,8 @@
 """A layout `fmoe plan` may rank is one `fmoe train` accepts (issue 32): the planner's layout rules are
 the runtime's. For the Pangu Ultra MoE and DeepSeek-V3 presets at their published device counts, layouts
 the planner's rules pass (`fmoe.plan.layout.problem`) are turned into `fmoe train` options
-(`fmoe.plan.train_flags.train_overrides`: sizes, schedule and vpp, fb overlap, microbatch, recompute,
+(`fmoe.plan.train_flags.train_overrides`: sizes, schedule and vpp, fb overlap and each way the planner
+may hide the all-to-all (`estimate.overlap_choices`), microbatch, recompute,
 dispatcher, capacity, ZeRO-1, sequence parallelism) and checked by the runtime's own pre-launch check
 (`TrainConfig.problem`, which builds no model). The whole space (16.6k layouts) passed by hand; the test
 walks an evenly spread sample of it, every recompute choice included, to stay within CI's time.
@@ -13,6 +14,7 @@ import dataclasses
 
 import pytest
 
+from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
 from fmoe.plan.specs import PlanError, load_cluster, load_model
 from fmoe.plan.train_flags import train_command, train_overrides
@@ -33,8 +35,12 @@ def test_layouts_the_planner_may_rank_are_ones_fmoe_train_accepts(preset: str, c
     assert {lay.tp for lay in sample} >= {1, 2, 8} and any(lay.hierarchical for lay in sample)
     for i, lay in enumerate(sample):
         lay = dataclasses.replace(lay, recompute=L.RECOMPUTE[i % len(L.RECOMPUTE)])
-        tc = TrainConfig.from_sources(preset=preset, overrides=train_overrides(lay, global_batch, spec))
-        assert tc.problem(devices) is None, (lay.label(), lay.schedule, tc.problem(devices))
+        # every way of hiding the all-to-all the planner may pick for the layout (adaptive pipe overlap)
+        for modes in E.overlap_choices(lay, hides=True):
+            flags = train_overrides(lay, global_batch, spec, modes)
+            tc = TrainConfig.from_sources(preset=preset, overrides=flags)
+            assert tc.problem(devices) is None, (lay.label(), lay.schedule, modes, tc.problem(devices))
+            assert (tc.pair_overlap, tc.a2a_chunks == 2) == (modes[0], modes[1] == "self")
         assert tc.tp * tc.pp * tc.ep * tc.dp == devices and tc.sequence_parallel == (lay.tp > 1)
 
 

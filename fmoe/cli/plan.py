@@ -262,7 +262,8 @@ def _print_train_command(model: str, best: E.Prediction, ctx: E.Context) -> None
     if model not in PRESETS:
         return
     try:
-        print("train it: " + train_command(model, best.layout, ctx.global_batch, ctx.cluster))
+        print("train it: " + train_command(model, best.layout, ctx.global_batch, ctx.cluster,
+                                           best.overlap_modes))
     except PlanError as exc:  # a layout the runtime does not run (the planner should not rank it)
         print(f"train it: not with fmoe train: {exc}")
 

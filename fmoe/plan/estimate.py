@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from fmoe import schedule as S
+from fmoe.overlap import LONE, PAIRED
 from fmoe.parallel import traffic
 from fmoe.plan import layout as L
 from fmoe.plan.layer_costs import (
@@ -36,11 +37,13 @@ from fmoe.plan.layer_costs import (
     tp_collectives,
 )
 from fmoe.plan.memory import peak_bytes
-from fmoe.plan.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
+from fmoe.plan.specs import DTYPE_BYTES, ClusterSpec, ModelSpec, PlanError
 from fmoe.schedule.ir import B, F, Op, W
 
 GIB = 2**30
 SIM_CAP = 4  # simulate at most SIM_CAP x pp microbatches exactly; extrapolate linearly beyond
+PAIRED_SCHEDULES = ("interleaved+extra", "dualpipev", "dualpipe", "combined_1f1b")  # with F&B pairs
+DEFAULT_MODES = ("pair", "none")  # fmoe.overlap.LayerOverlap()'s: the runtime's default
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Prediction:
     a2a_bytes: dict[str, float] = field(default_factory=dict)
     costs: S.Costs | None = None  # what the simulator was given (per stage, seconds)
     cut_imbalance_pct: float = 0.0  # the layer cut's modelled per-rank compute imbalance, (max/mean-1) x 100
+    overlap_modes: tuple[str, str] = DEFAULT_MODES  # how MoE layers hide their all-to-all: (in a pair, alone)
 
     def as_dict(self) -> dict[str, object]:
         """Plain summary (for --json): the layout's fields, schedule, overlap and the predicted figures."""
@@ -98,6 +102,8 @@ class Prediction:
             "times": self.times,
             "memory": self.memory,
             "cut_imbalance_pct": self.cut_imbalance_pct,
+            "pair_overlap": self.overlap_modes[0],
+            "lone_overlap": self.overlap_modes[1],
         }
 
 
@@ -158,18 +164,11 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     T = lay.micro_batch * m.seq
     peak = c.flops(m.dtype)
     peak8 = c.gemm_flops(m.dtype, True)
-    fp8_dense, fp8_expert = fp8_flops(m, cost.kind)
+    fp8_dense, _ = fp8_flops(m, cost.kind)
     dense_eff = _eff(c, min(T, m.hidden))
     dense = T * ((cost.dense_flops - fp8_dense) / peak + fp8_dense / peak8) / tp / dense_eff
     attn = T * cost.attn_flops / tp / (peak * c.attn_eff)
-    expert = 0.0
-    if cost.expert_flops:
-        load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
-        # TP extends EP: each rank dispatches its own T / tp tokens to whole experts
-        rows = T / tp * m.top_k * lay.expert_group / m.routed_experts
-        expert_peak = peak8 if fp8_expert else peak
-        expert_eff = _eff(c, max(min(rows, m.expert_ffn), 1.0))
-        expert = load * T * cost.expert_flops / tp / (expert_peak * expert_eff)
+    expert = _expert_s(ctx, lay, cost)
     tp_f, tp_b = _tp_comm_s(ctx, lay, cost.kind)
     oh = c.host_s(cost.kind, T / tp, lay.expert_group > 1)  # sequence parallel: T / tp tokens per rank
     f = dense + attn + expert + tp_f + oh
@@ -193,6 +192,36 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
     b = i_compute + w_compute + b_ratio * oh
     return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra)
+
+
+def _expert_s(ctx: Context, lay: L.Layout, cost: LayerCost, chunks: int = 1) -> float:
+    """Seconds of one layer's routed experts' forward GEMMs for one microbatch on one rank, their rows
+    moved in `chunks` (each chunk's GEMMs are 1/chunks the rows, at that size's efficiency)."""
+    if not cost.expert_flops:
+        return 0.0
+    m, c = ctx.model, ctx.cluster
+    T = lay.micro_batch * m.seq
+    _, fp8_expert = fp8_flops(m, cost.kind)
+    load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
+    # TP extends EP: each rank dispatches its own T / tp tokens to whole experts
+    rows = T / lay.tp * m.top_k * lay.expert_group / m.routed_experts / chunks
+    expert_peak = c.gemm_flops(m.dtype, True) if fp8_expert else c.flops(m.dtype)
+    expert_eff = _eff(c, max(min(rows, m.expert_ffn), 1.0))
+    return load * T * cost.expert_flops / lay.tp / (expert_peak * expert_eff)
+
+
+def _self_overlap_s(ctx: Context, lay: L.Layout, cost: LayerCost) -> tuple[float, float]:
+    """What hiding its own exchanges costs one MoE layer (self-overlap, fmoe.overlap: its rows in two
+    chunks), (forward, backward) seconds: two more all-to-all calls each way (a latency per peer on each
+    link class, and the call's host cost), and the experts' GEMMs at half the rows (the backward's dx
+    and dw both)."""
+    c = ctx.cluster
+    P = lay.expert_group
+    per_node = min(P, ctx.rpn)
+    latency = max(c.intra_latency_s * (per_node - 1), c.inter_latency_s * (P - per_node))
+    calls = 2 * (latency + c.comm_overhead_s)
+    gemm = _expert_s(ctx, lay, cost, chunks=2) - _expert_s(ctx, lay, cost)
+    return calls + gemm, calls + 2 * gemm
 
 
 def _tp_comm_s(ctx: Context, lay: L.Layout, kind: str) -> tuple[float, float]:
@@ -315,10 +344,32 @@ def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None,
     )
 
 
-def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: bool = False) -> Prediction:
+def overlap_choices(lay: L.Layout, hides: bool) -> list[tuple[str, str]]:
+    """The overlap modes (fmoe.overlap: in an F&B pair, alone) the runtime can run `lay` with, where they
+    differ: with nothing to hide (`hides` False: fb overlap off, no exchange leaves a rank, or a cluster
+    whose links wait for the compute) only the default; alone, whole rows or chunks (self-overlap, not
+    through the hierarchical dispatcher, whose rows take another route); in a schedule with F&B pairs
+    also no pairing, whole or in chunks in both contexts (chunks paid in a pair are paid alone too, so
+    the mixed choices are no better than these)."""
+    if not hides:
+        return [DEFAULT_MODES]
+    chunks = not lay.hierarchical
+    out = [DEFAULT_MODES] + ([("pair", "self")] if chunks else [])
+    if lay.schedule in PAIRED_SCHEDULES:
+        out += [("none", "none")] + ([("self", "self")] if chunks else [])
+    return out
+
+
+def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: bool = False,
+             overlap: tuple[str, str] | None = None) -> Prediction:
     """Returns the Prediction of `lay` (which must pass `layout.problem`): simulated, or with
     `simulate=False` a closed-form estimate of the same parts (the search's first pass). `memory_first`:
-    a layout that does not fit returns before its time is computed (step_s = inf)."""
+    a layout that does not fit returns before its time is computed (step_s = inf). `overlap`: how the
+    MoE layers hide their all-to-all, (in a pair, alone) as fmoe.overlap names the modes; None: the
+    fastest of `overlap_choices` (adaptive pipe overlap), in `Prediction.overlap_modes`."""
+    if overlap is not None and (overlap[0] not in PAIRED or overlap[1] not in LONE):
+        raise PlanError(f"overlap modes must be (one of {', '.join(PAIRED)}, one of {', '.join(LONE)}), "
+                        f"got {overlap!r}")
     model, c = ctx.model, ctx.cluster
     m = lay.microbatches(ctx.global_batch)
     s_full = L.executed_schedule(
@@ -419,27 +470,6 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     # each stage's messages to and from stages on other ranks: their host cost, in F (activations) and in
     # I or B (gradients)
     msg = [c.p2p_overhead_s * _remote_neighbours(s_full, st) for st in range(len(stage_chunk))]
-    # fb overlap hides the cluster's measured shares: the simulator's pairs hide all of an exchange they
-    # can (each part costs max(compute, exchange)), so the unhidden (1 - pair_hide) of every exchange is
-    # charged to the phase as time it waits: max(compute + (1 - h) x, x) = max(compute, h x) + (1 - h) x.
-    # A lone phase then hides lone_hide of the whole when the simulator's lone share is lone_hide + 1 - h
-    # (exact for lone_hide <= pair_hide)
-    hides = lay.overlap and c.comm_hides
-    pair_hide = c.pair_hide if hides else 1.0
-    lone_hide = min(1.0, c.lone_hide + 1.0 - pair_hide) if hides else 0.0
-    wait = 2 * (1 - pair_hide) * a2a_unit * moe_per_chunk
-    costs = S.Costs(
-        f=tuple(chunk_f[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
-        i=tuple(chunk_i[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
-        w=tuple(chunk_w[k] for k in stage_chunk),
-        b=tuple(chunk_b[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
-        p2p=p2p,
-        a2a=a2a_unit,
-        moe_layers=moe_per_chunk,
-        attn_frac=_attn_share(ph_moe, ctx, lay, moe_blk),
-        lone_hide=lone_hide,
-        pair_overlap=hides,
-    )
 
     # data-parallel gradient reduce and the optimizer step, per rank
     def reduce_s(params: float, group: int) -> float:
@@ -457,11 +487,50 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         for r in range(pp)
     ]
 
-    if simulate:
-        pipe, busy, exposed, last_end = _simulated(lay, m, costs)
-    else:
-        pipe, busy, exposed, last_end = _closed_form(lay, m, costs, s_full)
-    step = max(max(last_end[r] + dp_s[r] for r in range(pp)), pipe) + max(opt_s)
+    # how each MoE layer hides its all-to-all (fmoe.overlap: in a pair, alone): every choice the runtime
+    # allows this layout is priced and the fastest step kept (adaptive pipe overlap)
+    hides = lay.overlap and c.comm_hides and a2a_unit > 0
+    self_f, self_b = _self_overlap_s(ctx, lay, moe_blk)
+    attn_frac = _attn_share(ph_moe, ctx, lay, moe_blk)
+
+    def costs_of(modes: tuple[str, str]) -> S.Costs:
+        # a pair hides all of an exchange it can in the simulator (each part costs max(compute, exchange)),
+        # so the unhidden (1 - pair_hide) of every exchange is charged to the phase as time it waits:
+        # max(compute + (1 - h) x, x) = max(compute, h x) + (1 - h) x. A lone phase then hides its share
+        # of the whole when the simulator's lone share is that + 1 - h (exact for shares <= pair_hide)
+        paired, lone = modes
+        pairs = hides and paired == "pair"
+        pair_hide = c.pair_hide if pairs else 1.0
+        share = c.lone_hide if lone == "self" else c.lone_hide_whole
+        chunked = hides and lone == "self"
+        wait = 2 * (1 - pair_hide) * a2a_unit * moe_per_chunk
+        return S.Costs(
+            f=tuple(chunk_f[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
+            i=tuple(chunk_i[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
+            w=tuple(chunk_w[k] for k in stage_chunk),
+            b=tuple(chunk_b[k] + msg[st] + wait for st, k in enumerate(stage_chunk)),
+            p2p=p2p,
+            a2a=a2a_unit,
+            moe_layers=moe_per_chunk,
+            attn_frac=attn_frac,
+            lone_hide=min(1.0, share + 1.0 - pair_hide) if hides else 0.0,
+            self_f=self_f if chunked else 0.0,
+            self_b=self_b if chunked else 0.0,
+            pair_overlap=pairs,
+        )
+
+    best, tried = None, {}
+    for modes in [overlap] if overlap is not None else overlap_choices(lay, hides):
+        costs = costs_of(modes)
+        if simulate:
+            pipe, busy, exposed, last_end = _simulated(lay, m, costs)
+        else:
+            pipe, busy, exposed, last_end = _closed_form(lay, m, costs, s_full)
+        step = max(max(last_end[r] + dp_s[r] for r in range(pp)), pipe) + max(opt_s)
+        tried[f"step overlap {'/'.join(modes)}"] = step
+        if best is None or step < best[0]:
+            best = (step, modes, costs, pipe, busy, exposed)
+    step, modes, costs, pipe, busy, exposed = best
     mean_busy = sum(busy) / pp
     tokens = ctx.global_batch * model.seq
     tps = tokens / step
@@ -482,6 +551,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         "w_chunk_max": max(chunk_w),
         "recompute_per_layer": ph_moe.recompute,
         "tp_comm_per_layer": ph_moe.tp_comm,
+        **tried,  # the step under each overlap choice priced
     }
     return Prediction(
         lay,
@@ -500,6 +570,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         a2a_bytes,
         costs,
         _cut(ctx, lay, S.stages.chunk_placement(s_full.placement)).imbalance_pct,
+        modes,
     )
 
 
@@ -603,7 +674,7 @@ def _closed_form(
     work = [0.0] * pp
     exposed = [0.0] * pp
     stage_fb = []
-    paired = lay.overlap and lay.schedule in ("interleaved+extra", "dualpipev", "dualpipe", "combined_1f1b")
+    paired = lay.overlap and lay.schedule in PAIRED_SCHEDULES
     for st in range(pl.num_stages):
         r = pl.stage_rank[st]
         fop, bop = Op(F, st, 0), Op(B, st, 0)

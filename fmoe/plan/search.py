@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fmoe.plan import layout as L
-from fmoe.plan.estimate import Context, Prediction, fastest_fitting
+from fmoe.plan.estimate import PAIRED_SCHEDULES, Context, Prediction, fastest_fitting
 from fmoe.plan.specs import PlanError
 
 
@@ -78,7 +78,7 @@ def plan(
 
 
 HEADER = (
-    f"{'#':>3} {'layout':<34} {'schedule':<18} {'ovl':<3} {'rc':<8} {'step s':>8} {'tok/s':>10} "
+    f"{'#':>3} {'layout':<34} {'schedule':<18} {'overlap':<9} {'rc':<8} {'step s':>8} {'tok/s':>10} "
     f"{'MFU':>6} {'mem GiB':>8} {'bubble':>7} {'comm':>6}"
 )
 
@@ -88,10 +88,19 @@ def format_row(k: int, p: Prediction) -> str:
     lay = p.layout
     label = " ".join(w for w in lay.label().split() if not w.startswith("rc-"))
     return (
-        f"{k:>3} {label:<34} {lay.schedule:<18} {'on' if lay.overlap else 'off':<3} {lay.recompute:<8} "
+        f"{k:>3} {label:<34} {lay.schedule:<18} {overlap_label(p):<9} {lay.recompute:<8} "
         f"{p.step_s:8.3f} {p.tokens_per_s:10.4g} {100 * p.mfu:5.1f}% {p.mem_gib:8.2f} "
         f"{100 * p.bubble:6.1f}% {100 * p.exposed_comm:5.1f}%"
     )
+
+
+def overlap_label(p: Prediction) -> str:
+    """fb overlap as the table shows it: "off", or the MoE layers' modes "in a pair/alone" (fmoe.overlap;
+    a schedule without F&B pairs shows only the lone one)."""
+    if not p.layout.overlap:
+        return "off"
+    paired, lone = p.overlap_modes
+    return f"{paired}/{lone}" if p.layout.schedule in PAIRED_SCHEDULES else f"-/{lone}"
 
 
 def format_table(preds: tuple[Prediction, ...] | list[Prediction], start: int = 1) -> str:
@@ -152,7 +161,8 @@ def explain(p: Prediction) -> str:
     lay, t = p.layout, p.times
     lines = [
         f"layout {lay.label()}, schedule {lay.schedule} (vpp {lay.vpp}), fb overlap "
-        f"{'on' if lay.overlap else 'off'}, recompute {lay.recompute}, "
+        f"{'on' if lay.overlap else 'off'} (MoE all-to-all hidden in a pair / alone: {overlap_label(p)}), "
+        f"recompute {lay.recompute}, "
         f"{p.microbatches} microbatches per rank",
         f"  step {p.step_s:.4g} s = pipeline {t['pipeline']:.4g} s (busy {t['busy_mean']:.4g}, bubble "
         f"{t['bubble']:.4g}) + exposed DP reduce {t['dp_exposed']:.4g} s + optimizer {t['optimizer']:.4g} s",
@@ -165,6 +175,8 @@ def explain(p: Prediction) -> str:
         f"  all-to-all per MoE layer (one dispatch): {t['a2a_per_layer'] * 1e3:.3g} ms, bytes per rank "
         + ", ".join(f"{k} {v / 2**20:.3g} MiB" for k, v in p.a2a_bytes.items()),
         f"  P2P per microbatch {t['p2p'] * 1e3:.3g} ms; DP gradient reduce {t['dp_reduce']:.4g} s",
+        "  step under each way of hiding the all-to-all (in a pair / alone; fmoe.overlap): "
+        + ", ".join(f"{k.split()[-1]} {v:.4g} s" for k, v in t.items() if k.startswith("step overlap ")),
         f"  memory per device {p.mem_gib:.2f} GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in p.memory.items()),
     ]
     return "\n".join(lines)

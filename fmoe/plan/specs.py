@@ -218,11 +218,13 @@ class ClusterSpec:
     `comm_hides`: whether an exchange progresses while the ranks compute, so that fb overlap can hide
     it (True: a device's links and copy engines move the bytes; False: the transport needs the cores
     the compute holds, as gloo on a CPU with no spare core, where fb overlap measured no faster).
-    `pair_hide` / `lone_hide`: the share of the all-to-all that fb overlap hides inside an F&B pair and
-    in a lone F or B (warm-up, cool-down), where `comm_hides`; measured inputs, not constants: the
+    `pair_hide` / `lone_hide` / `lone_hide_whole`: the share of the all-to-all hidden inside an F&B pair
+    (cross-microbatch pairing), in a lone F or B (warm-up, cool-down) that moves its rows in two chunks
+    (self-overlap), and in one that moves them whole (only its own shared expert and dw run meanwhile),
+    where `comm_hides` (fmoe.overlap names the three modes); measured inputs, not constants: the
     defaults are what fmoe's executor hides on a modelled device (BENCHMARKS.md, "fb overlap: lone
-    forwards move the all-to-all in two row chunks", compute model on: pairs 96.1-96.5 %, lone phases
-    72.0-76.5 %; the seed assumed 100 % and 50 %).
+    forwards move the all-to-all in two row chunks", compute model on: pairs 96.1-96.5 %, chunked lone
+    phases 72.0-76.5 %, whole ones 47.9-52.8 %; the seed assumed 100 % and 50 %).
     `fp8_flops`: dense FP8 peak FLOP/s per device for the GEMMs a model runs in FP8 (0: the device has
     no FP8, they run at the compute dtype's peak)."""
 
@@ -254,6 +256,7 @@ class ClusterSpec:
     token_knee: float = 0.0
     pair_hide: float = 0.96
     lone_hide: float = 0.72
+    lone_hide_whole: float = 0.48
     fp8_flops: float = 0.0
 
     def __post_init__(self) -> None:
@@ -269,7 +272,7 @@ class ClusterSpec:
              "token_knee", "fp8_flops"),
             allow_zero=True,
         )
-        _positive_reals(self, ("pair_hide", "lone_hide"), allow_zero=True, upper=1.0)
+        _positive_reals(self, ("pair_hide", "lone_hide", "lone_hide_whole"), allow_zero=True, upper=1.0)
         if self.b_overhead_ratio is not None:
             _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
         for field in ("layer_overhead_s", "token_overhead_s", "small_token_overhead_s"):
@@ -465,11 +468,13 @@ PUBLISHED: dict[str, Published] = {
     # every Linear's fprop / dgrad / wgrad (attention core, embedding, head, router, norms in bf16:
     # 3.3.1); each token to at most 4 nodes (2.1.2); batch 15360 x 4096 tokens (4.2, after the ramp);
     # 2.664M H800 hours for 14.8T tokens: 3.16M tokens/s on 2048 GPUs. Recompute: RMSNorm and the MLA
-    # up-projections (3.2.3), parts fmoe's runtime has none of: the search keeps its choices (none,
-    # adaptive, selective parts, full) and the prediction says which one fits.
+    # up-projections (3.2.3), the runtime's "layernorm" and "mla_up_proj" parts; where the planner finds
+    # that set alone does not fit (at tp1 ep64 it keeps the routed experts' activations: 159 GiB), the
+    # routed experts too ("moe"), then full.
     "deepseek-v3": Published(
         cluster="h800", devices=2048, global_batch=15360, seq=4096, layout="tp1 pp16 ep64 dp2 mb1 hier",
-        schedule="dualpipe", fp8_gemms=FP8_GROUPS, max_nodes_per_token=4, recompute=(),
+        schedule="dualpipe", fp8_gemms=FP8_GROUPS, max_nodes_per_token=4,
+        recompute=("layernorm+mla_up_proj", "moe+layernorm+mla_up_proj", "full"),
         tokens_per_s=3.16e6, source="DeepSeek-V3 technical report, 3.2-3.3 and 4.2",
     ),
     # Pangu Ultra MoE (seed 003): 6144 Ascend 910B, PP16 TP8 EP4 VPP2 DP48 (fmoe's dp

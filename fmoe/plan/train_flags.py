@@ -31,11 +31,13 @@ def _recompute(choice: str) -> dict[str, Any]:
     return {"recompute_granularity": "selective", "recompute_modules": tuple(choice.split("+"))}
 
 
-def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> dict[str, Any]:
+def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec,
+                    overlap_modes: tuple[str, str] = ("pair", "none")) -> dict[str, Any]:
     """Returns the TrainConfig fields (field -> value) that run `layout` at `global_batch` sequences per
-    step on `cluster`'s nodes: sizes, schedule and its chunks, fb overlap, microbatch, recompute, the
-    dispatcher, capacity, ZeRO-1 and sequence parallelism. PlanError for what the runtime cannot run
-    (tp splitting the experts' ffn instead of extending EP)."""
+    step on `cluster`'s nodes: sizes, schedule and its chunks, fb overlap and how the MoE layers hide
+    their all-to-all (`overlap_modes`, the planner's choice: in a pair, alone; fmoe.overlap), microbatch,
+    recompute, the dispatcher, capacity, ZeRO-1 and sequence parallelism. PlanError for what the runtime
+    cannot run (tp splitting the experts' ffn instead of extending EP)."""
     if layout.tp > 1 and not layout.tp_extends_ep:
         raise PlanError(f"{layout.label()}: fmoe train runs tensor parallelism extending expert parallelism "
                         "only (the tp ranks hold whole experts), not tp splitting each expert's ffn")
@@ -43,6 +45,7 @@ def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> 
         "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp,
         "sequence_parallel": layout.tp > 1,
         "schedule": layout.schedule, "overlap": layout.overlap,
+        "pair_overlap": overlap_modes[0], "a2a_chunks": 2 if overlap_modes[1] == "self" else 1,
         "micro_batch_size": layout.micro_batch, "global_batch_size": global_batch,
         "dispatcher": "hierarchical" if layout.hierarchical else "alltoall",
         "ranks_per_node": min(cluster.devices_per_node, layout.world),
@@ -55,14 +58,15 @@ def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec) -> 
     return out
 
 
-def train_command(preset: str, layout: Layout, global_batch: int, cluster: ClusterSpec) -> str:
+def train_command(preset: str, layout: Layout, global_batch: int, cluster: ClusterSpec,
+                  overlap_modes: tuple[str, str] = ("pair", "none")) -> str:
     """Returns the `fmoe train` command line of `train_overrides` on model preset `preset` (flags that
     differ from TrainConfig's defaults only)."""
     from fmoe.train.config import TrainConfig  # the CLI's vocabulary: the planner itself does not need it
 
     defaults = TrainConfig()
     parts = ["fmoe train", f"--preset {preset}"]
-    for name, value in train_overrides(layout, global_batch, cluster).items():
+    for name, value in train_overrides(layout, global_batch, cluster, overlap_modes).items():
         if getattr(defaults, name) == value:
             continue
         flag = "--" + name.replace("_", "-")
