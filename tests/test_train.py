@@ -64,6 +64,8 @@ def _train(tmp: Path, name: str, *flags: str) -> list[dict]:
 LAYOUTS = {
     "pp2_ep2_dualpipev_overlap": ("--pp", "2", "--ep", "2"),
     "pp1_ep2_combined": ("--pp", "1", "--ep", "2"),
+    # adaptive pipe overlap as `fmoe plan` may pick it: no pairing, each MoE layer hides itself in chunks
+    "pp2_ep2_dualpipev_self": ("--pp", "2", "--ep", "2", "--pair-overlap", "self", "--a2a-chunks", "2"),
     "pp2_ep1_dp2": ("--pp", "2", "--ep", "1", "--dp", "2"),
     "pp1_ep1_dp2_accumulate": ("--pp", "1", "--ep", "1", "--dp", "2"),  # all-reduce inside the backward
 }
@@ -180,7 +182,9 @@ def test_bad_layouts_fail_with_one_line_before_any_process_starts(capsys, tmp_pa
              (("--tp", "2", "--sequence-parallel", "--seq-length", "15", "--pp", "1", "--ep", "1"),
               "must be divisible by --tp"),
              (("--tp", "3", "--pp", "1", "--ep", "1", "--num-experts", "6"), "do not split evenly"),
-             (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep")]
+             (("--tp", "2", "--ep", "4", "--pp", "1", "--num-experts", "4"), "divisible by --ep"),
+             (("--pair-overlap", "chunks"), "--pair-overlap must be one of pair, self, none"),
+             (("--pair-overlap", "self", "--dispatcher", "hierarchical"), "needs --dispatcher alltoall")]
     for flags, needle in cases:
         try:
             code = main(["train", "--no-progress", *flags])
