@@ -478,12 +478,15 @@ PUBLISHED: dict[str, Published] = {
         tokens_per_s=3.16e6, source="DeepSeek-V3 technical report, 3.2-3.3 and 4.2",
     ),
     # Pangu Ultra MoE (seed 003): 6144 Ascend 910B, PP16 TP8 EP4 VPP2 DP48 (fmoe's dp
-    # 12 x ep 4), interleaved 1F1B, bf16 (the 910B has no FP8), adaptive recompute (seed 002: the MoE
+    # 12 x ep 4), interleaved 1F1B whose forwards and backwards of different microbatches overlap
+    # ("adaptive pipe overlap", a forward-backward overlap: fmoe's interleaved schedule with F&B pairs,
+    # "interleaved+extra"), bf16 (the 910B has no FP8), adaptive recompute (seed 002: the MoE
     # layer's load-aware one; MindSpeed's adaptive selection between none and full), no node limit;
     # 30.0% MFU, about 1.46M tokens/s; batch 3072 x 8192 as docs/plan.md plans it.
     "pangu-ultra-moe": Published(
         cluster="ascend-910b", devices=6144, global_batch=3072, seq=8192, layout="tp8 pp16 ep4 vpp2 dp12 mb1",
-        schedule="interleaved", fp8_gemms=(), max_nodes_per_token=0, recompute=("none", "adaptive", "full"),
+        schedule="interleaved+extra", fp8_gemms=(), max_nodes_per_token=0,
+        recompute=("none", "adaptive", "full"),
         tokens_per_s=1.46e6, source="Pangu Ultra MoE report (seed 003)",
     ),
 }
