@@ -79,6 +79,7 @@ from _ranks import per_rank
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.calibrate.machine import ping_pong
+from fmoe.overlap import LayerOverlap
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.shared_grads import SharedGrads
@@ -97,13 +98,15 @@ DC = ("dispatch-F", "combine-F", "dispatch-B", "combine-B", "dispatch.1-F", "com
 
 def modes(args: argparse.Namespace) -> tuple[str, ...]:
     """The step modes timed side by side: fb overlap on and off at --a2a-chunks; with 2 chunks also "on1",
-    overlap on with the all-to-all whole, so that chunking is measured against no chunking in one run."""
-    return MODES + (("on1",) if args.a2a_chunks == 2 else ())
+    overlap on with the all-to-all whole, so that chunking is measured against no chunking in one run,
+    and "self", where no MoE layer pairs and each hides its exchanges in its own row chunks in a pair too
+    (fmoe.overlap: paired "self"), against pairing ("on")."""
+    return MODES + (("on1", "self") if args.a2a_chunks == 2 else ())
 
 
-def mode_setting(args: argparse.Namespace, mode: str) -> tuple[bool, int]:
-    """(overlap, a2a_chunks) of a mode."""
-    return mode != "off", 1 if mode == "on1" else args.a2a_chunks
+def mode_setting(args: argparse.Namespace, mode: str) -> tuple[bool, int, str]:
+    """(overlap, a2a_chunks, how a pair hides each MoE layer's all-to-all) of a mode."""
+    return mode != "off", 1 if mode == "on1" else args.a2a_chunks, "self" if mode == "self" else "pair"
 # executor exchange label -> how many link-model calls it makes (counts-B is Ready: nothing travels)
 _CALLS = {"counts-B": 0}
 
@@ -183,9 +186,12 @@ class Rank:
         comm = CommGroup(self.ep_group, topology=self.layout.topology, link_model=link)
         self.dispatcher = AllToAllDispatcher(comm, self.cfg.moe.num_experts)
 
-    def step(self, overlap: bool, a2a_chunks: int | None = None) -> tuple[Any, float, list]:
-        """Runs one step (`a2a_chunks` None: --a2a-chunks); returns (PipelineStep, wall seconds, the link
-        model's log of this step)."""
+    def step(self, overlap: bool, a2a_chunks: int | None = None,
+             paired: str = "pair") -> tuple[Any, float, list]:
+        """Runs one step (`a2a_chunks` None: --a2a-chunks; `paired`: how a pair hides each MoE layer's
+        all-to-all, fmoe.overlap); returns (PipelineStep, wall seconds, the link model's log of this
+        step)."""
+        chunks = self.args.a2a_chunks if a2a_chunks is None else a2a_chunks
         self.link.log.clear()
         if self.cm is not None:
             self.cm.deferred_dw = overlap  # overlap off: a B's dx pass computes its dw (every stage phased)
@@ -196,7 +202,7 @@ class Rank:
                                 group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
                                 shared=self.shared, overlap=overlap, check=not self.checked,
                                 compute_model=self.cm,
-                                a2a_chunks=self.args.a2a_chunks if a2a_chunks is None else a2a_chunks)
+                                overlap_modes=LayerOverlap(paired, "self" if chunks == 2 else "none"))
         wall = time.perf_counter() - t
         self.cm_stats = None if self.cm is None else self.cm.reset()
         self.checked = True
@@ -724,7 +730,7 @@ def report(args: argparse.Namespace, rows: list[dict], seconds: float) -> None:
                      else f"({med(a / b for a, b in zip(r['on']['walls'], r[mode]['walls'])):.3f})")
             sim = (f"{r['sim_ms']:7.0f} {r['sim_ratio']:8.3f}" if mode == "on"
                    else f"{'':7} {r['sim_off_ratio']:8.3f}" if mode == "off" else f"{'':7} {'-':>8}")
-            if r["cm"] and mode != "on1":  # the simulator given the compute model's own costs
+            if r["cm"] and mode in ("on", "off"):  # the simulator given the compute model's own costs
                 sim = (f"{r['sim_model_ms']:7.0f} {r['sim_model']:8.3f}" if mode == "on"
                        else f"{r['sim_model_off_ms']:7.0f} {r['sim_model_off']:8.3f}")
             print(f"{r['label']:<18} {mode:<4} {1e3 * x['step']:7.0f} {100 * x['spread']:5.0f}% "

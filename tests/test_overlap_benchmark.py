@@ -1,5 +1,5 @@
 """benchmarks/overlap.py --quick with the compute model and the lone forwards' all-to-all in two chunks: it
-runs, reports the model, the three modes and the targets, and its Chrome trace gives back the hidden share
+runs, reports the model, the four modes and the targets, and its Chrome trace gives back the hidden share
 from the trace alone (about 20 s on 2 cores)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def test_the_quick_run_with_the_compute_model(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "combined_1f1b +cm a2a/2 on " in text and "combined_1f1b +cm a2a/2 on1 " in text
+    assert "combined_1f1b +cm a2a/2 self " in text  # no pairing: each layer hides itself in chunks
     assert "compute model, overlap on:" in text and "compute model, overlap on1:" in text
     assert "targets combined_1f1b +cm a2a/2:" in text and "loss on" in text
     assert "dispatch.1-F" in text and "combine.0-F" in text  # the lone forward's chunks ran
