@@ -147,9 +147,12 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     if cfg.mla:
         return mla(params, x_BSD, cfg, tp=tp, sequence_parallel=sequence_parallel)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
+    # "layernorm" (fmoe/recompute.py) recomputes the norm alone: remat keeps what it returns until the
+    # backward, so recomputing q, k, v with it would keep them (the attention core keeps its own roped q, k)
+    norm = part(cfg.recompute, "layernorm", rms_norm)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]
-    h_BSD = rms_norm(x_BSD, norm_D, cfg.norm_eps)
+    h_BSD = norm(x_BSD, norm_D, cfg.norm_eps)
     if tp is not None:  # enters the TP region: every head shard reads h (its gradient summed over them)
         h_BSD = gather_sequence(h_BSD, tp) if sequence_parallel else copy_to_tp(h_BSD, tp)
     # Heads split off the feature axis ([B, S, H*d] -> [B, S, H, d]) and merged back after attention.
@@ -160,8 +163,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
         # replicated scales used on this rank's heads only: their gradient is summed over the group
         q_norm, k_norm = (params[k] if tp is None else copy_to_tp(params[k], tp)
                           for k in ("q_norm", "k_norm"))
-        q_BSHd = rms_norm(q_BSHd, q_norm, cfg.norm_eps)
-        k_BSGd = rms_norm(k_BSGd, k_norm, cfg.norm_eps)
+        q_BSHd = norm(q_BSHd, q_norm, cfg.norm_eps)  # read by the attention core: alone under "layernorm"
+        k_BSGd = norm(k_BSGd, k_norm, cfg.norm_eps)
     attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
 
     def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
@@ -204,7 +207,9 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
-    h_TD = rms_norm(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # tokens t = b * S + s
+    # the router, the permutation and the shared expert read the normed tokens: "layernorm" recomputes the
+    # norm alone (its output stays kept by them)
+    h_TD = part(cfg.recompute, "layernorm", rms_norm)(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # t = b*S+s
     seq_len = x_BSD.shape[1] or None  # S = 0: no tokens (T = 0), no sequence to split
     shard = None
     if tp is not None:
@@ -354,4 +359,6 @@ def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
             check_tp(cfg, tp.size, dense=True)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
     r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
-    return part(cfg.recompute, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp, sequence_parallel)
+    rc = cfg.recompute  # "mlp" recomputes the norm with the rest of the MLP already
+    return part(rc, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp, sequence_parallel,
+                                       rc.module("layernorm") and not rc.module("mlp"))

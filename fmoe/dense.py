@@ -17,6 +17,7 @@ from fmoe.init import ones, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from fmoe.recompute import recomputed
 
 
 def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None = None,
@@ -29,18 +30,31 @@ def init_swiglu_mlp(d_model: int, d_ff: int, generator: torch.Generator | None =
             "w_gate": normal(d_model, d_ff), "w_up": normal(d_model, d_ff), "w_down": normal(d_ff, d_model)}
 
 
+def _normed_pair(x_TD: torch.Tensor, norm_D: torch.Tensor, eps: float, w_gate: torch.Tensor,
+                 w_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (h @ w_gate, h @ w_up) with h = rms_norm(x): the norm and the products that read it."""
+    return linear_pair(rms_norm(x_TD, norm_D, eps), w_gate, w_up)
+
+
 def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6,
-               tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+               tp: CommGroup | None = None, sequence_parallel: bool = False,
+               recompute_norm: bool = False) -> torch.Tensor:
     """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
     axes, e.g. [B, S, D], work the same). `tp`: the tensor-parallel group, `p` this rank's shard (w_gate,
     w_up by columns, w_down by rows; fmoe/tp_layout.py); x and the result replicated on the group, or with
-    `sequence_parallel` x [B, S/P, D] this rank's positions (gathered in, reduce-scattered out)."""
+    `sequence_parallel` x [B, S/P, D] this rank's positions (gathered in, reduce-scattered out).
+    `recompute_norm` (selective recompute's "layernorm", fmoe/recompute.py): without `tp` the norm and the
+    gate and up products run under remat (h is not kept); with `tp` the norm alone (a collective separates
+    it from the products: h stays kept, only the norm's own saved tensors go)."""
     if sequence_parallel and tp is None:
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
-    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
-    h_TD = rms_norm(x_TD, copy_to_tp(p["norm"], tp) if sequence_parallel else p["norm"], eps)
     if tp is None:
-        return x_TD + swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
+        pair = (recomputed(_normed_pair) if recompute_norm else _normed_pair)(x_TD, p["norm"], eps,
+                                                                              p["w_gate"], p["w_up"])
+        return x_TD + swiglu_linear(*pair, p["w_down"])
+    # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
+    h_TD = (recomputed(rms_norm) if recompute_norm else rms_norm)(
+        x_TD, copy_to_tp(p["norm"], tp) if sequence_parallel else p["norm"], eps)
     h_TD = gather_sequence(h_TD, tp) if sequence_parallel else copy_to_tp(h_TD, tp)
     part_TD = swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
     # the ffn shards' partial sums

@@ -93,36 +93,81 @@ def _entered(parts: list[torch.Tensor], tp: CommGroup | None, sequence_parallel:
     return list(joined.split(widths, -1))
 
 
+def _down(x_BSD: torch.Tensor, norm_D: torch.Tensor, eps: float, C: int, w_kv_a: torch.Tensor,
+          w_q_a: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (ckv_BSC, kr_BSr, q_src) of x: the attention norm and the down projections that read it;
+    q_src the query latent before its norm (h @ w_q_a), or h itself without one (w_q_a None)."""
+    h_BSD = rms_norm(x_BSD, norm_D, eps)
+    ckv_BSC, kr_BSr = linear(h_BSD, w_kv_a).split((C, w_kv_a.shape[-1] - C), -1)
+    return ckv_BSC, kr_BSr, h_BSD if w_q_a is None else linear(h_BSD, w_q_a)
+
+
+def _up(lat: torch.Tensor, norm: torch.Tensor | None, eps: float, w: torch.Tensor) -> torch.Tensor:
+    """Returns lat @ w, or rms_norm(lat) @ w when a latent norm's scale `norm` is given."""
+    return linear(lat if norm is None else rms_norm(lat, norm, eps), w)
+
+
+def _qkv(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: torch.Tensor,
+         w_kv_b: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor | None, eps: float,
+         cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (q_BSHk, k_BSHk, v_BSHe) of the latents: the up projections (w_q_b or w_q, w_kv_b; the
+    latent norms first when their scales are given), RoPE on q's rotary part and on the shared key."""
+    d, r, e = cfg.head_dim, cfg.qk_rope_head_dim, cfg.o_head_dim
+    q_BSHk = _up(q_lat, q_norm, eps, w_q).unflatten(-1, (-1, d + r))
+    kv_BSHde = _up(ckv_BSC, kv_norm, eps, w_kv_b).unflatten(-1, (-1, d + e))
+    k_nope_BSHd, v_BSHe = kv_BSHde.split((d, e), -1)
+    q_nope_BSHd, q_rope_BSHr = q_BSHk.split((d, r), -1)
+    q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, theta=cfg.rope_theta)], -1)
+    kr_BS1r = rope(kr_BSr.unsqueeze(-2), theta=cfg.rope_theta)  # one rotary key head for all H heads
+    k_BSHk = torch.cat([k_nope_BSHd, kr_BS1r.expand(*k_nope_BSHd.shape[:-1], r)], -1)
+    return q_BSHk, k_BSHk, v_BSHe
+
+
+def _attend(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: torch.Tensor,
+            w_kv_b: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor | None, eps: float,
+            cfg: GPTConfig) -> torch.Tensor:
+    """Returns o_BSHe of the latents: `_qkv` and the attention core (the "mla_up_proj" part's region)."""
+    return latent_attention(*_qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps, cfg))
+
+
 def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, tp: CommGroup | None = None,
         sequence_parallel: bool = False) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + MLA(rms_norm(x)) (the module docstring; params unchecked: the caller's
     `fmoe.block.self_attention` checks them). `tp`: the tensor-parallel group, `params` this rank's shard
     (its H/P heads of w_q_b or w_q, w_kv_b and w_o); x and the result replicated on the group, or with
-    `sequence_parallel` this rank's positions [B, S/P, D] (the down projections and norms run on them)."""
-    H = cfg.n_heads // (1 if tp is None else tp.size)
-    d, r, C = cfg.head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    `sequence_parallel` this rank's positions [B, S/P, D] (the down projections and norms run on them).
+
+    Selective recompute (fmoe/recompute.py): "layernorm" runs the attention norm with the down projections
+    under remat (`_down`), and each latent norm alone; "mla_up_proj" runs the latents' way to the attention
+    output (`_attend`: the latent norms when no TP collective separates them, up projections, RoPE,
+    attention core) under remat, so the normed latents and q, k, v are not kept; it includes "core_attn"."""
+    C, eps, rc = cfg.kv_lora_rank, cfg.norm_eps, cfg.recompute
 
     def mine(name: str) -> torch.Tensor:
         # replicated weights used on this rank's positions only (SP): their gradient summed over the group
         return copy_to_tp(params[name], tp) if sequence_parallel else params[name]
 
-    h_BSD = rms_norm(x_BSD, mine("attn_norm"), cfg.norm_eps)
-    ckv_BSC, kr_BSr = linear(h_BSD, mine("w_kv_a")).split((C, r), -1)
-    ckv_BSC = rms_norm(ckv_BSC, mine("kv_a_norm"), cfg.norm_eps)
-    if cfg.q_lora_rank:
-        q_in = rms_norm(linear(h_BSD, mine("w_q_a")), mine("q_a_norm"), cfg.norm_eps)  # cq_BSQ
-        q_in, ckv_BSC, kr_BSr = _entered([q_in, ckv_BSC, kr_BSr], tp, sequence_parallel)
-        q_BSHk = linear(q_in, params["w_q_b"]).unflatten(-1, (H, d + r))
+    w_q_a = mine("w_q_a") if cfg.q_lora_rank else None
+    ckv_BSC, kr_BSr, q_lat = part(rc, "layernorm", _down)(x_BSD, mine("attn_norm"), eps, C, mine("w_kv_a"),
+                                                          w_q_a)
+    # "mla_up_proj" starts at the latents before their norms (Megatron-core fuses them into the up
+    # projections), where no collective separates the two: then the normed latents are not kept either
+    if tp is None and rc.module("mla_up_proj"):
+        q_norm, kv_norm = (params["q_a_norm"] if cfg.q_lora_rank else None), params["kv_a_norm"]
+    else:  # the latent norms alone; "layernorm" recomputes each (its output stays: the up projection's input)
+        q_norm = kv_norm = None
+        norm = part(rc, "layernorm", rms_norm)
+        ckv_BSC = norm(ckv_BSC, mine("kv_a_norm"), eps)
+        if cfg.q_lora_rank:
+            q_lat = norm(q_lat, mine("q_a_norm"), eps)  # cq_BSQ
+        q_lat, ckv_BSC, kr_BSr = _entered([q_lat, ckv_BSC, kr_BSr], tp, sequence_parallel)
+    w_q, w_kv_b = params["w_q_b"] if cfg.q_lora_rank else params["w_q"], params["w_kv_b"]
+    if rc.module("mla_up_proj"):  # it includes the attention core: "core_attn" adds nothing
+        o_BSHe = part(rc, "mla_up_proj", _attend)(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps,
+                                                  cfg)
     else:
-        q_in, ckv_BSC, kr_BSr = _entered([h_BSD, ckv_BSC, kr_BSr], tp, sequence_parallel)
-        q_BSHk = linear(q_in, params["w_q"]).unflatten(-1, (H, d + r))
-    kv_BSHde = linear(ckv_BSC, params["w_kv_b"]).unflatten(-1, (H, d + cfg.o_head_dim))
-    k_nope_BSHd, v_BSHe = kv_BSHde.split((d, cfg.o_head_dim), -1)
-    q_nope_BSHd, q_rope_BSHr = q_BSHk.split((d, r), -1)
-    q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, theta=cfg.rope_theta)], -1)
-    kr_BS1r = rope(kr_BSr.unsqueeze(-2), theta=cfg.rope_theta)  # one rotary key head for all H heads
-    k_BSHk = torch.cat([k_nope_BSHd, kr_BS1r.expand(*k_nope_BSHd.shape[:-1], r)], -1)
-    o_BSHe = part(cfg.recompute, "core_attn", latent_attention)(q_BSHk, k_BSHk, v_BSHe)  # fmoe/recompute.py
+        qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, None, None, eps, cfg)
+        o_BSHe = part(rc, "core_attn", latent_attention)(*qkv)  # fmoe/recompute.py
     o_BSD = linear(o_BSHe.flatten(-2), params["w_o"])
     if tp is not None:  # the heads' partial sums
         o_BSD = scatter_sequence(o_BSD, tp) if sequence_parallel else reduce_from_tp(o_BSD, tp)

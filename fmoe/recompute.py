@@ -13,8 +13,24 @@
   head and the MTP module are not layers and are never recomputed whole (as in Megatron).
 - "selective": only the named parts (Megatron's module names where fmoe has the part): "core_attn" the
   attention core (q, k, v -> o: RoPE and the softmax of the scores), "mlp" a dense layer's SwiGLU MLP,
-  "moe" the routed experts (gate, up, activation, down), "shared_experts" the shared expert. Each keeps
-  only its inputs; what it returns is kept by whoever reads it, as without recompute.
+  "moe" the routed experts (gate, up, activation, down), "shared_experts" the shared expert, "layernorm"
+  the block's RMSNorms, "mla_up_proj" MLA's up projections. Each keeps only its inputs, and what it returns
+  (`fmoe.transforms.remat` holds a region's outputs until the backward; their readers mostly keep them
+  anyway). remat cannot drop an output once its reader has read it (Megatron's output-discarding
+  checkpoint), so a norm's output is freed only where the linears that read it are recomputed with it.
+  - "layernorm": every RMSNorm of a block is recomputed. MLA's attention norm runs with the down
+    projections that read it (w_q_a and w_kv_a, fmoe/mla.py), and a dense layer's MLP norm with its gate
+    and up products (without TP; fmoe/dense.py): their outputs are not kept (without a query latent MLA's
+    normed input is the queries' input, and stays). The others run alone under remat, their outputs kept
+    by their readers, only what the norm saves besides its input going (its fp32 working copies): GQA's
+    attention norm (its q, k, v would be kept as the region's outputs), GQA's q/k norms, MLA's latent
+    norms outside "mla_up_proj", the MoE layer's MLP norm (the router, the permutation and the shared
+    expert read its output), and every norm that a TP collective separates from its linears.
+  - "mla_up_proj" (MLA; GQA has no up projection: nothing there): from the latents to the attention
+    output, the latent norms (where no TP collective separates them from the up projections), the up
+    projections (w_q_b or w_q, w_kv_b), RoPE and the attention core, so that the normed latents and the
+    up-projected q, k, v are not kept (the attention core saves its inputs: recomputing the projections
+    without it would free nothing). It includes "core_attn" for MLA.
 The MoE layer's load-aware adaptive recompute (seed 002, `MoEConfig.adaptive_remat`) is the routed
 experts' "moe" part, chosen per layer and step from the routing: it is an MoE option, not one here.
 
@@ -43,7 +59,7 @@ GRANULARITIES = ("full", "selective")
 # would keep the CPU generator's state (5 KB) per call, more than the attention core saves. A layer that
 # draws (dropout) must set this False, or its recompute would differentiate other random draws.
 DRAWS_NOTHING = True
-MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "mla_up_proj")
 
 
 @dataclass(frozen=True)

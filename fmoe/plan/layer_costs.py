@@ -331,13 +331,17 @@ def fp8_saved_bytes(m: ModelSpec, kind: str) -> tuple[float, float]:
     return (b - 1) * dense, (b - 1) * elems.get("experts", 0) * m.fp8("experts")
 
 
+NORM_FLOPS = 4.0  # per element of an RMSNorm: square, sum, times rstd, times the scale
+
+
 @functools.lru_cache(maxsize=1024)
 def part_costs(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
     """Returns {part: (forward FLOPs, activation bytes it frees)} per token of a layer of `kind` for each
     part the runtime can recompute selectively (fmoe.recompute.MODULES): "core_attn" the attention core
     (it keeps q, k, v, which are its inputs, so it frees only the fp32 softmax statistics), "mlp" a dense
     layer's SwiGLU (gate, up, activation), "moe" the routed experts (what adaptive recompute frees),
-    "shared_experts" the shared expert (gate, up, activation). The head's are its MTP blocks'."""
+    "shared_experts" the shared expert (gate, up, activation), "layernorm" and, with MLA, "mla_up_proj"
+    (`norm_parts`). The head's are its MTP blocks'."""
     b, h = DTYPE_BYTES[m.dtype], m.hidden
     if kind == "embed":
         return {}
@@ -355,4 +359,63 @@ def part_costs(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
         out["moe"] = (cost.expert_flops, cost.expert_act_bytes)
         if S:
             out["shared_experts"] = (6.0 * h * f * S, b * 3.0 * f * S)
+    out.update(norm_parts(m, kind))
     return out
+
+
+def norm_parts(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
+    """The "layernorm" and "mla_up_proj" parts of a dense or MoE block (fmoe/recompute.py), as the runtime
+    (fmoe/block.py, fmoe/mla.py, fmoe/dense.py; without TP) recomputes them: (forward FLOPs, bytes freed)
+    per token.
+
+    remat keeps a region's inputs and, until the backward, its outputs; a norm's output is freed only when
+    the linears that read it are recomputed with it:
+    - "layernorm": every norm of the block again (NORM_FLOPS per element), plus MLA's down projections
+      (w_q_a, w_kv_a) with the attention norm and a dense layer's gate and up products with the MLP norm;
+      frees those two norms' outputs: MLA's normed input (with a query latent: without one it is the
+      queries' input and stays) and the dense MLP's normed input. GQA's attention norm, MLA's latent norms
+      and the MoE layer's MLP norm are recomputed alone: their outputs stay (their readers save them). In
+      FP8 the linears keep their inputs in FP8 (`fp8_saved_bytes`), so a freed GEMM input counts 1 byte.
+      Not counted: what a norm saves besides its input (its fp32 working copies; the planner counts a norm
+      as keeping its input only), which the runtime frees too.
+    - "mla_up_proj" (MLA only): the latent norms, the up projections (w_q_b or w_q, w_kv_b), RoPE and the
+      attention core again (remat cannot drop q, k, v after the core read them, so the core is in the
+      region); frees the normed latents, q, k, the kv up projection's output [H*(d + e)] (v is a view of
+      it) and the core's fp32 softmax statistics."""
+    b, h, H = DTYPE_BYTES[m.dtype], m.hidden, m.heads
+    Q, C = (m.q_lora_rank, m.kv_lora_rank) if m.mla else (0, 0)
+    gemm_in = {g: 1 if m.fp8(g) else b for g in ("attn_proj", "dense_mlp")}  # a GEMM input's bytes kept
+    norms = h + Q + C + h  # attention (and latent) norms, the MLP norm
+    flops, freed = NORM_FLOPS * norms, 0.0
+    if m.mla and Q:  # the attention norm with the down projections
+        flops += 2.0 * h * (Q + C + m.qk_rope_dim)
+        freed += gemm_in["attn_proj"] * h
+    elif m.mla:  # no query latent: the normed input is w_q's (up projection's) input and stays
+        flops += 2.0 * h * (C + m.qk_rope_dim)
+    if kind == "dense":  # the MLP norm with the gate and up products
+        flops += 2.0 * 2.0 * h * m.dense_ffn
+        freed += gemm_in["dense_mlp"] * h
+    out = {"layernorm": (flops, freed)}
+    if m.mla:
+        qk, H_kv = m.head_dim + m.qk_rope_dim, H * (m.head_dim + m.v_head_dim)
+        up = 2.0 * (Q or h) * H * qk + 2.0 * C * H_kv + NORM_FLOPS * (Q + C)
+        freed_up = gemm_in["attn_proj"] * (Q + C) + b * (2 * H * qk + H_kv) + 4.0 * H
+        out["mla_up_proj"] = (up + block_cost(m, kind == "moe").attn_flops, freed_up)
+    return out
+
+
+# what a recomputed part's forward runs on (estimate prices each part's recompute with these): the FP8 group
+# (specs.FP8_GROUPS) of its GEMMs, and its attention-core FLOPs, at the attention kernel's rate, not a GEMM's
+PART_GEMM_GROUP = {"mlp": "dense_mlp", "shared_experts": "shared_experts", "layernorm": "attn_proj",
+                   "mla_up_proj": "attn_proj", "moe": "experts", "core_attn": "attn_proj"}
+
+
+def part_attn_flops(m: ModelSpec, kind: str, part: str) -> float:
+    """Returns the forward FLOPs per token of the attention core inside recompute part `part` of a layer of
+    `kind` (the rest of `part_costs`' FLOPs are GEMMs and norms): all of "core_attn"'s, and of
+    "mla_up_proj"'s the core's, which its region includes."""
+    if kind == "embed" or part not in part_costs(m, kind) or part not in ("core_attn", "mla_up_proj"):
+        return 0.0
+    if kind == "head":
+        return m.mtp * part_attn_flops(m, "moe" if m.moe_layers > 0 else "dense", part)
+    return block_cost(m, kind == "moe").attn_flops
