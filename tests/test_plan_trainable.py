@@ -53,5 +53,7 @@ def test_the_published_shapes_translate_and_what_train_cannot_run_is_named() -> 
     command = train_command("pangu-ultra-moe", pangu, 3072, spec)
     assert command.startswith("fmoe train --preset pangu-ultra-moe --tp 8 --pp 16 --ep 4 --dp 12")
     assert "--num-virtual-stages-per-pipeline-rank 2" in command and "--sequence-parallel" in command
+    selective = dataclasses.replace(pangu, recompute="moe+layernorm")  # several values: as the CLI takes them
+    assert "--recompute-modules moe layernorm" in train_command("pangu-ultra-moe", selective, 3072, spec)
     with pytest.raises(PlanError, match="extending expert parallelism"):
         train_overrides(dataclasses.replace(pangu, tp_extends_ep=False), 3072, spec)

@@ -26,12 +26,14 @@ from fmoe.overlap import LONE, PAIRED
 from fmoe.parallel import traffic
 from fmoe.plan import layout as L
 from fmoe.plan.layer_costs import (
+    PART_GEMM_GROUP,
     LayerCost,
     block_cost,
     embed_cost,
     fp8_flops,
     fp8_saved_bytes,
     head_cost,
+    part_attn_flops,
     part_costs,
     totals,
     tp_collectives,
@@ -179,16 +181,19 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
         extra = f
     else:  # each part's forward again: the attention core at its kernel's rate, the GEMMs at theirs
         extra = 0.0
+        parts = L.recompute_parts(lay.recompute) or ()
         for part, (flops, _) in part_costs(m, cost.kind).items():
-            if part not in (L.recompute_parts(lay.recompute) or ()):
+            if part not in parts:
                 continue
             if part == "moe":
                 extra += expert
-            elif part == "core_attn":
-                extra += attn
-            else:
-                group = "dense_mlp" if part == "mlp" else "shared_experts"
-                extra += T * flops / tp / (c.gemm_flops(m.dtype, m.fp8(group)) * dense_eff)
+                continue
+            if part == "core_attn" and "mla_up_proj" in parts:
+                continue  # mla_up_proj's region holds the core: recomputed once
+            core = part_attn_flops(m, cost.kind, part)
+            gemm_peak = c.gemm_flops(m.dtype, m.fp8(PART_GEMM_GROUP[part]))
+            extra += T * (flops - core) / tp / (gemm_peak * dense_eff)
+            extra += attn * core / cost.attn_flops if cost.attn_flops else 0.0
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
     b = i_compute + w_compute + b_ratio * oh
     return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra)

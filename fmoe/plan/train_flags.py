@@ -72,6 +72,8 @@ def train_command(preset: str, layout: Layout, global_batch: int, cluster: Clust
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             parts.append(flag if value else f"--no-{name.replace('_', '-')}")
+        elif isinstance(value, tuple):  # a flag that takes several values (--recompute-modules A B)
+            parts.append(" ".join((flag, *map(str, value))))
         else:
             parts.append(f"{flag} {value}")
     return " ".join(parts)

@@ -77,7 +77,8 @@ class TrainConfig:
     import or is not callable fails before launch.
     Recompute (Megatron's flags; fmoe/recompute.py): recompute_granularity (None, "full" or "selective"),
     recompute_method ("uniform": every layer; "block": the first recompute_num_layers of each pipeline
-    chunk), recompute_modules (selective's parts: core_attn, mlp, moe, shared_experts; default core_attn),
+    chunk), recompute_modules (selective's parts, fmoe.recompute.MODULES: core_attn, mlp, moe, shared_experts,
+    layernorm, mla_up_proj; default core_attn),
     moe_adaptive_recompute_activation (MindSpeed's load-aware recompute of seed 002: a layer's routed
     experts are recomputed in a step whose largest expert load exceeds
     moe_adaptive_recompute_activation_scale x the mean).
