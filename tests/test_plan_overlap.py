@@ -138,3 +138,14 @@ def test_the_simulators_lone_and_pair_durations_written_out(f: float, i: float, 
         assert pair == pytest.approx(replace(c, self_f=0.0, self_b=0.0).pair(Op(F, 0, 1), Op(B, 0, 0)))
     else:
         assert pair == pytest.approx(lone(f, sf) + lone(i + w, sb))
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "1f1b"])
+def test_the_screening_estimate_counts_each_microbatch_once(schedule: str) -> None:
+    """The closed form that screens layouts before the simulator gives each rank the work of the
+    microbatches through its stages: DualPipe's two directions carry half of them each (counting all m in
+    both once screened DualPipe out at twice its simulated step)."""
+    lay = L.Layout(1, 4, 2, 1, 2 if schedule == "dualpipev" else 1, schedule, True, 1)
+    ctx = E.Context(_model().replace(layers=8), H800, 8, 64)
+    sim, closed = E.evaluate(ctx, lay), E.evaluate(ctx, lay, simulate=False)
+    assert closed.times["busy_mean"] == pytest.approx(sim.times["busy_mean"], rel=0.1)

@@ -672,9 +672,10 @@ def _closed_form(
     costs: S.Costs,
     s: S.Schedule,
 ) -> tuple[float, list[float], list[float], list[float]]:
-    """A quick estimate of the simulated figures for screening: per rank m x its work, plus the
-    schedule's textbook bubble ((pp-1) x a stage's F + B, divided by the chunks per rank; zero-bubble
-    schedules keep W out of it)."""
+    """A quick estimate of the simulated figures for screening: per rank the work of the microbatches
+    through its stages (m each, m / 2 for each direction of DualPipe), plus the schedule's textbook
+    bubble ((pp-1) x a stage's F + B, divided by the chunks per rank; zero-bubble schedules keep W out of
+    it)."""
     pp, pl = lay.pp, s.placement
     work = [0.0] * pp
     exposed = [0.0] * pp
@@ -686,8 +687,10 @@ def _closed_form(
         lone = costs.lone(fop) + costs.lone(bop)
         t = costs.pair(fop, bop) if paired else lone
         comp = costs.compute(fop) + costs.compute(bop)
-        work[r] += m * t
-        exposed[r] += m * (t - comp)
+        # the microbatches through this stage: DualPipe's two directions carry half of them each
+        through = m * sum(st in path for path in pl.paths) / len(pl.paths)
+        work[r] += through * t
+        exposed[r] += through * (t - comp)
         stage_fb.append((comp, costs.compute(Op(W, st, 0))))
     per_rank_stages = pl.num_stages / pp
     fb = max(x for x, _ in stage_fb) * per_rank_stages
