@@ -14,16 +14,16 @@
 - "selective": only the named parts (Megatron's module names where fmoe has the part): "core_attn" the
   attention core (q, k, v -> o: RoPE and the softmax of the scores), "mlp" a dense layer's SwiGLU MLP,
   "moe" the routed experts (gate, up, activation, down), "shared_experts" the shared expert, "layernorm"
-  the block's RMSNorms, "mla_up_proj" MLA's up projections. Each keeps only its inputs, and what it returns
-  (`fmoe.transforms.remat` holds a region's outputs until the backward; their readers mostly keep them
-  anyway). remat cannot drop an output once its reader has read it (Megatron's output-discarding
-  checkpoint), so a norm's output is freed only where the linears that read it are recomputed with it.
+  the block's RMSNorms, "mla_up_proj" MLA's up projections. Each keeps only its inputs
+  (`fmoe.transforms.remat` holds none of a region's outputs: they live as long as their readers keep
+  them). remat cannot drop an output that its reader saved (Megatron's output-discarding checkpoint), so
+  a norm's output is freed only where the linears that read it are recomputed with it.
   - "layernorm": every RMSNorm of a block is recomputed. MLA's attention norm runs with the down
     projections that read it (w_q_a and w_kv_a, fmoe/mla.py), and a dense layer's MLP norm with its gate
     and up products (without TP; fmoe/dense.py): their outputs are not kept (without a query latent MLA's
     normed input is the queries' input, and stays). The others run alone under remat, their outputs kept
     by their readers, only what the norm saves besides its input going (its fp32 working copies): GQA's
-    attention norm (its q, k, v would be kept as the region's outputs), GQA's q/k norms, MLA's latent
+    attention norm (fmoe/block.py runs it without the q, k, v projections), GQA's q/k norms, MLA's latent
     norms outside "mla_up_proj", the MoE layer's MLP norm (the router, the permutation and the shared
     expert read its output), and every norm that a TP collective separates from its linears.
   - "mla_up_proj" (MLA; GQA has no up projection: nothing there): from the latents to the attention

@@ -188,6 +188,9 @@ def test_the_runtime_frees_what_the_planner_says(mla: bool, Q: int, kind: str) -
     # mla_up_proj over core_attn (both recompute the attention core, whose CPU kernel saves more than the
     # planner's flash one): the normed latents, q, k and the kv up projection's output are freed
     core = held("core_attn")
+    # remat keeps its inputs only: the core's output (which w_o reads through a copy) is not held by it,
+    # so recomputing the core never holds more than not recomputing it
+    assert core <= none
     up = held("core_attn", "mla_up_proj")
     assert held("mla_up_proj") == up  # it includes the attention core
     latents = [Q, z["C"]] if Q else [z["C"]]

@@ -264,3 +264,83 @@ def test_remat_refuses_a_closed_over_tensor_modified_in_place():
     with pytest.raises(RecomputeError, match="'w'.*modified in place"):
         fn(torch.ones(4, dtype=torch.float64))
 
+
+
+# ---- the region holds its inputs only: its outputs go with their readers -----------------------------
+
+@pytest.mark.parametrize("engine", ["autograd", "torch.func.vjp", "split_vjp"])
+def test_remat_holds_no_output_once_its_readers_are_done(engine):
+    """y = remat(f)(x) read by an op that saves nothing of it (a sum): y is freed after the forward, as
+    without remat, and the backward (which recomputes y) gives the gradients without remat (float64)."""
+    import gc
+    import weakref
+
+    produced = []
+
+    def f(p, x):
+        y = x @ p["w"] + p["b"]  # the matmul saves its inputs, the add nothing: y is held by no op
+        produced.append(weakref.ref(y))
+        return {"y": y, "n": 3}  # a plain leaf beside it: returned as the forward computed it
+
+    def loss(p, x, g):
+        out = g(p, x)
+        return (out["y"].sum() * out["n"]) * (x ** 2).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    p = {"w": torch.randn(5, 4, generator=gen, dtype=torch.float64),
+         "b": torch.randn(4, generator=gen, dtype=torch.float64)}
+    x = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    ct = torch.tensor(1.5, dtype=torch.float64)
+    _, ref_fn = torch.func.vjp(lambda p, x: loss(p, x, f), p, x)
+    want = ref_fn(ct)
+    produced.clear()
+    g = remat(f, preserve_rng_state=False)
+    if engine == "autograd":
+        pl = {k: v.clone().requires_grad_() for k, v in p.items()}
+        xl = x.clone().requires_grad_()
+        z = loss(pl, xl, g)
+    elif engine == "torch.func.vjp":
+        _, fn = torch.func.vjp(lambda p, x: loss(p, x, g), p, x)
+    else:
+        _, fn = split_vjp(lambda p, x: loss(p, x, g), p, x)
+    gc.collect()
+    assert len(produced) == 1 and produced[0]() is None, "remat kept its output alive until the backward"
+    if engine == "autograd":
+        z.backward(ct)
+        got = ({k: v.grad for k, v in pl.items()}, xl.grad)
+    elif engine == "torch.func.vjp":
+        got = fn(ct)
+    else:
+        (dx,), vjp_dw = fn(ct)
+        got = (vjp_dw(), dx)
+    assert len(produced) == 2  # the backward recomputed y
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("was, now, match", [
+    (True, False, "output leaf 0 was a Tensor in the forward, a float in the recompute"),
+    (False, True, "output leaf 0 was a float in the forward, a Tensor in the recompute"),
+])
+def test_remat_refuses_a_recompute_whose_output_leaves_change_kind(was, now, match):
+    state = {"tensor": was}
+
+    def f(x):
+        s = x.sum() if state["tensor"] else 2.0
+        return s, x * 3
+
+    _, fn = torch.func.vjp(lambda x: remat(f)(x)[1], torch.randn(4, dtype=torch.float64))
+    state["tensor"] = now
+    with pytest.raises(RecomputeError, match=match):
+        fn(torch.ones(4, dtype=torch.float64))
+
+
+def test_remat_refuses_a_recompute_whose_plain_output_differs():
+    state = {"n": 3}
+
+    def f(x):
+        return x * state["n"], state["n"]
+
+    _, fn = torch.func.vjp(lambda x: remat(f)(x)[0], torch.randn(4, dtype=torch.float64))
+    state["n"] = 4
+    with pytest.raises(RecomputeError, match="output leaf 1 was 3 in the forward, 4 in the recompute"):
+        fn(torch.ones(4, dtype=torch.float64))

@@ -9,6 +9,11 @@ this one is a setup_context autograd Function that saves only its inputs and who
 and `split_vjp`: the dx pass recomputes once, and the weight-bearing primitives inside the recompute
 put their dw on the active tape, so the dw pass recomputes nothing.
 
+Between the forward and the backward a remat call holds its inputs (and the tensors f closes over), the
+values its policy saves, the random state when preserved, and its outputs' structure, plain leaves and
+metadata (shape, dtype, device): none of its output tensors, which live only as long as their readers
+keep them (an output read by an op that saves nothing of it is freed after the forward, as without remat).
+
 Policies, as in JAX (`jax.checkpoint_policies`):
 - `nothing_saveable`: save the inputs only, recompute everything.
 - `everything_saveable`: no recompute (f runs as is).
@@ -250,6 +255,8 @@ class _Plan:
         self.rng_devices = rng_devices  # None: do not preserve the random state
         self.rng: _RngState | None = None
         self.out_spec: Any = None
+        # the output leaves with None at the tensors' positions (out_tensor_pos): the region holds no
+        # output of its own, which its readers alone keep alive (or not) until the backward
         self.out_static: list[Any] = []
         self.out_tensor_pos: list[int] = []
         self.record: _Record | None = None
@@ -263,11 +270,13 @@ class _Plan:
             full[i] = x
         out = self.f(*tree_unflatten(full, self.spec))
         out_leaves, out_spec = tree_flatten(out)
-        if self.out_meta is not None:
+        tensor_pos = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        if self.out_meta is None:  # the forward: keep the structure and the plain leaves, not the tensors
+            self.out_spec, self.out_tensor_pos = out_spec, tensor_pos
+            self.out_static = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        else:
             self.check_outputs(out_leaves, out_spec)
-        self.out_spec, self.out_static = out_spec, out_leaves
-        self.out_tensor_pos = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
-        return tuple(out_leaves[i] for i in self.out_tensor_pos)
+        return tuple(out_leaves[i] for i in tensor_pos)
 
     def check_outputs(self, out_leaves: list[Any], out_spec: Any) -> None:
         """Raise RecomputeError when the recompute's outputs are not the forward's (structure, metadata)."""
@@ -275,9 +284,11 @@ class _Plan:
             raise RecomputeError(f"remat: the forward returned {self.out_spec}, the recompute {out_spec}: "
                                  f"{_RECOMPUTE_DIFFERS}")
         metas = iter(self.out_meta)
+        was_tensor = set(self.out_tensor_pos)
         for i, (got, was) in enumerate(zip(out_leaves, self.out_static)):
-            if isinstance(was, torch.Tensor) != isinstance(got, torch.Tensor):
-                raise RecomputeError(f"remat: output leaf {i} was a {type(was).__name__} in the forward, a "
+            if (i in was_tensor) != isinstance(got, torch.Tensor):
+                kind = "Tensor" if i in was_tensor else type(was).__name__
+                raise RecomputeError(f"remat: output leaf {i} was a {kind} in the forward, a "
                                      f"{type(got).__name__} in the recompute: {_RECOMPUTE_DIFFERS}")
             if isinstance(got, torch.Tensor):
                 want = next(metas)

@@ -368,8 +368,8 @@ def norm_parts(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
     (fmoe/block.py, fmoe/mla.py, fmoe/dense.py; without TP) recomputes them: (forward FLOPs, bytes freed)
     per token.
 
-    remat keeps a region's inputs and, until the backward, its outputs; a norm's output is freed only when
-    the linears that read it are recomputed with it:
+    remat keeps a region's inputs only (its outputs live as long as their readers keep them); a linear
+    saves its input, so a norm's output is freed only when the linears that read it are recomputed with it:
     - "layernorm": every norm of the block again (NORM_FLOPS per element), plus MLA's down projections
       (w_q_a, w_kv_a) with the attention norm and a dense layer's gate and up products with the MLP norm;
       frees those two norms' outputs: MLA's normed input (with a query latent: without one it is the
