@@ -147,8 +147,9 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     if cfg.mla:
         return mla(params, x_BSD, cfg, tp=tp, sequence_parallel=sequence_parallel)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
-    # "layernorm" (fmoe/recompute.py) recomputes the norm alone: remat keeps what it returns until the
-    # backward, so recomputing q, k, v with it would keep them (the attention core keeps its own roped q, k)
+    # "layernorm" (fmoe/recompute.py) recomputes the norm alone: the q, k, v projections read its output
+    # and keep it for their backward, so only its working copies go (recomputing the projections with it
+    # would free the output too, at the projections' cost: not done)
     norm = part(cfg.recompute, "layernorm", rms_norm)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]

@@ -380,8 +380,8 @@ def norm_parts(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
       as keeping its input only), which the runtime frees too.
     - "mla_up_proj" (MLA only): the latent norms, the up projections (w_q_b or w_q, w_kv_b), RoPE and the
       attention core again (remat cannot drop q, k, v after the core read them, so the core is in the
-      region); frees the normed latents, q, k, the kv up projection's output [H*(d + e)] (v is a view of
-      it) and the core's fp32 softmax statistics."""
+      region); frees the normed latents, q, k, v [H*e] (its own tensor: the kv up projection's output
+      is freed once k and v are cut from it) and the core's fp32 softmax statistics."""
     b, h, H = DTYPE_BYTES[m.dtype], m.hidden, m.heads
     Q, C = (m.q_lora_rank, m.kv_lora_rank) if m.mla else (0, 0)
     gemm_in = {g: 1 if m.fp8(g) else b for g in ("attn_proj", "dense_mlp")}  # a GEMM input's bytes kept
@@ -399,7 +399,7 @@ def norm_parts(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
     if m.mla:
         qk, H_kv = m.head_dim + m.qk_rope_dim, H * (m.head_dim + m.v_head_dim)
         up = 2.0 * (Q or h) * H * qk + 2.0 * C * H_kv + NORM_FLOPS * (Q + C)
-        freed_up = gemm_in["attn_proj"] * (Q + C) + b * (2 * H * qk + H_kv) + 4.0 * H
+        freed_up = gemm_in["attn_proj"] * (Q + C) + b * H * (2 * qk + m.v_head_dim) + 4.0 * H
         out["mla_up_proj"] = (up + block_cost(m, kind == "moe").attn_flops, freed_up)
     return out
 
