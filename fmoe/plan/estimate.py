@@ -46,6 +46,10 @@ GIB = 2**30
 SIM_CAP = 4  # simulate at most SIM_CAP x pp microbatches exactly; extrapolate linearly beyond
 PAIRED_SCHEDULES = ("interleaved+extra", "dualpipev", "dualpipe", "combined_1f1b")  # with F&B pairs
 DEFAULT_MODES = ("pair", "none")  # fmoe.overlap.LayerOverlap()'s: the runtime's default
+# fmoe's hierarchical dispatch runs its two levels one after the other (the tokens gathered across nodes,
+# then the all-to-all within the node); DeepSeek's kernels forward IB traffic over NVLink as it arrives.
+# benchmarks/plan_published.py sets this True to price the levels overlapped (the slower one's time)
+HIER_LEVELS_OVERLAP = False
 
 
 @dataclass(frozen=True)
@@ -280,7 +284,7 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
     # the busiest rank sends `load` x the mean; one all-to-all's link classes run at once, the two levels
     # of the hierarchical dispatch one after the other
     times = [_exchange_s(c, link == "intra", peers[link], n, load) for link, n in nbytes.items() if n > 0]
-    t = sum(times) if lay.hierarchical else max(times, default=0.0)
+    t = sum(times) if lay.hierarchical and not HIER_LEVELS_OVERLAP else max(times, default=0.0)
     calls = 4 if lay.hierarchical else 2  # each level: its count exchange, then the rows
     return t + calls * c.comm_overhead_s, nbytes
 
