@@ -116,8 +116,8 @@ def _qkv(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: 
     q_BSHk = _up(q_lat, q_norm, eps, w_q).unflatten(-1, (-1, d + r))
     kv_BSHde = _up(ckv_BSC, kv_norm, eps, w_kv_b).unflatten(-1, (-1, d + e))
     k_nope_BSHd, v_BSHe = kv_BSHde.split((d, e), -1)
-    # v its own tensor: a view would keep all of kv (k_nope too, which k copies) alive while the core
-    # keeps v for its backward (H x d per token)
+    # v its own tensor: a view would keep all of kv (k_nope too, which k copies) alive wherever v is kept
+    # for the backward, as the attention core's remat region keeps its inputs ("core_attn"): H x d per token
     v_BSHe = v_BSHe.contiguous()
     q_nope_BSHd, q_rope_BSHr = q_BSHk.split((d, r), -1)
     q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, theta=cfg.rope_theta)], -1)
