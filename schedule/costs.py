@@ -10,7 +10,7 @@ count (`simulate` calls it). What is allowed, and why:
              coincide, which the peak-memory count cannot order (and a step cannot take no time).
   w          finite and >= 0: W = 0 is meaningful (weight grads free, B = I; the ZB closed forms hold).
   p2p, a2a   finite and >= 0 scalars (0 = no communication).
-  attn_frac, lone_hide   shares in [0, 1].
+  attn_frac, lone_hide   shares in [0, 1]; unpaired_hide too, or None.
   self_f, self_b         finite and >= 0.
   moe_layers an int >= 1 (the F&B split divides by it).
   act_mem, wgrad_mem     finite and >= 0.
@@ -61,7 +61,8 @@ class Costs:
     work (seed: 0.5 with fb overlap, 0 without), and where it hides them by itself (self-overlap: row
     chunks, fmoe.overlap) it also pays `self_f` (an F) or `self_b` (a B or I) per MoE layer, its
     smaller GEMMs and extra exchanges; a paired F&B step uses the four-stage split, each compute part
-    hiding one all-to-all at cost max(compute, comm) (`pair_overlap=False`: the two ops run lone).
+    hiding one all-to-all at cost max(compute, comm) (`pair_overlap=False`: the two ops run lone, each
+    hiding `unpaired_hide` of its exchanges when given, else `lone_hide`).
     Memory: `act_mem` per in-flight activation (F started, B/I not finished), `wgrad_mem` per deferred
     weight grad (I finished, W not).
     """
@@ -75,6 +76,7 @@ class Costs:
     moe_layers: int = 1
     attn_frac: float = 0.5
     lone_hide: float = 0.0
+    unpaired_hide: float | None = None
     self_f: float = 0.0
     self_b: float = 0.0
     pair_overlap: bool = True
@@ -103,6 +105,8 @@ class Costs:
             _number(name, getattr(self, name), strict=False)
         for name in ("attn_frac", "lone_hide"):
             _number(name, getattr(self, name), strict=False, upper=1.0)
+        if self.unpaired_hide is not None:
+            _number("unpaired_hide", self.unpaired_hide, strict=False, upper=1.0)
         n = self.moe_layers
         if not isinstance(n, Integral) or isinstance(n, bool) or n < 1:
             raise ScheduleError(f"Costs.moe_layers must be an int >= 1, got {n!r}")
@@ -146,20 +150,22 @@ class Costs:
         """Returns the all-to-all time `op` needs (dispatch + combine per MoE layer; W needs none)."""
         return 0.0 if op.kind not in (F, B, I) else 2.0 * self.a2a * self.moe_layers
 
-    def lone(self, op: Op) -> float:
-        """Returns the duration of `op` run alone: the hidden share costs max(compute, comm), compute
-        including what hiding its own exchanges costs (`self_f`, `self_b` per MoE layer)."""
+    def lone(self, op: Op, hide: float | None = None) -> float:
+        """Returns the duration of `op` run alone: the hidden share (`hide`, default lone_hide) costs
+        max(compute, comm), compute including what hiding its own exchanges costs (`self_f`, `self_b`
+        per MoE layer)."""
         c, x = self.compute(op), self.comm(op)
         if x == 0.0:
             return c
+        h = self.lone_hide if hide is None else hide
         c += self.moe_layers * (self.self_f if op.kind == F else self.self_b)
-        return max(c, self.lone_hide * x) + (1.0 - self.lone_hide) * x
+        return max(c, h * x) + (1.0 - h) * x
 
     def pair(self, fop: Op, bop: Op) -> float:
         """Returns the duration of the overlapped F&B step: per MoE layer, Attention(F) hides Combine(B),
         MLP(B) hides Dispatch(F), MLP(F) hides Dispatch(B), Attention(B) hides Combine(F)."""
         if not self.pair_overlap:
-            return self.lone(fop) + self.lone(bop)
+            return self.lone(fop, self.unpaired_hide) + self.lone(bop, self.unpaired_hide)
         cf, cb = self.compute(fop), self.compute(bop)
         if self.a2a == 0.0:
             return cf + cb

@@ -17,11 +17,21 @@ import dataclasses
 
 import pytest
 import torch
-from dist_utils import spawn
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_fb_pairing import SEED, _a2a, _compute, _waits
-from test_pipeline_ep import DT, EP, M, _batches, _cfg, _flat, _local, _oracle, _state
+from test_pipeline_ep import (
+    DT,
+    EP,
+    M,
+    _batches,
+    _cfg,
+    _flat,
+    _local,
+    _state,
+    assert_equal_to_oracles,
+    runs_by_key,
+)
 
 from fmoe import GPTConfig, init_gpt
 from fmoe import schedule as S
@@ -125,12 +135,7 @@ def _run(rank: int, world: int, cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    got: dict = {}
-    for pp in (1, 2):
-        for r in spawn(_run, pp * EP, CASES, timeout_s=300):
-            for key, v in r.value.items():
-                got.setdefault(key, []).append(v)
-    return got
+    return runs_by_key(_run, CASES)
 
 
 def _case_id(c: tuple) -> str:
@@ -142,27 +147,8 @@ def test_chunked_steps_equal_the_one_process_oracle(runs: dict, case: tuple) -> 
     name, pp, mtp, imbalanced, pie = case
     cfg = _cfg(mtp, imbalanced)
     cfg = _probs_in_expert(cfg) if pie else cfg
-    oracles = [_oracle(cfg, imbalanced, e, M) for e in range(EP)]
-    want_sum = {k: sum(o[1][k] for o in oracles) for k in oracles[0][1]}
     for overlap in (True, False):
-        experts: dict[str, torch.Tensor] = {}
-        dense: dict[str, torch.Tensor] = {}
-        for ep_rank, loss, grads, _, _ in runs[(*case, overlap)]:
-            assert loss == pytest.approx(oracles[ep_rank][0], rel=1e-12), (case, overlap)
-            for k, v in grads.items():
-                key = f"{k}@{ep_rank}"
-                if ".experts." in k:
-                    experts[key] = torch.tensor(v, dtype=DT)
-                else:  # pp ranks of one EP rank hold disjoint stages; a shared weight's sum is on each holder
-                    dense.setdefault(key, torch.tensor(v, dtype=DT))
-        for k, want in want_sum.items():
-            if ".experts." in k:
-                for e in range(EP):
-                    torch.testing.assert_close(experts[f"{k}@{e}"], want[e * 2:(e + 1) * 2], rtol=1e-9,
-                                               atol=1e-12, msg=f"{case} overlap={overlap} {k} ep{e}")
-            else:
-                torch.testing.assert_close(sum(dense[f"{k}@{e}"] for e in range(EP)), want, rtol=1e-9,
-                                           atol=1e-12, msg=f"{case} overlap={overlap} {k}")
+        assert_equal_to_oracles(cfg, imbalanced, runs[(*case, overlap)], (case, f"overlap={overlap}"))
 
 
 # a chunk's exchange, and the compute phase of its own op that must run while it travels

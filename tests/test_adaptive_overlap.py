@@ -15,9 +15,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import spawn
 from test_fb_pairing import SEED, _a2a, _compute, _waits
-from test_pipeline_ep import DT, EP, M, _batches, _cfg, _flat, _local, _oracle, _state
+from test_pipeline_ep import (
+    DT,
+    EP,
+    M,
+    _batches,
+    _cfg,
+    _flat,
+    _local,
+    _state,
+    assert_equal_to_oracles,
+    runs_by_key,
+)
 
 from fmoe import init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -61,37 +71,12 @@ def _run(rank: int, world: int, cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    got: dict = {}
-    for pp in (1, 2):
-        for r in spawn(_run, pp * EP, CASES, timeout_s=300):
-            for key, v in r.value.items():
-                got.setdefault(key, []).append(v)
-    return got
+    return runs_by_key(_run, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-pp{c[1]}")
 def test_mixed_modes_equal_the_one_process_oracle(runs: dict, case: tuple) -> None:
-    name, pp, mtp = case
-    cfg = _cfg(mtp, False)
-    oracles = [_oracle(cfg, False, e, M) for e in range(EP)]
-    want_sum = {k: sum(o[1][k] for o in oracles) for k in oracles[0][1]}
-    experts: dict[str, torch.Tensor] = {}
-    dense: dict[str, torch.Tensor] = {}
-    for ep_rank, loss, grads, _, _ in runs[case]:
-        assert loss == pytest.approx(oracles[ep_rank][0], rel=1e-12), case
-        for k, v in grads.items():
-            if ".experts." in k:
-                experts[f"{k}@{ep_rank}"] = torch.tensor(v, dtype=DT)
-            else:  # pp ranks of one EP rank hold disjoint stages
-                dense.setdefault(f"{k}@{ep_rank}", torch.tensor(v, dtype=DT))
-    for k, want in want_sum.items():
-        if ".experts." in k:
-            for e in range(EP):
-                torch.testing.assert_close(experts[f"{k}@{e}"], want[e * 2:(e + 1) * 2], rtol=1e-9,
-                                           atol=1e-12, msg=f"{case} {k} ep{e}")
-        else:
-            torch.testing.assert_close(sum(dense[f"{k}@{e}"] for e in range(EP)), want, rtol=1e-9, atol=1e-12,
-                                       msg=f"{case} {k}")
+    assert_equal_to_oracles(_cfg(case[2], False), False, runs[case], case)
 
 
 def _hid(events: list, pairs: list) -> list[tuple]:

@@ -78,6 +78,44 @@ def _oracle(cfg: GPTConfig, imbalanced: bool, ep_rank: int, m: int) -> tuple[flo
     return float(loss), _flat(vjp(torch.ones((), dtype=DT))[0])
 
 
+def runs_by_key(rank_fn, cases: list) -> dict:
+    """Runs `rank_fn(rank, world, cases)` (which answers {key: value} for the cases of its pp = world /
+    EP) on pp x EP gloo ranks for pp 1 and 2; returns {key: [each rank's value]}."""
+    got: dict = {}
+    for pp in (1, 2):
+        for r in spawn(rank_fn, pp * EP, cases, timeout_s=300):
+            for key, v in r.value.items():
+                got.setdefault(key, []).append(v)
+    return got
+
+
+def assert_equal_to_oracles(cfg: GPTConfig, imbalanced: bool, results: list,
+                            what: object) -> dict[str, torch.Tensor]:
+    """Asserts the module docstring's rule: every EP rank's (ep_rank, loss, grads, ...) in `results` (grads
+    flat lists by key, as `_flat` names them) against `_oracle` (fp64, rtol 1e-9); returns the oracles'
+    gradients summed over the EP ranks."""
+    oracles = [_oracle(cfg, imbalanced, e, M) for e in range(EP)]
+    want_sum = {k: sum(o[1][k] for o in oracles) for k in oracles[0][1]}
+    experts: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for ep_rank, loss, grads, *_ in results:
+        assert loss == pytest.approx(oracles[ep_rank][0], rel=1e-12), what
+        for k, v in grads.items():
+            if ".experts." in k:
+                experts[f"{k}@{ep_rank}"] = torch.tensor(v, dtype=DT)
+            else:  # pp ranks of one EP rank hold disjoint stages; a shared weight's sum is on each holder
+                dense.setdefault(f"{k}@{ep_rank}", torch.tensor(v, dtype=DT))
+    for k, want in want_sum.items():
+        if ".experts." in k:
+            for e in range(EP):
+                torch.testing.assert_close(experts[f"{k}@{e}"], want[e * L:(e + 1) * L], rtol=1e-9,
+                                           atol=1e-12, msg=f"{what} {k} ep{e}")
+        else:
+            torch.testing.assert_close(sum(dense[f"{k}@{e}"] for e in range(EP)), want, rtol=1e-9, atol=1e-12,
+                                       msg=f"{what} {k}")
+    return want_sum
+
+
 CASES = [("alltoall", 2, "1f1b", False, False), ("alltoall", 2, "dualpipev", True, True),
          ("alltoall", 2, "interleaved", False, True), ("allgather", 2, "zbv", True, True),
          ("hierarchical", 1, "1f1b", False, True),
@@ -114,35 +152,12 @@ def _rank(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-def _is_expert(key: str) -> bool:
-    return ".experts." in key
-
-
 def test_ep_inside_pipeline_stages_matches_per_rank_oracles() -> None:
     results = spawn(_rank, 4, CASES, timeout_s=400)
     for kind, rpn, name, mtp, imbalanced in CASES:
         cfg = _cfg(mtp, imbalanced)
-        oracles = [_oracle(cfg, imbalanced, e, M) for e in range(EP)]
-        want_sum = {k: sum(o[1][k] for o in oracles) for k in oracles[0][1]}
-        dense: dict[str, torch.Tensor] = {}
-        experts: dict[str, torch.Tensor] = {}
-        for r in results:
-            ep_rank, loss, grads = r.value[(kind, rpn, name)]
-            assert loss == pytest.approx(oracles[ep_rank][0], rel=1e-12), (kind, name, r.rank)
-            for k, v in grads.items():
-                v = torch.tensor(v, dtype=DT)
-                if _is_expert(k):
-                    experts[f"{k}@{ep_rank}"] = v
-                elif f"{k}@{ep_rank}" not in experts:
-                    dense.setdefault(f"{k}@{ep_rank}", v)
-        for k, want in want_sum.items():
-            if _is_expert(k):
-                for e in range(EP):
-                    torch.testing.assert_close(experts[f"{k}@{e}"], want[e * L:(e + 1) * L], rtol=1e-9,
-                                               atol=1e-12, msg=f"{kind} {name} {k} ep{e}")
-            else:
-                got = sum(dense[f"{k}@{e}"] for e in range(EP))
-                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=f"{kind} {name} {k}")
+        want_sum = assert_equal_to_oracles(cfg, imbalanced, [r.value[(kind, rpn, name)] for r in results],
+                                           (kind, name))
         if imbalanced:  # the first EP rank's experts received no token: only their zero gradient flows
             w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_up"]
             assert torch.count_nonzero(w[:L]) == 0 and torch.count_nonzero(w[L:]) > 0

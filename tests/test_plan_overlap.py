@@ -84,6 +84,7 @@ def test_the_planner_keeps_the_fastest_of_the_runtimes_choices(name: str, cluste
         c = pred.costs
         assert (c.self_f > 0) == (modes[1] == "self" and hides), modes
         assert c.pair_overlap == (modes[0] == "pair" and hides), modes
+        assert c.unpaired_hide == (cluster.pair_self_hide if modes[0] == "self" and hides else None), modes
 
 
 def _cheap_chunks(**kw: object):
@@ -118,16 +119,18 @@ def test_chunks_whose_latency_outweighs_what_they_hide_are_not_taken() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(f=st.floats(1e-3, 10), i=st.floats(1e-3, 10), w=st.floats(0, 10), a2a=st.floats(0, 5),
-       n=st.integers(1, 4), h=st.floats(0, 1), sf=st.floats(0, 3), sb=st.floats(0, 3), pairs=st.booleans())
-@example(f=1.0, i=1.0, w=1.0, a2a=0.0, n=1, h=0.5, sf=2.0, sb=2.0, pairs=False)  # nothing to hide: no cost
+       n=st.integers(1, 4), h=st.floats(0, 1), sf=st.floats(0, 3), sb=st.floats(0, 3), pairs=st.booleans(),
+       hu=st.none() | st.floats(0, 1))
+@example(f=1.0, i=1.0, w=1.0, a2a=0.0, n=1, h=0.5, sf=2.0, sb=2.0, pairs=False, hu=0.3)  # nothing to hide
 def test_the_simulators_lone_and_pair_durations_written_out(f: float, i: float, w: float, a2a: float,
                                                            n: int, h: float, sf: float, sb: float,
-                                                           pairs: bool) -> None:
-    c = S.Costs(f=f, i=i, w=w, a2a=a2a, moe_layers=n, lone_hide=h, self_f=sf, self_b=sb, pair_overlap=pairs)
+                                                           pairs: bool, hu: float | None) -> None:
+    c = S.Costs(f=f, i=i, w=w, a2a=a2a, moe_layers=n, lone_hide=h, self_f=sf, self_b=sb, pair_overlap=pairs,
+                unpaired_hide=hu)
     x = 2 * a2a * n
 
-    def lone(comp: float, extra: float) -> float:
-        return comp if x == 0 else max(comp + n * extra, h * x) + (1 - h) * x
+    def lone(comp: float, extra: float, share: float = h) -> float:
+        return comp if x == 0 else max(comp + n * extra, share * x) + (1 - share) * x
 
     assert c.lone(Op(F, 0, 0)) == pytest.approx(lone(f, sf))
     assert c.lone(Op(I, 0, 0)) == pytest.approx(lone(i, sb))
@@ -136,8 +139,9 @@ def test_the_simulators_lone_and_pair_durations_written_out(f: float, i: float, 
     pair = c.pair(Op(F, 0, 1), Op(B, 0, 0))
     if pairs:  # the paired ops move their rows whole: no self-overlap cost
         assert pair == pytest.approx(replace(c, self_f=0.0, self_b=0.0).pair(Op(F, 0, 1), Op(B, 0, 0)))
-    else:
-        assert pair == pytest.approx(lone(f, sf) + lone(i + w, sb))
+    else:  # each op runs lone, hiding the unpaired share where one is given
+        share = h if hu is None else hu
+        assert pair == pytest.approx(lone(f, sf, share) + lone(i + w, sb, share))
 
 
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "1f1b"])

@@ -523,6 +523,8 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
             moe_layers=moe_per_chunk,
             attn_frac=attn_frac,
             lone_hide=min(1.0, share + 1.0 - pair_hide) if hides else 0.0,
+            # a pair whose layers chunk instead of pairing hides what chunks hide in a pair (measured)
+            unpaired_hide=c.pair_self_hide if hides and paired == "self" else None,
             self_f=self_f if chunked else 0.0,
             self_b=self_b if chunked else 0.0,
             pair_overlap=pairs,

@@ -218,13 +218,15 @@ class ClusterSpec:
     `comm_hides`: whether an exchange progresses while the ranks compute, so that fb overlap can hide
     it (True: a device's links and copy engines move the bytes; False: the transport needs the cores
     the compute holds, as gloo on a CPU with no spare core, where fb overlap measured no faster).
-    `pair_hide` / `lone_hide` / `lone_hide_whole`: the share of the all-to-all hidden inside an F&B pair
-    (cross-microbatch pairing), in a lone F or B (warm-up, cool-down) that moves its rows in two chunks
-    (self-overlap), and in one that moves them whole (only its own shared expert and dw run meanwhile),
-    where `comm_hides` (fmoe.overlap names the three modes); measured inputs, not constants: the
-    defaults are what fmoe's executor hides on a modelled device (BENCHMARKS.md, "fb overlap: lone
-    forwards move the all-to-all in two row chunks", compute model on: pairs 96.1-96.5 %, chunked lone
-    phases 72.0-76.5 %, whole ones 47.9-52.8 %; the seed assumed 100 % and 50 %).
+    `pair_hide` / `lone_hide` / `lone_hide_whole` / `pair_self_hide`: the share of the all-to-all hidden
+    inside an F&B pair (cross-microbatch pairing), in a lone F or B (warm-up, cool-down) that moves its
+    rows in two chunks (self-overlap), in one that moves them whole (only its own shared expert and dw
+    run meanwhile), and in a pair whose layers hide themselves in chunks instead of pairing, where
+    `comm_hides` (fmoe.overlap names the modes); measured inputs, not constants: the defaults are what
+    fmoe's executor hides on a modelled device (BENCHMARKS.md, "fb overlap: lone forwards move the
+    all-to-all in two row chunks" and "Adaptive pipe overlap", compute model on: pairs 96.1-96.5 %,
+    chunked lone phases 72.0-76.5 %, whole ones 47.9-52.8 %, chunks in a pair 55.0-62.9 %; the seed
+    assumed 100 % and 50 %).
     `fp8_flops`: dense FP8 peak FLOP/s per device for the GEMMs a model runs in FP8 (0: the device has
     no FP8, they run at the compute dtype's peak)."""
 
@@ -257,6 +259,7 @@ class ClusterSpec:
     pair_hide: float = 0.96
     lone_hide: float = 0.72
     lone_hide_whole: float = 0.48
+    pair_self_hide: float = 0.59
     fp8_flops: float = 0.0
 
     def __post_init__(self) -> None:
@@ -272,7 +275,8 @@ class ClusterSpec:
              "token_knee", "fp8_flops"),
             allow_zero=True,
         )
-        _positive_reals(self, ("pair_hide", "lone_hide", "lone_hide_whole"), allow_zero=True, upper=1.0)
+        shares = ("pair_hide", "lone_hide", "lone_hide_whole", "pair_self_hide")
+        _positive_reals(self, shares, allow_zero=True, upper=1.0)
         if self.b_overhead_ratio is not None:
             _positive_reals(self, ("b_overhead_ratio",), allow_zero=True)
         for field in ("layer_overhead_s", "token_overhead_s", "small_token_overhead_s"):
