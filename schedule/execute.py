@@ -344,6 +344,10 @@ class _Executor:
         # stages with an exchange that may leave the process (a comm phase not marked local)
         self.remote = {st for st, prog in programs.items()
                        if any(ph.kind == "comm" and not ph.local for ly in prog.layers for ph in ly.phases)}
+        # an overlapped pair starts with its backward where that hands over (seed 000's pairing); one whose
+        # backward stage hands over nowhere (its exchanges local, or no layer pairs) runs as listed, the
+        # forward first: what comms.forward_first_by_turns lists its messages by
+        self.backward_starts = {st for st in self.remote if stage_turns_of(programs[st]) > 0}
 
     # ---- driver ---------------------------------------------------------------------------------------
 
@@ -367,11 +371,11 @@ class _Executor:
                 _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
                 self.step = "pair"
-                if a.b.stage in self.remote:
+                if a.b.stage in self.backward_starts:
                     # the backward first: its combine goes out, the forward's attention hides it, and so on
                     # by turns: seed 000's pairing (docs/pipeline.md, "fb overlap: what pairs with what")
                     _interleave(self.op(a.b, paired=True), self.op(a.f, paired=True))
-                else:  # nothing of the backward travels, nothing to pair it with: as listed
+                else:  # the backward hands over nowhere, nothing to pair it with: as listed
                     _interleave(self.op(a.f, paired=True), self.op(a.b, paired=True))
             elif isinstance(a, Overlap):
                 self.step = "pair"

@@ -45,6 +45,9 @@ from fmoe.transforms.program import turns
 MODES = {"L1": LayerOverlap("pair", "none"), "L2": LayerOverlap("self", "self"),
          "L3": LayerOverlap("none", "self"), "MTP": LayerOverlap("pair", "self")}
 CASES = [("combined_1f1b", 1, False), ("dualpipev", 2, True)]
+# DualPipeV's cut: L0 | L1 L2 | L3 | MTP + head. Rank 1 holds the middle two stages, neither of which pairs
+# here (both stages of its pairs hand over nowhere); rank 0's last stage pairs through MTP
+MODES_OF = {CASES[0]: MODES, CASES[1]: {**MODES, "L1": LayerOverlap("none", "self")}}
 
 
 def _run(rank: int, world: int, cases: list) -> dict:
@@ -60,7 +63,7 @@ def _run(rank: int, world: int, cases: list) -> dict:
         pp_rank = torch.distributed.get_rank(pp_group) if pp > 1 else 0
         s = S.combined_1f1b(M) if name == "combined_1f1b" else S.build(name, pp, M)
         pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
-        modes = {k: v for k, v in MODES.items() if k != "MTP" or mtp}
+        modes = {k: v for k, v in MODES_OF[(name, pp, mtp)].items() if k != "MTP" or mtp}
         params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
         step = gpt_pipeline_step(cfg, s, pp_rank, params, _state(cfg, False), _batches(cfg, ep_rank, M),
                                  group=pp_group, dispatcher=d, overlap_modes=modes)
@@ -107,7 +110,7 @@ def test_a_layer_that_does_not_pair_hides_nothing_of_the_other_op(runs: dict, ca
     checked = 0
     for *_, events, pairs in runs[case]:
         for kind, phase, layer, _, hid in _hid(events, pairs):
-            if MODES[layer].paired != "pair":
+            if MODES_OF[case][layer].paired != "pair":
                 assert not hid, (kind, phase, layer, sorted(hid))
                 checked += 1
     assert checked >= 16, checked
@@ -138,7 +141,8 @@ def test_each_layer_moves_chunks_where_its_mode_says(runs: dict) -> None:
                 c = _compute(e)
                 if not c or c[0] != "F" or c[1] not in ("mlp", "mlp.0", "mlp.1"):
                     continue
-                mode = MODES[c[3]].paired if e.step == "pair" else MODES[c[3]].lone
+                modes = MODES_OF[case][c[3]]
+                mode = modes.paired if e.step == "pair" else modes.lone
                 assert (c[1] != "mlp") == (mode == "self"), (e.name, e.step, mode)
                 seen.add((c[3], e.step))
     assert {(n, step) for n in MODES for step in ("pair", "lone")} <= seen, sorted(seen)
@@ -210,3 +214,23 @@ def test_what_is_refused() -> None:
     with pytest.raises(TypeError, match="overlap must be a LayerOverlap"):
         layer_overlap("pair", "L1")
     assert layer_overlap({"L2": LayerOverlap("none")}, "L1") == LayerOverlap()
+
+
+def test_sends_go_out_the_moment_their_data_exists_whatever_the_modes(runs: dict) -> None:
+    """DualPipeV pp 2 x ep 2 where both stages of rank 1's pairs hand over nowhere (and on rank 0 one
+    does): the executor runs such a pair forward first, as the wire order lists its messages, so a
+    gradient's send follows its dx pass and an activation's its forward's last phase, with no compute in
+    between (a pair started with its backward made the gradient first, and it waited behind the
+    activation the wire order put ahead of it)."""
+    checked = {"act": 0, "grad": 0}
+    for *_, events, _ in runs[("dualpipev", 2, True)]:
+        events = sorted(events, key=lambda e: e.start)
+        for i, e in enumerate(events):
+            if not (e.lane == "comm" and e.kind == "p2p send" and e.step == "pair"):
+                continue
+            last = next(c for c in reversed(events[:i]) if c.lane == "compute" and _compute(c))
+            own = last.kind in ("F" if e.what == "act" else "BI") and _compute(last)[2::2] == (e.stage,
+                                                                                             e.microbatch)
+            assert own, (e.name, last.name)
+            checked[e.what] += 1
+    assert min(checked.values()) >= 2, checked

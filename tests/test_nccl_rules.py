@@ -118,7 +118,9 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
 @pytest.mark.parametrize("layout", [
     {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev"},  # P2P beside the expert all-to-alls, fb overlap
     {"pp": 2, "ep": 1, "dp": 2, "schedule": "interleaved"},  # P2P beside the data-parallel reductions
-], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved"])
+    # adaptive pipe overlap: no layer pairs (each chunks its rows), so every pair runs forward first
+    {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev", "pair_overlap": "self", "a2a_chunks": 2},
+], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved", "pp2-ep2-dualpipev-self-overlap"])
 def test_a_training_step_orders_its_communicators_alike_on_every_rank(layout: dict) -> None:
     results = spawn(_train_logs, 4, layout, timeout_s=240)
     for part in (0, 1):  # the training step, then an evaluation
