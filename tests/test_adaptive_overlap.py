@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fb_pairing import SEED, _a2a, _compute, _waits
+from test_fb_pairing import SEED, _a2a, _compute, _waits, check_pair_sends_follow_their_data
 from test_pipeline_ep import (
     DT,
     EP,
@@ -222,15 +222,5 @@ def test_sends_go_out_the_moment_their_data_exists_whatever_the_modes(runs: dict
     gradient's send follows its dx pass and an activation's its forward's last phase, with no compute in
     between (a pair started with its backward made the gradient first, and it waited behind the
     activation the wire order put ahead of it)."""
-    checked = {"act": 0, "grad": 0}
-    for *_, events, _ in runs[("dualpipev", 2, True)]:
-        events = sorted(events, key=lambda e: e.start)
-        for i, e in enumerate(events):
-            if not (e.lane == "comm" and e.kind == "p2p send" and e.step == "pair"):
-                continue
-            last = next(c for c in reversed(events[:i]) if c.lane == "compute" and _compute(c))
-            own = last.kind in ("F" if e.what == "act" else "BI") and _compute(last)[2::2] == (e.stage,
-                                                                                             e.microbatch)
-            assert own, (e.name, last.name)
-            checked[e.what] += 1
+    checked = check_pair_sends_follow_their_data([events for *_, events, _ in runs[("dualpipev", 2, True)]])
     assert min(checked.values()) >= 2, checked

@@ -177,8 +177,16 @@ def test_sends_go_out_the_moment_their_data_exists(runs: dict, key: tuple) -> No
     forward ends first (a backward with more MoE layers: 5 layers, the first dense, over 4 chunks), and
     its pair's gradient goes to the same rank: the wire order lists a pair's messages in the order they
     exist (`stage_turns`)."""
+    checked = check_pair_sends_follow_their_data([events for events, _ in runs[key]])
+    assert min(checked.values()) >= 2, checked
+
+
+def check_pair_sends_follow_their_data(timelines: list[list[TraceEvent]]) -> dict[str, int]:
+    """Asserts that every P2P send of an F&B pair in `timelines` (one per rank) follows, with no compute
+    in between, the compute that made its data: an activation its forward's last phase, a gradient its
+    dx pass; returns how many of each it checked."""
     checked = {"act": 0, "grad": 0}
-    for events, _ in runs[key]:
+    for events in timelines:
         events = sorted(events, key=lambda e: e.start)
         for i, e in enumerate(events):
             if not (e.lane == "comm" and e.kind == "p2p send" and e.step == "pair"):
@@ -188,7 +196,7 @@ def test_sends_go_out_the_moment_their_data_exists(runs: dict, key: tuple) -> No
                                                                                              e.microbatch)
             assert own, (e.name, last.name, events[i - 1].name)
             checked[e.what] += 1
-    assert min(checked.values()) >= 2, checked
+    return checked
 
 
 LONE = {("dispatch", "F"): ("F", "shared"), ("combine", "B"): ("B", "shared"),
