@@ -63,7 +63,8 @@ def even_stages(pred: E.Prediction) -> None:
                         ("per-stage, no all-to-all or P2P", dataclasses.replace(c, a2a=0.0, p2p=0.0)),
                         ("even, no all-to-all or P2P", dataclasses.replace(even, a2a=0.0, p2p=0.0))):
         r = S.simulate(s, costs)
-        print(f"  {name:<34} {r.makespan:10.3f} {100 * sum(r.bubble_fraction) / len(r.bubble_fraction):6.1f}%")
+        bubble_pct = 100 * sum(r.bubble_fraction) / len(r.bubble_fraction)
+        print(f"  {name:<34} {r.makespan:10.3f} {bubble_pct:6.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:

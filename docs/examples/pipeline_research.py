@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
+from fmoe.parallel import close_default_group, exit_process
 from fmoe.pipeline import gpt_pipeline_step, split_microbatches
 
 LR = 0.05
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
     dist.init_process_group("gloo")  # env:// from torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    succeeded = False
     try:
         rank, pp = dist.get_rank(), dist.get_world_size()
         if args.schedule_file is not None:
@@ -81,9 +83,10 @@ def main() -> None:
         for step, loss in enumerate(train(s, rank, dist.group.WORLD if pp > 1 else None, args.steps), 1):
             if rank == 0:
                 print(f"step {step} loss {loss!r}", flush=True)
+        succeeded = True
     finally:
-        dist.destroy_process_group()
-
+        close_default_group(succeeded)  # a barrier first when every rank got here
+    exit_process(0)  # gloo's threads may still hold tensors: a finalizing interpreter would abort
 
 if __name__ == "__main__":
     main()

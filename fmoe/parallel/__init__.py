@@ -25,6 +25,7 @@ from fmoe.parallel.failure import CollectiveError, check_peers, fail_fast
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.mesh import ParallelLayout
+from fmoe.parallel.teardown import close_default_group, exit_process
 from fmoe.parallel.topology import Topology
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.parallel.traffic import (
@@ -58,6 +59,8 @@ __all__ = [
     "alltoall_combine_bytes",
     "alltoall_dispatch_bytes",
     "check_peers",
+    "close_default_group",
+    "exit_process",
     "expected_alltoall_bytes",
     "expected_hierarchical_bytes",
     "experts_per_rank",

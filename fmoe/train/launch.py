@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
+from fmoe.parallel.teardown import close_default_group, exit_process
 from fmoe.pipeline.cut import cut_imbalance_pct
 from fmoe.precision import float32_matmul_precision
 from fmoe.schedule.imbalance import imbalance_pct
@@ -295,23 +296,18 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     if summary is not None:
         with open(out_path, "w") as f:
             f.write(summary)
-    # The work is done and the group closed: leave without the interpreter's finalization, during which
-    # gloo's threads may still drop tensors (a GIL taken at teardown aborts the process: "terminate called
-    # without an active exception", twice in today's test runs, after every step had been written).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_process(0)  # the group is closed; leave before gloo's threads meet finalization (teardown.py)
 
 
 def _train_and_close(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
-    """`train_rank`, then the process group closed: after a barrier when the run succeeded, so no rank
-    tears its connections down while a peer still talks to it (gloo aborts the process then)."""
+    """`train_rank`, then the default process group closed (`close_default_group`: a barrier first when
+    the run succeeded)."""
+    succeeded = False
     try:
         summary = train_rank(tc, world, save_claimed)
-        if world.size > 1:
-            dist.barrier()
+        succeeded = True
     finally:
-        dist.destroy_process_group()
+        close_default_group(succeeded)
     return summary
 
 
@@ -328,16 +324,8 @@ def launch(tc: TrainConfig) -> int:
     if problem is not None:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2
-    if torchrun:
-        try:
-            summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
-        except CheckpointError as exc:
-            return _checkpoint_failed(str(exc))
-        except RunError as exc:
-            return _run_failed(str(exc))
-        if summary:
-            print(summary)
-        return 0
+    if torchrun:  # this process is one rank: it ends here, without finalization (teardown.py)
+        exit_process(_torchrun_rank(tc))
     try:
         device_type = _device_type(tc)
         available = device_counts()[device_type] if device_type != "cpu" else tc.world_size
@@ -359,6 +347,19 @@ def launch(tc: TrainConfig) -> int:
     finally:
         if lock is not None:
             lock.close()
+
+
+def _torchrun_rank(tc: TrainConfig) -> int:
+    """This process's rank of a torchrun job, trained and its group closed; returns the exit code."""
+    try:
+        summary = _train_and_close(tc, _world(tc, int(os.environ.get("LOCAL_RANK", 0))))
+    except CheckpointError as exc:
+        return _checkpoint_failed(str(exc))
+    except RunError as exc:
+        return _run_failed(str(exc))
+    if summary:
+        print(summary)
+    return 0
 
 
 def _checkpoint_failed(message: str) -> int:
