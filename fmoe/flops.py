@@ -47,13 +47,21 @@ def head_flops(D: int, V: int) -> float:
 def gpt_part_flops(cfg: GPTConfig, seq: int = 0) -> tuple[tuple[float, ...], float, float]:
     """Returns (per-layer FLOPs [n_layers], embedding, final norm + head + loss + MTP) per token of one
     forward of `cfg` at sequence length `seq` (0: the attention core left out)."""
+    layers, first, (head, mtp) = gpt_tail_part_flops(cfg, seq)
+    return layers, first, head + mtp
+
+
+def gpt_tail_part_flops(cfg: GPTConfig, seq: int = 0) -> tuple[tuple[float, ...], float, tuple[float, float]]:
+    """Returns `gpt_part_flops` with the last part in two: (final norm + head + loss, MTP: its input
+    projection, block, and pass through the shared head and loss; 0 without MTP). The MTP part can run
+    on a stage of its own after the loss (fmoe.pipeline.cut)."""
     D, m = cfg.d_model, cfg.moe
     proj, core = attention_flops(D, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seq, r=cfg.qk_rope_head_dim,
                                  e=cfg.v_head_dim or 0, Cq=cfg.q_lora_rank, Ckv=cfg.kv_lora_rank)
     dense = proj + core + swiglu_flops(D, cfg.d_ff_dense)
     moe = proj + core + moe_flops(D, m.num_experts, m.top_k, m.d_ff, m.num_shared_experts)
     layers = tuple(dense if i < cfg.num_dense_layers else moe for i in range(cfg.n_layers))
-    last = head_flops(D, cfg.vocab_size)
-    if cfg.mtp:  # one MoE block, its 2D -> D projection, a second pass through the shared head
-        last += (moe if cfg.n_layers > cfg.num_dense_layers else dense) + 4.0 * D * D + last
-    return layers, GATHER_FLOPS_PER_FEATURE * D, last
+    head = head_flops(D, cfg.vocab_size)
+    # one MoE block, its 2D -> D projection, a second pass through the shared head
+    mtp = (moe if cfg.n_layers > cfg.num_dense_layers else dense) + 4.0 * D * D + head if cfg.mtp else 0.0
+    return layers, GATHER_FLOPS_PER_FEATURE * D, (head, mtp)

@@ -374,37 +374,46 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any, overlap: LayerOverlap | Non
 
 
 def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
-    """Returns the MTP input layer: keeps the main hidden state as acts["main_BSD"] and starts the MTP
-    stream h' = proj([norm(h_i); norm(embed(token i+1))]) in acts[h_BSD], on all S positions (Megatron's
-    MTP: the last one's loss is ignored, `mtp_targets`), so it splits like the main stream under sequence
+    """Returns the MTP input layer: starts the MTP stream h' = proj([norm(h_i); norm(embed(token i+1))])
+    from the main hidden state in acts[h_BSD] (which it replaces), on all S positions (Megatron's MTP: the
+    last one's loss is ignored, `mtp_targets`), so it splits like the main stream under sequence
     parallelism. `tp`, `sequence_parallel`: `mtp_input`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, tp,
                           sequence_parallel)
-        return {**{k: v for k, v in acts.items() if k != H}, "main_BSD": acts[H], H: z_BSD}, meta
+        return {**acts, H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
     return Layer("mtp_in", (Phase("mtp_in", "compute", fn=fn, param_paths=paths),))
 
 
 def head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
-    """Returns the head + loss layer: final norm, head, cross-entropy ("ce"); with MTP also
-    mtp_loss_weight * the MTP cross-entropy ("mtp"), and the unweighted one, detached, as
-    meta["mtp_loss"]. Ends the path: returns losses only. `tp`, `sequence_parallel`: `logits_loss`'s."""
+    """Returns the head + loss layer: final norm, head, cross-entropy ("ce"). Without MTP it ends the
+    path (returns the loss only); with MTP it passes the hidden state on to the MTP module, on this
+    stage or the next. `tp`, `sequence_parallel`: `logits_loss`'s."""
     sp = sequence_parallel
 
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        norm_D, w_DV = p["norm"], p["head"]["w"]
-        targets = meta["targets_BS"]
-        if cfg.mtp:
-            mtp = logits_loss(acts[H], p["mtp"]["norm"], w_DV, mtp_targets(targets), cfg, tp, sp)
-            ce = logits_loss(acts["main_BSD"], norm_D, w_DV, targets, cfg, tp, sp)
-            return {"ce": ce, "mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
-        return {"ce": logits_loss(acts[H], norm_D, w_DV, targets, cfg, tp, sp)}, meta
+        ce = logits_loss(acts[H], p["norm"], p["head"]["w"], meta["targets_BS"], cfg, tp, sp)
+        return ({**acts, "ce": ce} if cfg.mtp else {"ce": ce}), meta
 
-    paths = (("norm",), ("head", "w")) + ((("mtp", "norm"),) if cfg.mtp else ())
-    losses = ("ce", "mtp") if cfg.mtp else ("ce",)
-    return Layer("head", (Phase("head", "compute", fn=fn, param_paths=paths, losses=losses),))
+    return Layer("head", (Phase("head", "compute", fn=fn, param_paths=(("norm",), ("head", "w")),
+                                losses=("ce",)),))
+
+
+def mtp_head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
+    """Returns the MTP module's head + loss layer: its norm, the shared head, mtp_loss_weight x the MTP
+    cross-entropy ("mtp"), and the unweighted one, detached, as meta["mtp_loss"]. Ends the path: returns
+    the loss only. `tp`, `sequence_parallel`: `logits_loss`'s."""
+    sp = sequence_parallel
+
+    def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        mtp = logits_loss(acts[H], p["mtp"]["norm"], p["head"]["w"], mtp_targets(meta["targets_BS"]), cfg,
+                          tp, sp)
+        return {"mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
+
+    paths = (("mtp", "norm"), ("head", "w"))
+    return Layer("mtp_head", (Phase("mtp_head", "compute", fn=fn, param_paths=paths, losses=("mtp",)),))
 
 
 def moe_layer_names(cfg: GPTConfig) -> set[str]:
@@ -416,14 +425,17 @@ def moe_layer_names(cfg: GPTConfig) -> set[str]:
 def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
                layers: tuple[int, ...] | range, first: bool, last: bool, a2a_chunks: int = 1,
                head: bool = True, tp: CommGroup | None = None,
-               sequence_parallel: bool = False, overlap: Overlap | None = None) -> list[Layer]:
+               sequence_parallel: bool = False, overlap: Overlap | None = None,
+               main_head: bool | None = None) -> list[Layer]:
     """Returns the GPT's layers of one model chunk in order: the embedding when `first`, model layers
-    `layers` (dense or MoE, reading `state`), and when `last` MTP (if cfg.mtp) and, with `head`, the head
-    + loss; cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs one chunk;
-    one process is one chunk with every layer. `tp`, `sequence_parallel`: tensor parallelism of every
-    layer (params this rank's shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group).
-    `overlap`: each MoE layer's overlap modes (fmoe.overlap: one LayerOverlap for all, or by layer name,
-    "L3", "MTP"), instead of `a2a_chunks`; None: `a2a_chunks`' (moe_layer)."""
+    `layers` (dense or MoE, reading `state`), the final norm + head + loss when `main_head` (None: when
+    `last`), and when `last` the MTP module (if cfg.mtp: its input, block, head + loss); without `head`
+    no losses (neither head). cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs
+    one chunk (fmoe.pipeline.cut.ChunkSpec); one process is one chunk with every layer. `tp`,
+    `sequence_parallel`: tensor parallelism of every layer (params this rank's shards,
+    fmoe/tp_layout.py; the dispatcher over the ep x tp expert group). `overlap`: each MoE layer's overlap
+    modes (fmoe.overlap: one LayerOverlap for all, or by layer name, "L3", "MTP"), instead of
+    `a2a_chunks`; None: `a2a_chunks`' (moe_layer)."""
     if sequence_parallel and tp is None:
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     check_names(overlap, moe_layer_names(cfg))
@@ -436,13 +448,14 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
             out.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i], state["layers"][i],
                                  dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
                                  overlap=None if overlap is None else layer_overlap(overlap, f"L{i}")))
-    if last and head:
-        if cfg.mtp:
-            out.append(mtp_in_layer(cfg, tp, sp))
-            out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
-                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
-                                 overlap=None if overlap is None else layer_overlap(overlap, "MTP")))
+    if head and (last if main_head is None else main_head):
         out.append(head_layer(cfg, tp, sp))
+    if head and last and cfg.mtp:
+        out.append(mtp_in_layer(cfg, tp, sp))
+        out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
+                             dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
+                             overlap=None if overlap is None else layer_overlap(overlap, "MTP")))
+        out.append(mtp_head_layer(cfg, tp, sp))
     return chunk_layers(cfg.recompute, tuple(layers), out)
 
 

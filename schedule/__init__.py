@@ -23,8 +23,10 @@ from fmoe.schedule.imbalance import LayerPlacement as LayerPlacement
 from fmoe.schedule.imbalance import balance_layers as balance_layers
 from fmoe.schedule.imbalance import balance_layers_or_empty as balance_layers_or_empty
 from fmoe.schedule.imbalance import cost_rank_costs as cost_rank_costs
+from fmoe.schedule.imbalance import cost_stage_costs as cost_stage_costs
 from fmoe.schedule.imbalance import even_layers as even_layers
 from fmoe.schedule.imbalance import imbalance_pct as imbalance_pct
+from fmoe.schedule.imbalance import least_stage_cost as least_stage_cost
 from fmoe.schedule.imbalance import place_layers as place_layers
 from fmoe.schedule.imbalance import rank_costs as rank_costs
 from fmoe.schedule.imbalance import stage_costs as stage_costs

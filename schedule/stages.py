@@ -45,3 +45,15 @@ def chunk_placement(placement: Placement) -> Placement:
     if placement.kind == "bidirectional":
         return loop(placement.pp)
     return placement
+
+
+def cost_placement(placement: Placement) -> Placement:
+    """Returns the placement over the model's chunks whose rank costs are each rank's load per
+    microbatch (what a layer cut balances): `chunk_placement`, except for DualPipe with an even pp, whose
+    rank j runs chunk j for the microbatches going down and chunk pp-1-j for those going up, half each:
+    ranks j and pp-1-j carry the same load, the V placement's over pp/2 ranks (rank j holding chunks j and
+    pp-1-j)."""
+    if placement.kind == "bidirectional" and placement.pp % 2 == 0:
+        return vshape(placement.pp // 2)
+    return chunk_placement(placement)
+

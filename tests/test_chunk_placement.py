@@ -63,7 +63,7 @@ def test_the_planner_follows_chunk_placement(name: str, pp: int) -> None:
     vpp = chunks.num_stages // pp  # the chunks per rank
     lay = L.Layout(tp=1, pp=pp, ep=1, dp=1, vpp=vpp, schedule=name, overlap=False, micro_batch=1)
     ctx = E.Context(model, cluster, pp, 4 * pp)
-    got, layers = E._chunks(ctx, lay, s)
+    got, layers, _ = E._chunks(ctx, lay, s)
     assert got == chunks and len(layers) == chunks.num_stages and sum(layers) == model.layers
     assert L.problem(model, cluster, pp, lay, 4 * pp) is None  # the layout rule places layers on the same
     if chunks.num_stages > 1:  # a chunk without a layer: refused by the same rule

@@ -4,8 +4,13 @@ takes the same update and the copies stay identical.
 Which weights: the embedding table that the MTP module on the last stage reads next to the first stage,
 the output head, and with DualPipe every chunk (held once per direction). A `SharedGrads` is built on
 every rank from the same global list (path, holder ranks). A set of holders that is the whole pipeline
-group reduces over that group; a smaller set gets its own process group, created by its members only
-(local synchronisation), in the same order on each. Each set sums its leaves in one flat all-reduce.
+group sums its leaves in one flat all-reduce over that group. A smaller set exchanges its flat buffer
+point to point over the pipeline group (one batched isend / irecv per peer, NCCL-safe) and each holder
+adds the copies in rank order, so every holder gets the same bits. Not a process group of its own:
+torch names a group created by its members only (`use_local_synchronization`) after how many groups
+each member already has (`_hash_ranks_to_str`), so members with different histories (rank 0 holding
+the embedding with rank 3, then the head with rank 1) wait forever on names that differ. The sets are
+taken in one global order, the same on every rank, so no two holders wait on each other in a cycle.
 """
 
 from __future__ import annotations
@@ -35,30 +40,41 @@ class SharedGrads:
                 by_set.setdefault(ranks, []).append(path)
         self.me = dist.get_rank(group)
         size = dist.get_world_size(group)
-        self.sets: list[tuple[tuple[int, ...], list[Path], dist.ProcessGroup | None]] = []
-        for ranks, paths in sorted(by_set.items()):
-            if self.me not in ranks:
-                continue
-            if len(ranks) == size:  # every pipeline rank holds it: the pipeline group itself
-                sub = group
-            else:
-                # Only the holders create it (local synchronisation): several pipeline groups (one per
-                # data- / expert-parallel position) build theirs at once without a world-wide barrier.
-                members = [dist.get_global_rank(group, r) if group is not None else r for r in ranks]
-                sub = dist.new_group(members, use_local_synchronization=True)
-            self.sets.append((ranks, paths, sub))
+        # (holder ranks in `group`, paths, whether the set is the whole group)
+        self.sets: list[tuple[tuple[int, ...], list[Path], bool]] = [
+            (ranks, paths, len(ranks) == size) for ranks, paths in sorted(by_set.items()) if self.me in ranks]
 
     def reduce(self, grads: dict[str, Any]) -> None:
         """Sums, in place, the gradients at the shared paths of `grads` (nested dicts) across their holders;
         returns None. Raises KeyError naming a shared path this rank should hold but has no gradient for."""
-        for _ranks, paths, sub in self.sets:
+        for ranks, paths, whole in self.sets:
             leaves = [g for p in paths for g in _leaves(_node(grads, p))]
             flat = torch.cat([g.reshape(-1) for g in leaves])
-            dist.all_reduce(flat, group=sub)
+            if whole:
+                dist.all_reduce(flat, group=self.group)
+            else:
+                flat = self._sum_among(ranks, flat)
             offset = 0
             for g in leaves:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    def _sum_among(self, ranks: tuple[int, ...], flat: torch.Tensor) -> torch.Tensor:
+        """Returns the sum of every holder's `flat` [N] (the holders `ranks` in `group`), added in rank order;
+        the copies travel point to point, one batched send and receive per peer."""
+        copies = {r: flat if r == self.me else torch.empty_like(flat) for r in ranks}
+        ops = []
+        for r in ranks:
+            if r != self.me:
+                peer = dist.get_global_rank(self.group, r) if self.group is not None else r
+                ops += [dist.P2POp(dist.isend, flat, peer, self.group),
+                        dist.P2POp(dist.irecv, copies[r], peer, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        total = copies[ranks[0]].clone()
+        for r in ranks[1:]:
+            total += copies[r]
+        return total
 
 
 def _node(tree: Mapping[str, Any], path: Path) -> Any:

@@ -81,7 +81,7 @@ def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any],
     for stage in s.placement.stages_of(rank):
         chunk = chunks[s.placement.layer_chunk[stage]]
         layers = gpt_layers(cfg, params, state, dispatcher, layers=chunk.layers, first=chunk.first,
-                            last=chunk.last, a2a_chunks=a2a_chunks, tp=tp,
+                            last=chunk.last, main_head=chunk.head, a2a_chunks=a2a_chunks, tp=tp,
                             sequence_parallel=sequence_parallel, overlap=overlap)
         S_here = S // tp.size if sequence_parallel else S  # the hidden state's positions on this rank
         spec = {} if chunk.first else {"h_BSD": ((B, S_here, cfg.d_model), dtype)}

@@ -33,6 +33,8 @@ from fmoe.plan.layer_costs import (
     fp8_flops,
     fp8_saved_bytes,
     head_cost,
+    loss_cost,
+    mtp_cost,
     part_attn_flops,
     part_costs,
     totals,
@@ -76,6 +78,7 @@ class Prediction:
     costs: S.Costs | None = None  # what the simulator was given (per stage, seconds)
     cut_imbalance_pct: float = 0.0  # the layer cut's modelled per-rank compute imbalance, (max/mean-1) x 100
     overlap_modes: tuple[str, str] = DEFAULT_MODES  # how MoE layers hide their all-to-all: (in a pair, alone)
+    cut_stage_imbalance_pct: float = 0.0  # the same per chunk (what a rank holding several waits on too)
 
     def as_dict(self) -> dict[str, object]:
         """Plain summary (for --json): the layout's fields, schedule, overlap and the predicted figures."""
@@ -108,6 +111,7 @@ class Prediction:
             "times": self.times,
             "memory": self.memory,
             "cut_imbalance_pct": self.cut_imbalance_pct,
+            "cut_stage_imbalance_pct": self.cut_stage_imbalance_pct,
             "pair_overlap": self.overlap_modes[0],
             "lone_overlap": self.overlap_modes[1],
         }
@@ -305,10 +309,11 @@ def _nodes_touched(m: ModelSpec, nodes: int) -> float:
     return min(touched, m.max_nodes_per_token) if m.max_nodes_per_token else touched
 
 
-def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...]]:
-    """The model-chunk placement and the layers per chunk (the balanced cut, as the runtime's)."""
-    chunks = S.stages.chunk_placement(s.placement)
-    return chunks, _cut(ctx, lay, chunks).layers
+def _chunks(ctx: Context, lay: L.Layout, s: S.Schedule) -> tuple[S.Placement, tuple[int, ...], bool]:
+    """The model-chunk placement, the layers per chunk (the balanced cut, as the runtime's) and whether
+    the MTP modules run alone on the last chunk (the loss on the one before)."""
+    cut = _cut(ctx, lay, S.stages.cost_placement(s.placement))
+    return S.stages.chunk_placement(s.placement), cut.layers, cut.split_last > 0
 
 
 CUT_ROUND = 20  # the cut's costs in 1/20 of a MoE layer: finer moves no layer, and misses the cache
@@ -317,25 +322,29 @@ CUT_ROUND = 20  # the cut's costs in 1/20 of a MoE layer: finer moves no layer, 
 def _cut(ctx: Context, lay: L.Layout, chunks: S.Placement) -> S.LayerPlacement:
     """The cut that evens per-rank compute (`S.balance_layers_or_empty`, the runtime's rule), priced by
     the modelled F + B of a microbatch: dense and MoE layers apart, the embedding on the first chunk, the
-    head + loss + MTP on the last; costs in MoE layers, rounded to 1/CUT_ROUND so that alike layouts
-    share one search."""
+    head + loss + MTP on the last (or the MTP alone on the last, the loss on the one before); costs in
+    MoE layers, rounded to 1/CUT_ROUND so that alike layouts share one search."""
     m = ctx.model
 
-    def busy(cost: LayerCost) -> float:
+    def busy(cost: LayerCost | None) -> float:
+        if cost is None:
+            return 0.0
         ph = _layer_phases(ctx, lay, cost)
         return ph.f + ph.b
 
     moe = busy(block_cost(m, True)) if m.moe_layers else busy(block_cost(m, False))
-    dense, first, last = (busy(c) / moe for c in (block_cost(m, False), embed_cost(m), head_cost(m)))
-    dense, first, last = (round(x * CUT_ROUND) / CUT_ROUND for x in (dense, first, last))
-    return _place(chunks, m.dense_layers, m.moe_layers, dense, first, last)
+    dense, first, last, mtp = (busy(c) / moe for c in (block_cost(m, False), embed_cost(m), head_cost(m),
+                                                         mtp_cost(m)))
+    dense, first, last, mtp = (round(x * CUT_ROUND) / CUT_ROUND for x in (dense, first, last, mtp))
+    return _place(chunks, m.dense_layers, m.moe_layers, dense, first, last, min(mtp, last))
 
 
 @functools.lru_cache(maxsize=65536)
 def _place(chunks: S.Placement, n_dense: int, n_moe: int, dense: float, first: float,
-           last: float) -> S.LayerPlacement:
-    """The balanced cut of n_dense layers costing `dense` then n_moe costing 1 (cached: layouts share it)."""
-    return S.balance_layers_or_empty(chunks, (dense,) * n_dense + (1.0,) * n_moe, first, last)
+           last: float, mtp: float) -> S.LayerPlacement:
+    """The balanced cut of n_dense layers costing `dense` then n_moe costing 1 (cached: layouts share it);
+    `mtp` the part of `last` that may run alone on the last chunk."""
+    return S.balance_layers_or_empty(chunks, (dense,) * n_dense + (1.0,) * n_moe, first, last, split_last=mtp)
 
 
 def _sim_schedule(lay: L.Layout, m: int) -> tuple[S.Schedule, S.Schedule | None, int]:
@@ -384,11 +393,17 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     s_full = L.executed_schedule(
         lay.schedule, lay.pp, min(m, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(m, 16), max(lay.vpp, 1)
     )
-    _, layers_C = _chunks(ctx, lay, s_full)
+    _, layers_C, mtp_alone = _chunks(ctx, lay, s_full)
     dense_blk, moe_blk = block_cost(model, False), block_cost(model, True)
-    emb, head = embed_cost(model), head_cost(model)
+    emb, head, loss, mtp = embed_cost(model), head_cost(model), loss_cost(model), mtp_cost(model)
     ph_dense, ph_moe = _layer_phases(ctx, lay, dense_blk), _layer_phases(ctx, lay, moe_blk)
-    ph_emb, ph_head = _layer_phases(ctx, lay, emb), _layer_phases(ctx, lay, head)
+    ph_emb = _layer_phases(ctx, lay, emb)
+    # the end of the model: on the last chunk, or the loss on the one before and the MTP alone on it
+    ends = {"head": (_layer_phases(ctx, lay, head), head)}
+    if mtp_alone:
+        ends = {"loss": (_layer_phases(ctx, lay, loss), loss), "mtp": (_layer_phases(ctx, lay, mtp), mtp)}
+    n_C = len(layers_C)
+    end_of = {n_C - 2: "loss", n_C - 1: "mtp"} if mtp_alone else {n_C - 1: "head"}
 
     # per chunk: phases, MoE layers, parameters, activations
     chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb, chunk_b = (
@@ -398,13 +413,13 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     b = DTYPE_BYTES[model.dtype]
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
     memo: dict[
-        tuple[int, int, bool, bool], tuple[float, ...]
+        tuple[int, int, bool, str | None], tuple[float, ...]
     ] = {}  # most chunks are alike: price each kind once
     start = 0
     for k, n in enumerate(layers_C):
         n_dense = max(0, min(n, model.dense_layers - start))
         start += n
-        key = (n_dense, n - n_dense, k == 0, k == len(layers_C) - 1)
+        key = (n_dense, n - n_dense, k == 0, end_of.get(k))
         if key not in memo:
             memo[key] = _chunk(
                 model,
@@ -415,7 +430,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
                 (ph_dense, dense_blk),
                 (ph_moe, moe_blk),
                 (ph_emb, emb),
-                (ph_head, head),
+                ends.get(key[3]),
             )
         f, i, w, n_moe, dp_, ep_, act, wb, b_ = memo[key]
         # the executor's own work per stage and microbatch, whatever its layers, in the backward
@@ -444,7 +459,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         r = s_full.placement.stage_rank[stage]
         rank_dense[r] += chunk_dense_p[k] / lay.tp
         rank_exp[r] += chunk_exp_p[k] / (lay.ep * lay.tp)
-        rank_layers[r] += layers_C[k] + (k == 0) + (k == len(layers_C) - 1)
+        rank_layers[r] += layers_C[k] + (k == 0) + (k in end_of)
     mixed = model.dtype != "fp32"
     w_bytes = (b + 4) if mixed else 4
     dense_shard = lay.data_ranks if lay.zero1 else 1
@@ -564,6 +579,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         "tp_comm_per_layer": ph_moe.tp_comm,
         **tried,  # the step under each overlap choice priced
     }
+    cut = _cut(ctx, lay, S.stages.cost_placement(s_full.placement))
     return Prediction(
         lay,
         m,
@@ -580,25 +596,27 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         mem,
         a2a_bytes,
         costs,
-        _cut(ctx, lay, S.stages.chunk_placement(s_full.placement)).imbalance_pct,
+        cut.imbalance_pct,
         modes,
+        cut.stage_imbalance_pct,
     )
 
 
 def _chunk(
     model: ModelSpec,
     lay: L.Layout,
-    key: tuple[int, int, bool, bool],
+    key: tuple[int, int, bool, str | None],
     T: int,
     load: float,
-    *priced: tuple[_Phases, LayerCost],
+    *priced: tuple[_Phases, LayerCost] | None,
 ) -> tuple[float, ...]:
     """(F, I, W, MoE layers, dense params, expert params, activation bytes, W bytes, B) of one chunk with
-    n_dense dense and n_moe MoE layers, the embedding when first, the head (and MTP) when last."""
-    n_dense, n_moe, first, last = key
-    (dense, moe, emb, head), b = priced, DTYPE_BYTES[model.dtype]
+    n_dense dense and n_moe MoE layers, the embedding when first, and its end of the model: "head" (the
+    loss and the MTP modules), "loss" or "mtp" (the MTP modules alone), None."""
+    n_dense, n_moe, first, end = key
+    (dense, moe, emb, tail), b = priced, DTYPE_BYTES[model.dtype]
     parts = (
-        [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*head, 1)] if last else [])
+        [(*dense, n_dense), (*moe, n_moe)] + ([(*emb, 1)] if first else []) + ([(*tail, 1)] if end else [])
     )
     act = wb = 0.0
     recomputed = L.recompute_parts(lay.recompute) or ()
@@ -619,7 +637,7 @@ def _chunk(
         sum(p.f * q for p, _, q in parts),
         sum(p.i * q for p, _, q in parts),
         sum(p.w * q for p, _, q in parts),
-        n_moe + (model.mtp if last else 0),
+        n_moe + (model.mtp if end in ("head", "mtp") else 0),
         sum(lc.dense_params * q for _, lc, q in parts),
         sum(lc.expert_params * q for _, lc, q in parts),
         act,

@@ -15,6 +15,7 @@ of the GEMMs), which zero-bubble schedules keep until W.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -111,28 +112,38 @@ def embed_cost(m: ModelSpec) -> LayerCost:
 
 
 @functools.lru_cache(maxsize=256)
-def head_cost(m: ModelSpec) -> LayerCost:
-    """Final norm, output head and loss (plus the MTP modules, each a 2h -> h projection, one MoE block
-    and the shared head). The fp32 logits dominate its activations."""
+def loss_cost(m: ModelSpec) -> LayerCost:
+    """Final norm, output head and loss (kind "loss"); the fp32 logits dominate its activations."""
     h, V, b = m.hidden, m.vocab, DTYPE_BYTES[m.dtype]
     head_params = (0 if m.tied_embeddings else V * h) + h
-    cost = LayerCost("head", head_params, 0, 2.0 * h * V, 0.0, 0.0, b * h + 4 * V, b * h, 0.0, False)
+    return LayerCost("loss", head_params, 0, 2.0 * h * V, 0.0, 0.0, b * h + 4 * V, b * h, 0.0, False)
+
+
+@functools.lru_cache(maxsize=256)
+def mtp_cost(m: ModelSpec) -> LayerCost | None:
+    """The MTP modules (kind "mtp"): each a 2h -> h projection, one block and a pass through the shared
+    head and loss; None without MTP. The runtime may run them on a chunk of their own after the loss."""
     if not m.mtp:
-        return cost
-    blk = block_cost(m, moe=m.moe_layers > 0)
-    per = m.mtp
-    return LayerCost(
-        "head",
-        head_params + per * (blk.dense_params + 2 * h * h + 3 * h),
-        per * blk.expert_params,
-        cost.dense_flops + per * (blk.dense_flops + 4 * h * h + 2 * h * V),
-        per * blk.expert_flops,
-        per * blk.attn_flops,
-        cost.act_bytes + per * (blk.act_bytes + b * 3 * h + 4 * V),
-        cost.w_bytes + per * (blk.w_bytes + 2 * b * h),
-        per * blk.expert_act_bytes,
-        blk.moe,
-    )
+        return None
+    h, V, b = m.hidden, m.vocab, DTYPE_BYTES[m.dtype]
+    blk, per = block_cost(m, moe=m.moe_layers > 0), m.mtp
+    return LayerCost("mtp", per * (blk.dense_params + 2 * h * h + 3 * h), per * blk.expert_params,
+                     per * (blk.dense_flops + 4 * h * h + 2 * h * V), per * blk.expert_flops,
+                     per * blk.attn_flops, per * (blk.act_bytes + b * 3 * h + 4 * V),
+                     per * (blk.w_bytes + 2 * b * h), per * blk.expert_act_bytes, blk.moe)
+
+
+@functools.lru_cache(maxsize=256)
+def head_cost(m: ModelSpec) -> LayerCost:
+    """The end of the model on one chunk (kind "head"): `loss_cost` and `mtp_cost` together."""
+    loss, mtp = loss_cost(m), mtp_cost(m)
+    if mtp is None:
+        return dataclasses.replace(loss, kind="head")
+    return LayerCost("head", *(getattr(loss, f) + getattr(mtp, f) for f in _SUMMED), mtp.moe)
+
+
+_SUMMED = ("dense_params", "expert_params", "dense_flops", "expert_flops", "attn_flops", "act_bytes",
+           "w_bytes", "expert_act_bytes")
 
 
 @dataclass(frozen=True)
@@ -282,9 +293,9 @@ def _mlp_flops(m: ModelSpec, kind: str) -> dict[str, float]:
     """Forward GEMM FLOPs per token of a layer of `kind` per group of specs.FP8_GROUPS (the MTP modules'
     blocks count in the head's)."""
     h, f, S = m.hidden, m.expert_ffn, m.shared_experts
-    if kind == "embed":
+    if kind in ("embed", "loss"):
         return {}
-    if kind == "head":
+    if kind in ("head", "mtp"):  # the head's: its MTP modules'
         if not m.mtp:
             return {}
         blk = _mlp_flops(m, "moe" if m.moe_layers > 0 else "dense")
@@ -314,7 +325,9 @@ def fp8_saved_bytes(m: ModelSpec, kind: str) -> tuple[float, float]:
     b = DTYPE_BYTES[m.dtype]
     if kind == "embed" or b <= 1:
         return 0.0, 0.0
-    if kind == "head":
+    if kind == "loss":
+        return 0.0, 0.0
+    if kind in ("head", "mtp"):  # the head's: its MTP modules'
         if not m.mtp:
             return 0.0, 0.0
         d, e = fp8_saved_bytes(m, "moe" if m.moe_layers > 0 else "dense")
@@ -343,9 +356,9 @@ def part_costs(m: ModelSpec, kind: str) -> dict[str, tuple[float, float]]:
     "shared_experts" the shared expert (gate, up, activation), "layernorm" and, with MLA, "mla_up_proj"
     (`norm_parts`). The head's are its MTP blocks'."""
     b, h = DTYPE_BYTES[m.dtype], m.hidden
-    if kind == "embed":
+    if kind in ("embed", "loss"):
         return {}
-    if kind == "head":
+    if kind in ("head", "mtp"):  # the head's: its MTP modules'
         if not m.mtp:
             return {}
         blk = part_costs(m, "moe" if m.moe_layers > 0 else "dense")

@@ -168,7 +168,8 @@ def explain(p: Prediction) -> str:
         f"{t['bubble']:.4g}) + exposed DP reduce {t['dp_exposed']:.4g} s + optimizer {t['optimizer']:.4g} s",
         f"  {p.tokens_per_s:.4g} tokens/s, MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble:.1f}%, exposed "
         f"communication {100 * p.exposed_comm:.1f}%",
-        f"  layer cut: modelled per-rank compute imbalance {p.cut_imbalance_pct:.1f}%",
+        f"  layer cut: modelled compute imbalance {p.cut_imbalance_pct:.1f}% per rank, "
+        f"{p.cut_stage_imbalance_pct:.1f}% per chunk",
         f"  per chunk and microbatch (max): F {t['f_chunk_max']:.4g} s, I {t['i_chunk_max']:.4g} s, W "
         f"{t['w_chunk_max']:.4g} s; recompute {t['recompute_per_layer']:.3g} s and TP collectives "
         f"{t['tp_comm_per_layer']:.3g} s per MoE layer",

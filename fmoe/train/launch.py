@@ -42,7 +42,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
 from fmoe.parallel.teardown import close_default_group, exit_process
-from fmoe.pipeline.cut import cut_imbalance_pct
+from fmoe.pipeline.cut import cut_costs
 from fmoe.precision import float32_matmul_precision
 from fmoe.schedule.imbalance import imbalance_pct
 from fmoe.schedule.timeline import TraceEvent
@@ -261,12 +261,15 @@ def _gather_trace(trainer: Trainer, path: str, lead: bool) -> None:
 
 
 def _cut(tc: TrainConfig, trainer: Trainer) -> str:
-    """The pipeline cut for the banner: layers per chunk and the modelled per-rank imbalance (FLOPs)."""
+    """The pipeline cut for the banner: layers per chunk, whether MTP runs alone on the last, and the
+    modelled imbalance (FLOPs) per rank, and per chunk where a rank holds several."""
     if trainer.schedule is None or len(trainer.chunks) == 1:
         return ""
-    pct = cut_imbalance_pct(trainer.cfg, trainer.schedule.placement, trainer.chunks, tc.seq_length)
-    return (f", cut {'+'.join(str(len(c.layers)) for c in trainer.chunks)} layers "
-            f"(modelled rank imbalance {pct:.1f}%)")
+    ranks, chunks = cut_costs(trainer.cfg, trainer.schedule.placement, trainer.chunks, tc.seq_length)
+    alone = "" if trainer.chunks[-1].head else ", MTP alone on the last chunk"
+    per_chunk = f", {imbalance_pct(chunks):.1f}% per chunk" if len(chunks) > len(ranks) else ""
+    return (f", cut {'+'.join(str(len(c.layers)) for c in trainer.chunks)} layers{alone} "
+            f"(modelled imbalance {imbalance_pct(ranks):.1f}% per rank{per_chunk})")
 
 
 def _measured_imbalance(events_by_rank: list[list[TraceEvent]]) -> float:
