@@ -49,3 +49,21 @@ def test_shared_gradients_are_summed_across_their_holders() -> None:
                 assert torch.equal(got, first), (step, path, r)  # the copies stay identical
             for r in set(range(4)) - set(ranks):
                 assert path[0] not in results[r].value[step]
+
+
+def _recorded(rank: int, world: int) -> list:
+    from nccl_rules import recording
+
+    with recording() as log:
+        _rank(rank, world)
+    return log
+
+
+def test_shared_gradient_sums_run_under_nccls_matching_rules() -> None:
+    """Every set's point-to-point copies and all-reduces, replayed under NCCL's rules (tests/nccl_rules.py):
+    one stream per rank pair, a send done only with its receive; and one queue per device."""
+    from nccl_rules import replay
+
+    logs = {r.rank: r.value for r in spawn(_recorded, 4, timeout_s=90, pg_timeout_s=20)}
+    assert replay(logs, "nccl") == []
+    assert replay(logs, "device") == []

@@ -5,7 +5,7 @@ Which weights: the embedding table that the MTP module on the last stage reads n
 the output head, and with DualPipe every chunk (held once per direction). A `SharedGrads` is built on
 every rank from the same global list (path, holder ranks). A set of holders that is the whole pipeline
 group sums its leaves in one flat all-reduce over that group. A smaller set exchanges its flat buffer
-point to point over the pipeline group (one batched isend / irecv per peer, NCCL-safe) and each holder
+point to point over the pipeline group (`_sum_among`: in an order NCCL's matching runs) and each holder
 adds the copies in rank order, so every holder gets the same bits. Not a process group of its own:
 torch names a group created by its members only (`use_local_synchronization`) after how many groups
 each member already has (`_hash_ranks_to_str`), so members with different histories (rank 0 holding
@@ -60,16 +60,20 @@ class SharedGrads:
                 offset += g.numel()
 
     def _sum_among(self, ranks: tuple[int, ...], flat: torch.Tensor) -> torch.Tensor:
-        """Returns the sum of every holder's `flat` [N] (the holders `ranks` in `group`), added in rank order;
-        the copies travel point to point, one batched send and receive per peer."""
+        """Returns the sum of every holder's `flat` [N] (the holders `ranks` in `group`), added in rank order.
+        The copies travel point to point, peers in rank order, the lower rank of a pair sending first and
+        the higher receiving first: NCCL runs a pair's sends and receives on one stream in issue order, a
+        send finishing only with its receive, so two ranks both sending first would wait on each other."""
         copies = {r: flat if r == self.me else torch.empty_like(flat) for r in ranks}
-        ops = []
+        works = []
         for r in ranks:
-            if r != self.me:
-                peer = dist.get_global_rank(self.group, r) if self.group is not None else r
-                ops += [dist.P2POp(dist.isend, flat, peer, self.group),
-                        dist.P2POp(dist.irecv, copies[r], peer, self.group)]
-        for work in dist.batch_isend_irecv(ops):
+            if r == self.me:
+                continue
+            peer = dist.get_global_rank(self.group, r) if self.group is not None else r
+            pair = [(dist.isend, flat), (dist.irecv, copies[r])]
+            for issue, buf in pair if self.me < r else pair[::-1]:
+                works.append(issue(buf, peer, group=self.group))
+        for work in works:
             work.wait()
         total = copies[ranks[0]].clone()
         for r in ranks[1:]:
