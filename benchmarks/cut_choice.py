@@ -4,7 +4,7 @@
 
 One gloo process per pipeline rank runs a step of `gpt_pipeline_step` (MTP on) under each cut of the
 same model, in an order rotated every rep: the runtime's (`cut_gpt`), the rule blind to stages (the
-least costliest rank, `STAGE_GAIN_PCT` off; it may put the MTP module alone on the last chunk) and the
+least costliest rank, `even_chunks=False`; it may put the MTP module alone on the last chunk) and the
 best cut keeping the head, the loss and MTP on the last chunk (no split), alike cuts run once. Per cut:
 the median step time, the measured per-rank compute imbalance ((max/mean - 1) x 100 of each rank's
 median compute seconds) beside the modelled one per rank and per chunk, and each rank's peak RSS rise
@@ -27,8 +27,7 @@ from fmoe.config import GPTConfig
 from fmoe.flops import gpt_tail_part_flops
 from fmoe.pipeline import gpt_pipeline_step, split_microbatches
 from fmoe.pipeline.cut import ChunkSpec, cut_costs, cut_gpt
-from fmoe.schedule import imbalance
-from fmoe.schedule.stages import chunk_placement
+from fmoe.schedule.stages import cost_placement
 from fmoe.train.config import TrainConfig
 
 
@@ -41,12 +40,8 @@ def model(preset: str) -> tuple[GPTConfig, int, int]:
 def cuts(cfg: GPTConfig, s: S.Schedule, seq: int) -> dict[str, tuple[ChunkSpec, ...]]:
     """{"runtime", "stage-blind", "MTP with the loss"}: the cuts, alike ones once (the first name kept)."""
     layers, first, (head, mtp) = gpt_tail_part_flops(cfg, seq)
-    chunks = chunk_placement(s.placement)
-    gain, imbalance.STAGE_GAIN_PCT = imbalance.STAGE_GAIN_PCT, float("inf")
-    try:
-        blind = S.balance_layers_or_empty(chunks, layers, first, head + mtp, split_last=mtp)
-    finally:
-        imbalance.STAGE_GAIN_PCT = gain
+    chunks = cost_placement(s.placement)  # as cut_gpt prices it
+    blind = S.balance_layers_or_empty(chunks, layers, first, head + mtp, split_last=mtp, even_chunks=False)
     kept = S.balance_layers_or_empty(chunks, layers, first, head + mtp)
     out: dict[str, tuple[ChunkSpec, ...]] = {"runtime": cut_gpt(cfg, s.placement, seq=seq)}
     for name, cut in (("stage-blind", blind), ("MTP with the loss", kept)):

@@ -391,7 +391,8 @@ STAGE_GAIN_PCT = 1.0
 
 
 def balance_layers_or_empty(placement: Placement, layer_costs: Sequence[float], first_extra: float = 0.0,
-                            last_extra: float = 0.0, split_last: float = 0.0) -> LayerPlacement:
+                            last_extra: float = 0.0, split_last: float = 0.0,
+                            even_chunks: bool = True) -> LayerPlacement:
     """Returns `balance_layers` with a layer per stage, or with the first / last stage left holding only
     its extra (the embedding; the head + loss + MTP) where that lowers the imbalance by at least
     EMPTY_STAGE_GAIN_PCT points and the extra is worth EMPTY_STAGE_MIN_EXTRA mean layers. A middle stage
@@ -401,7 +402,8 @@ def balance_layers_or_empty(placement: Placement, layer_costs: Sequence[float], 
     taken where it lowers the imbalance by EMPTY_STAGE_GAIN_PCT points more (LayerPlacement.split_last).
     Where a rank holds several stages: of these kinds of cut, the one with the cheapest costliest stage
     (`least_stage_cost`, then the least costliest rank under it) where its costliest rank is within
-    RANK_SLACK_PCT of the chosen cut's and its stage imbalance STAGE_GAIN_PCT points lower.
+    RANK_SLACK_PCT of the chosen cut's and its stage imbalance STAGE_GAIN_PCT points lower
+    (`even_chunks=False`: not that step, the least costliest rank only).
     Raises ScheduleError when there are fewer layers than stages."""
     S = placement.num_stages
     floor = EMPTY_STAGE_MIN_EXTRA * sum(layer_costs) / max(len(layer_costs), 1)
@@ -421,7 +423,7 @@ def balance_layers_or_empty(placement: Placement, layer_costs: Sequence[float], 
     for mins, split in kinds[1:]:  # the empty end first, then the split: each must pay over the best
         cut = balance_layers(placement, layer_costs, first_extra, last_extra, mins, split_last=split)
         best = cut if cut.imbalance_pct <= best.imbalance_pct - EMPTY_STAGE_GAIN_PCT else best
-    if len(set(placement.stage_rank)) == S:  # a stage per rank: the ranks are the stages
+    if not even_chunks or len(set(placement.stage_rank)) == S:  # a stage per rank: ranks are stages
         return best
     slack = max(best.rank_cost) * (1 + RANK_SLACK_PCT / 100)
     chosen = best

@@ -102,10 +102,8 @@ def test_a_cut_with_the_last_extra_split_is_the_optimum(kind: str, pp: int, data
     # whole last extra on the last stage
     chosen = kept = None
     if len(costs) >= n:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(imbalance, "STAGE_GAIN_PCT", float("inf"))
-            chosen = S.balance_layers_or_empty(p, costs, first, last, split_last=alone)
-            kept = S.balance_layers_or_empty(p, costs, first, last)
+        chosen = S.balance_layers_or_empty(p, costs, first, last, split_last=alone, even_chunks=False)
+        kept = S.balance_layers_or_empty(p, costs, first, last, even_chunks=False)
     if chosen is not None:
         assert chosen.imbalance_pct <= kept.imbalance_pct + 1e-9
         assert chosen.split_last in (0.0, alone) and (not chosen.split_last or chosen.layers[-1] == 0)
@@ -132,9 +130,8 @@ def test_runtime_cut_of_the_presets(preset: str, name: str, pp: int) -> None:
     n = p.num_stages
     counts = tuple(len(c.layers) for c in chunks)
     alone = not chunks[-1].head  # the MTP module on a chunk of its own, the loss on the one before
-    with pytest.MonkeyPatch.context() as patch:  # the rule blind to stages: the least costliest rank
-        patch.setattr(imbalance, "STAGE_GAIN_PCT", float("inf"))
-        blind = S.balance_layers_or_empty(p, layers, first, last, split_last=mtp)
+    # the rule blind to stages: the least costliest rank
+    blind = S.balance_layers_or_empty(p, layers, first, last, split_last=mtp, even_chunks=False)
     top = max(blind.rank_cost)
     total = sum(layers) + first + last
     one = _brute(p, list(layers), first, last, 1)  # a layer per chunk
