@@ -44,14 +44,13 @@ class CapacityInfo:
     """What the capacity step did.
 
     capacity: C (None when dropless without padding); dropped: int64 scalar tensor, pairs dropped;
-    missed: for dynamic capacity, whether the forecast was too small this step (else None);
-    new_state: the updated dynamic-capacity entries ({} when not dynamic).
+    missed: for dynamic capacity, whether the forecast was too small this step (else None). The window
+    moves once per step, from the step's loads (fmoe.layer.update_moe_state), not here.
     """
 
     capacity: int | None
     dropped: torch.Tensor
     missed: bool | None
-    new_state: dict[str, torch.Tensor]
 
 
 def _decimal(factor: float) -> Fraction:
@@ -182,14 +181,9 @@ def make_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, cfg: MoEConfig,
         forecast = forecast_capacity(cap_state["load_history_W"], cfg.dynamic_capacity_margin)
         C, missed = (_AGREE.get() or _decide)(max_load, forecast)
         layout, dropped = drop_layout(ids_TK, probs_TK, E, C, "position", pad=True)
-        hist_W = torch.cat([cap_state["load_history_W"][1:], max_load.reshape(1)])
-        new_state = {"load_history_W": hist_W,
-                     "capacity_misses": cap_state["capacity_misses"] + (1 if missed else 0),
-                     "capacity_steps": cap_state["capacity_steps"] + 1}
-        return layout, CapacityInfo(capacity=C, dropped=dropped, missed=missed, new_state=new_state)
+        return layout, CapacityInfo(capacity=C, dropped=dropped, missed=missed)
     if cfg.capacity_factor is None:
-        return sort_layout(ids_TK, E, counts_E), CapacityInfo(capacity=None, dropped=zero, missed=None,
-                                                               new_state={})
+        return sort_layout(ids_TK, E, counts_E), CapacityInfo(capacity=None, dropped=zero, missed=None)
     C = capacity_for(cfg, T)
     layout, dropped = drop_layout(ids_TK, probs_TK, E, C, cfg.drop_policy, cfg.pad_to_capacity)
-    return layout, CapacityInfo(capacity=C, dropped=dropped, missed=None, new_state={})
+    return layout, CapacityInfo(capacity=C, dropped=dropped, missed=None)

@@ -51,8 +51,9 @@ class MoERoute:
     layout: the expert-sorted row layout (fmoe.ops.Layout); ids_TK: int64 [T, K] chosen experts;
     tokens_per_expert_E: int64 [E] load before drops; dropped: int64 scalar, (token, slot) pairs dropped;
     capacity: C or None (dropless); capacity_missed: dynamic-capacity forecast miss (None if not dynamic);
-    remat: whether the expert step runs under remat; new_state: the layer's next state pytree;
-    losses: the balancing losses, detached, for logging.
+    remat: whether the expert step runs under remat; losses: the balancing losses, detached, for logging.
+    The layer's next state is not routing's to make: fmoe.gpt_state.update_gpt_state (update_moe_state)
+    moves it from the step's loads.
     """
 
     layout: Layout
@@ -62,7 +63,6 @@ class MoERoute:
     capacity: int | None
     capacity_missed: bool | None
     remat: bool
-    new_state: dict[str, torch.Tensor]
     losses: dict[str, torch.Tensor]
 
 
@@ -139,7 +139,7 @@ def update_moe_state(state: dict[str, torch.Tensor], cfg: MoEConfig, tokens_per_
     if check:
         check_moe_state(state, cfg)
         check_tree(tokens_per_expert_E, _load_spec(cfg), "update_moe_state: tokens_per_expert_E")
-    new_state = dict(state)
+    new_state = dict(state or {})
     if cfg.bias_update_rate > 0:
         bias_E = state.get("expert_bias_E")
         if bias_E is None:
@@ -166,7 +166,7 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
     (fmoe/seams.py; default fmoe.router.route).
 
     probs_TK: fp32 gate weights [T, K]; loss: differentiable balancing loss; route: the `MoERoute`
-    metadata (layout, next state, remat decision). `remat` overrides the adaptive rule. `check`: check
+    metadata (layout, load, remat decision). `remat` overrides the adaptive rule. `check`: check
     params["router"] (the only entry read) and the state against `cfg` first. `tp`, `shard`: x_TD is
     this rank's equal shard of the tokens of the tensor-parallel group `tp` (`shard` says which: the
     block's `token_shard`): the router weight is replicated (its gradient summed over the group), the
@@ -202,14 +202,11 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         check_routing(r, x_TD.shape[0], cfg)
     layout, cap = make_layout(r.ids_TK, r.probs_TK, cfg, state, r.counts_E)
     load_E = r.counts_E if shard is None else shard.total(r.counts_E)  # the group's
-    new_state = dict(cap.new_state)
-    if "expert_bias_E" in state:
-        new_state["expert_bias_E"] = update_expert_bias(state["expert_bias_E"], load_E, cfg.bias_update_rate)
     if remat is None:
         remat = cfg.adaptive_remat and overloaded(load_E, cfg.remat_load_scale)
     meta = MoERoute(layout=layout, ids_TK=r.ids_TK, tokens_per_expert_E=load_E, dropped=cap.dropped,
                     capacity=cap.capacity, capacity_missed=cap.missed, remat=bool(remat),
-                    new_state=new_state, losses={k: v.detach() for k, v in r.losses.items()})
+                    losses={k: v.detach() for k, v in r.losses.items()})
     return r.probs_TK, r.loss, meta
 
 
@@ -280,8 +277,9 @@ def combine_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERo
     return unpermute(y_RD, probs_TK, route.layout)
 
 
-def make_aux(loss: torch.Tensor, route: MoERoute) -> MoEAux:
-    """Assemble the `MoEAux` of a layer from its differentiable loss and routing metadata."""
+def make_aux(loss: torch.Tensor, route: MoERoute, new_state: dict[str, torch.Tensor]) -> MoEAux:
+    """Assemble the `MoEAux` of a layer from its differentiable loss, routing metadata and next state
+    (fmoe.gpt_state.update_gpt_state's, or `update_moe_state`'s for one layer)."""
     return MoEAux(loss=loss, losses=dict(route.losses), tokens_per_expert_E=route.tokens_per_expert_E,
-                  dropped=route.dropped, new_state=route.new_state, remat=route.remat,
+                  dropped=route.dropped, new_state=new_state, remat=route.remat,
                   capacity=route.capacity, capacity_missed=route.capacity_missed)

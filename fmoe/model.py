@@ -38,8 +38,10 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.gpt_init import init_gpt  # noqa: F401  (the model's init, re-exported)
-from fmoe.layer import MoEAux, init_moe_state, make_aux
+from fmoe.gpt_state import LayerLoad, init_gpt_state, update_gpt_state
+from fmoe.layer import MoEAux, make_aux, update_moe_state
 from fmoe.ops import linear, rms_norm
+from fmoe.outline import outline, state_at
 from fmoe.parallel.collectives import CommGroup
 from fmoe.phases import gpt_layers, moe_layer
 from fmoe.router import check_seq_len
@@ -65,24 +67,24 @@ class GPTAux:
     new_state: dict[str, Any]
 
 
-def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Return {"layers": [MoE state or {} per layer], "mtp": MoE state (if mtp)}."""
-    state: dict[str, Any] = {"layers": [{} if i < cfg.num_dense_layers else init_moe_state(cfg.moe, device)
-                                        for i in range(cfg.n_layers)]}
-    if cfg.mtp:
-        state["mtp"] = init_moe_state(cfg.moe, device)
-    return state
-
-
 def _run(layers: list, params: dict[str, Any], acts: dict[str, torch.Tensor],
          meta: dict[str, Any]) -> Ran:
     """Runs `layers` (fmoe/phases.py) in order over `params` (the whole tree: phases pick theirs)."""
     return run_phases(layers, tree_params(params), acts, meta)
 
 
-def _moe_aux(ran: Ran) -> list[MoEAux]:
-    """One MoEAux per MoE layer that ran, in order, from its balancing loss and routing statistics."""
-    return [make_aux(ran.losses[f"balance:{name}"], st["route"]) for name, _, st in ran.stats]
+def _routes(ran: Ran) -> list[tuple[str, torch.Tensor, Any]]:
+    """(layer name, differentiable balancing loss, MoERoute) per MoE layer that ran, in order."""
+    return [(name, ran.losses[f"balance:{name}"], st["route"]) for name, _, st in ran.stats]
+
+
+def _layer_aux(ran: Ran, cfg: MoEConfig, state: dict[str, Any] | None, check: bool) -> MoEAux:
+    """The MoEAux of the one MoE layer that ran, its next state moved from its load (update_moe_state)."""
+    (_, loss, route), = _routes(ran)
+    load = LayerLoad.of(route)
+    new_state = update_moe_state(state or {}, cfg, load.tokens_per_expert_E, load.max_load, load.missed,
+                                 check=check)
+    return make_aux(loss, route, new_state)
 
 
 def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
@@ -108,7 +110,7 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
         check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
     layer = moe_layer(cfg, (), "moe", params, state, dispatcher, remat=remat, bare=True, seq_len=seq_len)
     ran = _run([layer], params, {"x_TD": x_TD}, {})
-    return ran.acts["out_TD"].to(x_TD.dtype), _moe_aux(ran)[0]
+    return ran.acts["out_TD"].to(x_TD.dtype), _layer_aux(ran, cfg, state, check)
 
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
@@ -138,7 +140,7 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
     layer = moe_layer(cfg, (), "block", params, state, dispatcher, remat=remat, tp=tp,
                       sequence_parallel=sequence_parallel)
     ran = _run([layer], params, {"h_BSD": x_BSD}, {})
-    return ran.acts["h_BSD"], _moe_aux(ran)[0]
+    return ran.acts["h_BSD"], _layer_aux(ran, cfg.moe, state, check)
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
@@ -183,17 +185,13 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
                         sequence_parallel=sequence_parallel)
     ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS})
     main = ran.losses["ce"]
-    moe_aux = _moe_aux(ran)
-    balance = sum((a.loss for a in moe_aux), main.new_zeros(()))
+    routes = _routes(ran)
+    balance = sum((b for _, b, _ in routes), main.new_zeros(()))
     loss = main + balance.to(main.dtype) + ran.losses.get("mtp", main.new_zeros(()))
-    new_state: dict[str, Any] = {"layers": [{} for _ in range(cfg.n_layers)]}
-    if cfg.mtp:
-        new_state["mtp"] = state.get("mtp", {})
-    for (name, _, _), a in zip(ran.stats, moe_aux):
-        if name == "MTP":
-            new_state["mtp"] = a.new_state
-        else:
-            new_state["layers"][int(name[1:])] = a.new_state
+    o = outline(cfg)
+    new_state = update_gpt_state(cfg, state, {o.site(name).params: LayerLoad.of(r) for name, _, r in routes},
+                                 check=False)  # checked above with the params
+    moe_aux = [make_aux(b, r, state_at(new_state, o.site(name))) for name, b, r in routes]
     mtp = ran.meta.get("mtp_loss", main.new_zeros(()))
     aux = GPTAux(main_loss=main.detach(), mtp_loss=mtp.detach(), balance_loss=balance.detach(),
                  layers=moe_aux, remat_layers=[i for i, a in enumerate(moe_aux) if a.remat],

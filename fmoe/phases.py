@@ -33,6 +33,7 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.sync import InlineRows
 from fmoe.layer import plan_route, uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
+from fmoe.outline import outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
 from fmoe.parallel.collectives import CommGroup
@@ -46,7 +47,7 @@ from fmoe.parallel.tensor import (
     vocab_parallel_embedding,
 )
 from fmoe.recompute import chunk_layers
-from fmoe.transforms.program import Layer, Phase, Ready
+from fmoe.transforms.program import Layer, Phase, Ready, subtree
 
 H = "h_BSD"  # the hidden state that crosses layers and stages
 
@@ -122,8 +123,9 @@ def dense_layer(cfg: GPTConfig, i: int, tp: CommGroup | None = None,
         h_BSD = block.dense_block(p, acts[H], cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
         return {**acts, H: h_BSD}, meta  # gpt_programs / gpt_loss checked
 
-    path = ("layers", str(i))
-    return Layer(f"L{i}", (Phase("dense", "compute", fn=fn, param_paths=(path,), param_root=path),))
+    site = outline(cfg).layer(i)
+    return Layer(site.name, (Phase("dense", "compute", fn=fn, param_paths=(site.params,),
+                                   param_root=site.params),))
 
 
 def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
@@ -417,9 +419,8 @@ def mtp_head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_paralle
 
 
 def moe_layer_names(cfg: GPTConfig) -> set[str]:
-    """Returns the names `gpt_layers` gives the GPT's MoE layers: "L<i>" for each MoE model layer, "MTP"
-    for the MTP block."""
-    return {f"L{i}" for i in range(cfg.num_dense_layers, cfg.n_layers)} | ({"MTP"} if cfg.mtp else set())
+    """Returns the names `gpt_layers` gives the GPT's MoE layers (fmoe.outline: "L<i>", "MTP")."""
+    return {s.name for s in outline(cfg).moe}
 
 
 def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
@@ -427,12 +428,12 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
                head: bool = True, tp: CommGroup | None = None,
                sequence_parallel: bool = False, overlap: Overlap | None = None,
                main_head: bool | None = None) -> list[Layer]:
-    """Returns the GPT's layers of one model chunk in order: the embedding when `first`, model layers
-    `layers` (dense or MoE, reading `state`), the final norm + head + loss when `main_head` (None: when
-    `last`), and when `last` the MTP module (if cfg.mtp: its input, block, head + loss); without `head`
-    no losses (neither head). cfg.recompute applied (fmoe.recompute.chunk_layers). A pipeline stage runs
-    one chunk (fmoe.pipeline.cut.ChunkSpec); one process is one chunk with every layer. `tp`,
-    `sequence_parallel`: tensor parallelism of every layer (params this rank's shards,
+    """Returns the GPT's layers of one model chunk in order (its sites, fmoe.outline): the embedding when
+    `first`, model layers `layers` (dense or MoE, reading `state`), the final norm + head + loss when
+    `main_head` (None: when `last`), and when `last` the MTP module (if cfg.mtp: its input, block, head +
+    loss); without `head` no losses (neither head). cfg.recompute applied (fmoe.recompute.chunk_layers). A
+    pipeline stage runs one chunk (fmoe.pipeline.cut.ChunkSpec); one process is one chunk with every
+    layer. `tp`, `sequence_parallel`: tensor parallelism of every layer (params this rank's shards,
     fmoe/tp_layout.py; the dispatcher over the ep x tp expert group). `overlap`: each MoE layer's overlap
     modes (fmoe.overlap: one LayerOverlap for all, or by layer name, "L3", "MTP"), instead of
     `a2a_chunks`; None: `a2a_chunks`' (moe_layer)."""
@@ -440,23 +441,25 @@ def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], di
         raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     check_names(overlap, moe_layer_names(cfg))
     sp = sequence_parallel
-    out: list[Layer] = [embed_layer(cfg, tp, sp)] if first else []
-    for i in layers:
-        if i < cfg.num_dense_layers:
-            out.append(dense_layer(cfg, i, tp, sp))
+    sites = outline(cfg).chunk(layers, first=first, head=head and (last if main_head is None else main_head),
+                               last=head and last)
+    out: list[Layer] = []
+    for site in sites:
+        if site.kind == "embed":
+            out.append(embed_layer(cfg, tp, sp))
+        elif site.kind == "dense":
+            out.append(dense_layer(cfg, site.layer, tp, sp))
+        elif site.kind == "moe":
+            out.append(moe_layer(cfg, site.params, site.name, subtree(params, site.params),
+                                 state_at(state, site), dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
+                                 overlap=None if overlap is None else layer_overlap(overlap, site.name)))
+        elif site.kind == "head":
+            out.append(head_layer(cfg, tp, sp))
+        elif site.kind == "mtp_in":
+            out.append(mtp_in_layer(cfg, tp, sp))
         else:
-            out.append(moe_layer(cfg, ("layers", str(i)), f"L{i}", params["layers"][i], state["layers"][i],
-                                 dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
-                                 overlap=None if overlap is None else layer_overlap(overlap, f"L{i}")))
-    if head and (last if main_head is None else main_head):
-        out.append(head_layer(cfg, tp, sp))
-    if head and last and cfg.mtp:
-        out.append(mtp_in_layer(cfg, tp, sp))
-        out.append(moe_layer(cfg, ("mtp", "block"), "MTP", params["mtp"]["block"], state.get("mtp"),
-                             dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
-                             overlap=None if overlap is None else layer_overlap(overlap, "MTP")))
-        out.append(mtp_head_layer(cfg, tp, sp))
-    return chunk_layers(cfg.recompute, tuple(layers), out)
+            out.append(mtp_head_layer(cfg, tp, sp))
+    return chunk_layers(cfg.recompute, sites, out)
 
 
 class _Then:

@@ -14,7 +14,7 @@ from dist_utils import spawn
 
 from fmoe.capacity import capacity_agreement, make_layout
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe
+from fmoe.layer import init_moe, update_moe_state
 from fmoe.model import moe
 from fmoe.parallel import AllToAllDispatcher, CommCounters, CommGroup
 from fmoe.parallel.capacity_agreement import FITS_OP, MAX_OP, CapacityAgreement
@@ -52,7 +52,8 @@ def _agreement_rank(rank: int, world: int) -> dict:
         calls = {op: comm.counters.calls.get(op, 0) - before.get(op, 0) for op in (FITS_OP, MAX_OP)}
         alone = make_layout(ids_TK, probs_TK, CFG, _state())[1]  # outside the block: this rank alone
         out[name] = (info.capacity, info.missed, tuple(layout.counts_E.tolist()), calls, alone.capacity,
-                     int(info.new_state["capacity_misses"]))
+                     int(update_moe_state(_state(), CFG, torch.tensor(loads[rank]), max(loads[rank]),
+                                          info.missed)["capacity_misses"]))
     # the expert-parallel layer under the agreement is still dropless: it equals the layer without
     # dynamic capacity (gate weights at combine; padding rows carry nothing back)
     g = torch.Generator().manual_seed(0)

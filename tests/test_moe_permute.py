@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
-from fmoe.layer import init_moe, init_moe_state
+from fmoe.layer import init_moe, init_moe_state, update_moe_state
 from fmoe.model import moe
 from fmoe.ops import permute, permute_probs, sort_layout, unpermute
 from fmoe.transforms.testing import assert_close, check_vjp
@@ -142,7 +142,8 @@ def test_dynamic_capacity_forecast_and_misses() -> None:
         assert info.missed == miss
         assert int(info.dropped) == 0  # dropless whatever the forecast
         assert info.capacity >= max(load) and layout.num_rows == 4 * info.capacity
-        state = info.new_state
+        counts_E = torch.tensor(load)  # the window moves once per step, from the step's load
+        state = update_moe_state(state, cfg, counts_E, counts_E.max(), info.missed)
     assert int(state["capacity_misses"]) == 2 and int(state["capacity_steps"]) == 8
     assert forecast_capacity(torch.tensor([3, 1, 2]), 1.5) == 5
 

@@ -22,8 +22,8 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import expert_rows, init_moe, init_moe_state, plan_route, route_tokens, update_moe_state
 from fmoe.model import block, gpt_loss, init_gpt, init_gpt_state, moe
-from fmoe.pipeline import gpt_pipeline_step
-from fmoe.pipeline.step import gpt_programs, update_gpt_state
+from fmoe.pipeline import gpt_pipeline_step, update_gpt_state
+from fmoe.pipeline.step import gpt_programs
 from fmoe.router import route
 from fmoe.structure import check_gpt, check_moe
 

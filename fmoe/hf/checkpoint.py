@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.gpt_init import gpt_spec
+from fmoe.outline import outline
 from fmoe.train import checkpoint
 from fmoe.train.shards import Leaf, get, rank_leaves
 
@@ -110,9 +111,7 @@ def save_fmoe(directory: str | Path, cfg: GPTConfig, params: dict[str, Any], *,
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_NAMES:
         raise ValueError(f"fmoe train checkpoints hold one dtype of {sorted(DTYPE_NAMES.values())}, "
                          f"got {sorted(map(str, dtypes))}")
-    moe_layers = [f"layers.{i}" for i in range(cfg.num_dense_layers, cfg.n_layers)]
-    moe_layers += ["mtp"] if cfg.mtp else []
-    moe_state = {layer: {"expert_bias_E": torch.zeros(cfg.moe.num_experts)} for layer in moe_layers}
+    moe_state = {site.key: {"expert_bias_E": torch.zeros(cfg.moe.num_experts)} for site in outline(cfg).moe}
     meta = {"config": train_fields(cfg, next(iter(dtypes))), "model": gpt_config_dict(cfg),
             "hf_config": hf_config, "world_size": 0, "layout": {}}  # no layout: a run never restores RNG
     with one_process():

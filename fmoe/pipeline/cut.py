@@ -21,6 +21,7 @@ from typing import Any
 from fmoe import schedule
 from fmoe.config import GPTConfig
 from fmoe.flops import gpt_tail_part_flops
+from fmoe.outline import Site, outline, reads_of
 from fmoe.schedule.ir import Placement, ScheduleError
 from fmoe.schedule.stages import chunk_placement, cost_placement
 
@@ -44,15 +45,13 @@ class ChunkSpec:
         if self.head is None:
             object.__setattr__(self, "head", self.last)
 
+    def sites(self, cfg: GPTConfig) -> tuple[Site, ...]:
+        """Returns the sites (fmoe.outline) this chunk runs, in program order."""
+        return outline(cfg).chunk(self.layers, first=self.first, head=self.head, last=self.last)
+
     def param_paths(self, cfg: GPTConfig) -> tuple[Path, ...]:
         """Returns the parameter paths (global keys) this chunk reads, in program order."""
-        paths: list[Path] = [("embed",)] if self.first else []
-        paths += [("layers", str(i)) for i in self.layers]
-        if self.head:
-            paths += [("norm",), ("head",)]
-        if self.last and cfg.mtp:
-            paths += [("embed",), ("mtp",), ("head",)]
-        return tuple(dict.fromkeys(paths))
+        return reads_of(self.sites(cfg))
 
 
 def _tail(cfg: GPTConfig, seq: int) -> tuple[tuple[float, ...], float, float, float]:

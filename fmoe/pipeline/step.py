@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
-from fmoe.layer import update_moe_state
+from fmoe.gpt_state import LayerLoad, layer_loads
 from fmoe.overlap import Overlap, layer_overlap
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.shared_grads import SharedGrads
@@ -30,7 +30,7 @@ from fmoe.phases import gpt_layers, moe_layer_turns
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
-from fmoe.structure import check_gpt, check_gpt_state, local_experts
+from fmoe.structure import check_gpt, local_experts
 from fmoe.transforms.program import StageProgram
 
 
@@ -151,12 +151,7 @@ def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, 
     loss = _step_loss(result, params)
     if s.pp > 1:
         dist.all_reduce(loss, group=group)
-    loads: dict[tuple[str, ...], LayerLoad] = {}
-    for _stage, _mb, _layer, _phase, stats in result.stats:
-        route, path = stats["route"], stats["layer"]
-        load = LayerLoad(route.tokens_per_expert_E, route.tokens_per_expert_E.max(),
-                         bool(route.capacity_missed))
-        loads[path] = load if path not in loads else loads[path].merge(load)
+    loads = layer_loads(stats for *_, stats in result.stats)
     return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
 
 
@@ -171,9 +166,8 @@ def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],
     out = {}
     for stage in range(s.placement.num_stages):
         chunk = chunks[s.placement.layer_chunk[stage]]
-        names = [f"L{i}" for i in chunk.layers if i >= cfg.num_dense_layers] + (
-            ["MTP"] if chunk.last and cfg.mtp else [])
-        out[stage] = sum(moe_layer_turns(cfg, dispatcher, layer_overlap(overlap, n)) for n in names)
+        out[stage] = sum(moe_layer_turns(cfg, dispatcher, layer_overlap(overlap, site.name))
+                         for site in chunk.sites(cfg) if site.is_moe)
     return out
 
 
@@ -186,40 +180,3 @@ def _step_loss(result: StepResult, params: dict[str, Any]) -> torch.Tensor:
         return result.loss.clone()
     table = params["embed"]["table"]  # every rank's params hold the whole tree's top-level leaves
     return torch.zeros((), dtype=torch.promote_types(table.dtype, torch.float32), device=table.device)
-
-
-@dataclass(frozen=True)
-class LayerLoad:
-    """One MoE layer's routing over a step: tokens_per_expert_E [E] summed over microbatches, max_load the
-    largest per-expert load of one microbatch, missed whether any microbatch exceeded its capacity
-    forecast (dynamic capacity)."""
-
-    tokens_per_expert_E: torch.Tensor
-    max_load: torch.Tensor
-    missed: bool
-
-    def merge(self, other: LayerLoad) -> LayerLoad:
-        """Returns the load of both microbatch sets together."""
-        return LayerLoad(self.tokens_per_expert_E + other.tokens_per_expert_E,
-                         torch.maximum(self.max_load, other.max_load), self.missed or other.missed)
-
-
-def update_gpt_state(cfg: GPTConfig, state: dict[str, Any],
-                     loads: dict[tuple[str, ...], LayerLoad], *, check: bool = True) -> dict[str, Any]:
-    """Returns the GPT state after one step: `update_moe_state` once per MoE layer with its step load
-    (`PipelineStep.loads`, keyed by the layer's param path; reduce them over data-parallel ranks first).
-    Layers this rank does not hold keep their state. `check`: check `state` and the loads' shapes
-    against `cfg` first; False skips it."""
-    if check:
-        check_gpt_state(state, cfg)
-    new = {"layers": list(state["layers"])}
-    if "mtp" in state:
-        new["mtp"] = state["mtp"]
-    for path, load in loads.items():
-        args = (cfg.moe, load.tokens_per_expert_E, load.max_load, load.missed)
-        if path[0] == "layers":
-            i = int(path[1])
-            new["layers"][i] = update_moe_state(state["layers"][i], *args, check=check)
-        else:
-            new["mtp"] = update_moe_state(state["mtp"], *args, check=check)
-    return new

@@ -25,8 +25,10 @@ from fmoe import init_gpt_state
 from fmoe._compat import tree_map
 from fmoe.capacity import capacity_agreement
 from fmoe.gpt_init import init_gpt_shard
+from fmoe.gpt_state import LayerLoad, add_load, update_gpt_state
 from fmoe.init import init_seed
 from fmoe.model import gpt_loss
+from fmoe.outline import outline, state_at
 from fmoe.overlap import LayerOverlap
 from fmoe.parallel import (
     AllGatherDispatcher,
@@ -41,7 +43,6 @@ from fmoe.parallel.link_model import parse_link_model
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
-from fmoe.pipeline.step import LayerLoad, update_gpt_state
 from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
@@ -120,7 +121,9 @@ class Trainer:
                                               counts_dense=self.data_rank == 0,
                                               counts_expert=self.dp_rank == 0, tp_rank=self.tp_rank)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
-        self.moe_layers = sorted({_layer_key(p) for p in paths if _is_moe(cfg, p)})
+        # the MoE sites this rank holds (fmoe.outline), in their checkpoint keys' order
+        held = set(paths)
+        self.moe_sites = sorted((s for s in outline(cfg).moe if set(s.reads) <= held), key=lambda s: s.key)
         self._plan_reduction()
         self.opt = LeafOptimizer(tc, self.leaves, self.tensors, data_group=self.data_group,
                                  dp_group=self.dp_group)
@@ -286,10 +289,9 @@ class Trainer:
                                      sequence_parallel=self.tc.sequence_parallel)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
                 sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
-                for path, a in zip(_moe_paths(cfg), aux.layers):
+                for site, a in zip(outline(cfg).moe, aux.layers):  # aux.layers: the MoE sites in order
                     tokens_E = a.tokens_per_expert_E
-                    load = LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed))
-                    loads[path] = load if path not in loads else loads[path].merge(load)
+                    add_load(loads, site.params, LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed)))
                     dropped = dropped + a.dropped
         finally:
             for h in hooks:
@@ -385,10 +387,7 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------------
 
     def _items(self, with_rng: bool) -> dict[str, torch.Tensor]:
-        moe_state = {}
-        for layer in self.moe_layers:
-            node = self.state["mtp"] if layer == "mtp" else self.state["layers"][int(layer.split(".")[1])]
-            moe_state[layer] = node
+        moe_state = {site.key: state_at(self.state, site) for site in self.moe_sites}
         tp_mesh = self.world.layout.mesh["tp"] if self.tc.tp > 1 else None
         items = checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
                                        self.world.rank, with_rng, tp_mesh)
@@ -453,20 +452,7 @@ def _lookup(tree: Any, where: tuple) -> Any:
         return None
 
 
-def _moe_paths(cfg: Any) -> list[tuple[str, ...]]:
-    """The MoE layers in `gpt_loss`'s aux.layers order, as `gpt_pipeline_step` keys them."""
-    out = [("layers", str(i)) for i in range(cfg.num_dense_layers, cfg.n_layers)]
-    return out + ([("mtp", "block")] if cfg.mtp else [])
-
-
-def _is_moe(cfg: Any, path: tuple[str, ...]) -> bool:
-    return (path[0] == "layers" and int(path[1]) >= cfg.num_dense_layers) or (path[0] == "mtp")
-
-
 def _top(where: tuple) -> tuple[str, ...]:
     """The parameter path (a key of `holders`) a leaf lives under: ("layers", "3") or ("embed",)."""
     return (where[0], str(where[1])) if where[0] == "layers" else (where[0],)
 
-
-def _layer_key(path: tuple[str, ...]) -> str:
-    return "mtp" if path[0] == "mtp" else ".".join(path)
