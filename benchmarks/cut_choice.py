@@ -25,7 +25,7 @@ from fmoe import init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.config import GPTConfig
 from fmoe.flops import gpt_tail_part_flops
-from fmoe.pipeline import gpt_pipeline_step, split_microbatches
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, split_microbatches
 from fmoe.pipeline.cut import ChunkSpec, cut_costs, cut_gpt
 from fmoe.schedule.stages import cost_placement
 from fmoe.train.config import TrainConfig
@@ -63,13 +63,14 @@ def _rank(rank: int, world: int, preset: str, schedule: str, m: int, reps: int) 
     out: dict[str, dict[str, list[float]]] = {k: {"step": [], "compute": [], "rss": []} for k in by_cut}
     names = list(by_cut)
     for name in names:  # a warm-up step per cut
-        gpt_pipeline_step(cfg, s, rank, params, state, batches, group=dist.group.WORLD, chunks=by_cut[name])
+        gpt_pipeline_step(gpt_program(cfg, s, rank, chunks=by_cut[name]), params, state, batches,
+                          group=dist.group.WORLD)
     for r in range(reps):
         for name in names[r % len(names):] + names[:r % len(names)]:  # rotated order
             dist.barrier()
             t0 = time.perf_counter()
             step, _, rise = _ranks.measure_rss(lambda n=name: gpt_pipeline_step(
-                cfg, s, rank, params, state, batches, group=dist.group.WORLD, chunks=by_cut[n]))
+                gpt_program(cfg, s, rank, chunks=by_cut[n]), params, state, batches, group=dist.group.WORLD))
             dist.barrier()
             out[name]["step"].append(time.perf_counter() - t0)
             compute = sum(e.end - e.start for e in step.result.events if e.lane == "compute")

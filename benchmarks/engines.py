@@ -21,7 +21,8 @@ from _ranks import measure_rss
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
+from fmoe.schedule.options import ExecOptions
 
 ENGINES = ("func", "autograd")
 
@@ -38,7 +39,8 @@ def _setup(args: argparse.Namespace):
 def _step(setup, engine: str) -> tuple[float, float]:
     cfg, params, state, batches, s = setup
     t0 = time.perf_counter()
-    out = gpt_pipeline_step(cfg, s, 0, params, state, batches, engine=engine)
+    out = gpt_pipeline_step(gpt_program(cfg, s, 0), params, state, batches,
+                            options=ExecOptions(engine=engine))
     return time.perf_counter() - t0, float(out.loss)
 
 

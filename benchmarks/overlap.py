@@ -81,10 +81,12 @@ from fmoe import schedule as S
 from fmoe.calibrate.machine import ping_pong
 from fmoe.overlap import LayerOverlap
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.link_model import LinkModel
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import gpt_pipeline_step, holders
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, holders
 from fmoe.schedule.compute_model import ComputeModel, ModelStats, table_from_events
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares, summarize
 
 EP = 2
@@ -198,11 +200,12 @@ class Rank:
             self.cm.reset()
         dist.barrier()
         t = time.perf_counter()
-        out = gpt_pipeline_step(self.cfg, self.s, self.stage_rank, self.params, self.state, self.data,
-                                group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
-                                shared=self.shared, overlap=overlap, check=not self.checked,
-                                compute_model=self.cm,
-                                overlap_modes=LayerOverlap(paired, "self" if chunks == 2 else "none"))
+        out = gpt_pipeline_step(gpt_program(self.cfg, self.s, self.stage_rank, chunks=self.chunks,
+                                            parallel=ParallelContext(dispatcher=self.dispatcher),
+                                            overlap=LayerOverlap(paired, "self" if chunks == 2 else "none")),
+                                self.params, self.state, self.data, group=self.pp_group, shared=self.shared,
+                                check=not self.checked,
+                                options=ExecOptions(overlap=overlap, compute_model=self.cm))
         wall = time.perf_counter() - t
         self.cm_stats = None if self.cm is None else self.cm.reset()
         self.checked = True

@@ -71,7 +71,7 @@ from fmoe import schedule as S
 from fmoe._compat import grouped_mm
 from fmoe.calibrate.machine import ping_pong
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, holders
+from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, gpt_program, holders
 from fmoe.schedule.timeline import summarize
 from fmoe.train.host_memory import keep_freed_memory
 
@@ -226,7 +226,7 @@ def _fmoe_variant(cfg, name, m, rank, params, state, data) -> Variant:
     shared = SharedGrads(holders(cfg, s.placement, chunks), None)  # built once: it creates process groups
 
     def run():
-        return gpt_pipeline_step(cfg, s, rank, params, state, data, chunks=chunks, shared=shared)
+        return gpt_pipeline_step(gpt_program(cfg, s, rank, chunks=chunks), params, state, data, shared=shared)
 
     return Variant(name, run, True)
 

@@ -57,7 +57,7 @@ from fmoe.layer import (
 )
 from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.ops import linear, rms_norm
-from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.tensor import (
     copy_to_tp,
     gather_sequence,
@@ -79,10 +79,11 @@ def attention_paths(cfg: GPTConfig) -> tuple[tuple[str, ...], ...]:
     return mla_paths(cfg) if cfg.mla else _ATTENTION_PATHS
 
 
-def token_shard(tp: CommGroup, B: int, S: int, sequence_parallel: bool, device: torch.device) -> TokenShard:
-    """Returns the `TokenShard` of this rank's tokens of the group's B sequences: with sequence parallelism
-    its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens."""
-    if sequence_parallel:
+def token_shard(parallel: ParallelContext, B: int, S: int, device: torch.device) -> TokenShard:
+    """Returns the `TokenShard` of this rank's tokens of the tp group's B sequences: with sequence
+    parallelism its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens."""
+    tp = parallel.tp
+    if parallel.sequence_parallel:
         seq_ids_T = torch.arange(B, device=device).repeat_interleave(S)
         B_all, S_all = B, S * tp.size
     else:
@@ -125,27 +126,24 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
 
 
 def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                   check: bool = True, tp: CommGroup | None = None,
-                   sequence_parallel: bool = False) -> torch.Tensor:
+                   check: bool = True, parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
     rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]); with cfg.qk_norm, q and k are
     RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first.
-    `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: its H/P query and G/P
-    kv heads); x and the result replicated on the group, or with `sequence_parallel` this rank's
-    positions [B, S/P, D] (the norm runs on them; gathered before the projections, the output
+    `parallel.tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: its H/P query
+    and G/P kv heads); x and the result replicated on the group, or with `parallel.sequence_parallel`
+    this rank's positions [B, S/P, D] (the norm runs on them; gathered before the projections, the output
     reduce-scattered back). With cfg.mla: multi-head latent attention instead (fmoe.mla.mla), with the
-    same `tp` and `sequence_parallel`."""
-    P = 1 if tp is None else tp.size
+    same `parallel`."""
+    tp, sequence_parallel, P = parallel.tp, parallel.sequence_parallel, parallel.tp_size
     if check:
         if tp is None:
             check_block(params, cfg, dense=True, paths=attention_paths(cfg))  # the same in both kinds
         else:
             check_tp(cfg, P, dense=False)
             check_shard(params, cfg, P, attention_paths(cfg))
-    if sequence_parallel and tp is None:
-        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     if cfg.mla:
-        return mla(params, x_BSD, cfg, tp=tp, sequence_parallel=sequence_parallel)
+        return mla(params, x_BSD, cfg, parallel=parallel)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     # "layernorm" (fmoe/recompute.py) recomputes the norm alone: the q, k, v projections read its output
     # and keep it for their backward, so only its working copies go (recomputing the projections with it
@@ -180,8 +178,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
               state: dict[str, Any] | None = None, remat: bool | None = None, *,
-              permute_tokens: bool = True, check: bool = True, tp: CommGroup | None = None,
-              sequence_parallel: bool = False) -> tuple[dict[str, torch.Tensor], MoERoute]:
+              permute_tokens: bool = True, check: bool = True,
+              parallel: ParallelContext = LOCAL) -> tuple[dict[str, torch.Tensor], MoERoute]:
     """Phase 1: return (acts, route).
 
     acts: {"residual_BSD": x + attention, "normed_TD": rms_norm(residual) per token (the experts'
@@ -189,13 +187,14 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     [T, K] (applied by `finish`) or "probs_R": gate weight [R] of each layout row (cfg.moe.probs_in_expert),
     and "loss": the differentiable balancing loss (scalar)}. `permute_tokens` False (a token-level
     dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
-    route: the `MoERoute` (layout, load, drops, new state, remat decision). `check`: check the weights
-    it reads (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
-    `tp`, `sequence_parallel`: as in `self_attention` (params this rank's attention shard). Each tp rank
+    route: the `MoERoute` (layout, load, drops, remat decision). `check`: check the weights it reads
+    (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
+    `parallel`: as in `self_attention` (params this rank's attention shard). Each tp rank
     routes and dispatches its own tokens (TP extends EP): with sequence parallelism its positions, else
     its 1/P of the replicated residual's tokens (`split_tokens`); the router's statistics are the
     group's (`token_shard`, fmoe.layer.plan_route).
     """
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     if check:
         if tp is None:
             check_block(params, cfg, state, paths=(*attention_paths(cfg), ("mlp_norm",), ("moe", "router")))
@@ -205,7 +204,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
             check_block(params, cfg, state, paths=(("mlp_norm",), ("moe", "router")))
     if remat is None and cfg.recompute.module("moe"):
         remat = True  # selective recompute of the routed experts: every layer, every step
-    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
     # the router, the permutation and the shared expert read the normed tokens: "layernorm" recomputes the
@@ -217,7 +216,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
         B, S = r_BSD.shape[:2]
         if not sequence_parallel:
             h_TD = split_tokens(h_TD, tp)  # this rank's tokens
-        shard, seq_len = token_shard(tp, B, S, sequence_parallel, h_TD.device), None
+        shard, seq_len = token_shard(parallel, B, S, h_TD.device), None
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}
     if permute_tokens:
         x_RD, probs_TK, probs_R, loss, route = route_tokens(params["moe"], h_TD, cfg.moe, state, seq_len,
@@ -320,15 +319,16 @@ def shared_expert(params: dict[str, torch.Tensor], acts: dict[str, torch.Tensor]
 
 
 def finish(acts: dict[str, torch.Tensor], route: MoERoute,
-           tp: CommGroup | None = None) -> dict[str, torch.Tensor]:
+           parallel: ParallelContext = LOCAL) -> dict[str, torch.Tensor]:
     """Phase 4's compute: return acts with "h_BSD" = residual + unpermute(rows_RD, probs_TK) (+ shared),
     consuming "rows_RD" (or "y_TD", tokens a token-level dispatcher already combined), "probs_TK",
     "shared_TD" and "residual_BSD"; other keys pass through. Without "residual_BSD" (a bare MoE layer,
-    fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. `tp`: the residual is replicated on
-    this tensor-parallel group and the tokens are this rank's share of it (`attention` without sequence
-    parallelism): they are joined first (`join_tokens`). Raises ValueError when acts and `route` are
-    not of one microbatch (token or row counts) or the gate weights or shared output would be
+    fmoe.model.moe) the layer's output is "out_TD" [T, D] instead. `parallel`: with tensor parallelism
+    and no sequence parallelism the residual is replicated on the tp group and the tokens are this rank's
+    share of it (`attention`): they are joined first (`join_tokens`). Raises ValueError when acts and
+    `route` are not of one microbatch (token or row counts) or the gate weights or shared output would be
     misapplied."""
+    tp = parallel.joined_tp
     _check_finish_acts(acts, route, 1 if tp is None else tp.size)
     if "y_TD" in acts:
         y_TD = acts["y_TD"]
@@ -347,19 +347,19 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute,
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                check: bool = True, tp: CommGroup | None = None,
-                sequence_parallel: bool = False) -> torch.Tensor:
+                check: bool = True, parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x)). `check`: check
-    the params against `cfg` (a dense block) first; False skips it. `tp`: the tensor-parallel group,
-    `params` this rank's shard (fmoe/tp_layout.py); x and y replicated on the group, or with
-    `sequence_parallel` this rank's positions [B, S/P, D]."""
+    the params against `cfg` (a dense block) first; False skips it. `parallel.tp`: the tensor-parallel
+    group, `params` this rank's shard (fmoe/tp_layout.py); x and y replicated on the group, or with
+    `parallel.sequence_parallel` this rank's positions [B, S/P, D]."""
+    tp = parallel.tp
     if check:
         if tp is None:
             check_block(params, cfg, dense=True)
         else:
             check_tp(cfg, tp.size, dense=True)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
-    r_BSD = self_attention(params, x_BSD, cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel)
     rc = cfg.recompute  # "mlp" recomputes the norm with the rest of the MLP already
-    return part(rc, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, tp, sequence_parallel,
+    return part(rc, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, parallel,
                                        rc.module("layernorm") and not rc.module("mlp"))

@@ -15,7 +15,7 @@ import torch
 from fmoe._checks import positive
 from fmoe.init import ones, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
-from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 from fmoe.recompute import recomputed
 
@@ -37,17 +37,16 @@ def _normed_pair(x_TD: torch.Tensor, norm_D: torch.Tensor, eps: float, w_gate: t
 
 
 def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6,
-               tp: CommGroup | None = None, sequence_parallel: bool = False,
-               recompute_norm: bool = False) -> torch.Tensor:
+               parallel: ParallelContext = LOCAL, recompute_norm: bool = False) -> torch.Tensor:
     """Return x_TD + w_down(swiglu(w_gate h, w_up h)) with h = rms_norm(x_TD): shape [T, D] (any leading
-    axes, e.g. [B, S, D], work the same). `tp`: the tensor-parallel group, `p` this rank's shard (w_gate,
-    w_up by columns, w_down by rows; fmoe/tp_layout.py); x and the result replicated on the group, or with
-    `sequence_parallel` x [B, S/P, D] this rank's positions (gathered in, reduce-scattered out).
+    axes, e.g. [B, S, D], work the same). `parallel.tp`: the tensor-parallel group, `p` this rank's shard
+    (w_gate, w_up by columns, w_down by rows; fmoe/tp_layout.py); x and the result replicated on the
+    group, or with `parallel.sequence_parallel` x [B, S/P, D] this rank's positions (gathered in,
+    reduce-scattered out).
     `recompute_norm` (selective recompute's "layernorm", fmoe/recompute.py): without `tp` the norm and the
     gate and up products run under remat (h is not kept); with `tp` the norm alone (a collective separates
     it from the products: h stays kept, only the norm's own saved tensors go)."""
-    if sequence_parallel and tp is None:
-        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     if tp is None:
         pair = (recomputed(_normed_pair) if recompute_norm else _normed_pair)(x_TD, p["norm"], eps,
                                                                               p["w_gate"], p["w_up"])

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from fmoe.config import GPTConfig
 from fmoe.init import ones, scaled_normal
 from fmoe.ops import linear, rms_norm, rope
-from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 from fmoe.recompute import part
 
@@ -81,10 +81,11 @@ def latent_attention(q_BSHk: torch.Tensor, k_BSHk: torch.Tensor, v_BSHe: torch.T
     return o_BHSe.transpose(1, 2)
 
 
-def _entered(parts: list[torch.Tensor], tp: CommGroup | None, sequence_parallel: bool) -> list[torch.Tensor]:
-    """Return `parts` ([B, S, *] each) inside the TP region: as they are without `tp`, else concatenated
-    on features so one collective moves them all (`copy_to_tp`, or `gather_sequence` under SP) and split
-    back."""
+def _entered(parts: list[torch.Tensor], parallel: ParallelContext) -> list[torch.Tensor]:
+    """Return `parts` ([B, S, *] each) inside the TP region: as they are without `parallel.tp`, else
+    concatenated on features so one collective moves them all (`copy_to_tp`, or `gather_sequence` under
+    SP) and split back."""
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     if tp is None:
         return parts
     widths = [t.shape[-1] for t in parts]
@@ -133,18 +134,20 @@ def _attend(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_
     return latent_attention(*_qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps, cfg))
 
 
-def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, tp: CommGroup | None = None,
-        sequence_parallel: bool = False) -> torch.Tensor:
+def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
+        parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + MLA(rms_norm(x)) (the module docstring; params unchecked: the caller's
-    `fmoe.block.self_attention` checks them). `tp`: the tensor-parallel group, `params` this rank's shard
-    (its H/P heads of w_q_b or w_q, w_kv_b and w_o); x and the result replicated on the group, or with
-    `sequence_parallel` this rank's positions [B, S/P, D] (the down projections and norms run on them).
+    `fmoe.block.self_attention` checks them). `parallel.tp`: the tensor-parallel group, `params` this
+    rank's shard (its H/P heads of w_q_b or w_q, w_kv_b and w_o); x and the result replicated on the
+    group, or with `parallel.sequence_parallel` this rank's positions [B, S/P, D] (the down projections
+    and norms run on them).
 
     Selective recompute (fmoe/recompute.py): "layernorm" runs the attention norm with the down projections
     under remat (`_down`), and each latent norm alone; "mla_up_proj" runs the latents' way to the attention
     output (`_attend`: the latent norms when no TP collective separates them, up projections, RoPE,
     attention core) under remat, so the normed latents and q, k, v are not kept; it includes "core_attn"."""
     C, eps, rc = cfg.kv_lora_rank, cfg.norm_eps, cfg.recompute
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
 
     def mine(name: str) -> torch.Tensor:
         # replicated weights used on this rank's positions only (SP): their gradient summed over the group
@@ -163,7 +166,7 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *, tp: Comm
         ckv_BSC = norm(ckv_BSC, mine("kv_a_norm"), eps)
         if cfg.q_lora_rank:
             q_lat = norm(q_lat, mine("q_a_norm"), eps)  # cq_BSQ
-        q_lat, ckv_BSC, kr_BSr = _entered([q_lat, ckv_BSC, kr_BSr], tp, sequence_parallel)
+        q_lat, ckv_BSC, kr_BSr = _entered([q_lat, ckv_BSC, kr_BSr], parallel)
     w_q, w_kv_b = params["w_q_b"] if cfg.q_lora_rank else params["w_q"], params["w_kv_b"]
     if rc.module("mla_up_proj"):  # it includes the attention core: "core_attn" adds nothing
         o_BSHe = part(rc, "mla_up_proj", _attend)(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps,

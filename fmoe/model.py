@@ -41,9 +41,9 @@ from fmoe.gpt_init import init_gpt  # noqa: F401  (the model's init, re-exported
 from fmoe.gpt_state import LayerLoad, init_gpt_state, update_gpt_state
 from fmoe.layer import MoEAux, make_aux, update_moe_state
 from fmoe.ops import linear, rms_norm
-from fmoe.outline import outline, state_at
-from fmoe.parallel.collectives import CommGroup
-from fmoe.phases import gpt_layers, moe_layer
+from fmoe.outline import Site, outline, state_at
+from fmoe.parallel.context import LOCAL, ParallelContext
+from fmoe.phases import H, gpt_layers, moe_layer
 from fmoe.router import check_seq_len
 from fmoe.structure import check_block, check_gpt, check_moe, local_experts
 from fmoe.tp_layout import SPLITS, check_shard, check_tp
@@ -71,6 +71,11 @@ def _run(layers: list, params: dict[str, Any], acts: dict[str, torch.Tensor],
          meta: dict[str, Any]) -> Ran:
     """Runs `layers` (fmoe/phases.py) in order over `params` (the whole tree: phases pick theirs)."""
     return run_phases(layers, tree_params(params), acts, meta)
+
+
+# the MoE layer alone (fmoe.model.moe) and one block (fmoe.model.block): their params and state are the
+# tree handed in (root paths), not a site of a GPT
+_ALONE = {name: Site(name, "moe", (), ((),), state=()) for name in ("moe", "block")}
 
 
 def _routes(ran: Ran) -> list[tuple[str, torch.Tensor, Any]]:
@@ -108,27 +113,27 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
     dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
     if check:
         check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    layer = moe_layer(cfg, (), "moe", params, state, dispatcher, remat=remat, bare=True, seq_len=seq_len)
-    ran = _run([layer], params, {"x_TD": x_TD}, {})
+    layer = moe_layer(cfg, _ALONE["moe"], ParallelContext(dispatcher=dispatcher), remat=remat, bare=True,
+                      seq_len=seq_len)
+    ran = _run([layer], params, {"x_TD": x_TD}, {"state": state})
     return ran.acts["out_TD"].to(x_TD.dtype), _layer_aux(ran, cfg, state, check)
 
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
-          dispatcher: Dispatcher | None = None, remat: bool | None = None, *,
-          check: bool = True, tp: CommGroup | None = None,
-          sequence_parallel: bool = False) -> tuple[torch.Tensor, MoEAux]:
+          *, parallel: ParallelContext | None = None, remat: bool | None = None,
+          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_BSD, aux): an MoE block (fmoe/block.py), the phases of `fmoe.phases.moe_layer` in order,
-    the exchanges through `dispatcher` (default local); aux.loss is the differentiable balancing loss.
-    `remat`: as in `moe`. `check`: check the block params (routed experts: the dispatcher's
+    the exchanges through `parallel.dispatcher` (default local); aux.loss is the differentiable balancing
+    loss. `remat`: as in `moe`. `check`: check the block params (routed experts: the dispatcher's
     num_local_experts) and the state against `cfg` first; False skips it (for trees that already
-    passed). `tp`: the tensor-parallel group, `params` this rank's shard (fmoe/tp_layout.py: attention
-    heads split, norms, router and shared expert replicated, the dispatcher's local experts whole: TP
-    extends EP, the dispatcher's group being the ep x tp expert group); x and y replicated on the group,
-    or with `sequence_parallel` this rank's positions [B, S/P, D]. Each rank routes its own share of
-    the tokens; the balancing loss is the group's (equal to one process's)."""
-    if sequence_parallel and tp is None:
-        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
-    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
+    passed). `parallel` (fmoe.parallel.ParallelContext; None: one process): with `tp` the tensor-parallel
+    group, `params` this rank's shard (fmoe/tp_layout.py: attention heads split, norms, router and shared
+    expert replicated, the dispatcher's local experts whole: TP extends EP, the dispatcher's group being
+    the ep x tp expert group); x and y replicated on the group, or with `sequence_parallel` this rank's
+    positions [B, S/P, D]. Each rank routes its own share of the tokens; the balancing loss is the
+    group's (equal to one process's)."""
+    parallel = parallel or LOCAL
+    tp, dispatcher = parallel.tp, parallel.exchange(cfg.moe.num_experts)
     if check:
         n = local_experts(dispatcher)
         if tp is None:
@@ -137,32 +142,31 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
             check_tp(cfg, tp.size, dense=False)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
             check_block(params, cfg, state, num_local_experts=n, paths=(("mlp_norm",), ("moe",)))
-    layer = moe_layer(cfg, (), "block", params, state, dispatcher, remat=remat, tp=tp,
-                      sequence_parallel=sequence_parallel)
-    ran = _run([layer], params, {"h_BSD": x_BSD}, {})
+    layer = moe_layer(cfg, _ALONE["block"], parallel, remat=remat)
+    ran = _run([layer], params, {"h_BSD": x_BSD}, {"state": state})
     return ran.acts["h_BSD"], _layer_aux(ran, cfg.moe, state, check)
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
-               state: dict[str, Any] | None = None, dispatcher: Dispatcher | None = None, *,
+               state: dict[str, Any] | None = None, *, parallel: ParallelContext | None = None,
                check: bool = True) -> torch.Tensor:
     """Return logits_BSV [B, S, V] of the main model, head(rms_norm(h)) (no MTP, no loss): what an
-    inference framework computes, e.g. to compare with an imported checkpoint (fmoe/hf). `check`: as in
-    `gpt_loss`."""
+    inference framework computes, e.g. to compare with an imported checkpoint (fmoe/hf). `parallel`: its
+    dispatcher (tensor parallelism is not taken here). `check`: as in `gpt_loss`."""
     state = state or init_gpt_state(cfg, ids_BS.device)
-    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
+    parallel = parallel or LOCAL
+    if parallel.tp is not None:
+        raise ValueError("gpt_logits runs one process's whole head: no tensor parallelism (use gpt_loss)")
     if check:
-        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    layers = gpt_layers(cfg, params, state, dispatcher, layers=range(cfg.n_layers), first=True, last=True,
-                        head=False)
-    x_BSD = _run(layers, params, {}, {"ids_BS": ids_BS}).acts["h_BSD"]
+        check_gpt(params, cfg, state, num_local_experts=local_experts(parallel.dispatcher))
+    sites = outline(cfg).chunk(range(cfg.n_layers), first=True, head=False, last=False)
+    x_BSD = _run(gpt_layers(cfg, sites, parallel), params, {}, {"ids_BS": ids_BS, "state": state}).acts[H]
     return linear(rms_norm(x_BSD, params["norm"], cfg.norm_eps), params["head"]["w"])
 
 
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
-             state: dict[str, Any] | None = None,
-             dispatcher: Dispatcher | None = None, *, check: bool = True, tp: CommGroup | None = None,
-             sequence_parallel: bool = False) -> tuple[torch.Tensor, GPTAux]:
+             state: dict[str, Any] | None = None, *, parallel: ParallelContext | None = None,
+             check: bool = True) -> tuple[torch.Tensor, GPTAux]:
     """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`: the GPT's
     layers (fmoe.phases.gpt_layers, one chunk with every layer) run in order.
 
@@ -170,20 +174,20 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     `check`: check params and state against `cfg` first (every layer present, keys, shapes, dtypes; the
     routed experts are the dispatcher's num_local_experts; fmoe/structure.py), then run the blocks
     unchecked; False skips it, for trees that already passed (e.g. from a loop's second step on).
-    `tp`, `sequence_parallel`: tensor parallelism (`params` this rank's `fmoe.tp_layout.shard_gpt` with
-    the dispatcher's local experts, the dispatcher over the ep x tp expert group; ids and targets the
-    same on the group's ranks); the loss is the whole model's on every rank.
+    `parallel` (fmoe.parallel.ParallelContext; None: one process): its dispatcher moves the MoE rows;
+    with `tp` (and `sequence_parallel`) tensor parallelism (`params` this rank's
+    `fmoe.tp_layout.shard_gpt` with the dispatcher's local experts, the dispatcher over the ep x tp expert
+    group; ids and targets the same on the group's ranks); the loss is the whole model's on every rank.
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
-    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
-    if check and tp is None:
-        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher))
+    parallel = parallel or LOCAL
+    if check and parallel.tp is None:
+        check_gpt(params, cfg, state, num_local_experts=local_experts(parallel.dispatcher))
     elif check:
-        _check_tp_shards(params, cfg, tp.size)
-    layers = gpt_layers(cfg, params, state, dispatcher,
-                        layers=range(cfg.n_layers), first=True, last=True, tp=tp,
-                        sequence_parallel=sequence_parallel)
-    ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS})
+        _check_tp_shards(params, cfg, parallel.tp_size)
+    layers = gpt_layers(cfg, outline(cfg).chunk(range(cfg.n_layers), first=True, head=True, last=True),
+                        parallel)
+    ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS, "state": state})
     main = ran.losses["ce"]
     routes = _routes(ran)
     balance = sum((b for _, b, _ in routes), main.new_zeros(()))

@@ -129,8 +129,9 @@ def outline(cfg: GPTConfig) -> Outline:
     return Outline(tuple(sites), cfg.n_layers, cfg.mtp)
 
 
-def state_at(state: dict[str, Any], site: Site) -> Any:
-    """Returns `site`'s MoE state in a GPT state tree ({"layers": [...], "mtp": ...}); None if absent."""
+def state_at(state: dict[str, Any] | None, site: Site) -> Any:
+    """Returns `site`'s MoE state in a GPT state tree ({"layers": [...], "mtp": ...}; for a site whose
+    state path is (), the layer state itself); None where absent (None: a fresh state)."""
     node: Any = state
     for k in site.state or ():
         if isinstance(node, (list, tuple)):

@@ -33,10 +33,10 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.sync import InlineRows
 from fmoe.layer import plan_route, uses_token_dispatch
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
-from fmoe.outline import outline, state_at
+from fmoe.outline import Site, outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
 from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
-from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.parallel.phased import RowPlan, phased
 from fmoe.parallel.tensor import (
@@ -47,16 +47,18 @@ from fmoe.parallel.tensor import (
     vocab_parallel_embedding,
 )
 from fmoe.recompute import chunk_layers
-from fmoe.transforms.program import Layer, Phase, Ready, subtree
+from fmoe.structure import block_keys
+from fmoe.transforms.program import Layer, Phase, Ready
 
 H = "h_BSD"  # the hidden state that crosses layers and stages
 
 
 def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
-                cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+                cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
-    model's and MTP's). `tp`: head_DV is this rank's vocabulary columns [D, V/P] (vocab-parallel head
-    and cross-entropy); h replicated, or with `sequence_parallel` this rank's positions (gathered)."""
+    model's and MTP's). `parallel.tp`: head_DV is this rank's vocabulary columns [D, V/P] (vocab-parallel
+    head and cross-entropy); h replicated, or with sequence parallelism this rank's positions (gathered)."""
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     if tp is None:
         B, S, D = h_BSD.shape
         logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
@@ -69,12 +71,14 @@ def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor
 
 
 def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, targets_BS: torch.Tensor,
-              cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+              cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return z_BSD [B, S, D], MTP's input (fmoe/model.py): proj([norm(h_i); norm(embed(token i+1))])
     from the main model's last hidden state and the targets (token i+1 = targets[:, i]; an ignored
     target embeds token 0); `mtp` the MTP params (its hidden_norm, embed_norm, w_proj), `table_VD` the
-    shared embedding (with `tp` this rank's vocabulary rows; h and z replicated on the group, or with
-    `sequence_parallel` this rank's positions)."""
+    shared embedding (with `parallel.tp` this rank's vocabulary rows; h and z replicated on the group, or
+    with sequence parallelism this rank's positions)."""
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
+
     def shared(w: torch.Tensor) -> torch.Tensor:  # under SP used on this rank's positions: grads summed
         return copy_to_tp(w, tp) if sequence_parallel else w
 
@@ -102,11 +106,12 @@ def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Any, bool]:
     return phased(dispatcher, token_level), token_level
 
 
-def embed_layer(cfg: GPTConfig | None = None, tp: CommGroup | None = None,
-                sequence_parallel: bool = False) -> Layer:
-    """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]. `tp`: the table is
-    this rank's vocabulary rows (vocab-parallel embedding, cfg's vocabulary); h replicated, or with
-    `sequence_parallel` this rank's positions."""
+def embed_layer(cfg: GPTConfig | None = None, parallel: ParallelContext = LOCAL) -> Layer:
+    """Returns the embedding layer: one compute phase, meta["ids_BS"] -> acts[h_BSD]. `parallel.tp`: the
+    table is this rank's vocabulary rows (vocab-parallel embedding, cfg's vocabulary); h replicated, or
+    with sequence parallelism this rank's positions."""
+    tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
+
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         if tp is None:
             return {**acts, H: embedding(meta["ids_BS"], p["embed"]["table"])}, meta
@@ -116,11 +121,10 @@ def embed_layer(cfg: GPTConfig | None = None, tp: CommGroup | None = None,
     return Layer("embed", (Phase("embed", "compute", fn=fn, param_paths=(("embed", "table"),)),))
 
 
-def dense_layer(cfg: GPTConfig, i: int, tp: CommGroup | None = None,
-                sequence_parallel: bool = False) -> Layer:
-    """Returns dense block `i` as one compute phase over acts[h_BSD] (`tp`: fmoe.block.dense_block's)."""
+def dense_layer(cfg: GPTConfig, i: int, parallel: ParallelContext = LOCAL) -> Layer:
+    """Returns dense block `i` as one compute phase over acts[h_BSD] (`parallel`: dense_block's)."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: the block's params
-        h_BSD = block.dense_block(p, acts[H], cfg, check=False, tp=tp, sequence_parallel=sequence_parallel)
+        h_BSD = block.dense_block(p, acts[H], cfg, check=False, parallel=parallel)
         return {**acts, H: h_BSD}, meta  # gpt_programs / gpt_loss checked
 
     site = outline(cfg).layer(i)
@@ -128,19 +132,18 @@ def dense_layer(cfg: GPTConfig, i: int, tp: CommGroup | None = None,
                                    param_root=site.params),))
 
 
-def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, block_params: dict[str, Any],
-              state: dict[str, Any] | None, dispatcher: Any, a2a_chunks: int = 1, *,
-              remat: bool | None = None, bare: bool = False, seq_len: int | None = None,
-              tp: CommGroup | None = None, sequence_parallel: bool = False,
-              overlap: LayerOverlap | None = None) -> Layer:
-    """Returns the MoE block at param `path` (("layers", "3") or ("mtp", "block")) as six phases (module
-    docstring) over acts[h_BSD], with the layer's `state` (read only) and `dispatcher`. `block_params`
-    (the block's params) gives the key names: each phase takes exactly the weights it uses. `remat`
-    forces (True) or forbids (False) rematerialising the routed experts (None: the config's rule).
-    `bare`: the MoE layer alone (fmoe.model.moe), `path` its params' (`block_params` them), cfg a
+def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext = LOCAL,
+              a2a_chunks: int = 1, *, remat: bool | None = None, bare: bool = False,
+              seq_len: int | None = None, overlap: LayerOverlap | None = None) -> Layer:
+    """Returns the MoE block of `site` (fmoe.outline: its name, its params at site.params, its state at
+    site.state of meta["state"], read only) as six phases (module docstring) over acts[h_BSD], exchanging
+    through `parallel`'s dispatcher. The layer holds no params and no state: the stage program pairs it
+    with each step's (built once per run); each phase takes exactly the weights it uses (cfg's layout,
+    fmoe/structure.py). `remat` forces (True) or forbids (False) rematerialising the routed experts (None:
+    the config's rule). `bare`: the MoE layer alone (fmoe.model.moe), site.params its params', cfg a
     MoEConfig, acts["x_TD"] in, acts["out_TD"] out, `seq_len` the router's tokens per sequence.
-    `tp`, `sequence_parallel`: the block's tensor parallelism (fmoe.block.attention: each tp rank routes
-    and dispatches its own tokens, TP extending EP; the dispatcher's group is the ep x tp expert
+    `parallel.tp`, `.sequence_parallel`: the block's tensor parallelism (fmoe.block.attention: each tp rank
+    routes and dispatches its own tokens, TP extending EP; the dispatcher's group is the ep x tp expert
     group); the shared expert's replicated weights take their gradient summed over the group.
     `a2a_chunks` 2: a forward that runs alone (no F&B pair to hide its exchanges: warmup, cooldown,
     overlap off) moves the all-to-all's rows in two chunks that travel while each other's experts run
@@ -156,32 +159,34 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
     if overlap is not None and a2a_chunks != 1:
         raise ValueError("give the lone forward's chunks as overlap.lone ('self'), not also a2a_chunks")
     overlap = overlap or LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
-    if bare and tp is not None:
+    if bare and parallel.tp is not None:
         raise ValueError("tensor parallelism shards a block (fmoe.model.block), not a bare MoE layer")
+    tp = parallel.tp
     moe_cfg = cfg if bare else cfg.moe
+    path, name = site.params, site.name
     route_key, plan_key = f"route:{name}", f"plan:{name}"
-    ex, token_level = exchange_of(dispatcher, moe_cfg)
+    ex, token_level = exchange_of(parallel.exchange(moe_cfg.num_experts), moe_cfg)
     local = bool(getattr(ex, "local", False))
     if overlap.chunks and not local and not isinstance(ex, AllToAllDispatcher):
         raise ValueError(f"self-overlap (a2a_chunks 2) splits an all-to-all's rows: {type(ex).__name__} has "
                          "another route (use AllToAllDispatcher, or move the rows whole)")
     moe_path = path if bare else (*path, "moe")  # where the MoE params are; its phases take them below
-    moe_params = block_params if bare else block_params["moe"]
     mlp_paths = ((*moe_path, "experts"),)
     shared_path = (*moe_path, "shared")
-    has_shared = "shared" in moe_params
+    has_shared = moe_cfg.num_shared_experts > 0
     balance = f"balance:{name}"
 
     def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
         # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
-        out, route = block.attention(p, acts[H], cfg, state, remat, permute_tokens=False, check=False, tp=tp,
-                                     sequence_parallel=sequence_parallel)
+        out, route = block.attention(p, acts[H], cfg, state_at(meta.get("state"), site), remat,
+                                     permute_tokens=False, check=False, parallel=parallel)
         out[balance] = out.pop("loss")
         rest = {k: v for k, v in acts.items() if k != H}
         return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
 
     def route_only(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # a bare layer: the router
         x_TD = acts["x_TD"]
+        state = state_at(meta.get("state"), site)
         probs_TK, loss, route = plan_route(p, x_TD, moe_cfg, state, seq_len, remat, check=False)
         rest = {k: v for k, v in acts.items() if k != "x_TD"}
         out = {**rest, "normed_TD": x_TD, "probs_TK": probs_TK, balance: loss}
@@ -191,7 +196,7 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
         front = Phase("route", "compute", fn=route_only, param_paths=((*moe_path, "router"),),
                       param_root=moe_path, losses=(balance,))
     else:
-        attn_keys = tuple(k for k in block_params if k != "moe")  # attention weights and both norms
+        attn_keys = block_keys(cfg, dense=False, but=("moe",))  # attention weights and both norms
         attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
         front = Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
                       losses=(balance,))
@@ -225,7 +230,7 @@ def moe_layer(cfg: GPTConfig | MoEConfig, path: tuple[str, ...], name: str, bloc
         return {"shared_TD": block.shared_expert(weights, acts)}, meta
 
     def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        out = block.finish(acts, meta[route_key], None if sequence_parallel else tp)
+        out = block.finish(acts, meta[route_key], parallel)
         return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
 
     head = (
@@ -375,43 +380,38 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any, overlap: LayerOverlap | Non
     return 0 if local or not (overlap or LayerOverlap()).hands_over else 2
 
 
-def mtp_in_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
+def mtp_in_layer(cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> Layer:
     """Returns the MTP input layer: starts the MTP stream h' = proj([norm(h_i); norm(embed(token i+1))])
     from the main hidden state in acts[h_BSD] (which it replaces), on all S positions (Megatron's MTP: the
     last one's loss is ignored, `mtp_targets`), so it splits like the main stream under sequence
-    parallelism. `tp`, `sequence_parallel`: `mtp_input`'s."""
+    parallelism. `parallel`: `mtp_input`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, tp,
-                          sequence_parallel)
+        z_BSD = mtp_input(p["mtp"], p["embed"]["table"], acts[H], meta["targets_BS"], cfg, parallel)
         return {**acts, H: z_BSD}, meta
 
     paths = (("embed", "table"), ("mtp", "hidden_norm"), ("mtp", "embed_norm"), ("mtp", "w_proj"))
     return Layer("mtp_in", (Phase("mtp_in", "compute", fn=fn, param_paths=paths),))
 
 
-def head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
+def head_layer(cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> Layer:
     """Returns the head + loss layer: final norm, head, cross-entropy ("ce"). Without MTP it ends the
     path (returns the loss only); with MTP it passes the hidden state on to the MTP module, on this
-    stage or the next. `tp`, `sequence_parallel`: `logits_loss`'s."""
-    sp = sequence_parallel
-
+    stage or the next. `parallel`: `logits_loss`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        ce = logits_loss(acts[H], p["norm"], p["head"]["w"], meta["targets_BS"], cfg, tp, sp)
+        ce = logits_loss(acts[H], p["norm"], p["head"]["w"], meta["targets_BS"], cfg, parallel)
         return ({**acts, "ce": ce} if cfg.mtp else {"ce": ce}), meta
 
     return Layer("head", (Phase("head", "compute", fn=fn, param_paths=(("norm",), ("head", "w")),
                                 losses=("ce",)),))
 
 
-def mtp_head_layer(cfg: GPTConfig, tp: CommGroup | None = None, sequence_parallel: bool = False) -> Layer:
+def mtp_head_layer(cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> Layer:
     """Returns the MTP module's head + loss layer: its norm, the shared head, mtp_loss_weight x the MTP
     cross-entropy ("mtp"), and the unweighted one, detached, as meta["mtp_loss"]. Ends the path: returns
-    the loss only. `tp`, `sequence_parallel`: `logits_loss`'s."""
-    sp = sequence_parallel
-
+    the loss only. `parallel`: `logits_loss`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         mtp = logits_loss(acts[H], p["mtp"]["norm"], p["head"]["w"], mtp_targets(meta["targets_BS"]), cfg,
-                          tp, sp)
+                          parallel)
         return {"mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
 
     paths = (("mtp", "norm"), ("head", "w"))
@@ -423,42 +423,32 @@ def moe_layer_names(cfg: GPTConfig) -> set[str]:
     return {s.name for s in outline(cfg).moe}
 
 
-def gpt_layers(cfg: GPTConfig, params: dict[str, Any], state: dict[str, Any], dispatcher: Any, *,
-               layers: tuple[int, ...] | range, first: bool, last: bool, a2a_chunks: int = 1,
-               head: bool = True, tp: CommGroup | None = None,
-               sequence_parallel: bool = False, overlap: Overlap | None = None,
-               main_head: bool | None = None) -> list[Layer]:
-    """Returns the GPT's layers of one model chunk in order (its sites, fmoe.outline): the embedding when
-    `first`, model layers `layers` (dense or MoE, reading `state`), the final norm + head + loss when
-    `main_head` (None: when `last`), and when `last` the MTP module (if cfg.mtp: its input, block, head +
-    loss); without `head` no losses (neither head). cfg.recompute applied (fmoe.recompute.chunk_layers). A
-    pipeline stage runs one chunk (fmoe.pipeline.cut.ChunkSpec); one process is one chunk with every
-    layer. `tp`, `sequence_parallel`: tensor parallelism of every layer (params this rank's shards,
-    fmoe/tp_layout.py; the dispatcher over the ep x tp expert group). `overlap`: each MoE layer's overlap
-    modes (fmoe.overlap: one LayerOverlap for all, or by layer name, "L3", "MTP"), instead of
+def gpt_layers(cfg: GPTConfig, sites: tuple[Site, ...], parallel: ParallelContext = LOCAL, *,
+               a2a_chunks: int = 1, overlap: Overlap | None = None) -> list[Layer]:
+    """Returns the layers of the GPT's `sites` in order (fmoe.outline: one model chunk's,
+    `Outline.chunk` / `fmoe.pipeline.cut.ChunkSpec.sites`; one process is one chunk with every site), with
+    cfg.recompute applied (fmoe.recompute.chunk_layers). The layers hold no params and no state: a stage
+    program pairs them with each step's params, the MoE layers read their state from meta["state"] (the
+    GPT state). `parallel`: how every layer is laid over ranks (tensor parallelism: params this rank's
+    shards, fmoe/tp_layout.py; the dispatcher over the ep x tp expert group). `overlap`: each MoE layer's
+    overlap modes (fmoe.overlap: one LayerOverlap for all, or by layer name, "L3", "MTP"), instead of
     `a2a_chunks`; None: `a2a_chunks`' (moe_layer)."""
-    if sequence_parallel and tp is None:
-        raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
     check_names(overlap, moe_layer_names(cfg))
-    sp = sequence_parallel
-    sites = outline(cfg).chunk(layers, first=first, head=head and (last if main_head is None else main_head),
-                               last=head and last)
     out: list[Layer] = []
     for site in sites:
         if site.kind == "embed":
-            out.append(embed_layer(cfg, tp, sp))
+            out.append(embed_layer(cfg, parallel))
         elif site.kind == "dense":
-            out.append(dense_layer(cfg, site.layer, tp, sp))
+            out.append(dense_layer(cfg, site.layer, parallel))
         elif site.kind == "moe":
-            out.append(moe_layer(cfg, site.params, site.name, subtree(params, site.params),
-                                 state_at(state, site), dispatcher, a2a_chunks, tp=tp, sequence_parallel=sp,
+            out.append(moe_layer(cfg, site, parallel, a2a_chunks,
                                  overlap=None if overlap is None else layer_overlap(overlap, site.name)))
         elif site.kind == "head":
-            out.append(head_layer(cfg, tp, sp))
+            out.append(head_layer(cfg, parallel))
         elif site.kind == "mtp_in":
-            out.append(mtp_in_layer(cfg, tp, sp))
+            out.append(mtp_in_layer(cfg, parallel))
         else:
-            out.append(mtp_head_layer(cfg, tp, sp))
+            out.append(mtp_head_layer(cfg, parallel))
     return chunk_layers(cfg.recompute, sites, out)
 
 

@@ -327,6 +327,13 @@ def block_params_spec(cfg: GPTConfig, dense: bool = False,
     return spec
 
 
+def block_keys(cfg: GPTConfig, dense: bool = False, but: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Returns the top-level keys of one block's params under `cfg` (`block_params_spec`'s present
+    entries), less those in `but`: what a phase of the block takes, known without a params tree."""
+    spec = block_params_spec(cfg, dense)
+    return tuple(k for k, v in spec.items() if type(v) is not Absent and k not in but)
+
+
 @functools.lru_cache(maxsize=256)
 def gpt_params_spec(cfg: GPTConfig, num_local_experts: int | None = None) -> Mapping[str, Any]:
     """Return the spec of `fmoe.init_gpt(cfg)` params (MoE experts: L local)."""

@@ -160,11 +160,13 @@ def block_syncs(params: dict, x_BSD: torch.Tensor, cfg: object, dispatcher: obje
     """Host syncs of one MoE block (fmoe.model.block) on one microbatch: {"forward", "dx", "dw"}, the
     forward under split_vjp, then its dx pass and its deferred dw pass."""
     from fmoe.model import block
+    from fmoe.parallel.context import ParallelContext
     from fmoe.transforms import split_vjp
 
+    par = ParallelContext(dispatcher=dispatcher)
     with count_syncs() as fwd:
-        (y, aux_loss), vjp_dx = split_vjp(lambda p, x: _pair(block(p, x, cfg, dispatcher=dispatcher,
-                                                                   check=False)), params, x_BSD)
+        (y, aux_loss), vjp_dx = split_vjp(lambda p, x: _pair(block(p, x, cfg, parallel=par, check=False)),
+                                          params, x_BSD)
     with count_syncs() as dx:
         _, vjp_dw = vjp_dx((torch.ones_like(y), torch.ones_like(aux_loss)))
     with count_syncs() as dw:

@@ -51,8 +51,9 @@ from fmoe.schedule.verify import verify as verify
 
 # The executor and stage programs need torch; load them on first use so that generating, verifying and
 # simulating schedules stays torch-free.
-_LAZY = {"execute": ".execute", "StepResult": ".execute", "check_programs": ".execute",
-         "stage_turns_of": ".execute", "Phase": "fmoe.transforms.program", "Layer": "fmoe.transforms.program",
+_LAZY = {"execute": ".execute", "ExecOptions": ".options", "StepResult": ".execute",
+         "check_programs": ".execute", "stage_turns_of": ".execute", "Phase": "fmoe.transforms.program",
+         "Layer": "fmoe.transforms.program",
          "StageProgram": "fmoe.transforms.program", "Ready": "fmoe.transforms.program",
          "TraceEvent": ".timeline", "report_events": ".timeline"}
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -38,11 +38,9 @@ Generic: knows stage programs (fmoe.transforms.program), never the model.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +52,7 @@ from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
+from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
@@ -194,18 +193,14 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 
 
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
-            group: dist.ProcessGroup | None = None, recv_ahead: int = 4,
-            timeout: timedelta = timedelta(seconds=120), overlap: bool = True,
-            engine: str = "autograd",
+            group: dist.ProcessGroup | None = None, options: ExecOptions = DEFAULTS,
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-            grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-            fuse_iw: bool = True, device: torch.device | None = None,
-            compute_model: ComputeModel | None = None,
             stage_turns: Mapping[int, int] | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
-    pp = 1); `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `recv_ahead`:
+    pp = 1). `options` (fmoe.schedule.options.ExecOptions, built once per run), field by field:
+    `timeout` bounds every P2P wait, so a dead peer fails the step naming the rank. `recv_ahead`:
     how many compute actions before its consumer a receive is posted (each one posted early holds its
     buffer that much longer). 4, because on gloo a receive posted while the peer is already sending that
     message waits for the peer's transport thread, which on a machine with no spare core is a scheduler
@@ -215,10 +210,7 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     phases it has differentiated while its exchanges travel; off: pairs run one op after the other.
     `engine`: how compute phases are differentiated (`split_vjp`'s engine; "autograd", the default, has
     less per-op overhead and frees a phase's activations as its dx pass runs; "func": torch.func.vjp).
-    `on_stage_done(stage, grads)`: called once per stage of this rank, right after the last weight
-    gradient of its last microbatch was added into `grads` (the step's gradient dict, as returned):
-    from then on the gradients of the params only that stage reads on this rank no longer change, so a
-    caller may start reducing them while the rest of the schedule runs. `grad_dtype`: the dtype the
+    `grad_dtype`: the dtype the
     weight gradients are summed in over microbatches (None: as each dw pass produces them); a mixed-
     precision step passes fp32 so that bf16 dw results are added in fp32. `loss_scale`: the backward starts
     from loss_scale / m instead of 1 / m (fp16 loss scaling): the gradients come back multiplied by it,
@@ -234,18 +226,19 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     the schedule (all ranks', the same on every rank), the exchanges in flight at which its ops hand
     over (`stage_turns_of` of its program): with them an overlapped pair's two messages go on the wire
     in the order they exist (comms.forward_first_by_turns), so an activation never waits behind its
-    pair's gradient; None: the backward's first (right when both stages hold as many exchanges)."""
-    if not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
+    pair's gradient; None: the backward's first (right when both stages hold as many exchanges).
+    `on_stage_done(stage, grads)`: called once per stage of this rank, right after the last weight
+    gradient of its last microbatch was added into `grads` (the step's gradient dict, as returned):
+    from then on the gradients of the params only that stage reads on this rank no longer change, so a
+    caller may start reducing them while the rest of the schedule runs."""
     check_programs(s, rank, programs)
     check_group(s, rank, group)
     if stage_turns is not None:
         _check_turns(s, rank, programs, stage_turns)
     turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
-    full, wire = _verified(s, fuse_iw, overlap, turns_key)
-    return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs), compute_model
-                     ).run(full.ranks[rank], wire[rank])
+    full, wire = _verified(s, options.fuse_iw, options.overlap, turns_key)
+    return _Executor(s, rank, programs, data, group, options, on_stage_done,
+                     options.device or _device_of(programs)).run(full.ranks[rank], wire[rank])
 
 
 def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
@@ -306,17 +299,15 @@ def _verified(s: Schedule, fuse_iw: bool, overlap: bool, turns: tuple[tuple[int,
 
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
-                 data: Callable[[int], Meta], group: dist.ProcessGroup | None, recv_ahead: int,
-                 timeout: timedelta, overlap: bool, engine: str,
-                 on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-                 grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-                 device: torch.device | None = None, compute_model: ComputeModel | None = None):
+                 data: Callable[[int], Meta], group: dist.ProcessGroup | None, options: ExecOptions,
+                 on_stage_done: Callable[[int, dict[str, Any]], None] | None, device: torch.device):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
-        self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
-        self.engine, self.device = engine, device or torch.device("cpu")
-        self.compute_model = compute_model
+        self.group, self.recv_ahead, self.timeout = group, options.recv_ahead, options.timeout
+        self.overlap, self.engine, self.device = options.overlap, options.engine, device
+        self.compute_model = compute_model = options.compute_model
         self.on_stage_done = on_stage_done
-        self.grad_dtype = grad_dtype
+        self.grad_dtype = options.grad_dtype
+        loss_scale = options.loss_scale
         self.weights_done: dict[int, int] = {}  # stage -> microbatches whose dw all ran
         self.scale = 1.0 / s.m  # the losses are averaged over the microbatches
         self.seed = loss_scale / s.m  # the cotangent every loss's backward starts from

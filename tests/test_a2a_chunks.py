@@ -36,10 +36,13 @@ from test_pipeline_ep import (
 from fmoe import GPTConfig, init_gpt
 from fmoe import schedule as S
 from fmoe.dispatch.exchange import RowPlan
+from fmoe.outline import outline
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.alltoall import row_chunks
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.parallel.context import ParallelContext
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.schedule.ir import Overlap
+from fmoe.schedule.options import ExecOptions
 
 
 def _plans(counts: list[list[list[int]]]) -> list[RowPlan]:
@@ -124,9 +127,10 @@ def _run(rank: int, world: int, cases: list) -> dict:
         pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
         for overlap in (True, False):
             params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
-            step = gpt_pipeline_step(cfg, s, pp_rank, params, _state(cfg, imbalanced),
-                                     _batches(cfg, ep_rank, M), group=pp_group, dispatcher=d, overlap=overlap,
-                                     a2a_chunks=2)
+            step = gpt_pipeline_step(gpt_program(cfg, s, pp_rank, parallel=ParallelContext(dispatcher=d),
+                                                 a2a_chunks=2),
+                                     params, _state(cfg, imbalanced), _batches(cfg, ep_rank, M),
+                                     group=pp_group, options=ExecOptions(overlap=overlap))
             grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
             out[(name, pp, mtp, imbalanced, pie, overlap)] = (ep_rank, float(step.loss), grads,
                                                                step.result.events, pairs)
@@ -228,16 +232,15 @@ def test_chunks_need_an_all_to_all() -> None:
     from fmoe.phases import moe_layer
 
     cfg = _cfg(False, False)
-    params = init_gpt(cfg, torch.Generator().manual_seed(0))
 
     class _Group:  # an all-gather dispatcher is never asked to move anything here
         size, rank = 2, 0
 
     with pytest.raises(ValueError, match="AllToAllDispatcher"):
-        moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], None,
-                  AllGatherDispatcher(_Group(), 4), a2a_chunks=2)
+        moe_layer(cfg, outline(cfg).site("L1"), ParallelContext(dispatcher=AllGatherDispatcher(_Group(), 4)),
+                  a2a_chunks=2)
     with pytest.raises(ValueError, match="1 or 2"):
-        moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], None, None, a2a_chunks=3)
+        moe_layer(cfg, outline(cfg).site("L1"), a2a_chunks=3)
 
 
 def test_fmoe_train_takes_two_chunks_with_the_all_to_all_only() -> None:

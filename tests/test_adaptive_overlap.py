@@ -29,14 +29,16 @@ from test_pipeline_ep import (
     runs_by_key,
 )
 
-from fmoe import init_gpt, init_gpt_state
+from fmoe import init_gpt
 from fmoe import schedule as S
 from fmoe.dispatch.local import LocalDispatcher
+from fmoe.outline import outline
 from fmoe.overlap import LayerOverlap, layer_overlap
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
 from fmoe.phases import gpt_layers, moe_layer, moe_layer_turns
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.step import gpt_stage_turns
 from fmoe.schedule.ir import Overlap
 from fmoe.transforms.program import turns
@@ -65,8 +67,9 @@ def _run(rank: int, world: int, cases: list) -> dict:
         pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
         modes = {k: v for k, v in MODES_OF[(name, pp, mtp)].items() if k != "MTP" or mtp}
         params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
-        step = gpt_pipeline_step(cfg, s, pp_rank, params, _state(cfg, False), _batches(cfg, ep_rank, M),
-                                 group=pp_group, dispatcher=d, overlap_modes=modes)
+        step = gpt_pipeline_step(gpt_program(cfg, s, pp_rank, parallel=ParallelContext(dispatcher=d),
+                                             overlap=modes),
+                                 params, _state(cfg, False), _batches(cfg, ep_rank, M), group=pp_group)
         grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
         out[(name, pp, mtp)] = (ep_rank, float(step.loss), grads, step.result.events, pairs)
     return out
@@ -171,12 +174,10 @@ def test_turns_follow_the_modes() -> None:
     """A layer hands over at its dispatch and combine only where it pairs; the stage's turns are the sum
     over its MoE layers, the same whether counted on the built programs or from the modes."""
     cfg = _cfg(True, False)
-    params, state = init_gpt(cfg, torch.Generator().manual_seed(0)), init_gpt_state(cfg)
     d = AllToAllDispatcher.__new__(AllToAllDispatcher)  # built without a group: the type is what is read
     for mode, want in ((LayerOverlap("pair", "self"), 2), (LayerOverlap("self", "self"), 0),
                        (LayerOverlap("none", "none"), 0), (LayerOverlap("pair", "none"), 2)):
-        layer = moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], state["layers"][1], d,
-                          overlap=mode)
+        layer = moe_layer(cfg, outline(cfg).site("L1"), ParallelContext(dispatcher=d), overlap=mode)
         assert turns(layer.phases) == want == moe_layer_turns(cfg, d, mode)
         assert turns(layer.forward_phases(False)) == want
         names = [{ph.name for ph in layer.forward_phases(paired)} for paired in (True, False)]
@@ -187,8 +188,7 @@ def test_turns_follow_the_modes() -> None:
     turns_S = gpt_stage_turns(cfg, s, chunks, d, MODES)
     for st in range(s.placement.num_stages):
         chunk = chunks[s.placement.layer_chunk[st]]
-        layers = gpt_layers(cfg, params, state, d, layers=chunk.layers, first=chunk.first, last=chunk.last,
-                            overlap=MODES)
+        layers = gpt_layers(cfg, chunk.sites(cfg), ParallelContext(dispatcher=d), overlap=MODES)
         assert turns_S[st] == sum(turns(ly.phases) for ly in layers), st
     # a local dispatcher never hands over
     assert moe_layer_turns(cfg, LocalDispatcher(4), LayerOverlap("pair")) == 0
@@ -196,21 +196,19 @@ def test_turns_follow_the_modes() -> None:
 
 def test_what_is_refused() -> None:
     cfg = _cfg(False, False)
-    params, state = init_gpt(cfg, torch.Generator().manual_seed(0)), init_gpt_state(cfg)
     with pytest.raises(ValueError, match="LayerOverlap.paired must be one of pair, self, none"):
         LayerOverlap("chunks")
     with pytest.raises(ValueError, match="LayerOverlap.lone must be one of self, none"):
         LayerOverlap("pair", "pair")
     with pytest.raises(ValueError, match="overlap names L0, MTP: not MoE layers of the model"):
-        gpt_layers(cfg, params, state, None, layers=range(4), first=True, last=True,
+        gpt_layers(cfg, outline(cfg).chunk(range(4), first=True, head=True, last=True),
                    overlap={"L0": LayerOverlap(), "MTP": LayerOverlap(), "L1": LayerOverlap()})
     hier = HierarchicalDispatcher.__new__(HierarchicalDispatcher)  # the type is what the rule reads
     with pytest.raises(ValueError, match="self-overlap .* splits an all-to-all's rows"):
-        moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], state["layers"][1], hier,
+        moe_layer(cfg, outline(cfg).site("L1"), ParallelContext(dispatcher=hier),
                   overlap=LayerOverlap("pair", "self"))
     with pytest.raises(ValueError, match="not also a2a_chunks"):
-        moe_layer(cfg, ("layers", "1"), "L1", params["layers"][1], state["layers"][1], None, 2,
-                  overlap=LayerOverlap())
+        moe_layer(cfg, outline(cfg).site("L1"), ParallelContext(), 2, overlap=LayerOverlap())
     with pytest.raises(TypeError, match="overlap must be a LayerOverlap"):
         layer_overlap("pair", "L1")
     assert layer_overlap({"L2": LayerOverlap("none")}, "L1") == LayerOverlap()

@@ -16,7 +16,7 @@ from test_pipeline_gpt import _flat
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.flops import gpt_part_flops, gpt_tail_part_flops
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.cut import balanced_cut, cut_gpt, cut_imbalance_pct
 from fmoe.schedule import imbalance, stages
 from fmoe.train.config import TrainConfig
@@ -206,7 +206,8 @@ def _rank(rank: int, world: int, m: int) -> dict:
         s = S.build(name, world, m)
         chunks = cut_gpt(cfg, s.placement, layers=counts, min_layers=0, mtp_alone=alone)
         params = init_gpt(cfg, torch.Generator().manual_seed(0), DT)
-        step = gpt_pipeline_step(cfg, s, rank, params, init_gpt_state(cfg), _batches(cfg, m), chunks=chunks)
+        step = gpt_pipeline_step(gpt_program(cfg, s, rank, chunks=chunks), params, init_gpt_state(cfg),
+                                 _batches(cfg, m))
         out[(name, counts, alone)] = (float(step.loss), {k: v.tolist() for k, v in _flat(step.grads).items()})
     return out
 

@@ -17,6 +17,7 @@ from dist_utils import spawn
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
+from fmoe.pipeline import gpt_program
 from fmoe.pipeline import step as pipeline_step
 from fmoe.schedule.execute import StepResult
 from fmoe.train.config import TrainConfig
@@ -123,8 +124,8 @@ def test_a_pipeline_rank_without_a_loss_all_reduces_a_zero_on_its_device(monkeyp
     monkeypatch.setattr(pipeline_step, "full_grads", lambda grads, cfg: {})
     monkeypatch.setattr(pipeline_step.dist, "all_reduce", all_reduce)  # the trap wraps this one
     with default_device_trap():
-        out = pipeline_step.gpt_pipeline_step(cfg, s, 0, params, init_gpt_state(cfg), [(ids, ids)] * 2,
-                                              shared=_NoShare())
+        out = pipeline_step.gpt_pipeline_step(gpt_program(cfg, s, 0), params, init_gpt_state(cfg),
+                                              [(ids, ids)] * 2, shared=_NoShare())
     (loss,) = reduced
     assert loss is out.loss
     assert (loss.device, loss.dtype, float(loss)) == (torch.device("cpu"), torch.float64, 0.0)

@@ -23,8 +23,10 @@ from dist_utils import spawn
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.parallel.context import ParallelContext
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.schedule.ir import Overlap
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.timeline import TraceEvent
 
 E, EP = 4, 2
@@ -70,8 +72,9 @@ def _events(rank: int, world: int, cases: list) -> dict:
         seqs = [torch.randint(0, 32, (2, 7), generator=g) for _ in range(4)]
         batches = [(t[:, :-1], t[:, 1:]) for t in seqs]
         pp_rank = torch.distributed.get_rank(layout.group("pp")) if pp > 1 else 0
-        step = gpt_pipeline_step(cfg, s, pp_rank, params, init_gpt_state(cfg), batches,
-                                 group=layout.group("pp") if pp > 1 else None, dispatcher=d, overlap=overlap)
+        step = gpt_pipeline_step(gpt_program(cfg, s, pp_rank, parallel=ParallelContext(dispatcher=d)), params,
+                                 init_gpt_state(cfg), batches, group=layout.group("pp") if pp > 1 else None,
+                                 options=ExecOptions(overlap=overlap))
         pairs = [(a.f.stage, a.f.mb, a.b.stage, a.b.mb) for a in s.ranks[pp_rank] if isinstance(a, Overlap)]
         out[key] = (step.result.events, pairs)
     return out
@@ -285,9 +288,8 @@ def test_stage_turns_that_disagree_with_the_programs_are_refused() -> None:
     s = S.build("1f1b", 1, 2)  # one rank: no process group needed
     params = init_gpt(cfg, torch.Generator().manual_seed(0))
     batches = [(torch.zeros(1, 4, dtype=torch.long),) * 2] * 2
-    from fmoe.pipeline.step import gpt_programs
     from fmoe.schedule.execute import execute
-    programs = gpt_programs(cfg, s, 0, params, init_gpt_state(cfg), micro_batch=(1, 4))
+    programs = gpt_program(cfg, s, 0).stage_programs(params, (1, 4))
     data = {"ids_BS": batches[0][0], "targets_BS": batches[0][1]}
     with pytest.raises(S.ScheduleError, match="stage_turns says stage 0 hands over at 2 exchanges, its "
                                               "program at 0"):

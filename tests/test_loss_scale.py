@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from fmoe import schedule as S
 from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_map
 from fmoe.model import init_gpt, init_gpt_state
-from fmoe.pipeline import gpt_pipeline_step, split_microbatches
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, split_microbatches
 from fmoe.precision import POLICIES, LossScale, cast_to_compute, unscale_
+from fmoe.schedule.options import ExecOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_precision import _cfg, _grads, is_zero_gradient, same_routing  # noqa: E402  (the bf16 tests' tiny GPT)
@@ -136,12 +137,13 @@ def test_executor_loss_scale_multiplies_gradients_not_the_loss() -> None:
     params = init_gpt(cfg, torch.Generator().manual_seed(3))
     seq = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(4))
     batches = split_microbatches(seq[:, :-1], seq[:, 1:], 2)
-    plain = gpt_pipeline_step(cfg, S.one_f_one_b(1, 2), 0, params, init_gpt_state(cfg), batches)
-    scaled = gpt_pipeline_step(cfg, S.one_f_one_b(1, 2), 0, params, init_gpt_state(cfg), batches,
-                               loss_scale=1024.0)
+    plain = gpt_pipeline_step(gpt_program(cfg, S.one_f_one_b(1, 2), 0), params, init_gpt_state(cfg), batches)
+    scaled = gpt_pipeline_step(gpt_program(cfg, S.one_f_one_b(1, 2), 0), params, init_gpt_state(cfg), batches,
+                               options=ExecOptions(loss_scale=1024.0))
     assert float(scaled.loss) == float(plain.loss)
     for (path, a), b in zip(tree_flatten_with_path(plain.grads)[0], tree_flatten(scaled.grads)[0]):
         if a is not None:
             torch.testing.assert_close(b, a * 1024.0, rtol=0, atol=0, msg=keystr(path))  # 2**10: exact
     with pytest.raises(ValueError, match="loss_scale"):
-        gpt_pipeline_step(cfg, S.one_f_one_b(1, 2), 0, params, init_gpt_state(cfg), batches, loss_scale=0.0)
+        gpt_pipeline_step(gpt_program(cfg, S.one_f_one_b(1, 2), 0), params, init_gpt_state(cfg), batches,
+                          options=ExecOptions(loss_scale=0.0))

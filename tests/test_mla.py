@@ -27,6 +27,7 @@ from fmoe.block import init_attention, init_block, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
 from fmoe.parallel import CommGroup
+from fmoe.parallel.context import ParallelContext
 from fmoe.structure import Absent, block_params_spec, check_block
 from fmoe.tp_layout import check_shard, shard_block, split_units
 from fmoe.transforms.testing import assert_close
@@ -221,7 +222,7 @@ def _tp_rank(rank: int, world: int) -> dict:
             if sp:  # this rank's positions
                 x, ct = _positions(x, rank, world), _positions(ct, rank, world)
             y, vjp = torch.func.vjp(lambda p_, x_, sp=sp, cfg=cfg: self_attention(
-                p_, x_, cfg, tp=comm, sequence_parallel=sp), mine, x)
+                p_, x_, cfg, parallel=ParallelContext(tp=comm, sequence_parallel=sp)), mine, x)
             dp, dx = vjp(ct)
             out[f"{Q}_{sp}"] = _pack({"y": y, "dx": dx, "dp": dp})
     return out

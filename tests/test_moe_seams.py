@@ -26,7 +26,7 @@ from fmoe.hf.checkpoint import gpt_config_dict, gpt_config_of
 from fmoe.layer import init_moe
 from fmoe.model import moe
 from fmoe.ops import attention
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.router import Routing, route
 from fmoe.seams import attention_of, experts_of, router_of
 from fmoe.train.config import TrainConfig
@@ -123,7 +123,8 @@ def _pipeline_rank(rank: int, world: int, router: str) -> tuple[float, dict]:
     cfg = _gpt(router=router)
     s = S.build("1f1b", world, 2)
     params = init_gpt(cfg, torch.Generator().manual_seed(0), DT)
-    step = gpt_pipeline_step(cfg, s, rank, params, init_gpt_state(cfg), [_batch(seed=i) for i in range(2)])
+    step = gpt_pipeline_step(gpt_program(cfg, s, rank), params, init_gpt_state(cfg),
+                             [_batch(seed=i) for i in range(2)])
     return float(step.loss), _flat(step.grads)
 
 

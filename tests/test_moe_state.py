@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state, init_moe, init_moe_state, moe
 from fmoe import schedule as S
 from fmoe.layer import update_moe_state
-from fmoe.pipeline import cut_gpt, gpt_pipeline_step, split_microbatches, update_gpt_state
+from fmoe.pipeline import cut_gpt, gpt_pipeline_step, gpt_program, split_microbatches, update_gpt_state
 
 
 def _assert_state_equal(a: dict, b: dict) -> None:
@@ -53,7 +53,7 @@ def test_pipeline_step_updates_the_state_once_from_summed_loads() -> None:
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 32, (2, 7), generator=g) for _ in range(3)]
     batches = [(s_[:, :-1], s_[:, 1:]) for s_ in seqs]
-    step = gpt_pipeline_step(cfg, S.one_f_one_b(1, 3), 0, params, state, batches)
+    step = gpt_pipeline_step(gpt_program(cfg, S.one_f_one_b(1, 3), 0), params, state, batches)
     got = update_gpt_state(cfg, state, step.loads)
 
     auxes = [gpt_loss(params, ids, t, cfg, state)[1] for ids, t in batches]  # every microbatch: same state

@@ -22,8 +22,8 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.layer import expert_rows, init_moe, init_moe_state, plan_route, route_tokens, update_moe_state
 from fmoe.model import block, gpt_loss, init_gpt, init_gpt_state, moe
-from fmoe.pipeline import gpt_pipeline_step, update_gpt_state
-from fmoe.pipeline.step import gpt_programs
+from fmoe.parallel.context import ParallelContext
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, update_gpt_state
 from fmoe.router import route
 from fmoe.structure import check_gpt, check_moe
 
@@ -296,19 +296,20 @@ def test_pipeline_step_checks_what_its_rank_reads() -> None:
     bad = [dict(b) for b in params["layers"]]
     bad[1]["moe"] = {**bad[1]["moe"], "router": {"w": torch.zeros(8, 3)}}
     with raises("gpt params: layers.1.moe.router.w has shape (8, 3), config says [D=8, E=4]"):
-        gpt_pipeline_step(cfg, s, 0, {**params, "layers": bad}, state, batches)
+        gpt_pipeline_step(gpt_program(cfg, s, 0), {**params, "layers": bad}, state, batches)
     with raises("gpt state: mtp.expert_bias_E has shape (3,)"):
-        gpt_pipeline_step(cfg, s, 0, params, {**state, "mtp": {"expert_bias_E": torch.zeros(3)}}, batches)
+        gpt_pipeline_step(gpt_program(cfg, s, 0), params, {**state, "mtp": {"expert_bias_E": torch.zeros(3)}},
+                          batches)
     # An expert-parallel rank holds L = 2 of the 4 experts: the dispatcher's count is the one checked.
     local = tree_map(lambda t: t, params)
     for b in local["layers"][1:] + [local["mtp"]["block"]]:
         b["moe"] = {**b["moe"], "experts": {k: v[:2] for k, v in b["moe"]["experts"].items()}}
-    gpt_programs(cfg, s, 0, local, state, micro_batch=(2, 5), dispatcher=LocalDispatcher(2))
+    gpt_program(cfg, s, 0, parallel=ParallelContext(dispatcher=LocalDispatcher(2))).check(local, state)
     with raises("gpt params: layers.1.moe.experts.w_gate has shape (2, 8, 16), config says [E=4, D=8, F=16]"):
-        gpt_programs(cfg, s, 0, local, state, micro_batch=(2, 5))
-    step = gpt_pipeline_step(cfg, s, 0, params, state, batches)
+        gpt_program(cfg, s, 0).check(local, state)
+    step = gpt_pipeline_step(gpt_program(cfg, s, 0), params, state, batches)
     with raises("gpt state: layers has 1 entries, config says n_layers=2"):
         update_gpt_state(cfg, {"layers": state["layers"][:1], "mtp": state["mtp"]}, step.loads)
-    again = gpt_pipeline_step(cfg, s, 0, params, state, batches, check=False)
+    again = gpt_pipeline_step(gpt_program(cfg, s, 0), params, state, batches, check=False)
     assert torch.equal(step.loss, again.loss)
     assert all(torch.equal(a, b) for a, b in zip(tree_flatten(step.grads)[0], tree_flatten(again.grads)[0]))

@@ -13,6 +13,7 @@ from nccl_rules import CommOp, recording, replay
 
 from fmoe import schedule as S
 from fmoe.schedule.execute import execute
+from fmoe.schedule.options import ExecOptions
 
 
 def _op(rank: int, k: int, kind: str, peer: int | None = None, tag: int = 0, comm=(0, 1),
@@ -77,7 +78,8 @@ def _executor_logs(rank: int, world: int, m: int) -> dict:
         programs = {st: _program(s, st, params, travelling=True) for st in s.placement.stages_of(rank)}
         for overlap in (True, False):
             with recording() as log:
-                execute(s, rank, programs, lambda mb, data=data: data[mb], overlap=overlap)
+                execute(s, rank, programs, lambda mb, data=data: data[mb],
+                        options=ExecOptions(overlap=overlap))
             out[(name, overlap)] = log
     return out
 

@@ -24,7 +24,9 @@ from fmoe.parallel import (
     ParallelLayout,
     Topology,
 )
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.parallel.context import ParallelContext
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
+from fmoe.schedule.options import ExecOptions
 
 DT = torch.float64
 E, L, EP = 4, 2, 2
@@ -145,8 +147,8 @@ def _rank(rank: int, world: int, cases: list) -> dict:
         stage_rank = torch.distributed.get_rank(pp_group)
         params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
         s = S.build(name, 2, M)
-        step = gpt_pipeline_step(cfg, s, stage_rank, params, _state(cfg, imbalanced),
-                                 _batches(cfg, ep_rank, M), group=pp_group, dispatcher=d)
+        step = gpt_pipeline_step(gpt_program(cfg, s, stage_rank, parallel=ParallelContext(dispatcher=d)),
+                                 params, _state(cfg, imbalanced), _batches(cfg, ep_rank, M), group=pp_group)
         grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
         out[(kind, rpn, name)] = (ep_rank, float(step.loss), grads)
     return out
@@ -182,9 +184,10 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
         s = S.build(name, pp, M)
         for overlap in (True, False):
             params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
-            step = gpt_pipeline_step(cfg, s, torch.distributed.get_rank(pp_group), params,
-                                     _state(cfg, imbalanced), _batches(cfg, ep_rank, M), group=pp_group,
-                                     dispatcher=d, overlap=overlap)
+            step = gpt_pipeline_step(gpt_program(cfg, s, torch.distributed.get_rank(pp_group),
+                                                 parallel=ParallelContext(dispatcher=d)),
+                                     params, _state(cfg, imbalanced), _batches(cfg, ep_rank, M),
+                                     group=pp_group, options=ExecOptions(overlap=overlap))
             grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
             out[(kind, rpn, name, overlap)] = (ep_rank, float(step.loss), grads)
     return out

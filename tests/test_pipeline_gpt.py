@@ -10,7 +10,8 @@ from dist_utils import spawn
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
 from fmoe import schedule as S
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
+from fmoe.schedule.options import ExecOptions
 
 DT = torch.float64
 
@@ -61,8 +62,8 @@ def _rank(rank: int, world: int, runs: list[tuple], m: int) -> dict:
         cfg = _cfg(n_layers, mtp)
         s = S.build(name, world, m)
         params = init_gpt(cfg, torch.Generator().manual_seed(0), DT)
-        step = gpt_pipeline_step(cfg, s, rank, params, init_gpt_state(cfg), _batches(cfg, s.m),
-                                 engine=engine[0] if engine else "autograd")
+        step = gpt_pipeline_step(gpt_program(cfg, s, rank), params, init_gpt_state(cfg), _batches(cfg, s.m),
+                                 options=ExecOptions(engine=engine[0] if engine else "autograd"))
         out[(name, mtp, *engine)] = (float(step.loss), {k: v.tolist() for k, v in _flat(step.grads).items()},
                             step.result.peak_activations, S.simulate(s, S.Costs()).peak_activations[rank])
     return out

@@ -23,6 +23,7 @@ from fmoe.layer import init_moe_state
 from fmoe.model import block, gpt_loss
 from fmoe.parallel import CommGroup
 from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.counters import CommCounters
 from fmoe.plan.layer_costs import tp_bytes, tp_collectives
 from fmoe.plan.specs import ModelSpec
@@ -82,12 +83,15 @@ def _run(rank: int, world: int, cfg: GPTConfig, kind: str, sequence_parallel: bo
             b["moe"] = {**b["moe"], "experts": experts}
         ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
         dispatcher = AllToAllDispatcher(CommGroup(torch.distributed.group.WORLD), E)  # not counted
-        torch.func.grad(lambda p: gpt_loss(p, ids, ids.roll(-1, 1), cfg, init_gpt_state(cfg), dispatcher,
-                                           tp=tp, sequence_parallel=sequence_parallel)[0])(params)
+        torch.func.grad(lambda p: gpt_loss(p, ids, ids.roll(-1, 1), cfg, init_gpt_state(cfg),
+                                           parallel=ParallelContext(tp=tp,
+                                                                    sequence_parallel=sequence_parallel,
+                                                                    dispatcher=dispatcher))[0])(params)
         return _counted(counters)
     if kind == "dense":
         def f(p, x_):
-            return dense_block(p, x_, cfg, tp=tp, sequence_parallel=sequence_parallel)
+            return dense_block(p, x_, cfg,
+                               parallel=ParallelContext(tp=tp, sequence_parallel=sequence_parallel))
     else:
         L = E // world  # TP extends EP: this rank's whole experts
         experts = params["moe"]["experts"]
@@ -95,8 +99,9 @@ def _run(rank: int, world: int, cfg: GPTConfig, kind: str, sequence_parallel: bo
         dispatcher = AllToAllDispatcher(CommGroup(torch.distributed.group.WORLD), E)  # not counted
 
         def f(p, x_):
-            return block(p, x_, cfg, init_moe_state(cfg.moe), dispatcher, tp=tp,
-                         sequence_parallel=sequence_parallel)[0]
+            return block(p, x_, cfg, init_moe_state(cfg.moe),
+                         parallel=ParallelContext(tp=tp, sequence_parallel=sequence_parallel,
+                                                  dispatcher=dispatcher))[0]
     y, vjp = torch.func.vjp(f, params, x)
     vjp(torch.ones_like(y))
     return _counted(counters)

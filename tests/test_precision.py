@@ -19,8 +19,9 @@ from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_map,
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.layer import plan_route
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
-from fmoe.pipeline import gpt_pipeline_step, split_microbatches
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, split_microbatches
 from fmoe.precision import POLICIES, accumulate, cast_to_compute
+from fmoe.schedule.options import ExecOptions
 
 MIXED = POLICIES["bf16-mixed"]
 REL = 1e-2  # pipeline vs one process, both bf16: only the order of bf16 operations differs
@@ -127,8 +128,8 @@ def test_pipeline_step_sums_weight_gradients_in_fp32_and_matches_the_one_process
     compute = cast_to_compute(master, MIXED)
     seq = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(4))
     batches = split_microbatches(seq[:, :-1], seq[:, 1:], 2)
-    step = gpt_pipeline_step(cfg, S.one_f_one_b(1, 2), 0, compute, init_gpt_state(cfg), batches,
-                             grad_dtype=torch.float32)
+    step = gpt_pipeline_step(gpt_program(cfg, S.one_f_one_b(1, 2), 0), compute, init_gpt_state(cfg), batches,
+                             options=ExecOptions(grad_dtype=torch.float32))
     assert all(t.dtype == torch.float32 for t in tree_flatten(step.grads)[0] if t is not None)
     leaves, spec = tree_flatten(compute)
     leaves = [t.detach().requires_grad_() for t in leaves]

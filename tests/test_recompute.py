@@ -23,8 +23,9 @@ from fmoe import schedule as S
 from fmoe._compat import tree_flatten, tree_map
 from fmoe.model import gpt_loss
 from fmoe.parallel import ParallelLayout
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.recompute import Recompute
+from fmoe.schedule.options import ExecOptions
 from fmoe.train.config import TrainConfig
 from fmoe.train.loop import Trainer, World
 from fmoe.transforms.testing import tracked_peak_bytes
@@ -79,7 +80,8 @@ def _pipeline(cfg) -> tuple[list[torch.Tensor], float]:
     for m in (2, 4):
         s, batches = S.build("gpipe", 1, m), _batches(m, cfg.vocab_size)
         def step(s: S.Schedule = s, batches: list = batches) -> Any:
-            return gpt_pipeline_step(cfg, s, 0, params, init_gpt_state(cfg), batches, overlap=False)
+            return gpt_pipeline_step(gpt_program(cfg, s, 0), params, init_gpt_state(cfg), batches,
+                                     options=ExecOptions(overlap=False))
         step()
         out, peak = tracked_peak_bytes(step)
         peaks.append(peak)

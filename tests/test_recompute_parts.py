@@ -26,6 +26,7 @@ from fmoe.block import attention, dense_block, init_block, self_attention
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
 from fmoe.ops import rms_norm
+from fmoe.parallel.context import ParallelContext
 from fmoe.plan import layout as L
 from fmoe.plan.layer_costs import part_costs
 from fmoe.plan.specs import MODEL_PRESETS, ModelSpec
@@ -109,7 +110,7 @@ def _tp_rank(rank: int, world: int) -> dict[str, list[float]]:
             for modules in ((), NEW, (*NEW, "mlp")):
                 cfg = _cfg(mla, Q, modules, G=2)
                 y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg, sp=sp: dense_block(
-                    p, x_, cfg, tp=comm, sequence_parallel=sp), mine, xs)
+                    p, x_, cfg, parallel=ParallelContext(tp=comm, sequence_parallel=sp)), mine, xs)
                 flat = [y, *tree_flatten(vjp(cts))[0]]
                 out[f"{mla}{Q}{sp}{modules}"] = [v for t in flat for v in t.flatten().tolist()]
     return out

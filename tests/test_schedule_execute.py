@@ -15,6 +15,7 @@ from dist_utils import spawn
 from fmoe import schedule as S
 from fmoe.ops import linear
 from fmoe.schedule.execute import execute
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.transforms.program import Layer, Phase, Ready, StageProgram
 
@@ -193,8 +194,8 @@ def test_a_b_with_nothing_to_hide_computes_its_weight_grads_in_the_dx_pass(
     monkeypatch.setattr(WeightGradTape, "record", counting)
     s = S.build(name, 1, 3)
     params, data = _params(1), _data(3)
-    res = execute(s, 0, {0: _program(s, 0, params, local)}, lambda mb: data[mb], overlap=overlap,
-                  fuse_iw=fuse)
+    res = execute(s, 0, {0: _program(s, 0, params, local)}, lambda mb: data[mb],
+                  options=ExecOptions(overlap=overlap, fuse_iw=fuse))
     want_loss, want = _oracle(s, params)
     assert float(res.loss) == pytest.approx(want_loss, rel=1e-12)
     for k in want["c0"]:
@@ -284,7 +285,8 @@ def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
 def _grad_posts(rank: int, world: int) -> list:
     s = S.one_f_one_b(2, 4)
     params = _params(2)
-    res = execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb], recv_ahead=100)
+    res = execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
+                  options=ExecOptions(recv_ahead=100))
     return res.events
 
 
@@ -320,7 +322,7 @@ def _dies(rank: int, world: int) -> None:
     s = S.one_f_one_b(2, 2)
     params = _params(2)
     execute(s, rank, {0: _program(s, 0, params)}, lambda mb: _data(2)[mb],
-            timeout=datetime.timedelta(seconds=20))
+            options=ExecOptions(timeout=datetime.timedelta(seconds=20)))
 
 
 def test_a_dead_peer_fails_the_step_naming_it_in_bounded_time() -> None:

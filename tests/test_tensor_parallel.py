@@ -16,6 +16,7 @@ import torch.nn.functional as tnf
 from dist_utils import spawn
 
 from fmoe.parallel import CommGroup
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.tensor import (
     IGNORE_INDEX,
     column_parallel_linear,
@@ -241,8 +242,10 @@ def _dense_rank(rank: int, world: int) -> dict:
         ct = torch.randn(2, 2 * world, cfg.d_model, generator=g, dtype=DT)
         if sp:  # this rank's positions
             x, ct = x[:, 2 * rank:2 * rank + 2], ct[:, 2 * rank:2 * rank + 2]
-        y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg, sp=sp: dense_block(p, x_, cfg, tp=comm,
-                                                                          sequence_parallel=sp), mine, x)
+        y, vjp = torch.func.vjp(lambda p, x_, cfg=cfg,
+                                sp=sp: dense_block(p, x_, cfg,
+                                                   parallel=ParallelContext(tp=comm, sequence_parallel=sp)),
+                                mine, x)
         dp, dx = vjp(ct)
         out[(qk, sp)] = torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()),
                                                      (y, dx, dp))

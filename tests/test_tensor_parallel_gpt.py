@@ -18,6 +18,9 @@ from fmoe.config import GPTConfig, MoEConfig
 from fmoe.model import gpt_loss, init_gpt, init_gpt_state
 from fmoe.parallel import CommGroup
 from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.parallel.context import ParallelContext
+from fmoe.pipeline import gpt_program
+from fmoe.schedule.options import ExecOptions
 from fmoe.tp_layout import shard_gpt
 from fmoe.transforms.testing import assert_close
 
@@ -125,10 +128,11 @@ def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str,
     pp_rank = torch.distributed.get_rank(pp_group)
     s = sched.build(schedule, 2, M)
     with recording() if record else nullcontext() as log:
-        step = gpt_pipeline_step(cfg, s, pp_rank, _mine(params, cfg, tp.rank, 2), init_gpt_state(cfg),
-                                 list(zip(ids.chunk(M), targets.chunk(M))), group=pp_group,
-                                 dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E), tp=tp,
-                                 sequence_parallel=sp, overlap=True)
+        par = ParallelContext(tp=tp, sequence_parallel=sp,
+                              dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E))
+        step = gpt_pipeline_step(gpt_program(cfg, s, pp_rank, parallel=par), _mine(params, cfg, tp.rank, 2),
+                                 init_gpt_state(cfg), list(zip(ids.chunk(M), targets.chunk(M))),
+                                 group=pp_group, options=ExecOptions(overlap=True))
     if record:
         return {"log": log}
     held = {path: (tuple(v.shape), v.flatten().tolist()) for path, v in _paths(step.grads).items()}

@@ -22,6 +22,7 @@ from fmoe.layer import init_moe_state
 from fmoe.model import block
 from fmoe.parallel import AllGatherDispatcher, CommGroup, HierarchicalDispatcher
 from fmoe.parallel.alltoall import AllToAllDispatcher
+from fmoe.parallel.context import ParallelContext
 from fmoe.tp_layout import shard_block
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
@@ -99,7 +100,9 @@ def _rank(rank: int, world: int, tp: int, seed: int, sequence_parallel: bool, en
         dispatcher = HierarchicalDispatcher(CommGroup(inter[rank % 2]), CommGroup(intra[rank // 2]), E)
 
     def f(p, x_):
-        y, aux = block(p, x_, cfg, d["state"], dispatcher, tp=comm, sequence_parallel=sequence_parallel)
+        y, aux = block(p, x_, cfg, d["state"],
+                       parallel=ParallelContext(tp=comm, sequence_parallel=sequence_parallel,
+                                                dispatcher=dispatcher))
         return y, aux.loss
 
     if engine == "vjp":
@@ -109,7 +112,9 @@ def _rank(rank: int, world: int, tp: int, seed: int, sequence_parallel: bool, en
         (y, loss), vjp_dx = split_vjp(f, params, x)
         (dx,), vjp_dw = vjp_dx((ct, torch.ones((), dtype=DT)))
         dp = vjp_dw()
-    _, aux = block(params, x, cfg, d["state"], dispatcher, tp=comm, sequence_parallel=sequence_parallel)
+    _, aux = block(params, x, cfg, d["state"],
+                   parallel=ParallelContext(tp=comm, sequence_parallel=sequence_parallel,
+                                            dispatcher=dispatcher))
     got = {"y": y, "loss": loss, "dx": dx, "dp": dp, "bias": aux.new_state["expert_bias_E"]}
     return torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), got)
 
@@ -191,7 +196,8 @@ def _property(rank: int, world: int, n: int) -> int:
         cut = (lambda v: _positions(v, rank, world)) if sp else (lambda v: v)
 
         def mine(p, x_):
-            y, aux = block(p, x_, cfg, state, dispatcher, tp=comm, sequence_parallel=sp)
+            y, aux = block(p, x_, cfg, state,
+                           parallel=ParallelContext(tp=comm, sequence_parallel=sp, dispatcher=dispatcher))
             return y, aux.loss
 
         (y, loss), vjp = torch.func.vjp(mine, _local(full, cfg, rank, world, rank, world), cut(x))

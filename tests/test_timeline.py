@@ -13,6 +13,7 @@ from fmoe import schedule as S
 from fmoe.ops import linear
 from fmoe.schedule.compute_model import ComputeModel
 from fmoe.schedule.execute import execute
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.timeline import TraceEvent, hidden_of, hidden_shares, summarize
 from fmoe.transforms.program import Layer, Phase, StageProgram
 
@@ -55,7 +56,8 @@ def _program(delay: float) -> StageProgram:
 def _step(delay: float, compute_model: ComputeModel | None = None):
     s = S.combined_1f1b(M)
     data = [{"x": torch.randn(T, D, generator=torch.Generator().manual_seed(10 + mb))} for mb in range(M)]
-    return execute(s, 0, {0: _program(delay)}, lambda mb: data[mb], compute_model=compute_model)
+    return execute(s, 0, {0: _program(delay)}, lambda mb: data[mb],
+                   options=ExecOptions(compute_model=compute_model))
 
 
 def test_the_hidden_share_recomputed_from_the_trace_equals_the_executors(tmp_path) -> None:

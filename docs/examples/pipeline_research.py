@@ -21,7 +21,7 @@ import torch.distributed as dist
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
 from fmoe.parallel import close_default_group, exit_process
-from fmoe.pipeline import gpt_pipeline_step, split_microbatches
+from fmoe.pipeline import gpt_pipeline_step, gpt_program, split_microbatches
 
 LR = 0.05
 SEQ, PER_MB, VOCAB = 16, 2, 64  # tokens per sequence, sequences per microbatch, vocabulary
@@ -56,7 +56,7 @@ def train(s: S.Schedule, rank: int, group: dist.ProcessGroup | None, steps: int)
     state = init_gpt_state(cfg)
     losses = []
     for step in range(1, steps + 1):
-        out = gpt_pipeline_step(cfg, s, rank, params, state, batches(step, s.m), group=group)
+        out = gpt_pipeline_step(gpt_program(cfg, s, rank), params, state, batches(step, s.m), group=group)
         params = sgd(params, out.grads, LR)
         losses.append(out.loss.item())
     return losses

@@ -8,7 +8,8 @@ from fmoe.gpt_state import update_gpt_state as update_gpt_state
 from fmoe.pipeline.cut import ChunkSpec as ChunkSpec
 from fmoe.pipeline.cut import cut_gpt as cut_gpt
 from fmoe.pipeline.cut import holders as holders
+from fmoe.pipeline.step import GPTProgram as GPTProgram
 from fmoe.pipeline.step import PipelineStep as PipelineStep
 from fmoe.pipeline.step import gpt_pipeline_step as gpt_pipeline_step
-from fmoe.pipeline.step import gpt_programs as gpt_programs
+from fmoe.pipeline.step import gpt_program as gpt_program
 from fmoe.pipeline.step import split_microbatches as split_microbatches

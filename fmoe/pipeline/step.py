@@ -1,8 +1,8 @@
 """One pipeline training step of the GPT: stage programs for a schedule, the executor, shared-weight
 gradients summed, MoE loads reported for the once-per-step state update.
 
-    programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S))
-    out = gpt_pipeline_step(cfg, s, rank, params, state, batches, group=pp_group)
+    program = gpt_program(cfg, s, rank, parallel=ParallelContext(...))   # once per run
+    out = gpt_pipeline_step(program, params, state, batches, group=pp_group, options=ExecOptions(...))
     out.loss, out.grads (init_gpt layout), out.loads, out.result (timeline, peaks)
 
 `batches[mb]` = (ids_BS, targets_BS) of microbatch mb; every rank gets the same list (the first and the
@@ -13,8 +13,8 @@ group so every rank returns it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,15 +23,17 @@ import torch.distributed as dist
 from fmoe.config import GPTConfig
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.gpt_state import LayerLoad, layer_loads
-from fmoe.overlap import Overlap, layer_overlap
-from fmoe.parallel.collectives import CommGroup
+from fmoe.outline import Path, reads_of
+from fmoe.overlap import LayerOverlap, Overlap, layer_overlap
+from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.phases import gpt_layers, moe_layer_turns
+from fmoe.phases import H, gpt_layers, moe_layer_turns
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
 from fmoe.schedule.execute import StepResult, execute
 from fmoe.schedule.ir import Schedule, ScheduleError
+from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.structure import check_gpt, local_experts
-from fmoe.transforms.program import StageProgram
+from fmoe.transforms.program import Layer, StageProgram
 
 
 def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
@@ -47,46 +49,78 @@ def split_microbatches(ids_BS: torch.Tensor, targets_BS: torch.Tensor,
     return list(zip(ids_BS.chunk(m), targets_BS.chunk(m)))
 
 
-def gpt_programs(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
-                 *, micro_batch: tuple[int, int], chunks: tuple[ChunkSpec, ...] | None = None,
-                 dispatcher: Any = None, dtype: torch.dtype = torch.float32,
-                 check: bool = True, a2a_chunks: int = 1, tp: CommGroup | None = None,
-                 sequence_parallel: bool = False, overlap: Overlap | None = None) -> dict[int, StageProgram]:
-    """Returns {stage: StageProgram} for the stages `s` places on `rank`: the GPT cut by `chunks`
-    (default `cut_gpt`), MoE layers exchanging through `dispatcher` (default: local), reading `state`.
-    `micro_batch` = (B, S) sizes the hidden state that crosses stages ([B, S, D] of `dtype`).
-    `check`: check the params this rank's chunks read, and their layer states, against `cfg` first
-    (keys, shapes, dtypes; routed experts: the dispatcher's num_local_experts; fmoe/structure.py); the
-    phases then run unchecked. False skips it, for trees that already passed. `a2a_chunks` 2: each MoE
-    layer's all-to-all in two row chunks that hide each other behind their experts (`moe_layer`).
-    `tp`, `sequence_parallel`: tensor parallelism (fmoe.phases.gpt_layers; `params` this rank's shards,
-    the dispatcher over the ep x tp expert group). Its collectives run inside the compute phases (the
-    forward's in the phase, the backward's in its dx pass), not as comm phases: each feeds the very
-    next GEMM, so there is nothing to run while it travels but the other microbatch of an fb-overlap
-    pair, which the executor already hands over to at the MoE exchanges; every tp rank runs the same
-    program, so they issue the collectives in one order. `overlap`: each MoE layer's overlap modes
-    (fmoe.overlap; instead of `a2a_chunks`), the same on every rank."""
+@dataclass(frozen=True)
+class GPTProgram:
+    """One pipeline rank's model program, built once per run (`gpt_program`): the layers of each of its
+    stages (fmoe/phases.py: they hold no params and no state), the param paths each reads, and every
+    stage's hand-over count (the executor's `stage_turns`). Each step pairs it with that step's params
+    (`stage_programs`) and state (the microbatches' meta["state"], `gpt_pipeline_step`)."""
+
+    cfg: GPTConfig
+    schedule: Schedule
+    rank: int
+    chunks: tuple[ChunkSpec, ...]
+    parallel: ParallelContext
+    layers: Mapping[int, tuple[Layer, ...]]
+    paths: Mapping[int, tuple[Path, ...]]
+    stage_turns: Mapping[int, int]
+
+    def check(self, params: dict[str, Any], state: dict[str, Any] | None) -> None:
+        """Raises ValueError unless the params this rank's stages read, and their layer states, match the
+        config (keys, shapes, dtypes; routed experts: the dispatcher's num_local_experts;
+        fmoe/structure.py; under tensor parallelism the shards are checked where they are read)."""
+        if self.parallel.tp is None:
+            paths = [p for stage in sorted(self.paths) for p in self.paths[stage]]
+            check_gpt(params, self.cfg, state, num_local_experts=local_experts(self.parallel.dispatcher),
+                      paths=paths)
+
+    def stage_programs(self, params: dict[str, Any], micro_batch: tuple[int, int],
+                       dtype: torch.dtype = torch.float32) -> dict[int, StageProgram]:
+        """Returns {stage: StageProgram} for this rank's stages over `params` (the whole tree; each stage
+        holds the subtrees it reads, shared, not copied). `micro_batch` = (B, S) sizes the hidden state
+        that crosses stages ([B, S, D] of `dtype`, S / tp positions under sequence parallelism)."""
+        B, S = micro_batch
+        if self.cfg.mtp and S < 2:
+            raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
+        tp = self.parallel.tp
+        if self.parallel.sequence_parallel and S % tp.size:
+            raise ValueError(f"sequence parallelism over {tp.size} ranks: {S} positions do not split evenly")
+        S_here = S // tp.size if self.parallel.sequence_parallel else S  # the hidden state's positions here
+        out = {}
+        for stage, layers in self.layers.items():
+            first = self.chunks[self.schedule.placement.layer_chunk[stage]].first
+            spec = {} if first else {H: ((B, S_here, self.cfg.d_model), dtype)}
+            out[stage] = StageProgram(stage, layers, stage_params(params, self.paths[stage]), spec)
+        return out
+
+
+def gpt_program(cfg: GPTConfig, s: Schedule, rank: int, *, chunks: tuple[ChunkSpec, ...] | None = None,
+                parallel: ParallelContext | None = None, a2a_chunks: int = 1,
+                overlap: Overlap | None = None) -> GPTProgram:
+    """Returns the GPTProgram of `rank` for schedule `s`: the GPT cut by `chunks` (default `cut_gpt`), every
+    layer laid over ranks by `parallel` (fmoe.parallel.ParallelContext; None: one process; its dispatcher
+    moves the MoE rows, default local). `a2a_chunks` 2: each MoE layer's all-to-all in two row chunks that
+    hide each other behind their experts (`moe_layer`); `overlap`: each MoE layer's overlap modes
+    (fmoe.overlap; instead of `a2a_chunks`), the same on every rank. Tensor parallelism's collectives run
+    inside the compute phases (the forward's in the phase, the backward's in its dx pass), not as comm
+    phases: each feeds the very next GEMM, so there is nothing to run while it travels but the other
+    microbatch of an fb-overlap pair, which the executor already hands over to at the MoE exchanges;
+    every tp rank runs the same program, so they issue the collectives in one order."""
     chunks = chunks or cut_gpt(cfg, s.placement)
-    dispatcher = dispatcher or LocalDispatcher(cfg.moe.num_experts)
-    B, S = micro_batch
-    if cfg.mtp and S < 2:
-        raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
-    if check and tp is None:
-        paths = [p for stage in s.placement.stages_of(rank)
-                 for p in chunks[s.placement.layer_chunk[stage]].param_paths(cfg)]
-        check_gpt(params, cfg, state, num_local_experts=local_experts(dispatcher), paths=paths)
-    if sequence_parallel and S % tp.size:
-        raise ValueError(f"sequence parallelism over {tp.size} ranks: {S} positions do not split evenly")
-    out = {}
+    parallel = parallel or LOCAL
+    layers, paths = {}, {}
     for stage in s.placement.stages_of(rank):
-        chunk = chunks[s.placement.layer_chunk[stage]]
-        layers = gpt_layers(cfg, params, state, dispatcher, layers=chunk.layers, first=chunk.first,
-                            last=chunk.last, main_head=chunk.head, a2a_chunks=a2a_chunks, tp=tp,
-                            sequence_parallel=sequence_parallel, overlap=overlap)
-        S_here = S // tp.size if sequence_parallel else S  # the hidden state's positions on this rank
-        spec = {} if chunk.first else {"h_BSD": ((B, S_here, cfg.d_model), dtype)}
-        out[stage] = StageProgram(stage, tuple(layers), stage_params(params, chunk.param_paths(cfg)), spec)
-    return out
+        sites = chunks[s.placement.layer_chunk[stage]].sites(cfg)
+        layers[stage] = tuple(gpt_layers(cfg, sites, parallel, a2a_chunks=a2a_chunks, overlap=overlap))
+        paths[stage] = reads_of(sites)
+    turns = gpt_stage_turns(cfg, s, chunks, parallel.dispatcher,
+                            overlap if overlap is not None else _lone_overlap(a2a_chunks))
+    return GPTProgram(cfg, s, rank, chunks, parallel, layers, paths, turns)
+
+
+def _lone_overlap(a2a_chunks: int) -> LayerOverlap:
+    """The modes `a2a_chunks` stands for (moe_layer's default): pairs hand over, lone ops chunk with 2."""
+    return LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
 
 
 @dataclass
@@ -102,51 +136,38 @@ class PipelineStep:
     result: StepResult
 
 
-def gpt_pipeline_step(cfg: GPTConfig, s: Schedule, rank: int, params: dict[str, Any], state: dict[str, Any],
+def gpt_pipeline_step(program: GPTProgram, params: dict[str, Any], state: dict[str, Any],
                       batches: list[tuple[torch.Tensor, torch.Tensor]], *,
-                      group: dist.ProcessGroup | None = None,
-                      chunks: tuple[ChunkSpec, ...] | None = None, dispatcher: Any = None,
-                      shared: SharedGrads | None = None, overlap: bool = True, engine: str = "autograd",
-                      check: bool = True, timeout: timedelta = timedelta(seconds=120),
-                      on_stage_done: Any = None, grad_dtype: torch.dtype | None = None,
-                      loss_scale: float = 1.0, fuse_iw: bool = True,
-                      compute_model: Any = None, a2a_chunks: int = 1, tp: CommGroup | None = None,
-                      sequence_parallel: bool = False, overlap_modes: Overlap | None = None) -> PipelineStep:
-    """Runs one step of schedule `s` on `rank` over microbatches `batches`; returns a PipelineStep.
-    `shared`: the SharedGrads of this layout (built on every rank; default built here, which creates
-    process groups: pass one in to reuse it across steps). `overlap`: fb overlap of the schedule's F&B
-    pairs and of lone backward steps (fmoe.schedule.execute); off runs pairs one op after the other.
-    `engine`: how the compute phases are differentiated (split_vjp's "autograd" or "func").
-    `check`: as in `gpt_programs` (the params and states this rank reads, against `cfg`); False skips
-    it, for trees that already passed. `timeout` bounds every P2P wait of the executor;
+                      group: dist.ProcessGroup | None = None, shared: SharedGrads | None = None,
+                      options: ExecOptions = DEFAULTS, on_stage_done: Any = None,
+                      check: bool = True) -> PipelineStep:
+    """Runs one step of `program` (`gpt_program`: its schedule, on its rank) over microbatches `batches`
+    with this step's `params` and `state` (read by the MoE layers' routing); returns a PipelineStep.
+    `group`: the pipeline process group. `shared`: the SharedGrads of this layout (built on every rank;
+    default built here, which creates process groups: pass one in to reuse it across steps). `options`:
+    the executor's (fmoe.schedule.options.ExecOptions: fb overlap, engine, timeout, gradient dtype, loss
+    scale, fuse_iw, compute model; the gradients come back multiplied by `loss_scale`, the loss does not).
     `on_stage_done(stage, grads)` is the executor's hook (fmoe.schedule.execute): grads are stage-keyed
-    ("layers" a dict by index string), before the shared-weight sum. `grad_dtype`: the dtype weight
-    gradients are summed in over microbatches (mixed precision: fp32 for bf16 params). `loss_scale`: the
-    gradients come back multiplied by it (fp16 loss scaling; the loss does not). `fuse_iw`: as in
-    `fmoe.schedule.execute` (an I whose W comes next runs as one B). `compute_model`: the executor's
-    (each compute phase held to a modelled duration; None: off). `a2a_chunks`, `tp`,
-    `sequence_parallel`: as in `gpt_programs`; `overlap_modes`: its `overlap` (each MoE layer's modes,
-    fmoe.overlap)."""
+    ("layers" a dict by index string), before the shared-weight sum. `check`: check the params and
+    states this rank reads against the config first (`GPTProgram.check`); False skips it, for trees that
+    already passed."""
+    s, cfg = program.schedule, program.cfg
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
     shapes = {tuple(ids.shape) for ids, _ in batches} | {tuple(t.shape) for _, t in batches}
     if len(shapes) != 1:
         raise ValueError(f"every microbatch's ids and targets must have one shape [B, S], got "
                          f"{sorted(shapes)}")
-    chunks = chunks or cut_gpt(cfg, s.placement)
     (B, S), = shapes
-    programs = gpt_programs(cfg, s, rank, params, state, micro_batch=(B, S), chunks=chunks,
-                            dispatcher=dispatcher, dtype=params["embed"]["table"].dtype, check=check,
-                            a2a_chunks=a2a_chunks, tp=tp, sequence_parallel=sequence_parallel,
-                            overlap=overlap_modes)
-    data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
-    result = execute(s, rank, programs, lambda mb: data[mb], group=group, overlap=overlap,
-                     engine=engine, timeout=timeout, on_stage_done=on_stage_done, grad_dtype=grad_dtype,
-                     loss_scale=loss_scale, fuse_iw=fuse_iw, compute_model=compute_model,
-                     stage_turns=gpt_stage_turns(cfg, s, chunks, dispatcher, overlap_modes))
+    if check:
+        program.check(params, state)
+    programs = program.stage_programs(params, (B, S), params["embed"]["table"].dtype)
+    data = [{"ids_BS": ids, "targets_BS": t, "state": state} for ids, t in batches]
+    result = execute(s, program.rank, programs, lambda mb: data[mb], group=group, options=options,
+                     on_stage_done=on_stage_done, stage_turns=program.stage_turns)
     if s.pp > 1:
         if shared is None:
-            shared = SharedGrads(holders(cfg, s.placement, chunks), group)
+            shared = SharedGrads(holders(cfg, s.placement, program.chunks), group)
         shared.reduce(result.grads)
     loss = _step_loss(result, params)
     if s.pp > 1:

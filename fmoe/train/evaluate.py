@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from fmoe.model import gpt_loss
-from fmoe.pipeline.step import gpt_programs
 from fmoe.precision import cast_to_compute
 from fmoe.schedule.forward_only import forward_only
 from fmoe.train.data import microbatches
@@ -77,19 +76,16 @@ def evaluate(trainer: Trainer) -> dict[str, float]:
 def _accumulate(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64)
     for ids, targets in batches:
-        loss, aux = gpt_loss(params, ids, targets, trainer.cfg, trainer.state, trainer.dispatcher,
-                             check=False, tp=trainer.tp, sequence_parallel=trainer.tc.sequence_parallel)
+        loss, aux = gpt_loss(params, ids, targets, trainer.cfg, trainer.state, parallel=trainer.parallel,
+                             check=False)
         out += torch.stack([loss.detach(), aux.main_loss.detach()]).double().cpu()
     return out
 
 
 def _pipeline(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     (B, S), = {tuple(ids.shape) for ids, _ in batches}
-    programs = gpt_programs(trainer.cfg, trainer.schedule, trainer.pp_rank, params, trainer.state,
-                            micro_batch=(B, S), chunks=trainer.chunks, dispatcher=trainer.dispatcher,
-                            dtype=params["embed"]["table"].dtype, check=False, tp=trainer.tp,
-                            sequence_parallel=trainer.tc.sequence_parallel)
-    data = [{"ids_BS": ids, "targets_BS": t} for ids, t in batches]
+    programs = trainer.program.stage_programs(params, (B, S), params["embed"]["table"].dtype)
+    data = [{"ids_BS": ids, "targets_BS": t, "state": trainer.state} for ids, t in batches]
     sums = forward_only(trainer.schedule.placement, trainer.pp_rank, programs, lambda mb: data[mb],
                         len(batches), group=trainer.pp_group, device=trainer.world.device)
     if not sums:  # this rank holds no loss stage

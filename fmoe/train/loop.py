@@ -39,13 +39,15 @@ from fmoe.parallel import (
     ParallelLayout,
 )
 from fmoe.parallel.capacity_agreement import CapacityAgreement
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.link_model import parse_link_model
 from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import gpt_pipeline_step
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
 from fmoe.precision import accumulate, cast_to_compute, unscale_
 from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
@@ -127,8 +129,17 @@ class Trainer:
         self._plan_reduction()
         self.opt = LeafOptimizer(tc, self.leaves, self.tensors, data_group=self.data_group,
                                  dp_group=self.dp_group)
-        self.dispatcher = self._dispatcher() if tc.ep * tc.tp > 1 else None
-        self.tp = (CommGroup(layout.group("tp"), timeout=self.timeout) if tc.tp > 1 else None)
+        # how the model is laid over ranks, and the stage programs, built once per run: each step pairs
+        # them with its params and state
+        self.parallel = ParallelContext(
+            tp=CommGroup(layout.group("tp"), timeout=self.timeout) if tc.tp > 1 else None,
+            sequence_parallel=tc.sequence_parallel,
+            dispatcher=self._dispatcher() if tc.ep * tc.tp > 1 else None)
+        self.program = None if self.accumulate else gpt_program(
+            cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
+            overlap=LayerOverlap(tc.pair_overlap, "self" if tc.a2a_chunks == 2 else "none"))
+        self.options = ExecOptions(overlap=tc.overlap, timeout=self.timeout, fuse_iw=tc.fuse_iw,
+                                   grad_dtype=self.policy.grad_dtype if self.policy.mixed else None)
         # dynamic capacity: the expert group pads to one agreed capacity (seed 002; fmoe/capacity.py)
         self.capacity_agreement = None
         if cfg.moe.dynamic_capacity_window and tc.ep > 1:
@@ -284,9 +295,8 @@ class Trainer:
                 last[0] = j == m - 1
                 if last[0] and not policy.mixed and self.reducer.buckets:
                     hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
-                loss, aux = gpt_loss(params, ids, targets, cfg, self.state, self.dispatcher,
-                                     check=not self._checked, tp=self.tp,
-                                     sequence_parallel=self.tc.sequence_parallel)
+                loss, aux = gpt_loss(params, ids, targets, cfg, self.state, parallel=self.parallel,
+                                     check=not self._checked)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
                 sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
                 for site, a in zip(outline(cfg).moe, aux.layers):  # aux.layers: the MoE sites in order
@@ -306,16 +316,12 @@ class Trainer:
     def _pipeline(self, batches: list) -> tuple:
         policy = self.policy
         params = cast_to_compute(self.params, policy) if policy.mixed else self.params
-        out = gpt_pipeline_step(self.cfg, self.schedule, self.pp_rank, params, self.state, batches,
-                                group=self.pp_group, chunks=self.chunks, dispatcher=self.dispatcher,
-                                shared=self.shared, overlap=self.tc.overlap, check=not self._checked,
-                                timeout=self.timeout, on_stage_done=self._stage_done,
-                                grad_dtype=policy.grad_dtype if policy.mixed else None,
-                                loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
-                                fuse_iw=self.tc.fuse_iw, compute_model=self.compute_model,
-                                overlap_modes=LayerOverlap(self.tc.pair_overlap,
-                                                           "self" if self.tc.a2a_chunks == 2 else "none"),
-                                tp=self.tp, sequence_parallel=self.tc.sequence_parallel)
+        # what changes from step to step: the fp16 loss scale, the compute model after the first step
+        options = replace(self.options, loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
+                          compute_model=self.compute_model)
+        out = gpt_pipeline_step(self.program, params, self.state, batches, group=self.pp_group,
+                                shared=self.shared, options=options, on_stage_done=self._stage_done,
+                                check=not self._checked)
         self.last_result = out.result
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)
