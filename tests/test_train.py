@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from dist_utils import spawn
 from fmoe.parallel import ParallelLayout
 from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
-from fmoe.train.launch import _free_port, _world, launch
+from fmoe.train.launch import _describe, _free_port, _world, launch
 from fmoe.train.loop import Trainer, World
 from fmoe.train.optim import lr_at
 
@@ -204,6 +205,17 @@ def test_torchrun_world_size_must_match_the_layout(monkeypatch: pytest.MonkeyPat
     assert launch(TrainConfig()) == 2  # returns before init_process_group (which would hang on port 1)
     err = capsys.readouterr().err.strip()
     assert err == "fmoe train: error: the launcher gives 3 ranks but --pp 2 x --ep 2 x --dp 1 x --tp 1 = 4"
+
+
+def test_the_banner_names_every_parallel_axis() -> None:
+    # 8 ranks of pp 2 x tp 2 x ep 2 once read "pp 2 x ep 2 x dp 1": tp and sequence parallelism left out
+    data = SimpleNamespace(describe=lambda: "data")
+    trainer = SimpleNamespace(schedule=None, chunks=(), valid=None, dataset=data)  # what the banner reads
+    tc = TrainConfig(pp=2, tp=2, ep=2, dp=1, sequence_parallel=True)
+    assert "; pp 2 x tp 2 (sp) x ep 2 x dp 1, dualpipev" in _describe(tc, trainer)
+    no_sp = dataclasses.replace(tc, sequence_parallel=False)
+    assert "; pp 2 x tp 2 x ep 2 x dp 1, " in _describe(no_sp, trainer)
+    assert "; pp 1 x ep 1 x dp 2, accumulate" in _describe(TrainConfig(pp=1, ep=1, dp=2), trainer)  # no tp 1
 
 
 def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:
