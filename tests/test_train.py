@@ -372,6 +372,18 @@ def test_fp16_overflowing_steps_are_skipped_and_the_scale_state_is_checkpointed(
         dist.destroy_process_group()
 
 
+def test_a_float64_run_logs_its_losses_in_float64() -> None:
+    # the one-process path once summed its losses in fp32: its float64 losses came out rounded to fp32
+    tc = TrainConfig(pp=1, ep=1, dp=1, progress=False, dtype="float64", markov_sequences=MARKOV_SEQUENCES,
+                     seq_length=16, global_batch_size=8)
+    try:
+        got = Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1)).step()
+    finally:
+        dist.destroy_process_group()
+    for key in ("loss", "main_loss", "balance_loss"):  # fp32 holds none of them exactly
+        assert got[key] != float(torch.tensor(got[key], dtype=torch.float32)), (key, got[key])
+
+
 def test_precision_flags_are_checked() -> None:
     cases = {"--bf16 or --fp16, not both": {"bf16": True, "fp16": True},
              "--loss-scale applies to --fp16 only": {"loss_scale": 128.0},

@@ -285,7 +285,9 @@ class Trainer:
                                      check=not self._checked, tp=self.tp,
                                      sequence_parallel=self.tc.sequence_parallel)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
-                sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
+                # in the loss's own dtype (at least fp32): a float64 run logs float64 losses
+                sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).to(
+                    torch.promote_types(loss.dtype, torch.float32))
                 for path, a in zip(_moe_paths(cfg), aux.layers):
                     tokens_E = a.tokens_per_expert_E
                     load = LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed))
