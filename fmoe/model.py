@@ -94,7 +94,7 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
     `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
     `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major; a
     positive int dividing T, None = one sequence). `dispatcher`: how rows reach the experts (default
-    LocalDispatcher); one with `dispatch_tokens` gets whole tokens when `uses_token_dispatch` says so.
+    LocalDispatcher); it gets whole tokens where it declares so (`uses_token_dispatch`).
     `remat`: force (True) or forbid (False) rematerialising the expert activations; None =
     cfg.adaptive_remat rule. `check`: check params and state against `cfg` first (keys, shapes, dtypes;
     the routed experts are the dispatcher's num_local_experts; fmoe/structure.py); pass False only

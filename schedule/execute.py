@@ -201,7 +201,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
             grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
             fuse_iw: bool = True, device: torch.device | None = None,
             compute_model: ComputeModel | None = None,
-            stage_turns: Mapping[int, int] | None = None) -> StepResult:
+            stage_turns: Mapping[int, int] | None = None,
+            around_op: Callable[[Op], contextlib.AbstractContextManager] | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -234,7 +235,9 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     the schedule (all ranks', the same on every rank), the exchanges in flight at which its ops hand
     over (`stage_turns_of` of its program): with them an overlapped pair's two messages go on the wire
     in the order they exist (comms.forward_first_by_turns), so an activation never waits behind its
-    pair's gradient; None: the backward's first (right when both stages hold as many exchanges)."""
+    pair's gradient; None: the backward's first (right when both stages hold as many exchanges).
+    `around_op(op)`: a context manager entered around each op that runs alone (not an Overlap pair's),
+    e.g. to count what that op does (fmoe.sync_count.phased_block_syncs)."""
     if not (math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"execute: loss_scale must be a positive finite number, got {loss_scale}")
     check_programs(s, rank, programs)
@@ -244,8 +247,8 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
     full, wire = _verified(s, fuse_iw, overlap, turns_key)
     return _Executor(s, rank, programs, data, group, recv_ahead, timeout, overlap, engine,
-                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs), compute_model
-                     ).run(full.ranks[rank], wire[rank])
+                     on_stage_done, grad_dtype, loss_scale, device or _device_of(programs), compute_model,
+                     around_op).run(full.ranks[rank], wire[rank])
 
 
 def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
@@ -310,8 +313,10 @@ class _Executor:
                  timeout: timedelta, overlap: bool, engine: str,
                  on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
                  grad_dtype: torch.dtype | None = None, loss_scale: float = 1.0,
-                 device: torch.device | None = None, compute_model: ComputeModel | None = None):
+                 device: torch.device | None = None, compute_model: ComputeModel | None = None,
+                 around_op: Callable[[Op], contextlib.AbstractContextManager] | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
+        self.around_op = around_op or (lambda op: contextlib.nullcontext())
         self.group, self.recv_ahead, self.timeout, self.overlap = group, recv_ahead, timeout, overlap
         self.engine, self.device = engine, device or torch.device("cpu")
         self.compute_model = compute_model
@@ -368,7 +373,8 @@ class _Executor:
                 self._send(a)
             elif isinstance(a, Op):
                 self.step = "lone"
-                _drain(self.op(a))
+                with self.around_op(a):
+                    _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
                 self.step = "pair"
                 if a.b.stage in self.backward_starts:
