@@ -4,12 +4,12 @@
 
 Rows: the layer function `fmoe.moe` under plain autograd; the block under split_vjp (forward, dx pass,
 deferred dw pass); on 2 gloo ranks (ep 2, 4 local experts each) the block with the synchronous
-all-to-all and all-gather dispatchers, and the block run as the pipeline runs it (phases under split_vjp,
-exchanges through fmoe.parallel.phased issue / wait pairs). "cpu" is the code path CPU tensors take (where
-the host is the device, reading counts costs nothing and fmoe does); "device" forces the accelerator path
-on CPU tensors (fmoe.ops._grouped_linear.HOST_READS_FREE emptied; on code without it, the grouped-GEMM
-offsets uncached, as a device builds them). Each count is taken after one warm-up run (first-call probes
-and caches excluded).
+all-to-all and all-gather dispatchers, and the block run as the pipeline runs it (its phases,
+fmoe.phases.moe_layer, through the executor: F, then I with the transposed exchanges, then W). "cpu" is
+the code path CPU tensors take (where the host is the device, reading counts costs nothing and fmoe
+does); "device" forces the accelerator path on CPU tensors (fmoe.ops._grouped_linear.HOST_READS_FREE
+emptied; on code without it, the grouped-GEMM offsets uncached, as a device builds them). Each count
+is taken after one warm-up run (first-call probes and caches excluded).
 
 Legend (docs/moe.md): B sequences, S positions, D width, E experts, L local experts.
 """

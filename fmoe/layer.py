@@ -34,6 +34,7 @@ from fmoe.balance import TokenShard, max_over_mean, update_expert_bias
 from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
+from fmoe.dispatch.sync import as_exchange
 from fmoe.experts import init_experts, init_shared
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.parallel.collectives import CommGroup
@@ -231,14 +232,14 @@ def route_tokens(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
 
 
 def uses_token_dispatch(dispatcher: Any, cfg: MoEConfig) -> bool:
-    """True when `moe` hands whole tokens to the dispatcher (`dispatch_tokens` / `combine_tokens`).
+    """True when `moe` hands whole tokens to the dispatcher (its token-level Exchange), as the dispatcher
+    declares (fmoe.dispatch.exchange.Exchange.token_level).
 
     A token-level dispatcher does permute-1, unpermute and the gate weighting itself, which lets the
     hierarchical one send a token to a node once however many of its experts live there. It applies to
     dropless routing with gate weights at combine; other modes use the row-level seam.
     """
-    return (hasattr(dispatcher, "dispatch_tokens") and cfg.capacity_factor is None
-            and not cfg.dynamic_capacity_window and not cfg.probs_in_expert)
+    return as_exchange(dispatcher).token_level(cfg)
 
 
 def dispatch_rows(x_RD: torch.Tensor, probs_R: torch.Tensor | None, route: MoERoute,

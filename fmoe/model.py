@@ -41,7 +41,7 @@ from fmoe.gpt_init import init_gpt  # noqa: F401  (the model's init, re-exported
 from fmoe.gpt_state import LayerLoad, init_gpt_state, update_gpt_state
 from fmoe.layer import MoEAux, make_aux, update_moe_state
 from fmoe.ops import linear, rms_norm
-from fmoe.outline import Site, outline, state_at
+from fmoe.outline import alone, outline, state_at
 from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.phases import H, gpt_layers, moe_layer
 from fmoe.router import check_seq_len
@@ -73,11 +73,6 @@ def _run(layers: list, params: dict[str, Any], acts: dict[str, torch.Tensor],
     return run_phases(layers, tree_params(params), acts, meta)
 
 
-# the MoE layer alone (fmoe.model.moe) and one block (fmoe.model.block): their params and state are the
-# tree handed in (root paths), not a site of a GPT
-_ALONE = {name: Site(name, "moe", (), ((),), state=()) for name in ("moe", "block")}
-
-
 def _routes(ran: Ran) -> list[tuple[str, torch.Tensor, Any]]:
     """(layer name, differentiable balancing loss, MoERoute) per MoE layer that ran, in order."""
     return [(name, ran.losses[f"balance:{name}"], st["route"]) for name, _, st in ran.stats]
@@ -101,7 +96,7 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
     `state`: the layer's state pytree (default: init_moe_state); aux.new_state is the next one.
     `seq_len`: tokens per sequence for the sequence-wise loss (T = B * seq_len, sequence-major; a
     positive int dividing T, None = one sequence). `dispatcher`: how rows reach the experts (default
-    LocalDispatcher); one with `dispatch_tokens` gets whole tokens when `uses_token_dispatch` says so.
+    LocalDispatcher); it gets whole tokens where it declares so (`uses_token_dispatch`).
     `remat`: force (True) or forbid (False) rematerialising the expert activations; None =
     cfg.adaptive_remat rule. `check`: check params and state against `cfg` first (keys, shapes, dtypes;
     the routed experts are the dispatcher's num_local_experts; fmoe/structure.py); pass False only
@@ -113,7 +108,7 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
     dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
     if check:
         check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    layer = moe_layer(cfg, _ALONE["moe"], ParallelContext(dispatcher=dispatcher), remat=remat, bare=True,
+    layer = moe_layer(cfg, alone("moe"), ParallelContext(dispatcher=dispatcher), remat=remat, bare=True,
                       seq_len=seq_len)
     ran = _run([layer], params, {"x_TD": x_TD}, {"state": state})
     return ran.acts["out_TD"].to(x_TD.dtype), _layer_aux(ran, cfg, state, check)
@@ -142,7 +137,7 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
             check_tp(cfg, tp.size, dense=False)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
             check_block(params, cfg, state, num_local_experts=n, paths=(("mlp_norm",), ("moe",)))
-    layer = moe_layer(cfg, _ALONE["block"], parallel, remat=remat)
+    layer = moe_layer(cfg, alone("block"), parallel, remat=remat)
     ran = _run([layer], params, {"h_BSD": x_BSD}, {"state": state})
     return ran.acts["h_BSD"], _layer_aux(ran, cfg.moe, state, check)
 

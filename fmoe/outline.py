@@ -106,6 +106,12 @@ class Outline:
         return tuple(out)
 
 
+def alone(name: str = "block") -> Site:
+    """Returns the site of one MoE block (or, `name` "moe", one MoE layer) run alone, outside a GPT
+    (fmoe.model.block / moe): its params and its state are the whole trees handed in (root paths)."""
+    return Site(name, "moe", (), ((),), state=())
+
+
 def reads_of(sites: tuple[Site, ...]) -> tuple[Path, ...]:
     """Returns the top-level parameter paths `sites` read, each once, in program order."""
     return tuple(dict.fromkeys(p for s in sites for p in s.reads))

@@ -30,15 +30,15 @@ import torch
 
 from fmoe import block
 from fmoe.config import GPTConfig, MoEConfig
-from fmoe.dispatch.sync import InlineRows
-from fmoe.layer import plan_route, uses_token_dispatch
+from fmoe.dispatch.exchange import Exchange
+from fmoe.dispatch.sync import as_exchange
+from fmoe.layer import plan_route
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
 from fmoe.outline import Site, outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
-from fmoe.parallel.alltoall import AllToAllDispatcher, row_chunks
+from fmoe.parallel.alltoall import row_chunks
 from fmoe.parallel.context import LOCAL, ParallelContext
-from fmoe.parallel.hierarchical import HierarchicalDispatcher
-from fmoe.parallel.phased import RowPlan, phased
+from fmoe.parallel.phased import RowPlan
 from fmoe.parallel.tensor import (
     IGNORE_INDEX,
     copy_to_tp,
@@ -96,14 +96,14 @@ def mtp_targets(targets_BS: torch.Tensor) -> torch.Tensor:
     return torch.cat([targets_BS[:, 1:], targets_BS.new_full((targets_BS.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
-def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Any, bool]:
+def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Exchange, bool]:
     """Returns (the Exchange the MoE phases drive, whether it takes whole tokens): the dispatcher's own
-    issue / wait form (fmoe.parallel.phased), or for a dispatcher with only the synchronous Dispatcher
-    protocol (a research script's) its calls run inline (`InlineRows`: sequential runs only)."""
-    token_level = isinstance(dispatcher, HierarchicalDispatcher) and uses_token_dispatch(dispatcher, moe_cfg)
-    if not token_level and not hasattr(dispatcher, "start_plan"):
-        return InlineRows(dispatcher), False
-    return phased(dispatcher, token_level), token_level
+    issue / wait form, its token-level one when it says so for `moe_cfg` (Exchange.token_level), or for a
+    dispatcher with only the synchronous Dispatcher protocol (a research script's) its calls run inline
+    (fmoe.dispatch.sync.as_exchange)."""
+    ex = as_exchange(dispatcher)
+    token_level = ex.token_level(moe_cfg)
+    return (ex.token_exchange() if token_level else ex), token_level
 
 
 def embed_layer(cfg: GPTConfig | None = None, parallel: ParallelContext = LOCAL) -> Layer:
@@ -166,8 +166,8 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
     path, name = site.params, site.name
     route_key, plan_key = f"route:{name}", f"plan:{name}"
     ex, token_level = exchange_of(parallel.exchange(moe_cfg.num_experts), moe_cfg)
-    local = bool(getattr(ex, "local", False))
-    if overlap.chunks and not local and not isinstance(ex, AllToAllDispatcher):
+    local = ex.local
+    if overlap.chunks and not local and not ex.splits_rows:
         raise ValueError(f"self-overlap (a2a_chunks 2) splits an all-to-all's rows: {type(ex).__name__} has "
                          "another route (use AllToAllDispatcher, or move the rows whole)")
     moe_path = path if bare else (*path, "moe")  # where the MoE params are; its phases take them below
@@ -376,7 +376,7 @@ def moe_layer_turns(cfg: GPTConfig, dispatcher: Any, overlap: LayerOverlap | Non
     (fmoe.schedule.stage_turns_of counts them on a built program): the dispatch and the combine when they
     may leave the process and the layer pairs (`overlap.paired` "pair", the default; the count exchange
     never hands over), none for a local dispatcher."""
-    local = getattr(exchange_of(dispatcher, cfg.moe)[0], "local", False)
+    local = exchange_of(dispatcher, cfg.moe)[0].local
     return 0 if local or not (overlap or LayerOverlap()).hands_over else 2
 
 

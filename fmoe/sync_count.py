@@ -151,11 +151,6 @@ def count_syncs() -> Iterator[SyncCounter]:
 
 # ---- per-layer measurements (shared by tests/test_host_syncs.py and benchmarks/host_syncs.py) -------
 
-def _ct_like(tree: object) -> object:
-    """A cotangent of ones for every tensor of `tree` (a dict of tensors)."""
-    return {k: torch.ones_like(v) for k, v in tree.items()}
-
-
 def block_syncs(params: dict, x_BSD: torch.Tensor, cfg: object, dispatcher: object = None) -> dict[str, int]:
     """Host syncs of one MoE block (fmoe.model.block) on one microbatch: {"forward", "dx", "dw"}, the
     forward under split_vjp, then its dx pass and its deferred dw pass."""
@@ -206,45 +201,35 @@ def _leaves(tree: object) -> list[torch.Tensor]:
 
 
 def phased_block_syncs(params: dict, x_BSD: torch.Tensor, cfg: object, dispatcher: object) -> dict[str, int]:
-    """Host syncs of one MoE block run as a pipeline runs it (fmoe/phases.py): its compute phases
-    under split_vjp, the exchanges through `fmoe.parallel.phased` issue / wait pairs. Returns {"forward",
-    "dx" (the dx passes and the transposed exchanges), "dw"}."""
-    from fmoe import block
-    from fmoe.parallel.phased import phased
-    from fmoe.transforms import split_vjp
+    """Host syncs of one MoE block run as a pipeline runs it: its phases (fmoe.phases.moe_layer, the
+    model's own) on one stage of one microbatch through the executor (fmoe.schedule.execute, schedule
+    zb_h1(1, 1) unfused: F, I, W), compute phases under split_vjp and the exchanges issued and waited as
+    the executor issues them. Returns {"forward" (F), "dx" (I: the dx passes and the transposed exchanges),
+    "dw" (W)}; the block's output and balancing loss each take the cotangent 1."""
+    from fmoe.outline import alone
+    from fmoe.parallel.context import ParallelContext
+    from fmoe.phases import H, moe_layer
+    from fmoe.schedule import zb_h1
+    from fmoe.schedule.execute import execute
+    from fmoe.schedule.options import ExecOptions
+    from fmoe.transforms.program import Layer, Phase, StageProgram
 
-    ex = phased(dispatcher)
-    moe = params["moe"]
-    attn = {k: v for k, v in params.items() if k != "moe"} | {"moe": {"router": moe["router"]}}
-    with count_syncs() as fwd:
-        acts, vjp_a, route = split_vjp(lambda p, x: block.attention(p, x, cfg, check=False), attn, x_BSD,
-                                       has_aux=True)
-        plan = ex.start_plan(route).wait()
-        rows = {k: v for k, v in acts.items() if k in ("rows_RD", "probs_R")}
-        moved = ex.start_dispatch(plan, rows).wait()
-        shared, vjp_s = split_vjp(lambda p, a: {"shared_TD": block.shared_expert(p, a)}, moe["shared"],
-                                  {"normed_TD": acts["normed_TD"]})
+    def given(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's input, from the data
+        return {H: meta["x_BSD"]}, meta
 
-        def mlp(p: dict, a: dict) -> dict:
-            grouped = {k: plan.to_experts(v) for k, v in a.items()}
-            out = block.experts({"experts": p}, grouped, plan.counts_L, cfg, route.remat, check=False)
-            return {"rows_MD": plan.from_experts(out["rows_MD"])}
+    def summed(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # its output's cotangent: ones
+        return {"out": acts[H].sum()}, meta
 
-        y_MD, vjp_m = split_vjp(mlp, moe["experts"], moved)
-        back = ex.start_combine(plan, y_MD).wait()
-        rest = {k: v for k, v in acts.items() if k in ("residual_BSD", "probs_TK")}
-        out, vjp_f = split_vjp(lambda p, a: block.finish(a, route), {}, {**back, **shared, **rest})
-    with count_syncs() as dx:
-        (ct_f,), dw_f = vjp_f(_ct_like(out))
-        ct_y = ex.start_combine_transpose(plan, {"rows_RD": ct_f["rows_RD"]}).wait()
-        (ct_m,), dw_m = vjp_m(ct_y)
-        ct_rows = ex.start_dispatch_transpose(plan, ct_m).wait()
-        (ct_s,), dw_s = vjp_s({"shared_TD": ct_f["shared_TD"]})
-        got = {**{k: ct_f[k] for k in rest}, **ct_rows, "normed_TD": ct_s["normed_TD"],
-               "loss": torch.ones_like(acts["loss"])}
-        ct_a = {k: got[k] for k in acts}  # in the output's key order
-        (_,), dw_a = vjp_a(ct_a)
-    with count_syncs() as dw:
-        for f in (dw_f, dw_m, dw_s, dw_a):
-            f()
-    return _result(fwd, dx, dw)
+    layers = (Layer("in", (Phase("in", "compute", fn=given),)),
+              moe_layer(cfg, alone(), ParallelContext(dispatcher=dispatcher)),
+              Layer("out", (Phase("out", "compute", fn=summed, losses=("out",)),)))
+    counters: dict[str, SyncCounter] = {}
+
+    @contextlib.contextmanager
+    def counted(op: object) -> Iterator[None]:
+        with count_syncs() as counters[op.kind]:
+            yield
+
+    execute(zb_h1(1, 1), 0, {0: StageProgram(0, layers, params)}, lambda mb: {"x_BSD": x_BSD},
+            options=ExecOptions(fuse_iw=False), around_op=counted)
+    return _result(counters["F"], counters["I"], counters["W"])

@@ -195,7 +195,8 @@ def check_programs(s: Schedule, rank: int, programs: Mapping[int, StageProgram])
 def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: Callable[[int], Meta], *,
             group: dist.ProcessGroup | None = None, options: ExecOptions = DEFAULTS,
             on_stage_done: Callable[[int, dict[str, Any]], None] | None = None,
-            stage_turns: Mapping[int, int] | None = None) -> StepResult:
+            stage_turns: Mapping[int, int] | None = None,
+            around_op: Callable[[Op], contextlib.AbstractContextManager] | None = None) -> StepResult:
     """Runs rank `rank`'s actions of `s` over `programs` (stage -> StageProgram) for one step; returns its
     StepResult. `data(mb)` gives the microbatch's meta (token ids, targets; every rank that runs a stage of
     the microbatch calls it). `group` is the pipeline process group (None: the default group; unused when
@@ -230,7 +231,9 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     `on_stage_done(stage, grads)`: called once per stage of this rank, right after the last weight
     gradient of its last microbatch was added into `grads` (the step's gradient dict, as returned):
     from then on the gradients of the params only that stage reads on this rank no longer change, so a
-    caller may start reducing them while the rest of the schedule runs."""
+    caller may start reducing them while the rest of the schedule runs. `around_op(op)`: a context
+    manager entered around each op that runs alone (not an Overlap pair's), e.g. to count what that op
+    does (fmoe.sync_count.phased_block_syncs)."""
     check_programs(s, rank, programs)
     check_group(s, rank, group)
     if stage_turns is not None:
@@ -238,7 +241,7 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
     full, wire = _verified(s, options.fuse_iw, options.overlap, turns_key)
     return _Executor(s, rank, programs, data, group, options, on_stage_done,
-                     options.device or _device_of(programs)).run(full.ranks[rank], wire[rank])
+                     options.device or _device_of(programs), around_op).run(full.ranks[rank], wire[rank])
 
 
 def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
@@ -300,8 +303,10 @@ def _verified(s: Schedule, fuse_iw: bool, overlap: bool, turns: tuple[tuple[int,
 class _Executor:
     def __init__(self, s: Schedule, rank: int, programs: Mapping[int, StageProgram],
                  data: Callable[[int], Meta], group: dist.ProcessGroup | None, options: ExecOptions,
-                 on_stage_done: Callable[[int, dict[str, Any]], None] | None, device: torch.device):
+                 on_stage_done: Callable[[int, dict[str, Any]], None] | None, device: torch.device,
+                 around_op: Callable[[Op], contextlib.AbstractContextManager] | None = None):
         self.s, self.rank, self.programs, self.data = s, rank, programs, data
+        self.around_op = around_op or (lambda op: contextlib.nullcontext())
         self.group, self.recv_ahead, self.timeout = group, options.recv_ahead, options.timeout
         self.overlap, self.engine, self.device = options.overlap, options.engine, device
         self.compute_model = compute_model = options.compute_model
@@ -359,7 +364,8 @@ class _Executor:
                 self._send(a)
             elif isinstance(a, Op):
                 self.step = "lone"
-                _drain(self.op(a))
+                with self.around_op(a):
+                    _drain(self.op(a))
             elif isinstance(a, Overlap) and self.overlap:
                 self.step = "pair"
                 if a.b.stage in self.backward_starts:

@@ -149,6 +149,8 @@ def _ep_rank(rank: int, world: int, device: bool) -> dict:
     cfg, params, x = _tiny(num_local=8 // world, rank=rank)
     out = {}
     for name, d in (("alltoall", AllToAllDispatcher(comm, 8)), ("allgather", AllGatherDispatcher(comm, 8))):
+        # "sync": the model's block (its phases in order, autograd); "phased": the same phases run by the
+        # pipeline executor (split backward: F, then I with the transposed exchanges, then W)
         for how, fn in (("sync", block_syncs), ("phased", phased_block_syncs)):
             fn(params, x, cfg, d)
             out[f"{name} {how}"] = fn(params, x, cfg, d)
@@ -160,6 +162,9 @@ def test_expert_parallel_one_sync_forward_none_backward(device) -> None:
     for r in spawn(_ep_rank, 2, device, timeout_s=180):
         for name, got in r.value.items():
             assert (got["forward"], got["dx"], got["dw"]) == (1, 0, 0), (r.rank, name, got)
+            # the one sync: the dispatcher's plan reads its split sizes in one .tolist()
+            (where,) = got["where"]["forward"]
+            assert where.startswith(f"tolist at parallel/{name.split()[0]}.py:"), (r.rank, name, got)
 
 
 # ---- determinism (issue 29, item 10) ----------------------------------------------------------------

@@ -3,6 +3,7 @@ fmoe.schedule and fmoe.transforms), holds every source module, and `import fmoe.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -51,6 +52,25 @@ def test_import_ops_loads_no_model_and_fmoe_no_hypothesis() -> None:
     assert not _modules_after("import fmoe.ops") & MODEL_MODULES
     loaded = _modules_after("import fmoe, fmoe.transforms")
     assert "hypothesis" not in loaded and not loaded & MODEL_MODULES
+
+
+def _imported(path: Path) -> set[str]:
+    """The modules a source file imports anywhere (at the top or inside a function)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_planner_imports_nothing_of_training_or_the_cli() -> None:
+    # the planner (layouts, costs, search) sits under the trainer and the CLI: `fmoe.cli.plan` turns its
+    # layouts into `fmoe train` command lines, not the planner
+    for path in (ROOT / "fmoe" / "plan").rglob("*.py"):
+        above = {m for m in _imported(path) if m.split(".")[:2] in (["fmoe", "train"], ["fmoe", "cli"])}
+        assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"
 
 
 def test_lazy_names_resolve() -> None:

@@ -58,7 +58,8 @@ def _layer(params, x_TD, cfg, dispatcher=None):
 
 
 class RowsOnly:
-    """A dispatcher seen through the row-level seam only (hides `dispatch_tokens`)."""
+    """A dispatcher seen through the synchronous Dispatcher protocol only (no Exchange: the model runs
+    its calls inline, fmoe.dispatch.sync.as_exchange)."""
 
     def __init__(self, inner):
         self.inner, self.num_local_experts = inner, inner.num_local_experts

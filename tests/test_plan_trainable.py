@@ -14,10 +14,11 @@ import dataclasses
 
 import pytest
 
+from fmoe.cli.plan import train_command
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
 from fmoe.plan.specs import PlanError, load_cluster, load_model
-from fmoe.plan.train_flags import train_command, train_overrides
+from fmoe.plan.train_flags import train_overrides
 from fmoe.train.config import TrainConfig
 
 PUBLISHED = [("pangu-ultra-moe", "ascend-910b", 6144, 3072), ("deepseek-v3", "h800", 2048, 15360)]

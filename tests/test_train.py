@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from dist_utils import spawn
 from fmoe.parallel import ParallelLayout
 from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
-from fmoe.train.launch import _free_port, _world, launch
+from fmoe.train.launch import _describe, _free_port, _world, launch
 from fmoe.train.loop import Trainer, World
 from fmoe.train.optim import lr_at
 
@@ -113,6 +114,17 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
                 assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
             assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
+
+
+def test_a_spawned_run_leaks_no_semaphore(tmp_path: Path) -> None:
+    # rank 0's progress bar took tqdm's multiprocessing lock, a named semaphore that the rank's os._exit
+    # never unlinked: the launcher's resource tracker warned of it at the end of every spawned run
+    tiny = ("--pp", "1", "--ep", "2", "--steps", "1", "--seq-length", "16", "--global-batch-size", "8")
+    done = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", "--markov-sequences", "64", *tiny],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert "step/s" in done.stderr  # the bar was drawn (the tests' other runs turn it off)
+    assert "leaked" not in done.stderr, done.stderr
 
 
 def _rank_pids(launcher: int) -> list[int]:
@@ -204,6 +216,17 @@ def test_torchrun_world_size_must_match_the_layout(monkeypatch: pytest.MonkeyPat
     assert launch(TrainConfig()) == 2  # returns before init_process_group (which would hang on port 1)
     err = capsys.readouterr().err.strip()
     assert err == "fmoe train: error: the launcher gives 3 ranks but --pp 2 x --ep 2 x --dp 1 x --tp 1 = 4"
+
+
+def test_the_banner_names_every_parallel_axis() -> None:
+    # 8 ranks of pp 2 x tp 2 x ep 2 once read "pp 2 x ep 2 x dp 1": tp and sequence parallelism left out
+    data = SimpleNamespace(describe=lambda: "data")
+    trainer = SimpleNamespace(schedule=None, chunks=(), valid=None, dataset=data)  # what the banner reads
+    tc = TrainConfig(pp=2, tp=2, ep=2, dp=1, sequence_parallel=True)
+    assert "; pp 2 x tp 2 (sp) x ep 2 x dp 1, dualpipev" in _describe(tc, trainer)
+    no_sp = dataclasses.replace(tc, sequence_parallel=False)
+    assert "; pp 2 x tp 2 x ep 2 x dp 1, " in _describe(no_sp, trainer)
+    assert "; pp 1 x ep 1 x dp 2, accumulate" in _describe(TrainConfig(pp=1, ep=1, dp=2), trainer)  # no tp 1
 
 
 def test_config_file_then_flags_override_the_preset(tmp_path: Path) -> None:
@@ -358,6 +381,18 @@ def test_fp16_overflowing_steps_are_skipped_and_the_scale_state_is_checkpointed(
         assert fresh.loss_scale == saved
     finally:
         dist.destroy_process_group()
+
+
+def test_a_float64_run_logs_its_losses_in_float64() -> None:
+    # the one-process path once summed its losses in fp32: its float64 losses came out rounded to fp32
+    tc = TrainConfig(pp=1, ep=1, dp=1, progress=False, dtype="float64", markov_sequences=MARKOV_SEQUENCES,
+                     seq_length=16, global_batch_size=8)
+    try:
+        got = Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1)).step()
+    finally:
+        dist.destroy_process_group()
+    for key in ("loss", "main_loss", "balance_loss"):  # fp32 holds none of them exactly
+        assert got[key] != float(torch.tensor(got[key], dtype=torch.float32)), (key, got[key])
 
 
 def test_precision_flags_are_checked() -> None:

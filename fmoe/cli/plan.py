@@ -28,7 +28,17 @@ from fmoe.calibrate.models import load_model, model_names
 from fmoe.plan import estimate as E
 from fmoe.plan import layout as L
 from fmoe.plan import search as Q
-from fmoe.plan.specs import CLUSTER_PRESETS, FP8_GROUPS, PUBLISHED, PlanError, Published, load_cluster
+from fmoe.plan.specs import (
+    CLUSTER_PRESETS,
+    FP8_GROUPS,
+    PUBLISHED,
+    ClusterSpec,
+    PlanError,
+    Published,
+    load_cluster,
+)
+from fmoe.plan.train_flags import train_overrides
+from fmoe.train.config import PRESETS, TrainConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,11 +264,27 @@ def _layout(ctx: E.Context, fields: dict[str, object]) -> L.Layout:
     return lay
 
 
+def train_command(preset: str, layout: L.Layout, global_batch: int, cluster: ClusterSpec,
+                  overlap_modes: tuple[str, str] = ("pair", "none")) -> str:
+    """Returns the `fmoe train` command line of `train_overrides` on model preset `preset` (flags that
+    differ from TrainConfig's defaults only)."""
+    defaults = TrainConfig()
+    parts = ["fmoe train", f"--preset {preset}"]
+    for name, value in train_overrides(layout, global_batch, cluster, overlap_modes).items():
+        if getattr(defaults, name) == value:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else f"--no-{name.replace('_', '-')}")
+        elif isinstance(value, tuple):  # a flag that takes several values (--recompute-modules A B)
+            parts.append(" ".join((flag, *map(str, value))))
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
 def _print_train_command(model: str, best: E.Prediction, ctx: E.Context) -> None:
     """Prints the `fmoe train` command of the best layout when the model is also a training preset."""
-    from fmoe.plan.train_flags import train_command
-    from fmoe.train.config import PRESETS
-
     if model not in PRESETS:
         return
     try:

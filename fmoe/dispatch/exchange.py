@@ -14,6 +14,11 @@ Row level: dispatch moves acts["rows_RD"] (and acts["probs_R"]) to "rows_MD" ("p
 "rows_MD" back to "rows_RD"; other keys pass through. Permute-2 is compute: `plan.to_experts` /
 `plan.from_experts`. The pipeline runs these directly (fmoe/phases.py); the layer's
 synchronous dispatch / combine is one adapter over them (fmoe/dispatch/sync.py).
+
+What the MoE phases may do with an exchange depends on what it can do, not on its class: each one
+declares its capabilities (`Exchange`: `local`, `splits_rows`, `token_level(cfg)`), and the model asks
+those. A dispatcher with only the synchronous Dispatcher protocol gets them from one adapter
+(`fmoe.dispatch.sync.as_exchange`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,50 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from fmoe.config import MoEConfig
+
+
+class Exchange(Protocol):
+    """A dispatcher's issue / wait form (module docstring) and the capabilities the MoE phases ask of it,
+    each declared by the class (never inferred from the class or from which methods it has)."""
+
+    num_local_experts: int
+    local: bool  # nothing leaves this process: every exchange completes at issue (nothing to hide)
+    splits_rows: bool  # its row plans split into row chunks (fmoe.parallel.alltoall.row_chunks): self-overlap
+
+    def token_level(self, cfg: MoEConfig) -> bool:
+        """True when a layer under `cfg` hands it whole tokens: the phases then drive `token_exchange()`
+        (it permutes, and sums a token's top-k rows, itself) instead of this row-level Exchange."""
+        ...
+
+    def token_exchange(self) -> Exchange:
+        """The token-level Exchange (acts "normed_TD" / "probs_TK" in, "y_TD" back); only asked for when
+        `token_level` is True."""
+        ...
+
+    def start_plan(self, route: Any) -> Any:
+        """Issues the count exchange of a routed layer; its wait gives the plan (a RowPlan)."""
+        ...
+
+    def start_dispatch(self, plan: Any, acts: dict) -> Any: ...
+
+    def start_combine(self, plan: Any, acts: dict) -> Any: ...
+
+    def start_dispatch_transpose(self, plan: Any, ct: dict) -> Any: ...
+
+    def start_combine_transpose(self, plan: Any, ct: dict) -> Any: ...
+
+
+def takes_tokens(cfg: MoEConfig) -> bool:
+    """True when a layer under `cfg` can hand a token-level exchange whole tokens: dropless routing (no
+    capacity, no dynamic window) with the gate weights applied at combine. Other modes need the row
+    layout (capacity drops rows; gate weights in the expert travel per row)."""
+    return cfg.capacity_factor is None and not cfg.dynamic_capacity_window and not cfg.probs_in_expert
 
 
 @dataclass(frozen=True)
@@ -136,7 +182,15 @@ class RowExchange:
     handles, finish)`: issue, then `finish(raw)` after the wait gives the moved rows. `name` ("dispatch",
     "combine", with ".bwd" for a transpose) names the traffic; `reverse`: experts -> layout."""
 
-    local = False  # True: nothing leaves this process (the exchange completes at issue)
+    local = False  # Exchange capabilities: a subclass that differs declares its own
+    splits_rows = False
+
+    def token_level(self, cfg: MoEConfig) -> bool:
+        """False: a row-level exchange takes layout rows whatever the config."""
+        return False
+
+    def token_exchange(self) -> Exchange:
+        raise TypeError(f"{type(self).__name__} moves layout rows only (token_level is always False)")
 
     def start_plan(self, route: Any) -> Any:
         """Issues the count exchange of a routed layer (route.layout: its expert-sorted rows)."""

@@ -7,19 +7,31 @@ expert-sorted layout, M rows this rank's experts receive, D width.
 torch.func.vjp) whose forward issues an exchange (e.g. `ex.start_dispatch(plan, acts)`) and waits, and
 whose backward issues its transpose and waits: the route is written once, in the dispatcher's `start_*`
 methods (fmoe/dispatch/exchange.py), and serves both the layer (here) and the pipeline's phases.
-`SyncRows` gives a row-level Exchange the `Dispatcher` protocol (fmoe/dispatch/base.py) from it.
+`SyncRows` gives a row-level Exchange the `Dispatcher` protocol (fmoe/dispatch/base.py) from it, and
+`as_exchange` the other way round: the one place a dispatcher with only that protocol (dispatch /
+combine, e.g. a research script's) is told apart and wrapped (`InlineRows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fmoe.dispatch.exchange import RowPlan
+from fmoe.dispatch.exchange import Exchange, RowPlan
 from fmoe.transforms.program import Ready, exchanged
+
+if TYPE_CHECKING:
+    from fmoe.config import MoEConfig
+
+
+def as_exchange(dispatcher: Any) -> Exchange:
+    """Returns the Exchange of `dispatcher`: itself when it declares one (fmoe.dispatch.exchange.Exchange:
+    every fmoe dispatcher), else `InlineRows` over its synchronous dispatch / combine. The single
+    adapter point: code past it asks the Exchange's capabilities, never the dispatcher's class."""
+    return dispatcher if hasattr(dispatcher, "start_plan") else InlineRows(dispatcher)
 
 
 class SyncRows:
@@ -50,11 +62,19 @@ class InlineRows:
     differentiates what its calls do. For sequential runs (fmoe.model); a pipeline's executor needs an
     issue / wait form (fmoe.parallel.phased) to overlap the exchanges with compute."""
 
-    local = True
+    local = True  # Exchange capabilities: its calls run where they are made
+    splits_rows = False
 
     def __init__(self, dispatcher: Any):
         self.dispatcher = dispatcher
         self.num_local_experts = dispatcher.num_local_experts
+
+    def token_level(self, cfg: MoEConfig) -> bool:
+        """False: the Dispatcher protocol takes layout rows."""
+        return False
+
+    def token_exchange(self) -> Exchange:
+        raise TypeError("a synchronous dispatcher (dispatch / combine) moves layout rows only")
 
     def start_plan(self, route: Any) -> Ready:
         """Returns a Ready plan to be filled by the dispatch (its counts are the dispatcher's answer)."""

@@ -5,28 +5,21 @@ experts, R rows of this rank's expert-sorted layout, R_max = max R over ranks (g
 to R_max per rank), M rows for the local experts, D width. counts_PE[p, e]: rows rank p holds for
 expert e.
 
-Token level (`dispatch_tokens` / `combine_tokens`, the natural form): all-gather the group's *tokens*
-(T per rank, padded to T_max = max T) with their ids and probs, asynchronously; select the (token, slot)
-rows of the local experts with `index_select`; combine weights them, `index_put`s (accumulating over the
-local slots of a token) into a zero [P*T_max, D] buffer and reduce-scatters: K times fewer bytes than
-rows.
+Written once as issue / wait exchanges (fmoe/dispatch/exchange.py; `dispatch` / `combine` are the
+synchronous adapter of fmoe/dispatch/sync.py over them): the plan gathers the counts and builds the row
+index; dispatch all-gathers the padded expert-sorted rows and picks the local experts' rows with
+`index_select` (no expanded gather index). Combine writes the expert outputs back with `index_put` into a
+zero [P*R_max, D] buffer and reduce-scatters it: every row has exactly one owner, so the sum is a
+placement. Row level only: the token-level entry point (`dispatch_tokens`, fmoe.parallel.rows) is
+permute-1 and unpermute around this route, as in the model.
 
-Row level (the Dispatcher protocol), written once as issue / wait exchanges (fmoe/dispatch/exchange.py;
-`dispatch` / `combine` are the synchronous adapter of fmoe/dispatch/sync.py over them): the plan gathers
-the counts and builds the row index; dispatch all-gathers the padded expert-sorted rows and picks the
-local experts' rows with `index_select` (no expanded gather index). Combine writes the expert outputs
-back with `index_put` into a zero [P*R_max, D] buffer and reduce-scatters it: every row has exactly one
-owner, so the sum is a placement.
-
-Host synchronisation (explicit), per dispatch: one blocking all-gather of counts. Row level reads R_max
-and the rows per local expert in one host sync (`gather_sizes`); the token level reads T_max and the
-local row count M (two). Combine and the backward: none.
+Host synchronisation (explicit), per dispatch: one blocking all-gather of counts, R_max and the rows per
+local expert read in one host sync (`gather_sizes`). Combine and the backward: none.
 
 Agreement: ranks that disagree on the expert count would gather messages of different sizes (gloo aborts)
 or select other ranks' rows (a wrong answer, no error). Every rank raises the same ValueError instead:
-the row level all-gathers (num_experts, len(counts_E)) once, on a dispatcher's first dispatch (one more
-small blocking all-gather, once); the token level sends num_experts, K and its largest expert id with its
-token count, in the gather and the host read it makes anyway.
+the dispatcher all-gathers (num_experts, len(counts_E)) once, on its first dispatch (one more small
+blocking all-gather, once).
 """
 
 from __future__ import annotations
@@ -41,15 +34,9 @@ from einops import rearrange
 from fmoe._index import exclusive_cumsum
 from fmoe.dispatch.exchange import Chain, RowExchange, RowPlan, traffic_op
 from fmoe.dispatch.sync import SyncRows
-from fmoe.ops import Counts, expert_counts
-from fmoe.parallel.collectives import (
-    CommGroup,
-    all_gather,
-    all_gather_async,
-    all_gather_counts,
-    reduce_scatter,
-    reduce_scatter_async,
-)
+from fmoe.ops import Counts
+from fmoe.parallel.collectives import CommGroup, all_gather_async, all_gather_counts, reduce_scatter_async
+from fmoe.parallel.rows import TokenLevelMixin
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
 
@@ -61,16 +48,6 @@ class GatherRoute:
     idx_M: torch.Tensor
     rows_padded: int
     rows: int
-
-
-@dataclass(frozen=True)
-class AllGatherTokenMeta:
-    """What combine_tokens needs: gathered token of each local row [M], row weights [M] or None, T_max, T."""
-
-    row_tok: torch.Tensor
-    row_w: torch.Tensor | None
-    tokens_padded: int
-    tokens: int
 
 
 def _by_rank(values: list[int]) -> str:
@@ -89,16 +66,6 @@ def check_agreement(rows_PH: list[list[int]], names: tuple[str, ...]) -> None:
         if len(set(values)) > 1:
             raise ValueError(f"AllGatherDispatcher: the ranks of the expert group disagree on {name}: "
                              f"{_by_rank(values)}")
-
-
-def check_ids(rows_PH: list[list[int]]) -> None:
-    """Raise ValueError unless every rank's (tokens, num_experts, K, largest expert id) header agrees on
-    num_experts and K and routes below num_experts (else its rows would be dropped without an error)."""
-    check_agreement([row[1:3] for row in rows_PH], ("num_experts", "top_k (ids_TK.shape[1])"))
-    for p, (_, e, _, top) in enumerate(rows_PH):
-        if top >= e:
-            raise ValueError(f"AllGatherDispatcher: group rank {p} routes to expert {top}, but num_experts "
-                             f"is {e}: its routing has more experts than the dispatcher")
 
 
 def gather_sizes(counts_PE: torch.Tensor, rank: int, L: int) -> tuple[int, tuple[int, ...]]:
@@ -127,7 +94,7 @@ def gather_index(counts_PE: torch.Tensor, rank: int, L: int, r_max: int,
     return idx_M, mine_PL.sum(0)
 
 
-class AllGatherDispatcher(SyncRows, RowExchange):
+class AllGatherDispatcher(TokenLevelMixin, SyncRows, RowExchange):
     """Dispatch by all-gather + index_select, combine by index_put + reduce-scatter; no parameters."""
 
     def __init__(self, comm: CommGroup, num_experts: int):
@@ -187,47 +154,3 @@ class AllGatherDispatcher(SyncRows, RowExchange):
             return {k: v.index_select(0, g.idx_M) for k, v in got.items()}
 
         return out, handles, finish
-
-    def dispatch_tokens(self, x_TD: torch.Tensor, ids_TK: torch.Tensor,
-                        probs_TK: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor, AllGatherTokenMeta]:
-        """Return (x_MD grouped by local expert, counts_L, meta): gather tokens, select the local rows."""
-        L, me, t, k = self.num_local_experts, self.comm.rank, x_TD.shape[0], ids_TK.shape[1]
-        # With the token count, what the ranks must agree on (read in the same host sync): E, K, largest id.
-        dev = x_TD.device
-        top = ids_TK.amax().reshape(1) if ids_TK.numel() else torch.full((1,), -1)
-        head = torch.cat([torch.tensor([t, self.num_experts, k], device=dev), top.to(dev, torch.int64)])
-        rows_PH = all_gather_counts(head, self.comm, op="allgather.counts").tolist()  # blocks; host sync
-        check_ids(rows_PH)
-        t_max = max(row[0] for row in rows_PH)  # padded tokens per rank
-        pad = (0, 0) * (x_TD.dim() - 1) + (0, t_max - t)
-        x_all, hx = all_gather_async(F.pad(x_TD, pad), self.comm, op="allgather.dispatch")
-        hp = None
-        if probs_TK is not None:
-            p_all, hp = all_gather_async(F.pad(probs_TK, (0, 0, 0, t_max - t)), self.comm,
-                                         op="allgather.probs")
-        with torch.no_grad():  # integer routing: moved, never differentiated; padding rows route nowhere (-1)
-            ids_all = all_gather(F.pad(ids_TK.to(torch.int64), (0, 0, 0, t_max - t), value=-1), self.comm,
-                                 op="allgather.ids")
-        # While x and probs travel: the (token, slot) rows of the local experts, by local expert then token.
-        local = (ids_all >= me * L) & (ids_all < (me + 1) * L)
-        key = torch.where(local, ids_all - me * L, L).reshape(-1)
-        m = int(local.sum())  # host sync: rows for the local experts
-        order_M = torch.argsort(key, stable=True)[:m]
-        counts_L = expert_counts(key.index_select(0, order_M), L)
-        row_tok = order_M // k
-        hx.wait()
-        x_MD = x_all.index_select(0, row_tok.to(x_all.device))
-        row_w = None
-        if hp is not None:
-            hp.wait()
-            row_w = p_all.reshape(-1).index_select(0, order_M.to(p_all.device))
-        return x_MD, counts_L.to(x_TD.device), AllGatherTokenMeta(row_tok.to(x_TD.device), row_w, t_max, t)
-
-    def combine_tokens(self, y_MD: torch.Tensor, meta: AllGatherTokenMeta) -> torch.Tensor:
-        """Return y_TD = sum_k probs[t, k] * y(t, k): weight, accumulate per token, reduce-scatter."""
-        if meta.row_w is not None:
-            y_MD = y_MD * meta.row_w.unsqueeze(-1).to(y_MD.dtype)
-        buf = y_MD.new_zeros((self.comm.size * meta.tokens_padded, *y_MD.shape[1:]))
-        y_all = torch.index_put(buf, (meta.row_tok,), y_MD, accumulate=True)  # a token's local slots add up
-        return reduce_scatter(y_all, self.comm, op="allgather.combine")[:meta.tokens]

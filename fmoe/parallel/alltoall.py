@@ -95,6 +95,8 @@ def row_chunks(plan: RowPlan, n: int, device: torch.device) -> tuple[RowChunk, .
 class AllToAllDispatcher(TokenLevelMixin, SyncRows, RowExchange):
     """Dispatch by a variable all-to-all over `comm` (the ep x tp expert group); holds no parameters."""
 
+    splits_rows = True  # each chunk of every peer's block is an all-to-all of its own (`row_chunks`)
+
     def __init__(self, comm: CommGroup, num_experts: int):
         self.comm = comm
         self.num_experts = num_experts

@@ -36,11 +36,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fmoe.dispatch.exchange import Chain, RowPlan, chained
+from fmoe.dispatch.exchange import Chain, RowPlan, chained, takes_tokens
 from fmoe.dispatch.sync import SyncRows
 from fmoe.ops import Counts, expert_counts
 from fmoe.parallel.alltoall import split_sizes
@@ -49,6 +49,9 @@ from fmoe.parallel.phased import a2a_each
 from fmoe.parallel.rows import chunk_transpose_index, expert_ids_of_rows
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 from fmoe.transforms.program import exchanged
+
+if TYPE_CHECKING:
+    from fmoe.config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,9 @@ class HierarchicalDispatcher(SyncRows):
     expert-group rank = inter.rank * intra.size + intra.rank.
     """
 
-    local = False
-    token_level = False  # the Exchange's acts: layout rows (False) or whole tokens (token_exchange())
+    local = False  # Exchange capabilities (fmoe/dispatch/exchange.py)
+    splits_rows = False  # two stages: a row chunk of the inter-node move is not one of the intra-node move
+    whole_tokens = False  # this Exchange's acts: layout rows (False) or whole tokens (token_exchange())
 
     def __init__(self, inter: CommGroup, intra: CommGroup, num_experts: int):
         self.inter, self.intra = inter, intra
@@ -83,11 +87,16 @@ class HierarchicalDispatcher(SyncRows):
         self.node = inter.rank
         self.node_experts = self.num_local_experts * intra.size  # experts per node
 
+    def token_level(self, cfg: MoEConfig) -> bool:
+        """True when `cfg` lets the layer hand it whole tokens (`takes_tokens`: dropless, gate weights at
+        combine): a token then crosses to a node once however many of its experts live there."""
+        return takes_tokens(cfg)
+
     def token_exchange(self) -> HierarchicalDispatcher:
         """The token-level Exchange (module docstring): dispatch reads normed_TD / probs_TK, combine gives
         y_TD."""
         ex = copy.copy(self)
-        ex.token_level = True
+        ex.whole_tokens = True
         return ex
 
     # ---- the synchronous entry points (fmoe/dispatch/sync.py) -------------------------------------
@@ -122,8 +131,9 @@ class HierarchicalDispatcher(SyncRows):
 
     # ---- the plan ---------------------------------------------------------------------------------
     def start_plan(self, route: Any) -> Chain:
-        """Issues the plan of a routed layer (whole tokens when token_level, else its layout rows)."""
-        if self.token_level:
+        """Issues the plan of a routed layer: its whole tokens for the token-level Exchange, else its
+        layout rows."""
+        if self.whole_tokens:
             return self._start_plan_ids(route.ids_TK.to(torch.int64))
         return self.start_plan_rows(route.layout.counts_E, route.layout.num_rows)
 
@@ -209,7 +219,7 @@ class HierarchicalDispatcher(SyncRows):
     # ---- the Exchange (fmoe/dispatch/exchange.py) -------------------------------------------------
     def _keys(self) -> tuple[str, str, str]:
         """(items, their probs, the combined items) in acts."""
-        return ("normed_TD", "probs_TK", "y_TD") if self.token_level else ("rows_RD", "probs_R", "rows_RD")
+        return ("normed_TD", "probs_TK", "y_TD") if self.whole_tokens else ("rows_RD", "probs_R", "rows_RD")
 
     def _moves(self, plan: RowPlan, transpose: bool, name: str) -> list:
         moves = [partial(self._inter, plan, transpose=transpose, name=name),
@@ -220,7 +230,7 @@ class HierarchicalDispatcher(SyncRows):
         """Issues items (+ probs) -> rows at the experts, rows_MD (+ probs_M); other acts pass through (the
         tokens stay: the shared expert reads them)."""
         xk, pk, _ = self._keys()
-        rest = {k: v for k, v in acts.items() if k != pk and (self.token_level or k != xk)}
+        rest = {k: v for k, v in acts.items() if k != pk and (self.whole_tokens or k != xk)}
         moving = {"x": acts[xk], **({"probs": acts[pk]} if pk in acts else {})}
         return chained(moving, *self._moves(plan, False, "dispatch"), then=lambda got: {
             **rest, "rows_MD": got["x"], **({"probs_M": got["probs"]} if "probs" in got else {})})
@@ -236,7 +246,7 @@ class HierarchicalDispatcher(SyncRows):
             # normed_TD also feeds the shared expert: its two cotangents add up
             out[xk] = got["x"] if xk not in out else out[xk] + got["x"]
             if "probs" in got:
-                out[pk] = got["probs"] if self.token_level else got["probs"].reshape(-1)
+                out[pk] = got["probs"] if self.whole_tokens else got["probs"].reshape(-1)
             return out
 
         return chained(moving, *self._moves(plan, True, "dispatch.bwd"), then=named)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fmoe.dispatch.exchange import Chain, RowPlan, traffic_op
+from fmoe.dispatch.exchange import Chain, Exchange, RowPlan, traffic_op
+from fmoe.dispatch.sync import as_exchange
 from fmoe.parallel.collectives import CommGroup, all_to_all_async
 
 __all__ = ["Chain", "RowPlan", "a2a_each", "phased"]
@@ -45,15 +46,10 @@ def a2a_each(rows: dict[str, torch.Tensor], comm: CommGroup, out_s: list[int], i
     return out, handles
 
 
-def phased(dispatcher: Any, token_level: bool = False) -> Any:
-    """Returns the Exchange of `dispatcher` (module docstring). `token_level`: take whole tokens (only
-    the hierarchical dispatcher, for dropless routing with gate weights at combine; see
-    fmoe.layer.uses_token_dispatch). Raises TypeError for a dispatcher without issue / wait exchanges."""
-    if token_level:
-        if not hasattr(dispatcher, "token_exchange"):
-            raise TypeError(f"{type(dispatcher).__name__} has no token-level exchange")
-        return dispatcher.token_exchange()
-    if hasattr(dispatcher, "start_plan"):  # a dispatcher is its own (row-level) Exchange
-        return dispatcher
-    raise TypeError(f"{type(dispatcher).__name__} has no issue/wait exchanges for pipeline phases; use "
-                    "LocalDispatcher, AllToAllDispatcher, AllGatherDispatcher or HierarchicalDispatcher")
+def phased(dispatcher: Any, token_level: bool = False) -> Exchange:
+    """Returns the Exchange of `dispatcher` (module docstring; `fmoe.dispatch.sync.as_exchange`: one with
+    only dispatch / combine runs inline). `token_level`: its token-level Exchange, which takes whole
+    tokens (asked for where `Exchange.token_level(cfg)` says so: the hierarchical dispatcher, dropless
+    with gate weights at combine)."""
+    ex = as_exchange(dispatcher)
+    return ex.token_exchange() if token_level else ex

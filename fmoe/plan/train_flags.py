@@ -5,7 +5,8 @@
 
 Field names are `fmoe.train.config.TrainConfig`'s (Megatron's vocabulary); the planner's picks assume
 sequence parallelism whenever tp > 1 (its activation memory and TP collectives are those of SP), and
-TP extending EP (the runtime's only TP layout for the routed experts).
+TP extending EP (the runtime's only TP layout for the routed experts). The command line of these
+fields (`fmoe.cli.plan.train_command`) is the CLI's: the planner imports nothing of fmoe.train or fmoe.cli.
 """
 
 from __future__ import annotations
@@ -57,23 +58,3 @@ def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec,
         out["num_virtual_stages_per_pipeline_rank"] = layout.vpp
     return out
 
-
-def train_command(preset: str, layout: Layout, global_batch: int, cluster: ClusterSpec,
-                  overlap_modes: tuple[str, str] = ("pair", "none")) -> str:
-    """Returns the `fmoe train` command line of `train_overrides` on model preset `preset` (flags that
-    differ from TrainConfig's defaults only)."""
-    from fmoe.train.config import TrainConfig  # the CLI's vocabulary: the planner itself does not need it
-
-    defaults = TrainConfig()
-    parts = ["fmoe train", f"--preset {preset}"]
-    for name, value in train_overrides(layout, global_batch, cluster, overlap_modes).items():
-        if getattr(defaults, name) == value:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else f"--no-{name.replace('_', '-')}")
-        elif isinstance(value, tuple):  # a flag that takes several values (--recompute-modules A B)
-            parts.append(" ".join((flag, *map(str, value))))
-        else:
-            parts.append(f"{flag} {value}")
-    return " ".join(parts)

@@ -278,11 +278,18 @@ def _measured_imbalance(events_by_rank: list[list[TraceEvent]]) -> float:
     return imbalance_pct(tuple(busy))
 
 
+def _layout(tc: TrainConfig) -> str:
+    """The banner's layout: pp x ep x dp always (pp 1 x ep 1 names the one-process path), tp where > 1,
+    "(sp)" after it when sequence parallelism shards the sequence over the tp ranks."""
+    tp = f" x tp {tc.tp}{' (sp)' if tc.sequence_parallel else ''}" if tc.tp > 1 else ""
+    return f"pp {tc.pp}{tp} x ep {tc.ep} x dp {tc.dp}"
+
+
 def _describe(tc: TrainConfig, trainer: Trainer) -> str:
     seams = "".join(f", {name} {getattr(tc, name)}" for name in ("router", "experts", "attention")
                     if getattr(tc, name) is not None)  # the functions replacing fmoe's (docs/research.md)
     return (f"{tc.num_layers} layers, D {tc.hidden_size}, {tc.num_experts} experts top-{tc.moe_router_topk}"
-            f"{seams}; pp {tc.pp} x ep {tc.ep} x dp {tc.dp}, {tc.schedule_name}"
+            f"{seams}; {_layout(tc)}, {tc.schedule_name}"
             f"{' + fb overlap' if tc.overlap and trainer.schedule is not None else ''}{_cut(tc, trainer)}; "
             f"{trainer.dataset.describe()}"
             f"{f'; held out: {trainer.valid.describe()}' if trainer.valid is not None else ''}")

@@ -298,7 +298,9 @@ class Trainer:
                 loss, aux = gpt_loss(params, ids, targets, cfg, self.state, parallel=self.parallel,
                                      check=not self._checked)
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
-                sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).float()
+                # in the loss's own dtype (at least fp32): a float64 run logs float64 losses
+                sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).to(
+                    torch.promote_types(loss.dtype, torch.float32))
                 for site, a in zip(outline(cfg).moe, aux.layers):  # aux.layers: the MoE sites in order
                     tokens_E = a.tokens_per_expert_E
                     add_load(loads, site.params, LayerLoad(tokens_E, tokens_E.max(), bool(a.capacity_missed)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -41,10 +42,7 @@ class Reporter:
     def start(self, first_step: int) -> None:
         """Opens the progress bar at `first_step` (0 for a fresh run, the checkpoint's step on resume)."""
         if self._progress:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=self.total, initial=first_step, unit="step", dynamic_ncols=True,
-                             desc="fmoe train")
+            self._bar = _progress_bar(self.total, first_step)
 
     def step(self, m: dict[str, Any]) -> None:
         """Records one step's metrics: a JSON line, the bar's postfix."""
@@ -104,6 +102,20 @@ class Reporter:
             lines.append(f"  fp16: {skipped} of {len(self.history)} steps skipped (non-finite gradients), "
                          f"last loss scale {last['loss_scale']:g}")
         return "\n".join(lines)
+
+
+def _progress_bar(total: int, first_step: int) -> Any:
+    """A tqdm bar from `first_step` of `total` whose write lock is a thread lock. tqdm's default lock
+    adds a multiprocessing RLock: a named semaphore the launcher's resource tracker records, which a rank
+    ending with os._exit (fmoe.parallel.teardown) never unlinks, so every spawned run ended with
+    "resource_tracker: There appear to be 1 leaked semaphore objects". One process writes the bar."""
+    from tqdm import tqdm
+
+    class Bar(tqdm):  # the lock set on a subclass: tqdm's global one (other bars') is left alone
+        pass
+
+    Bar.set_lock(threading.RLock())
+    return Bar(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="fmoe train")
 
 
 def _keep_steps_through(path: Path, step: int) -> None:
