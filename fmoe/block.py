@@ -32,7 +32,7 @@ attention weights, "mlp_norm" and "moe"/"router" only; `experts` reads "moe"/"ex
 Each function that takes params (or state) and the config checks the entries it reads against it first
 (keys, shapes, dtypes: fmoe/structure.py) unless given check=False; `block` checks the whole block once
 and runs its phases with check=False, and so does a caller that checked the whole model (gpt_loss, the
-pipeline's gpt_programs).
+pipeline's GPTProgram).
 """
 
 from __future__ import annotations

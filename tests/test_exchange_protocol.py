@@ -16,7 +16,9 @@ from fmoe.dispatch.local import LocalDispatcher
 from fmoe.dispatch.sync import InlineRows, as_exchange
 from fmoe.layer import init_moe, uses_token_dispatch
 from fmoe.model import moe
+from fmoe.outline import alone
 from fmoe.parallel import AllGatherDispatcher, AllToAllDispatcher, HierarchicalDispatcher
+from fmoe.parallel.context import ParallelContext
 from fmoe.phases import exchange_of, moe_layer
 from fmoe.transforms.testing import assert_close
 
@@ -65,10 +67,9 @@ def test_the_phases_drive_what_the_dispatcher_declares() -> None:
 
 @pytest.mark.parametrize("name", ["allgather", "hierarchical"])
 def test_self_overlap_needs_an_exchange_that_splits_rows(name) -> None:
-    params = init_moe(DROPLESS, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="splits an all-to-all's rows"):
-        moe_layer(DROPLESS, (), "moe", params, None, _dispatchers()[name], 2, bare=True)
-    moe_layer(DROPLESS, (), "moe", params, None, _dispatchers()["alltoall"], 2, bare=True)
+        moe_layer(DROPLESS, alone("moe"), ParallelContext(dispatcher=_dispatchers()[name]), 2, bare=True)
+    moe_layer(DROPLESS, alone("moe"), ParallelContext(dispatcher=_dispatchers()["alltoall"]), 2, bare=True)
 
 
 def test_a_dispatcher_with_dispatch_and_combine_only_runs_inline() -> None:

@@ -10,7 +10,7 @@ a curve. Forward only: under torch.no_grad(), with the training RNG states put b
 no optimizer or MoE state update (routing statistics are dropped), no data position moved.
 
 - pp 1 x ep 1 ("accumulate"): each microbatch through `gpt_loss`, as training does.
-- Every other layout: the stage programs of the run's schedule (`gpt_programs`), run by
+- Every other layout: the stage programs of the run's schedule (the run's `GPTProgram`), run by
   `fmoe.schedule.forward_only` (GPipe's forward half over path 0, P2P between pipeline ranks, the expert
   exchanges as in training), since no schedule of the executor runs forwards without their backward.
 The losses are those of training (mean over microbatches, then over data ranks): eval_loss is the total
