@@ -26,6 +26,7 @@ import torch
 from fmoe.block import init_block
 from fmoe.config import GPTConfig
 from fmoe.init import Units, draw_units, init_seed, normal, ones, param_device, scaled_normal
+from fmoe.outline import outline
 from fmoe.tp_layout import SPLITS, VOCAB_SPLITS, block_path, split_units
 
 Where = tuple[str | int, ...]
@@ -36,7 +37,7 @@ def _init_tree(cfg: GPTConfig, generator: torch.Generator | None, dtype: torch.d
     D, V = cfg.d_model, cfg.vocab_size
     params: dict[str, Any] = {
         "embed": {"table": normal((V, D), 0.02, generator, dtype)},
-        "layers": [init_block(cfg, generator, dtype, dense=i < cfg.num_dense_layers)
+        "layers": [init_block(cfg, generator, dtype, dense=not outline(cfg).layer(i).is_moe)
                    for i in range(cfg.n_layers)],
         "norm": ones(D, generator, dtype),
         "head": {"w": scaled_normal((D, V), D, generator, dtype)},

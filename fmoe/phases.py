@@ -161,55 +161,104 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
     overlap = overlap or LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
     if bare and parallel.tp is not None:
         raise ValueError("tensor parallelism shards a block (fmoe.model.block), not a bare MoE layer")
-    tp = parallel.tp
     moe_cfg = cfg if bare else cfg.moe
-    path, name = site.params, site.name
-    route_key, plan_key = f"route:{name}", f"plan:{name}"
     ex, token_level = exchange_of(parallel.exchange(moe_cfg.num_experts), moe_cfg)
-    local = ex.local
-    if overlap.chunks and not local and not ex.splits_rows:
+    if overlap.chunks and not ex.local and not ex.splits_rows:
         raise ValueError(f"self-overlap (a2a_chunks 2) splits an all-to-all's rows: {type(ex).__name__} has "
                          "another route (use AllToAllDispatcher, or move the rows whole)")
-    moe_path = path if bare else (*path, "moe")  # where the MoE params are; its phases take them below
-    mlp_paths = ((*moe_path, "experts"),)
-    shared_path = (*moe_path, "shared")
-    has_shared = moe_cfg.num_shared_experts > 0
-    balance = f"balance:{name}"
+    name, moe_path = site.name, site.params if bare else (*site.params, "moe")  # where the MoE params are
+    route_key, plan_key = f"route:{name}", f"plan:{name}"
+    head = (
+        _front_phase(cfg, site, parallel, remat, bare, seq_len),
+        # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
+        # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
+        Phase("counts", "comm", start=lambda a, m: _Then(ex.start_plan(m[route_key]),
+                                                          lambda plan: (a, {**m, plan_key: plan})),
+              start_transpose=lambda ct, meta: Ready(ct), local=ex.local, switch=False, defer_wait=True),
+        *(() if token_level else (Phase("permute", "compute", fn=_permute_rows(moe_cfg, route_key)),)),
+    )
+    # the shared expert reads the tokens only: it runs while the dispatch travels
+    shared_side = _shared_phase(moe_path, parallel) if moe_cfg.num_shared_experts else None
+
+    def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        out = block.finish(acts, meta[route_key], parallel)
+        return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
+
+    hand = overlap.hands_over  # the same in both forms: a backward follows whichever its forward ran
+    whole = head + _whole_moe_phases(cfg, ex, name, moe_path, shared_side, finish, token_level, hand)
+    if ex.local or not overlap.chunks:  # nothing travels, or whole in both contexts
+        return Layer(name, whole)
+    chunked = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish, switch=hand)
+    paired = chunked if overlap.paired == "self" else whole
+    lone = chunked if overlap.lone == "self" else whole
+    return Layer(name, paired, lone_phases=None if lone is paired else lone)
+
+
+def _front_phase(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext, remat: bool | None,
+                 bare: bool, seq_len: int | None) -> Phase:
+    """An MoE layer's first phase: the block's attention, norm and router ("attention"), or a bare layer's
+    router alone ("route"); routed but not yet permuted, so the count exchange goes out right after it
+    and permute-1 runs while it travels. It reads the layer's state from meta["state"] at site.state
+    and reports the routing in meta["stats"]."""
+    name, path = site.name, site.params
+    route_key, balance = f"route:{name}", f"balance:{name}"
+
+    def routed(acts: dict, gone: str, out: dict, route: Any, meta: dict) -> tuple[dict, dict]:
+        rest = {k: v for k, v in acts.items() if k != gone}
+        return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
 
     def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
-        # routed but not yet permuted: the count exchange goes out now and permute-1 runs while it travels
         out, route = block.attention(p, acts[H], cfg, state_at(meta.get("state"), site), remat,
                                      permute_tokens=False, check=False, parallel=parallel)
         out[balance] = out.pop("loss")
-        rest = {k: v for k, v in acts.items() if k != H}
-        return {**rest, **out}, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+        return routed(acts, H, out, route, meta)
 
     def route_only(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # a bare layer: the router
         x_TD = acts["x_TD"]
-        state = state_at(meta.get("state"), site)
-        probs_TK, loss, route = plan_route(p, x_TD, moe_cfg, state, seq_len, remat, check=False)
-        rest = {k: v for k, v in acts.items() if k != "x_TD"}
-        out = {**rest, "normed_TD": x_TD, "probs_TK": probs_TK, balance: loss}
-        return out, {**meta, route_key: route, "stats": {"layer": path, "route": route}}
+        probs_TK, loss, route = plan_route(p, x_TD, cfg, state_at(meta.get("state"), site), seq_len, remat,
+                                           check=False)
+        return routed(acts, "x_TD", {"normed_TD": x_TD, "probs_TK": probs_TK, balance: loss}, route, meta)
 
     if bare:
-        front = Phase("route", "compute", fn=route_only, param_paths=((*moe_path, "router"),),
-                      param_root=moe_path, losses=(balance,))
-    else:
-        attn_keys = block_keys(cfg, dense=False, but=("moe",))  # attention weights and both norms
-        attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
-        front = Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
-                      losses=(balance,))
+        return Phase("route", "compute", fn=route_only, param_paths=((*path, "router"),), param_root=path,
+                     losses=(balance,))
+    attn_keys = block_keys(cfg, dense=False, but=("moe",))  # attention weights and both norms
+    attn_paths = tuple((*path, k) for k in attn_keys) + ((*path, "moe", "router"),)
+    return Phase("attention", "compute", fn=attention, param_paths=attn_paths, param_root=path,
+                 losses=(balance,))
 
+
+def _permute_rows(moe_cfg: MoEConfig, route_key: str) -> Any:
+    """Permute-1: the normed tokens (and with probs_in_expert the gate weights) into the route's layout."""
     def permute_rows(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         layout = meta[route_key].layout
-        out = {**acts, "rows_RD": permute(acts["normed_TD"], layout)}  # permute-1
+        out = {**acts, "rows_RD": permute(acts["normed_TD"], layout)}
         if moe_cfg.probs_in_expert:  # the gate weights ride with their rows
             out["probs_R"] = permute_probs(out.pop("probs_TK"), layout)
         return out, meta
+    return permute_rows
 
-    def counts_start(acts: dict, meta: dict) -> Any:
-        return _Then(ex.start_plan(meta[route_key]), lambda plan: (acts, {**meta, plan_key: plan}))
+
+def _shared_phase(moe_path: tuple[str, ...], parallel: ParallelContext) -> Phase:
+    """The shared expert, a side phase of the dispatch (it reads the tokens only); under tensor
+    parallelism its replicated weights take their gradient summed over the group."""
+    tp = parallel.tp
+
+    def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        weights = p["shared"] if tp is None else {k: copy_to_tp(v, tp, op="tp.shared")
+                                                  for k, v in p["shared"].items()}
+        return {"shared_TD": block.shared_expert(weights, acts)}, meta
+
+    return Phase("shared", "compute", fn=shared, param_paths=((*moe_path, "shared"),), param_root=moe_path)
+
+
+def _whole_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: tuple[str, ...],
+                      shared_side: Phase | None, finish: Any, token_level: bool,
+                      hand: bool) -> tuple[Phase, ...]:
+    """The phases of an MoE layer after permute-1 with whole exchanges: dispatch (+ the shared expert
+    beside it), the experts, combine, unpermute; `hand`: the dispatch and combine hand over to an F&B
+    pair."""
+    route_key, plan_key = f"route:{name}", f"plan:{name}"
 
     def with_meta(pending: Any, meta: dict) -> Any:
         return _Then(pending, lambda a: (a, meta))
@@ -224,43 +273,16 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
         out["rows_MD"] = plan.from_experts(out["rows_MD"])
         return out, meta
 
-    def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        weights = p["shared"] if tp is None else {k: copy_to_tp(v, tp, op="tp.shared")
-                                                  for k, v in p["shared"].items()}
-        return {"shared_TD": block.shared_expert(weights, acts)}, meta
-
-    def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        out = block.finish(acts, meta[route_key], parallel)
-        return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
-
-    head = (
-        front,
-        # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
-        # an fb-overlap pair does not hand over at it (that would shift every later pairing by a phase)
-        Phase("counts", "comm", start=counts_start, start_transpose=lambda ct, meta: Ready(ct), local=local,
-              switch=False, defer_wait=True),
-        *(() if token_level else (Phase("permute", "compute", fn=permute_rows),)),
-    )
-    # the shared expert reads the tokens only: it runs while the dispatch travels
-    shared_side = (Phase("shared", "compute", fn=shared, param_paths=(shared_path,), param_root=moe_path)
-                   if has_shared else None)
-    hand = overlap.hands_over  # the same in both forms: a backward follows whichever its forward ran
-    whole = head + (
+    return (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
-              side_consumes=("normed_TD",) if has_shared else (), local=local, switch=hand),
-        Phase("mlp", "compute", fn=mlp, param_paths=mlp_paths, param_root=moe_path),
+              side_consumes=("normed_TD",) if shared_side is not None else (), local=ex.local, switch=hand),
+        Phase("mlp", "compute", fn=mlp, param_paths=((*moe_path, "experts"),), param_root=moe_path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
-              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=local,
+              start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=ex.local,
               switch=hand),
         Phase("unpermute", "compute", fn=finish),
     )
-    if local or not overlap.chunks:  # nothing travels, or whole in both contexts
-        return Layer(name, whole)
-    chunked = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish, switch=hand)
-    paired = chunked if overlap.paired == "self" else whole
-    lone = chunked if overlap.lone == "self" else whole
-    return Layer(name, paired, lone_phases=None if lone is paired else lone)
 
 
 def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: tuple[str, ...],

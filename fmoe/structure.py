@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from fmoe.config import GPTConfig, MoEConfig
+from fmoe.outline import outline
 
 Path = tuple[str, ...]
 CAPACITY_KEYS = ("load_history_W", "capacity_misses", "capacity_steps")
@@ -338,8 +339,8 @@ def block_keys(cfg: GPTConfig, dense: bool = False, but: tuple[str, ...] = ()) -
 def gpt_params_spec(cfg: GPTConfig, num_local_experts: int | None = None) -> Mapping[str, Any]:
     """Return the spec of `fmoe.init_gpt(cfg)` params (MoE experts: L local)."""
     D, V = cfg.d_model, cfg.vocab_size
-    blocks = tuple(block_params_spec(cfg, i < cfg.num_dense_layers, num_local_experts)
-                   for i in range(cfg.n_layers))
+    blocks = tuple(block_params_spec(cfg, not site.is_moe, num_local_experts)
+                   for site in map(outline(cfg).layer, range(cfg.n_layers)))
     spec: dict[str, Any] = {"embed": {"table": Leaf((("V", V), ("D", D)))},
                             "layers": Seq(blocks, "blocks", f"n_layers={cfg.n_layers}"),
                             "norm": Leaf((("D", D),)), "head": {"w": Leaf((("D", D), ("V", V)))}}
@@ -358,7 +359,8 @@ def gpt_state_spec(cfg: GPTConfig) -> Mapping[str, Any]:
     moe_state = Nullable(moe_state_spec(cfg.moe))
     dense = Nullable({k: Absent(f"a dense layer, num_dense_layers={cfg.num_dense_layers}")
                       for k in ("expert_bias_E", *CAPACITY_KEYS)})
-    layers = tuple(dense if i < cfg.num_dense_layers else moe_state for i in range(cfg.n_layers))
+    o = outline(cfg)
+    layers = tuple(moe_state if o.layer(i).is_moe else dense for i in range(cfg.n_layers))
     return {"layers": Seq(layers, "entries", f"n_layers={cfg.n_layers}"),
             "mtp": Opt(moe_state) if cfg.mtp else Absent("mtp=False")}
 

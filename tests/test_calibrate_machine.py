@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from fmoe.calibrate import machine as LC
 from fmoe.calibrate.models import load_model
 from fmoe.calibrate.samples import HostSample, sample_of
+from fmoe.config import GPTConfig, MoEConfig
+from fmoe.outline import outline
 from fmoe.plan.estimate import Context, evaluate
 from fmoe.plan.layout import Layout
 from fmoe.plan.specs import LAYER_KINDS, ClusterSpec, PlanError
@@ -65,7 +67,9 @@ def test_sample_of_sums_phases_per_layer_and_kind() -> None:
             events.append(_ev(name, name[0], t, t + d))
             t += d
     events.append(_ev("a2a dispatch-F s0 L1 mb0", "a2a", 0.5, 60.0, lane="comm"))  # not a compute event
-    sample = sample_of([100.0], [events], first_dense=1, microbatches=2, peak_gib=0.5)
+    three = GPTConfig(vocab_size=8, d_model=8, n_layers=3, n_heads=2, num_dense_layers=1,
+                      moe=MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1))
+    sample = sample_of([100.0], [events], outline(three), microbatches=2, peak_gib=0.5)
     assert sample.f_s == {"embed": 1.0, "dense": 4.0, "moe": 7.0, "head": 2.0}  # MoE: (5 + 9) / 2 layers
     assert (sample.b_s, sample.w_s) == (20.0, 1.0)
     assert sample.span_s == pytest.approx(t) and sample.wall_s == 100.0
@@ -84,7 +88,7 @@ def test_sample_of_reads_a_real_executor_step() -> None:
         events = trainer.last_result.events
     finally:
         torch.distributed.destroy_process_group()
-    sample = sample_of([wall], [events], tc.first_k_dense, tc.microbatches, 0.0)
+    sample = sample_of([wall], [events], outline(trainer.cfg), tc.microbatches, 0.0)
     assert set(sample.f_s) == set(LAYER_KINDS)
     m, dense = tc.microbatches, tc.first_k_dense
     f_total = sum(e.end - e.start for e in events if e.cat == "F" and e.lane == "compute")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fmoe.calibrate.samples import median_sample, sample_of
+from fmoe.outline import outline
 from fmoe.train.config import TrainConfig
 
 _READY, _STEP, _STOP, _ERROR = "ready", "step", "stop", "error"
@@ -46,7 +47,7 @@ def _job_rank(tc: TrainConfig, rank: int, store: str, events: bool, commands: An
             step_s = trainer.step()["step_s"]
             sample = None
             if events:  # this step's HostSample (peak memory comes at the end)
-                sample = sample_of([step_s], [trainer.last_result.events], tc.first_k_dense,
+                sample = sample_of([step_s], [trainer.last_result.events], outline(trainer.cfg),
                                    tc.microbatches, 0.0)
             results.put((rank, step_s, sample))
         with open("/proc/self/status") as f:

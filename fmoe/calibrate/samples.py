@@ -9,6 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from fmoe.outline import Outline
 from fmoe.schedule.timeline import summarize
 
 
@@ -29,16 +30,19 @@ class HostSample:
     i_s: float = 0.0
 
 
-def _layer_kind(token: str, first_dense: int) -> str:
-    if token.startswith("L") and token[1:].isdigit():
-        return "dense" if int(token[1:]) < first_dense else "moe"
-    return "embed" if token == "embed" else "head"  # the head's phases: norm, head, loss, MTP
+def _layer_kind(token: str, o: Outline) -> str:
+    """The sample's kind of the layer an event names: a model layer's (dense, moe), the embedding's, or
+    "head" for the rest (norm, head, loss, MTP)."""
+    site = next((s for s in o.sites if s.name == token), None)
+    if site is not None and site.layer is not None:
+        return site.kind
+    return "embed" if token == "embed" else "head"
 
 
-def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: int, microbatches: int,
+def sample_of(walls: list[float], steps_events: list[list[Any]], model: Outline, microbatches: int,
               peak_gib: float) -> HostSample:
     """Returns the HostSample of measured steps: per step its wall seconds and executor events (medians
-    over the steps)."""
+    over the steps); `model` the outline of the model that ran (fmoe.outline: which layer is which)."""
     spans, bs, is_, ws, fs = [], [], [], [], {}
     for events in steps_events:
         spans.append(max(e.end for e in events) - min(e.start for e in events))
@@ -46,7 +50,7 @@ def sample_of(walls: list[float], steps_events: list[list[Any]], first_dense: in
         per: dict[str, dict[str, float]] = {}
         for (op, layer), d in summary.layers.items():
             if op == "F":
-                per.setdefault(_layer_kind(layer, first_dense), {})[layer] = d
+                per.setdefault(_layer_kind(layer, model), {})[layer] = d
         bs.append(summary.total("B") / microbatches)
         is_.append(summary.total("I") / microbatches)
         ws.append(summary.total("W") / microbatches)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.gpt_init import gpt_spec
-from fmoe.outline import outline
+from fmoe.outline import outline, reads_of
 from fmoe.train import checkpoint
 from fmoe.train.shards import Leaf, get, rank_leaves
 
@@ -78,9 +78,7 @@ def train_fields(cfg: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def _leaves(params: dict[str, Any], cfg: GPTConfig) -> tuple[list[Leaf], dict[str, torch.Tensor]]:
     """Every leaf of the whole model under its global key (one rank holding all layers and experts)."""
-    paths = [("embed",), *[("layers", str(i)) for i in range(cfg.n_layers)],
-             *([("mtp",)] if cfg.mtp else []), ("norm",), ("head",)]
-    leaves = rank_leaves(params, cfg, paths, None, pp_rank=0, ep_rank=0,
+    leaves = rank_leaves(params, cfg, reads_of(outline(cfg).sites), None, pp_rank=0, ep_rank=0,
                          num_local_experts=cfg.moe.num_experts, counts_dense=True, counts_expert=True)
     return leaves, {lf.key: get(params, lf.where) for lf in leaves}
 

@@ -34,6 +34,7 @@ import torch
 
 from fmoe.config import GPTConfig
 from fmoe.hf.config_map import check_exportable
+from fmoe.outline import outline
 from fmoe.structure import check_gpt
 
 # The hub's per-expert names: arch -> (MoE module, its experts' (gate, up, down) projections).
@@ -114,7 +115,7 @@ def params_from_hf(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig, arch:
             for name in ("q_norm", "k_norm"):
                 p[name] = get(f"{P}.self_attn.{name}.weight", (d,)).clone()
         norm = get(f"{P}.post_attention_layernorm.weight", (D,)).clone()
-        if i < cfg.num_dense_layers:
+        if not outline(cfg).layer(i).is_moe:
             F = cfg.d_ff_dense
             p["mlp"] = {"norm": norm}
             for ours, theirs in _MLP:
@@ -150,7 +151,7 @@ def params_to_hf(params: dict[str, Any], cfg: GPTConfig, arch: str) -> dict[str,
         if cfg.qk_norm:
             for name in ("q_norm", "k_norm"):
                 sd[f"{P}.self_attn.{name}.weight"] = p[name].clone()
-        if i < cfg.num_dense_layers:
+        if not outline(cfg).layer(i).is_moe:
             sd[f"{P}.post_attention_layernorm.weight"] = p["mlp"]["norm"].clone()
             for ours, theirs in _MLP:
                 sd[f"{P}.mlp.{theirs}.weight"] = _t(p["mlp"][ours])

@@ -20,6 +20,7 @@ from fmoe.parallel.collectives import (
     reduce_scatter,
     reduce_scatter_async,
 )
+from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.counters import CommCounters
 from fmoe.parallel.failure import CollectiveError, check_peers, fail_fast
 from fmoe.parallel.hierarchical import HierarchicalDispatcher
@@ -47,6 +48,7 @@ __all__ = [
     "CommHandle",
     "HierarchicalDispatcher",
     "LinkModel",
+    "ParallelContext",
     "ParallelLayout",
     "Topology",
     "agree",
