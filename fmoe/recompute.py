@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fmoe.outline import Site
     from fmoe.transforms.program import Layer, Phase
 
 GRANULARITIES = ("full", "selective")
@@ -167,10 +166,11 @@ def _whole_layer(layer: Layer) -> Layer:
                                     losses=losses),))
 
 
-def chunk_layers(rc: Recompute, sites: tuple[Site, ...], layers: list[Layer]) -> list[Layer]:
-    """Returns the stage program's `layers` (one per site of the chunk, fmoe.outline: embedding, model
-    layers, head, MTP) with `rc` applied: the k-th model layer of the chunk whole when `rc.layer(k)`, the
-    shared expert of every MoE layer (MTP's too) with part "shared_experts"."""
+def chunk_layers(rc: Recompute, sites: tuple[Any, ...], layers: list[Layer]) -> list[Layer]:
+    """Returns the stage program's `layers` (one per site of the chunk: fmoe.outline.Site, not imported
+    here since the outline reads the config, which reads this module) with `rc` applied: the k-th model
+    layer of the chunk whole when `rc.layer(k)`, the shared expert of every MoE layer (MTP's too) with
+    part "shared_experts"."""
     k_of = {s.name: k for k, s in enumerate(s for s in sites if s.layer is not None)}
     shared = rc.module("shared_experts")
     return [recompute_phases(layer, layer.name in k_of and rc.layer(k_of[layer.name]), shared)
