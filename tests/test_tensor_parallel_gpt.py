@@ -75,8 +75,8 @@ def _rank(rank: int, world: int, mtp: bool, sp: bool, S: int) -> dict:
     comm = CommGroup(torch.distributed.group.WORLD)
     cfg = _cfg(mtp)
     params, ids, targets = _data(cfg, S)
-    got = _one(cfg, _mine(params, cfg, rank, world), ids, targets, dispatcher=AllToAllDispatcher(comm, E),
-               tp=comm, sequence_parallel=sp)
+    par = ParallelContext(tp=comm, sequence_parallel=sp, dispatcher=AllToAllDispatcher(comm, E))
+    got = _one(cfg, _mine(params, cfg, rank, world), ids, targets, parallel=par)
     return torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()), got)
 
 
