@@ -266,6 +266,72 @@ def test_remat_refuses_a_closed_over_tensor_modified_in_place():
 
 
 
+SCALE_4 = torch.randn(4, dtype=torch.float64)  # a module-level tensor a remat region reads
+_OUT_BUF = torch.empty(4, dtype=torch.float64)  # a module-level buffer a remat region only writes
+_TABLE = {"rows": torch.randn(4, dtype=torch.float64)}
+
+
+def _reads_a_global(x):
+    return x * SCALE_4.sin()
+
+
+def _calls_a_reader(x):
+    return _reads_the_table(x) * 2  # the tensor is read two calls down: no closure or global of f holds it
+
+
+def _reads_the_table(x):
+    return x * _TABLE["rows"].cos()
+
+
+@pytest.mark.parametrize("engine", ["autograd", "torch.func.vjp", "split_vjp"])
+def test_remat_refuses_a_global_tensor_modified_in_place(engine):
+    """A module-level tensor changed in place between the forward and the backward: the recompute would
+    read the new values (a gradient of another forward), so the backward raises, naming the global."""
+    x = torch.randn(4, dtype=torch.float64)
+    g = remat(_reads_a_global)
+    if engine == "autograd":
+        xl = x.clone().requires_grad_()
+        out = g(xl)
+        fn = lambda ct: out.backward(ct)  # noqa: E731
+    elif engine == "split_vjp":
+        fn = split_vjp(lambda p, x: g(x), {}, x)[1]
+    else:
+        fn = torch.func.vjp(g, x)[1]
+    before = SCALE_4.clone()
+    try:
+        SCALE_4.mul_(3.0)
+        with pytest.raises(RecomputeError, match=r"global 'SCALE_4' \(float64 \[4\].*modified in place"):
+            fn(torch.ones(4, dtype=torch.float64))
+    finally:
+        SCALE_4.copy_(before)
+
+
+def test_remat_refuses_a_tensor_read_by_a_called_function_modified_in_place():
+    fn = remat_vjp(_calls_a_reader, nothing_saveable, torch.randn(4, dtype=torch.float64))
+    before = _TABLE["rows"].clone()
+    try:
+        _TABLE["rows"].add_(1.0)
+        with pytest.raises(RecomputeError, match="not its argument nor closed over.*modified in place"):
+            fn(torch.ones(4, dtype=torch.float64))
+    finally:
+        _TABLE["rows"].copy_(before)
+
+
+def test_remat_accepts_a_buffer_the_forward_only_writes():
+    """An out= buffer outside f is written, not read, by the forward: changing it later changes nothing
+    the recompute reads, and the gradient is the one without remat."""
+    def f(x):
+        torch.mul(x.detach(), 2.0, out=_OUT_BUF)
+        return x.sin() * _OUT_BUF
+
+    x = torch.randn(4, dtype=torch.float64)
+    fn = torch.func.vjp(remat(f), x)[1]
+    _OUT_BUF.zero_()  # the recompute writes it again before reading it
+    (dx,) = fn(torch.ones(4, dtype=torch.float64))
+    assert_close(dx, x.cos() * 2 * x)
+
+
+
 # ---- the region holds its inputs only: its outputs go with their readers -----------------------------
 
 @pytest.mark.parametrize("engine", ["autograd", "torch.func.vjp", "split_vjp"])

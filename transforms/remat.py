@@ -31,9 +31,12 @@ recompute: the random stream seen outside is the one without remat.
 
 What is checked, so that a recompute never silently differentiates another computation (as
 `torch.utils.checkpoint` compares the metadata of what its recompute saves):
-- The inputs (every tensor leaf of args, integer ones too) and the tensors f closes over (closure cells,
-  defaults, `functools.partial` arguments, an `nn.Module`'s parameters and buffers), by version counter:
-  one modified in place between the forward and the backward raises `RecomputeError` naming it.
+- The inputs (every tensor leaf of args, integer ones too), the tensors f closes over (closure cells,
+  defaults, `functools.partial` arguments, an `nn.Module`'s parameters and buffers) and every other tensor
+  an op of the forward reads that no op of the forward made (a module-level global, an attribute of an
+  object f reaches: seen by a `TorchDispatchMode` during the forward, `_Reads`), by version counter: one
+  modified in place between the forward and the backward raises `RecomputeError` naming it. A tensor the
+  forward only writes (an `out=` buffer, a copy's destination) is not an input of it.
 - The recompute's `checkpoint_name` tags (name, shape, dtype, device, in order) and its outputs
   (structure, shape, dtype, device; plain int / float / bool / str leaves by value) against the
   forward's: another branch taken raises `RecomputeError`. A branch on Python state that changes
@@ -49,6 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fmoe._compat import (
     Function,
@@ -193,6 +198,7 @@ def _set_rng(state: _RngState) -> None:
         torch.get_device_module(d).set_rng_state(s, d)
 
 
+_READ = "read"  # versions key of a tensor found by _Reads (named only when the check fails)
 _PLAIN = (int, float, bool, str, type(None))  # output leaves compared by value
 _WALK_DEPTH = 3  # how deep into dicts / lists / dataclasses of a closure to look for tensors
 
@@ -246,6 +252,49 @@ def _closed_over(f: Any, depth: int = _WALK_DEPTH) -> Iterator[tuple[str, torch.
     yield from _tensors_in(getattr(f, "__kwdefaults__", None) or {}, "a default argument ", depth)
 
 
+def _written(func: Any) -> frozenset[int]:
+    """Positions of the arguments (in schema order) that `func` writes in place (`Tensor(a!)`)."""
+    found = _WRITES.get(func)
+    if found is None:
+        args = getattr(getattr(func, "_schema", None), "arguments", ())
+        found = frozenset(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        _WRITES[func] = found
+    return found
+
+
+_WRITES: dict[Any, frozenset[int]] = {}
+
+
+class _Reads(TorchDispatchMode):
+    """Collect the tensors the ops run under it read that none of them made or wrote first: what a function
+    reads from outside (its arguments, closed-over, global and attribute tensors), whatever path it took.
+
+    Below every torch.func transform, so it sees plain tensors (the objects a caller writes to). Only the
+    forward runs under it: one Python call per op of the region.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors the region produced (held weakly)
+        self.read: dict[int, torch.Tensor] = {}  # id -> tensor read from outside, in order of first read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _written(func)
+        names = [a.name for a in getattr(func._schema, "arguments", ())]
+        wrote = [v for i, v in enumerate(args) if i in written]
+        wrote += [v for k, v in kwargs.items() if k in names and names.index(k) in written]
+        for t in tree_flatten((args, kwargs))[0]:
+            if (isinstance(t, torch.Tensor) and t not in self.made and id(t) not in self.read
+                    and not any(t is w for w in wrote)):
+                self.read[id(t)] = t
+        out = func(*args, **kwargs)
+        for t in [*tree_flatten(out)[0], *tree_flatten(wrote)[0]]:
+            if isinstance(t, torch.Tensor):
+                self.made[t] = True
+        return out
+
+
 class _Plan:
     """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
 
@@ -263,6 +312,7 @@ class _Plan:
         self.out_meta: list[_Meta] | None = None  # the forward's tensor outputs; None until it ran
         # (leaf index in args or label of a closed-over tensor, the tensor, its version after the forward)
         self.versions: list[tuple[int | str, torch.Tensor, int]] = []
+        self.reads: list[torch.Tensor] = []  # the tensors the forward read from outside (_Reads)
 
     def call(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         full = list(self.leaves)
@@ -304,20 +354,38 @@ class _Plan:
         found: list[tuple[int | str, torch.Tensor]] = [
             (i, x) for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
         found += list(_closed_over(self.f))
+        seen: set[int] = set()
         for key, t in found:
             base = unwrapped(t)  # under an outer torch.func transform: the tensor a caller can write to
+            seen.add(id(base))
             self.versions.append((key, base, tensor_version(base)))
+        for t in self.reads:  # the rest: globals, attributes, tensors of the functions f calls
+            if id(t) not in seen:
+                self.versions.append((_READ, t, tensor_version(t)))
+        self.reads = []
 
     def check_versions(self) -> None:
         """Raise RecomputeError naming an input or closed-over tensor modified in place since `watch`."""
         for key, t, was in self.versions:
             now = tensor_version(t)
             if now != was:
-                name = self.arg_label(key) if isinstance(key, int) else key
+                name = (self.arg_label(key) if isinstance(key, int)
+                        else self.read_label(t) if key == _READ else key)
                 raise RecomputeError(
                     f"remat: {name} ({_show(_meta(t))}) was modified in place after the forward (version "
                     f"{was} -> {now}); the recompute would read the new values and give another "
                     "computation's gradients. Write to it only after the backward, or hand remat a copy")
+
+    def read_label(self, t: torch.Tensor) -> str:
+        """'global 'W'' when f's module holds `t` under a name f's code uses, else a description."""
+        f = self.f.func if isinstance(self.f, functools.partial) else self.f
+        f = getattr(f, "__func__", f)
+        glob, code = getattr(f, "__globals__", {}), getattr(f, "__code__", None)
+        for name in code.co_names if code is not None else ():
+            for label, g in _tensors_in(glob.get(name), f"global {name!r}"):
+                if unwrapped(g) is t:
+                    return label
+        return "a tensor f reads that is not its argument nor closed over (a global or an attribute)"
 
     def arg_label(self, leaf: int) -> str:
         """'argument [1]['w']': the path of leaf `leaf` of the args tuple."""
@@ -338,10 +406,13 @@ class _Remat(Function):
         if plan.rng_devices is not None:
             plan.rng = _get_rng(plan.rng_devices)
         _RECORDS.append(plan.record)
+        reads = _Reads()
         try:
-            outs = plan.call(xs)
+            with reads:
+                outs = plan.call(xs)
         finally:
             _RECORDS.pop()
+        plan.reads = list(reads.read.values())
         plan.out_meta = [_meta(o) for o in outs]
         return tuple(o.detach() for o in outs)
 
