@@ -119,6 +119,17 @@ def test_a_router_returning_wrong_shapes_is_named() -> None:
         moe(params, torch.randn(5, 8), cfg)
 
 
+def test_a_router_returning_a_tuple_is_named() -> None:
+    def as_tuple(params, x_TD, cfg, state=None, seq_len=None):
+        r = route(params, x_TD, cfg, state, seq_len)
+        return r.ids_TK, r.probs_TK, r.counts_E, r.losses, r.loss
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, router=as_tuple)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match=r"router '.*as_tuple' returned a tuple; it must return a "
+                                        r"fmoe.router.Routing\(ids_TK, probs_TK"):
+        moe(params, torch.randn(5, 8), cfg)
+
+
 def _pipeline_rank(rank: int, world: int, router: str) -> tuple[float, dict]:
     cfg = _gpt(router=router)
     s = S.build("1f1b", world, 2)
