@@ -14,9 +14,13 @@ values its policy saves, the random state when preserved, and its outputs' struc
 metadata (shape, dtype, device): none of its output tensors, which live only as long as their readers
 keep them (an output read by an op that saves nothing of it is freed after the forward, as without remat).
 
-Policies, as in JAX (`jax.checkpoint_policies`):
+Policies, as in JAX (`jax.checkpoint_policies`), given as values or by name (`policy="dots_saveable"`):
 - `nothing_saveable`: save the inputs only, recompute everything.
 - `everything_saveable`: no recompute (f runs as is).
+- `dots_saveable` (alias `checkpoint_dots`): keep the output of every matrix product of the forward
+  (aten mm, bmm, addmm, baddbmm, _grouped_mm, ...: `DOTS`), which the recompute reuses in place of
+  running the product again; the rest (norms, activations) is recomputed. A product's output that f then
+  writes in place is not kept (the forward's value is gone): the recompute runs that product again.
 - `save_only_these_names(*names)`: values tagged with `checkpoint_name(x, name)` for those names are
   kept from the forward and reused verbatim by the recompute (so data-dependent decisions such as
   routing see bit-identical inputs). Eager PyTorch has no graph to prune, so the ops producing a
@@ -45,6 +49,7 @@ What is checked, so that a recompute never silently differentiates another compu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -77,6 +82,7 @@ class Policy:
     name: str
     save_all: bool = False
     names: frozenset[str] = frozenset()
+    dots: bool = False  # keep the outputs of the forward's matrix products (DOTS)
 
     def saves(self, tag: str) -> bool:
         """True when values tagged `tag` are kept from the forward."""
@@ -87,9 +93,33 @@ nothing_saveable = Policy("nothing_saveable")
 everything_saveable = Policy("everything_saveable", save_all=True)
 
 
+dots_saveable = Policy("dots_saveable", dots=True)
+checkpoint_dots = dots_saveable  # JAX's other name for it
+
+
 def save_only_these_names(*names: str) -> Policy:
     """Policy that keeps the values tagged with one of `names` and recomputes the rest."""
     return Policy(f"save_only_these_names{names}", names=frozenset(names))
+
+
+POLICIES: dict[str, Policy] = {"nothing_saveable": nothing_saveable,
+                               "everything_saveable": everything_saveable,
+                               "dots_saveable": dots_saveable, "checkpoint_dots": checkpoint_dots}
+
+
+def policy_of(policy: Policy | str) -> Policy:
+    """Return `policy`, or the policy of that name (`POLICIES`); raise ValueError for an unknown name."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"remat: policy must be a Policy or one of the names {sorted(POLICIES)}, got a "
+                        f"{type(policy).__name__}")
+    if policy not in POLICIES:
+        takes = policy in ("save_only_these_names", "save_any_names_but_these")
+        hint = f" (it takes names: pass {policy}('a', ...))" if takes else ""
+        raise ValueError(f"remat: unknown policy {policy!r}{hint}; the policies by name are "
+                         f"{sorted(POLICIES)}")
+    return POLICIES[policy]
 
 
 @dataclass
@@ -295,6 +325,64 @@ class _Reads(TorchDispatchMode):
         return out
 
 
+_aten = torch.ops.aten
+# The matrix products whose outputs dots_saveable keeps (composite ones, such as linear and matmul, reach a
+# dispatch mode as these).
+DOTS = frozenset(getattr(_aten, name) for name in (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_grouped_mm", "_scaled_mm",
+    "_scaled_grouped_mm") if hasattr(_aten, name))
+
+
+class _Dots(TorchDispatchMode):
+    """dots_saveable: keep the forward's matrix-product outputs (`replay` False), then hand them, in order,
+    to the recompute in place of running the products again (`replay` True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replay = False
+        # ((op, its tensor arguments' metadata), the output or None, the output's version when made)
+        self.saved: list[tuple[tuple[str, list[_Meta]], torch.Tensor | None, int]] = []
+        self.cursor = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in DOTS:
+            return func(*args, **kwargs)
+        call = (str(func.overloadpacket),
+                [_meta(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
+        if not self.replay:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):  # out itself: a detach made down here counts versions apart
+                self.saved.append((call, out, tensor_version(out)))
+            return out
+        i, self.cursor = self.cursor, self.cursor + 1
+        if i >= len(self.saved):
+            raise RecomputeError(f"remat: the forward ran {len(self.saved)} matrix products, the recompute "
+                                 f"more ({_show_call(call)}): {_RECOMPUTE_DIFFERS}")
+        was, out, _ = self.saved[i]
+        if was != call:
+            raise RecomputeError(f"remat: matrix product {i} was {_show_call(was)} in the forward, "
+                                 f"{_show_call(call)} in the recompute: {_RECOMPUTE_DIFFERS}")
+        if out is None:  # f wrote it in place after the forward made it: run it again
+            return func(*args, **kwargs)
+        return out.detach()  # a new tensor on the kept storage, for autograd to record this op on
+
+    def drop_overwritten(self) -> None:
+        """Forget the outputs f wrote in place after making them (their forward values are gone)."""
+        self.saved = [(call, None if out is not None and tensor_version(out) != v else out, v)
+                      for call, out, v in self.saved]
+
+    def check_all_replayed(self) -> None:
+        """Raise RecomputeError when the recompute ran fewer matrix products than the forward."""
+        if self.cursor != len(self.saved):
+            raise RecomputeError(f"remat: the forward ran {len(self.saved)} matrix products, the recompute "
+                                 f"{self.cursor}: {_RECOMPUTE_DIFFERS}")
+
+
+def _show_call(call: tuple[str, list[_Meta]]) -> str:
+    return f"{call[0]} of {', '.join(map(_show, call[1]))}"
+
+
 class _Plan:
     """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
 
@@ -309,6 +397,7 @@ class _Plan:
         self.out_static: list[Any] = []
         self.out_tensor_pos: list[int] = []
         self.record: _Record | None = None
+        self.dots: _Dots | None = _Dots() if policy.dots else None
         self.out_meta: list[_Meta] | None = None  # the forward's tensor outputs; None until it ran
         # (leaf index in args or label of a closed-over tensor, the tensor, its version after the forward)
         self.versions: list[tuple[int | str, torch.Tensor, int]] = []
@@ -408,11 +497,13 @@ class _Remat(Function):
         _RECORDS.append(plan.record)
         reads = _Reads()
         try:
-            with reads:
+            with reads, plan.dots or contextlib.nullcontext():
                 outs = plan.call(xs)
         finally:
             _RECORDS.pop()
         plan.reads = list(reads.read.values())
+        if plan.dots is not None:
+            plan.dots.drop_overwritten()
         plan.out_meta = [_meta(o) for o in outs]
         return tuple(o.detach() for o in outs)
 
@@ -436,14 +527,20 @@ class _Remat(Function):
             caller_rng = _get_rng([d for d, _ in rng.devices])
             _set_rng(rng)
         _RECORDS.append(record)
+        dots = plan.dots
+        if dots is not None:
+            dots.replay, dots.cursor = True, 0
         try:
             with torch.enable_grad():
                 # vjp differentiates floating outputs only; integer ones (counts, ids) carry no gradient.
                 def float_outs(*a: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[()]]:
-                    return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
+                    with dots or contextlib.nullcontext():
+                        return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
 
                 outs, vjp_fn, _ = torch.func.vjp(float_outs, *xs, has_aux=True)
             record.check_all_replayed()
+            if dots is not None:
+                dots.check_all_replayed()
         finally:
             _RECORDS.pop()
             if caller_rng is not None:
@@ -454,7 +551,7 @@ class _Remat(Function):
         return (None, *dxs)
 
 
-def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
+def remat(f: Callable[..., Any], policy: Policy | str = nothing_saveable, *,
           preserve_rng_state: bool = True) -> Callable[..., Any]:
     """Return g with g(*args) == f(*args) whose backward recomputes f's activations (see module doc).
 
@@ -463,10 +560,12 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
     the forward. `preserve_rng_state` (default True): the recompute replays the random state of the
     forward (CPU generator, and the generators of the devices the inputs live on), so random ops such as
     dropout give the gradients of f itself; False skips saving it (only for f that draws nothing).
+    `policy`: a Policy or its name in `POLICIES` ("dots_saveable"); an unknown name raises ValueError.
 
     The backward raises `RecomputeError` when an input or closed-over tensor was modified in place after
     the forward, or when the recompute's tags or outputs differ from the forward's (see the module doc).
     """
+    policy = policy_of(policy)
     if policy.save_all:
         return f
 
@@ -482,14 +581,21 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
 
 
 def saved_residuals(
-    f: Callable[..., Any], policy: Policy, *args: Any
+    f: Callable[..., Any], policy: Policy | str, *args: Any
 ) -> list[tuple[str, tuple[int, ...], bool]]:
-    """Run f once and return [(name, shape, saved?)] for every `checkpoint_name` tag it passes."""
+    """Run f once and return [(name, shape, saved?)] for every `checkpoint_name` tag it passes, then, under
+    dots_saveable, (op name such as "aten.mm", output shape, True) for every matrix product it keeps."""
+    policy = policy_of(policy)
     record = _Record(policy)
+    dots = _Dots() if policy.dots else None
     _RECORDS.append(record)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), dots or contextlib.nullcontext():
             f(*args)
     finally:
         _RECORDS.pop()
-    return record.seen
+    if dots is None:
+        return record.seen
+    dots.drop_overwritten()
+    return record.seen + [(call[0], tuple(out.shape), True) for call, out, _ in dots.saved
+                          if out is not None]
