@@ -318,3 +318,19 @@ def test_fmoe_train_starts_from_a_converted_checkpoint(tmp_path: Path) -> None:
         assert trainer.step_done == 0
         metrics = trainer.step()
     assert math.isfinite(metrics["loss"]) and metrics["step"] == 1
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_non_positive_shard_size_is_refused(tmp_path: Path, capsys, size: int) -> None:
+    """--max-shard-bytes 0 or -1 wrote one safetensors file per tensor: refused in one line, before the
+    checkpoint is read, and by save_hf itself."""
+    out = tmp_path / "out"
+    code = fmoe_main(["convert", "fmoe-to-hf", "--load", str(tmp_path / "none"), "--out", str(out),
+                      "--max-shard-bytes", str(size)])
+    text = capsys.readouterr().out.strip()
+    want = f"fmoe convert: error: --max-shard-bytes must be a positive number of bytes, got {size}"
+    assert code == 2 and text == want, text
+    with pytest.raises(ValueError, match=f"max_shard_bytes .* must be a positive number of bytes, got "
+                                         f"{size}"):
+        save_hf(out, None, {}, "qwen3_moe", max_shard_bytes=size)
+    assert not out.exists()

@@ -86,6 +86,10 @@ def _fmoe_to_hf(args: argparse.Namespace) -> int:
     from fmoe.hf.checkpoint import load_fmoe
     from fmoe.hf.files import save_hf
 
+    if args.max_shard_bytes < 1:  # before the checkpoint is read: 0 or -1 wrote one file per tensor
+        print(f"fmoe convert: error: --max-shard-bytes must be a positive number of bytes, got "
+              f"{args.max_shard_bytes}")
+        return 2
     cfg, params, meta = load_fmoe(args.load)
     base = meta.get("hf_config") or {}
     arch = args.arch or base.get("model_type")
