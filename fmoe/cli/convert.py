@@ -90,7 +90,7 @@ def _fmoe_to_hf(args: argparse.Namespace) -> int:
         print(f"fmoe convert: error: --max-shard-bytes must be a positive number of bytes, got "
               f"{args.max_shard_bytes}")
         return 2
-    cfg, params, meta = load_fmoe(args.load)
+    cfg, params, meta = load_fmoe(args.load, seams=False)  # imports no router / attention it names
     base = meta.get("hf_config") or {}
     arch = args.arch or base.get("model_type")
     if arch is None:
