@@ -97,10 +97,28 @@ def attention_of(cfg: GPTConfig) -> Attention:
     return _resolve(cfg.attention, attention)
 
 
+def _router_name(cfg: MoEConfig) -> str:
+    """The router as a user names it: its import path, or the function's qualified name."""
+    r = cfg.router
+    return repr(r) if isinstance(r, str) else repr(getattr(r, "__qualname__", getattr(r, "__name__", r)))
+
+
+_ROUTING_FIELDS = ("ids_TK", "probs_TK", "counts_E", "losses", "loss")
+
+
 def check_routing(r: Routing, num_tokens: int, cfg: MoEConfig) -> None:
-    """Raise ValueError, naming the router, when its `Routing` does not have the shapes and dtypes the
-    layer needs (ids_TK int64 [T, K], probs_TK floating [T, K], counts_E [E]); shapes only, no host sync."""
+    """Raise, naming the router, when its `Routing` is not what the layer reads: TypeError for another
+    type (a tuple), ValueError for shapes and dtypes other than ids_TK int64 [T, K], probs_TK floating
+    [T, K], counts_E [E], or expert ids outside [0, E).
+
+    No host sync on a device: the id range is checked there by a device-side assert
+    (`torch._assert_async`, which fails the next synchronising call); on CPU, where a read costs nothing,
+    by a plain check that names a wrong id.
+    """
     T, K, E = num_tokens, cfg.top_k, cfg.num_experts
+    if not all(hasattr(r, f) for f in _ROUTING_FIELDS):  # a tuple in Routing's field order, say
+        raise TypeError(f"router {_router_name(cfg)} returned a {type(r).__name__}; it must return a "
+                        f"fmoe.router.Routing({', '.join(_ROUTING_FIELDS)})")
     wrong = []
     if r.ids_TK.dtype != torch.int64 or tuple(r.ids_TK.shape) != (T, K):
         wrong.append(f"ids_TK {r.ids_TK.dtype} {list(r.ids_TK.shape)} (want int64 [{T}, {K}])")
@@ -109,4 +127,14 @@ def check_routing(r: Routing, num_tokens: int, cfg: MoEConfig) -> None:
     if tuple(r.counts_E.shape) != (E,):
         wrong.append(f"counts_E {list(r.counts_E.shape)} (want [{E}])")
     if wrong:
-        raise ValueError(f"router {cfg.router!r} returned {'; '.join(wrong)}")
+        raise ValueError(f"router {_router_name(cfg)} returned {'; '.join(wrong)}")
+    ids_TK = r.ids_TK
+    if ids_TK.device.type == "meta" or ids_TK.numel() == 0:
+        return
+    outside = f"router {_router_name(cfg)} returned expert ids outside [0, {E}) (num_experts {E})"
+    if ids_TK.device.type == "cpu":
+        bad = (ids_TK < 0) | (ids_TK >= E)
+        if bool(bad.any()):
+            raise ValueError(f"{outside}: {int(ids_TK[bad][0])} at token {int(bad.nonzero()[0, 0])}")
+    else:
+        torch._assert_async(((ids_TK >= 0) & (ids_TK < E)).all(), outside)

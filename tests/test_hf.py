@@ -318,3 +318,44 @@ def test_fmoe_train_starts_from_a_converted_checkpoint(tmp_path: Path) -> None:
         assert trainer.step_done == 0
         metrics = trainer.step()
     assert math.isfinite(metrics["loss"]) and metrics["step"] == 1
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_non_positive_shard_size_is_refused(tmp_path: Path, capsys, size: int) -> None:
+    """--max-shard-bytes 0 or -1 wrote one safetensors file per tensor: refused in one line, before the
+    checkpoint is read, and by save_hf itself."""
+    out = tmp_path / "out"
+    code = fmoe_main(["convert", "fmoe-to-hf", "--load", str(tmp_path / "none"), "--out", str(out),
+                      "--max-shard-bytes", str(size)])
+    text = capsys.readouterr().out.strip()
+    want = f"fmoe convert: error: --max-shard-bytes must be a positive number of bytes, got {size}"
+    assert code == 2 and text == want, text
+    with pytest.raises(ValueError, match=f"max_shard_bytes .* must be a positive number of bytes, got "
+                                         f"{size}"):
+        save_hf(out, None, {}, "qwen3_moe", max_shard_bytes=size)
+    assert not out.exists()
+
+
+def test_the_converter_imports_nothing_a_checkpoint_names(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A checkpoint whose model has a router import path: fmoe-to-hf refuses it (an HF checkpoint holds the
+    default router only) before importing the module the path names."""
+    from fmoe import init_gpt
+    from fmoe.hf.checkpoint import save_fmoe
+    from fmoe.import_path import load
+
+    (tmp_path / "seam_mark.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_suffix('.imported').touch()\n"
+        "from fmoe.router import route\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, num_dense_layers=1,
+                    moe=MoEConfig(d_model=16, d_ff=8, num_experts=4, top_k=2, router="seam_mark:route"))
+    ckpt = save_fmoe(tmp_path / "ckpt", cfg, init_gpt(cfg, torch.Generator().manual_seed(0)))
+    marker = tmp_path / "seam_mark.imported"
+    marker.unlink()  # building cfg imported it; forget that import
+    monkeypatch.delitem(__import__("sys").modules, "seam_mark")
+    load.cache_clear()
+    code = fmoe_main(["convert", "fmoe-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "out"),
+                      "--arch", "qwen3_moe"])
+    text = capsys.readouterr().out.strip()
+    assert code == 2 and "--router 'seam_mark:route'" in text and "imports nothing a checkpoint names" in text
+    assert not marker.exists()

@@ -166,3 +166,22 @@ def test_a_resumed_run_must_keep_every_value_the_lr_depends_on() -> None:
     old = {**{k: v for k, v in base.items() if not k.startswith("lr_")}, "warmup": 10}
     assert refused(old, base) is None
     assert "lr_warmup_iters: checkpoint 10, this run 5" in refused(old, {**base, "lr_warmup_iters": 5})
+
+
+def test_a_run_inside_its_warmup_is_warned_about_before_launch(capsys, monkeypatch) -> None:
+    """--steps at or below the warmup (default 20) trained the whole run inside the warmup without a word,
+    while the same value as --lr-decay-iters is refused: one warning line, naming both flags."""
+    import fmoe.train.launch as launch_mod
+    from fmoe.cli.main import main
+
+    monkeypatch.setattr(launch_mod, "_device_type", lambda tc: (_ for _ in ()).throw(SystemExit(0)))
+    for flags, warned in [(("--steps", "20"), True), (("--steps", "5", "--lr-warmup-iters", "5"), True),
+                          (("--steps", "21"), False), (("--steps", "5", "--lr-warmup-iters", "0"), False)]:
+        with pytest.raises(SystemExit):
+            main(["train", "--no-progress", *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        if warned:
+            assert len(err) == 1 and err[0].startswith("fmoe train: warning: --steps") and \
+                "--lr-warmup-iters" in err[0], (flags, err)
+        else:
+            assert err == [], (flags, err)

@@ -119,6 +119,29 @@ def test_a_router_returning_wrong_shapes_is_named() -> None:
         moe(params, torch.randn(5, 8), cfg)
 
 
+def test_a_router_returning_a_tuple_is_named() -> None:
+    def as_tuple(params, x_TD, cfg, state=None, seq_len=None):
+        r = route(params, x_TD, cfg, state, seq_len)
+        return r.ids_TK, r.probs_TK, r.counts_E, r.losses, r.loss
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, router=as_tuple)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    with pytest.raises(TypeError, match=r"router '.*as_tuple' returned a tuple; it must return a "
+                                        r"fmoe.router.Routing\(ids_TK, probs_TK"):
+        moe(params, torch.randn(5, 8), cfg)
+
+
+@pytest.mark.parametrize("wrong_id", [4, -1, 1000])
+def test_a_router_returning_expert_ids_outside_the_experts_is_named(wrong_id) -> None:
+    def off(params, x_TD, cfg, state=None, seq_len=None) -> Routing:
+        r = route(params, x_TD, cfg, state, seq_len)
+        return dataclasses.replace(r, ids_TK=r.ids_TK.clone().index_fill_(0, torch.tensor([2]), wrong_id))
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, router=off)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    words = rf"router '.*off' returned expert ids outside \[0, 4\).*: {wrong_id} at token 2"
+    with pytest.raises(ValueError, match=words):
+        torch.func.vjp(lambda p: moe(p, torch.randn(5, 8), cfg)[0], params)
+
+
 def _pipeline_rank(rank: int, world: int, router: str) -> tuple[float, dict]:
     cfg = _gpt(router=router)
     s = S.build("1f1b", world, 2)

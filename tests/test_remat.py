@@ -13,8 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fmoe.ops import linear
 from fmoe.transforms import (
+    POLICIES,
     RecomputeError,
     checkpoint_name,
+    dots_saveable,
     everything_saveable,
     nothing_saveable,
     remat,
@@ -24,8 +26,8 @@ from fmoe.transforms import (
 )
 from fmoe.transforms.testing import assert_close, float_dtypes
 
-POLICIES = [nothing_saveable, everything_saveable, save_only_these_names("fc1"),
-            save_only_these_names("fc1", "act", "count")]
+ALL_POLICIES = [nothing_saveable, everything_saveable, dots_saveable, save_only_these_names("fc1"),
+                save_only_these_names("fc1", "act", "count")]
 
 
 def block(p: dict, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +46,7 @@ def params(d: int, f: int, dtype: torch.dtype, seed: int) -> dict:
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 8), d=st.integers(1, 8), f=st.integers(1, 8), dtype=float_dtypes,
-       policy=st.sampled_from(POLICIES), seed=st.integers(0, 2**16))
+       policy=st.sampled_from(ALL_POLICIES), seed=st.integers(0, 2**16))
 @example(n=1, d=1, f=1, dtype=torch.float64, policy=nothing_saveable, seed=0)
 def test_remat_grads_equal_plain_grads(n, d, f, dtype, policy, seed):
     p = params(d, f, dtype, seed)
@@ -117,6 +119,64 @@ def test_saved_values_are_replayed_verbatim():
     g_plain, = fn_plain(torch.ones(4, dtype=torch.float64))
     assert_close(g_saved, 4 * x)  # d/dx (2x) x = 4x, with h from the forward (shift 0)
     assert_close(g_plain, 4 * x + 100.0)
+
+
+def _mlp(p, x_ND):
+    return linear(torch.nn.functional.silu(x_ND @ p["w_fc1"]) * p["s_F"], p["w_fc2"]).sin()
+
+
+@pytest.mark.parametrize("engine", ["autograd", "torch.func.vjp", "split_vjp"])
+def test_dots_saveable_by_name_reuses_the_forwards_products(engine):
+    """JAX's policy by its name: the gradients without remat, and the recompute runs no matrix product (the
+    backward's flops are those of the backward alone: dx and dw of two products)."""
+    p, x = params(6, 7, torch.float64, 0), torch.randn(5, 6, dtype=torch.float64)
+    ct = torch.randn(5, 6, dtype=torch.float64)
+    want = torch.func.vjp(_mlp, p, x)[1](ct)
+    g = remat(_mlp, policy="dots_saveable")
+    with FlopCounterMode(display=False) as counter:
+        if engine == "autograd":
+            pl = {k: v.clone().requires_grad_() for k, v in p.items()}
+            xl = x.clone().requires_grad_()
+            out = g(pl, xl)
+            counter.__exit__(None, None, None)
+            counter.__enter__()
+            out.backward(ct)
+            got = ({k: v.grad for k, v in pl.items()}, xl.grad)
+        elif engine == "split_vjp":
+            _, vjp_dx = split_vjp(g, p, x)
+            counter.__exit__(None, None, None)
+            counter.__enter__()
+            (dx,), vjp_dw = vjp_dx(ct)
+            got = (vjp_dw(), dx)
+        else:
+            _, fn = torch.func.vjp(g, p, x)
+            counter.__exit__(None, None, None)
+            counter.__enter__()
+            got = fn(ct)
+    assert_close(got, want)
+    assert counter.get_total_flops() == 2 * 2 * (2 * 5 * 6 * 7)  # with nothing_saveable: 3 x that
+
+
+def test_dots_saveable_recomputes_a_product_written_in_place():
+    def f(x, w):
+        h = x @ w
+        h.mul_(2.0)  # the forward's product is gone: the recompute must run it again, not reuse 2 h
+        return h.sin()
+
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    ct = torch.ones(3, 2, dtype=torch.float64)
+    assert_close(torch.func.vjp(remat(f, dots_saveable), x, w)[1](ct), torch.func.vjp(f, x, w)[1](ct))
+    assert saved_residuals(f, "dots_saveable", x, w) == []
+
+
+def test_remat_policy_names_resolve_and_an_unknown_one_lists_them():
+    assert set(POLICIES) >= {"nothing_saveable", "everything_saveable", "dots_saveable"}
+    assert remat(torch.sin, policy="everything_saveable") is torch.sin
+    with pytest.raises(ValueError, match=r"unknown policy 'dots_savable'; the policies by name are "
+                                         r"\['checkpoint_dots', 'dots_saveable', 'everything_saveable'"):
+        remat(torch.sin, policy="dots_savable")
+    with pytest.raises(ValueError, match=r"pass save_only_these_names\('a', ...\)"):
+        remat(torch.sin, policy="save_only_these_names")
 
 
 def test_saved_residuals_lists_tags():
@@ -263,6 +323,72 @@ def test_remat_refuses_a_closed_over_tensor_modified_in_place():
     w.add_(1.0)
     with pytest.raises(RecomputeError, match="'w'.*modified in place"):
         fn(torch.ones(4, dtype=torch.float64))
+
+
+
+SCALE_4 = torch.randn(4, dtype=torch.float64)  # a module-level tensor a remat region reads
+_OUT_BUF = torch.empty(4, dtype=torch.float64)  # a module-level buffer a remat region only writes
+_TABLE = {"rows": torch.randn(4, dtype=torch.float64)}
+
+
+def _reads_a_global(x):
+    return x * SCALE_4.sin()
+
+
+def _calls_a_reader(x):
+    return _reads_the_table(x) * 2  # the tensor is read two calls down: no closure or global of f holds it
+
+
+def _reads_the_table(x):
+    return x * _TABLE["rows"].cos()
+
+
+@pytest.mark.parametrize("engine", ["autograd", "torch.func.vjp", "split_vjp"])
+def test_remat_refuses_a_global_tensor_modified_in_place(engine):
+    """A module-level tensor changed in place between the forward and the backward: the recompute would
+    read the new values (a gradient of another forward), so the backward raises, naming the global."""
+    x = torch.randn(4, dtype=torch.float64)
+    g = remat(_reads_a_global)
+    if engine == "autograd":
+        xl = x.clone().requires_grad_()
+        out = g(xl)
+        fn = lambda ct: out.backward(ct)  # noqa: E731
+    elif engine == "split_vjp":
+        fn = split_vjp(lambda p, x: g(x), {}, x)[1]
+    else:
+        fn = torch.func.vjp(g, x)[1]
+    before = SCALE_4.clone()
+    try:
+        SCALE_4.mul_(3.0)
+        with pytest.raises(RecomputeError, match=r"global 'SCALE_4' \(float64 \[4\].*modified in place"):
+            fn(torch.ones(4, dtype=torch.float64))
+    finally:
+        SCALE_4.copy_(before)
+
+
+def test_remat_refuses_a_tensor_read_by_a_called_function_modified_in_place():
+    fn = remat_vjp(_calls_a_reader, nothing_saveable, torch.randn(4, dtype=torch.float64))
+    before = _TABLE["rows"].clone()
+    try:
+        _TABLE["rows"].add_(1.0)
+        with pytest.raises(RecomputeError, match="not its argument nor closed over.*modified in place"):
+            fn(torch.ones(4, dtype=torch.float64))
+    finally:
+        _TABLE["rows"].copy_(before)
+
+
+def test_remat_accepts_a_buffer_the_forward_only_writes():
+    """An out= buffer outside f is written, not read, by the forward: changing it later changes nothing
+    the recompute reads, and the gradient is the one without remat."""
+    def f(x):
+        torch.mul(x.detach(), 2.0, out=_OUT_BUF)
+        return x.sin() * _OUT_BUF
+
+    x = torch.randn(4, dtype=torch.float64)
+    fn = torch.func.vjp(remat(f), x)[1]
+    _OUT_BUF.zero_()  # the recompute writes it again before reading it
+    (dx,) = fn(torch.ones(4, dtype=torch.float64))
+    assert_close(dx, x.cos() * 2 * x)
 
 
 

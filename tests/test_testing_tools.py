@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fmoe._compat import is_functorch_wrapped, tree_flatten
 from fmoe.ops import linear
-from fmoe.transforms.testing import assert_close, check_vjp, param_pytrees, tensors
+from fmoe.transforms.testing import assert_close, check_vjp, param_pytrees, seeded_tensor, tensors
 
 
 @settings(max_examples=20)
@@ -153,3 +153,32 @@ def test_tensors_refuses_a_dtype_that_is_not_floating(dtype):
 def test_tensors_refuses_a_scale_that_is_not_a_finite_number_at_least_0(scale):
     with pytest.raises(ValueError, match=f"tensors: scale must be a finite number >= 0, got {scale}"):
         tensors((3,), torch.float32, scale)
+
+
+def test_check_vjp_names_a_downcast_to_float32():
+    """f leaves float64: the central difference is noise, and the message says why, not only "wrong"."""
+    x = torch.randn(8, dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"f computes in float32 \(aten\._to_copy turned float64 inputs "
+                                             r"into float32\).*no \.float\(\)"):
+        check_vjp(lambda x: torch.sin(x.float() * 1e3).double(), x)
+
+
+def test_a_failing_hypothesis_example_prints_the_seed_not_the_tensors():
+    """A failing property test over 40 x 40 draws reports a short call per draw, which rebuilds it."""
+    @settings(max_examples=2, database=None, deadline=None)
+    @given(x=tensors((40, 40)), p=param_pytrees({"w": (30, 30), "b": {"c": (30,)}}))
+    def always_fails(x, p):
+        drawn.append(x)
+        raise AssertionError("the property")
+
+    drawn = []
+
+    with pytest.raises(AssertionError, match="the property") as info:
+        always_fails()
+    report = "\n".join(getattr(info.value, "__notes__", []))
+    assert len(report) < 1000, report
+    flat = "".join(report.split())  # hypothesis breaks long calls over lines
+    assert "seeded_tensor(shape=(40,40),dtype=torch.float64,scale=1.0,seed=" in flat
+    assert "seeded_pytree(shapes={'w':(30,30),'b':{'c':(30,)}},dtype=torch.float64,scale=0.5" in flat
+    seed = int(flat.split("seeded_tensor(")[1].split("seed=")[1].split(")")[0])
+    assert torch.equal(seeded_tensor((40, 40), torch.float64, 1.0, seed), drawn[-1])  # the call rebuilds it

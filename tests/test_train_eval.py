@@ -157,3 +157,23 @@ def test_evaluation_is_forward_only_and_every_layout_agrees_with_the_one_process
             for w, got in zip(want, evals, strict=True):
                 for key in ("eval_loss", "eval_main_loss"):
                     assert got[key] == pytest.approx(w[key], rel=2e-5), (name, result.rank, key)
+
+
+def _eval_tp_rank(rank: int, world: int) -> dict[str, float]:
+    tc = TrainConfig(**FLAGS, pp=1, ep=1, dp=1, tp=2, eval_interval=1)
+    trainer = Trainer(tc, World(rank, world, ParallelLayout(pp=1, ep=1, dp=1, tp=2), torch.device("cpu")))
+    return evaluate(trainer)
+
+
+def test_a_tensor_parallel_evaluation_agrees_with_the_one_process_run(tmp_path) -> None:
+    """Every tp rank holds the whole loss: the evaluation divides the tp copies out, as training does (tp 2
+    read twice the one-process eval loss)."""
+    tc = TrainConfig(**FLAGS, pp=1, ep=1, dp=1, eval_interval=1)
+    world = _world(tc, 0, f"file://{tmp_path / 'store'}", 0, 1)
+    try:
+        want = evaluate(Trainer(tc, world))  # the initial weights, which tp 2 draws alike
+    finally:
+        torch.distributed.destroy_process_group()
+    for result in spawn(_eval_tp_rank, 2, timeout_s=300):
+        for key in ("eval_loss", "eval_main_loss"):
+            assert result.value[key] == pytest.approx(want[key], rel=2e-5), (result.rank, key)

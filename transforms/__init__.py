@@ -6,8 +6,11 @@ Installed and imported as `fmoe.transforms` (the folder is transforms/ at the to
 """
 
 from fmoe._lazy import lazy_exports
+from fmoe.transforms.remat import POLICIES as POLICIES
 from fmoe.transforms.remat import RecomputeError as RecomputeError
+from fmoe.transforms.remat import checkpoint_dots as checkpoint_dots
 from fmoe.transforms.remat import checkpoint_name as checkpoint_name
+from fmoe.transforms.remat import dots_saveable as dots_saveable
 from fmoe.transforms.remat import everything_saveable as everything_saveable
 from fmoe.transforms.remat import nothing_saveable as nothing_saveable
 from fmoe.transforms.remat import remat as remat

@@ -14,9 +14,13 @@ values its policy saves, the random state when preserved, and its outputs' struc
 metadata (shape, dtype, device): none of its output tensors, which live only as long as their readers
 keep them (an output read by an op that saves nothing of it is freed after the forward, as without remat).
 
-Policies, as in JAX (`jax.checkpoint_policies`):
+Policies, as in JAX (`jax.checkpoint_policies`), given as values or by name (`policy="dots_saveable"`):
 - `nothing_saveable`: save the inputs only, recompute everything.
 - `everything_saveable`: no recompute (f runs as is).
+- `dots_saveable` (alias `checkpoint_dots`): keep the output of every matrix product of the forward
+  (aten mm, bmm, addmm, baddbmm, _grouped_mm, ...: `DOTS`), which the recompute reuses in place of
+  running the product again; the rest (norms, activations) is recomputed. A product's output that f then
+  writes in place is not kept (the forward's value is gone): the recompute runs that product again.
 - `save_only_these_names(*names)`: values tagged with `checkpoint_name(x, name)` for those names are
   kept from the forward and reused verbatim by the recompute (so data-dependent decisions such as
   routing see bit-identical inputs). Eager PyTorch has no graph to prune, so the ops producing a
@@ -31,9 +35,12 @@ recompute: the random stream seen outside is the one without remat.
 
 What is checked, so that a recompute never silently differentiates another computation (as
 `torch.utils.checkpoint` compares the metadata of what its recompute saves):
-- The inputs (every tensor leaf of args, integer ones too) and the tensors f closes over (closure cells,
-  defaults, `functools.partial` arguments, an `nn.Module`'s parameters and buffers), by version counter:
-  one modified in place between the forward and the backward raises `RecomputeError` naming it.
+- The inputs (every tensor leaf of args, integer ones too), the tensors f closes over (closure cells,
+  defaults, `functools.partial` arguments, an `nn.Module`'s parameters and buffers) and every other tensor
+  an op of the forward reads that no op of the forward made (a module-level global, an attribute of an
+  object f reaches: seen by a `TorchDispatchMode` during the forward, `_Reads`), by version counter: one
+  modified in place between the forward and the backward raises `RecomputeError` naming it. A tensor the
+  forward only writes (an `out=` buffer, a copy's destination) is not an input of it.
 - The recompute's `checkpoint_name` tags (name, shape, dtype, device, in order) and its outputs
   (structure, shape, dtype, device; plain int / float / bool / str leaves by value) against the
   forward's: another branch taken raises `RecomputeError`. A branch on Python state that changes
@@ -42,6 +49,7 @@ What is checked, so that a recompute never silently differentiates another compu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -49,6 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fmoe._compat import (
     Function,
@@ -72,6 +82,7 @@ class Policy:
     name: str
     save_all: bool = False
     names: frozenset[str] = frozenset()
+    dots: bool = False  # keep the outputs of the forward's matrix products (DOTS)
 
     def saves(self, tag: str) -> bool:
         """True when values tagged `tag` are kept from the forward."""
@@ -82,9 +93,33 @@ nothing_saveable = Policy("nothing_saveable")
 everything_saveable = Policy("everything_saveable", save_all=True)
 
 
+dots_saveable = Policy("dots_saveable", dots=True)
+checkpoint_dots = dots_saveable  # JAX's other name for it
+
+
 def save_only_these_names(*names: str) -> Policy:
     """Policy that keeps the values tagged with one of `names` and recomputes the rest."""
     return Policy(f"save_only_these_names{names}", names=frozenset(names))
+
+
+POLICIES: dict[str, Policy] = {"nothing_saveable": nothing_saveable,
+                               "everything_saveable": everything_saveable,
+                               "dots_saveable": dots_saveable, "checkpoint_dots": checkpoint_dots}
+
+
+def policy_of(policy: Policy | str) -> Policy:
+    """Return `policy`, or the policy of that name (`POLICIES`); raise ValueError for an unknown name."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"remat: policy must be a Policy or one of the names {sorted(POLICIES)}, got a "
+                        f"{type(policy).__name__}")
+    if policy not in POLICIES:
+        takes = policy in ("save_only_these_names", "save_any_names_but_these")
+        hint = f" (it takes names: pass {policy}('a', ...))" if takes else ""
+        raise ValueError(f"remat: unknown policy {policy!r}{hint}; the policies by name are "
+                         f"{sorted(POLICIES)}")
+    return POLICIES[policy]
 
 
 @dataclass
@@ -193,6 +228,7 @@ def _set_rng(state: _RngState) -> None:
         torch.get_device_module(d).set_rng_state(s, d)
 
 
+_READ = "read"  # versions key of a tensor found by _Reads (named only when the check fails)
 _PLAIN = (int, float, bool, str, type(None))  # output leaves compared by value
 _WALK_DEPTH = 3  # how deep into dicts / lists / dataclasses of a closure to look for tensors
 
@@ -246,6 +282,107 @@ def _closed_over(f: Any, depth: int = _WALK_DEPTH) -> Iterator[tuple[str, torch.
     yield from _tensors_in(getattr(f, "__kwdefaults__", None) or {}, "a default argument ", depth)
 
 
+def _written(func: Any) -> frozenset[int]:
+    """Positions of the arguments (in schema order) that `func` writes in place (`Tensor(a!)`)."""
+    found = _WRITES.get(func)
+    if found is None:
+        args = getattr(getattr(func, "_schema", None), "arguments", ())
+        found = frozenset(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        _WRITES[func] = found
+    return found
+
+
+_WRITES: dict[Any, frozenset[int]] = {}
+
+
+class _Reads(TorchDispatchMode):
+    """Collect the tensors the ops run under it read that none of them made or wrote first: what a function
+    reads from outside (its arguments, closed-over, global and attribute tensors), whatever path it took.
+
+    Below every torch.func transform, so it sees plain tensors (the objects a caller writes to). Only the
+    forward runs under it: one Python call per op of the region.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors the region produced (held weakly)
+        self.read: dict[int, torch.Tensor] = {}  # id -> tensor read from outside, in order of first read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _written(func)
+        names = [a.name for a in getattr(func._schema, "arguments", ())]
+        wrote = [v for i, v in enumerate(args) if i in written]
+        wrote += [v for k, v in kwargs.items() if k in names and names.index(k) in written]
+        for t in tree_flatten((args, kwargs))[0]:
+            if (isinstance(t, torch.Tensor) and t not in self.made and id(t) not in self.read
+                    and not any(t is w for w in wrote)):
+                self.read[id(t)] = t
+        out = func(*args, **kwargs)
+        for t in [*tree_flatten(out)[0], *tree_flatten(wrote)[0]]:
+            if isinstance(t, torch.Tensor):
+                self.made[t] = True
+        return out
+
+
+_aten = torch.ops.aten
+# The matrix products whose outputs dots_saveable keeps (composite ones, such as linear and matmul, reach a
+# dispatch mode as these).
+DOTS = frozenset(getattr(_aten, name) for name in (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_grouped_mm", "_scaled_mm",
+    "_scaled_grouped_mm") if hasattr(_aten, name))
+
+
+class _Dots(TorchDispatchMode):
+    """dots_saveable: keep the forward's matrix-product outputs (`replay` False), then hand them, in order,
+    to the recompute in place of running the products again (`replay` True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replay = False
+        # ((op, its tensor arguments' metadata), the output or None, the output's version when made)
+        self.saved: list[tuple[tuple[str, list[_Meta]], torch.Tensor | None, int]] = []
+        self.cursor = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in DOTS:
+            return func(*args, **kwargs)
+        call = (str(func.overloadpacket),
+                [_meta(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)])
+        if not self.replay:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):  # out itself: a detach made down here counts versions apart
+                self.saved.append((call, out, tensor_version(out)))
+            return out
+        i, self.cursor = self.cursor, self.cursor + 1
+        if i >= len(self.saved):
+            raise RecomputeError(f"remat: the forward ran {len(self.saved)} matrix products, the recompute "
+                                 f"more ({_show_call(call)}): {_RECOMPUTE_DIFFERS}")
+        was, out, _ = self.saved[i]
+        if was != call:
+            raise RecomputeError(f"remat: matrix product {i} was {_show_call(was)} in the forward, "
+                                 f"{_show_call(call)} in the recompute: {_RECOMPUTE_DIFFERS}")
+        if out is None:  # f wrote it in place after the forward made it: run it again
+            return func(*args, **kwargs)
+        return out.detach()  # a new tensor on the kept storage, for autograd to record this op on
+
+    def drop_overwritten(self) -> None:
+        """Forget the outputs f wrote in place after making them (their forward values are gone)."""
+        self.saved = [(call, None if out is not None and tensor_version(out) != v else out, v)
+                      for call, out, v in self.saved]
+
+    def check_all_replayed(self) -> None:
+        """Raise RecomputeError when the recompute ran fewer matrix products than the forward."""
+        if self.cursor != len(self.saved):
+            raise RecomputeError(f"remat: the forward ran {len(self.saved)} matrix products, the recompute "
+                                 f"{self.cursor}: {_RECOMPUTE_DIFFERS}")
+
+
+def _show_call(call: tuple[str, list[_Meta]]) -> str:
+    return f"{call[0]} of {', '.join(map(_show, call[1]))}"
+
+
 class _Plan:
     """What a remat call needs besides its differentiable inputs (kept off the autograd graph)."""
 
@@ -260,9 +397,11 @@ class _Plan:
         self.out_static: list[Any] = []
         self.out_tensor_pos: list[int] = []
         self.record: _Record | None = None
+        self.dots: _Dots | None = _Dots() if policy.dots else None
         self.out_meta: list[_Meta] | None = None  # the forward's tensor outputs; None until it ran
         # (leaf index in args or label of a closed-over tensor, the tensor, its version after the forward)
         self.versions: list[tuple[int | str, torch.Tensor, int]] = []
+        self.reads: list[torch.Tensor] = []  # the tensors the forward read from outside (_Reads)
 
     def call(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         full = list(self.leaves)
@@ -304,20 +443,38 @@ class _Plan:
         found: list[tuple[int | str, torch.Tensor]] = [
             (i, x) for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
         found += list(_closed_over(self.f))
+        seen: set[int] = set()
         for key, t in found:
             base = unwrapped(t)  # under an outer torch.func transform: the tensor a caller can write to
+            seen.add(id(base))
             self.versions.append((key, base, tensor_version(base)))
+        for t in self.reads:  # the rest: globals, attributes, tensors of the functions f calls
+            if id(t) not in seen:
+                self.versions.append((_READ, t, tensor_version(t)))
+        self.reads = []
 
     def check_versions(self) -> None:
         """Raise RecomputeError naming an input or closed-over tensor modified in place since `watch`."""
         for key, t, was in self.versions:
             now = tensor_version(t)
             if now != was:
-                name = self.arg_label(key) if isinstance(key, int) else key
+                name = (self.arg_label(key) if isinstance(key, int)
+                        else self.read_label(t) if key == _READ else key)
                 raise RecomputeError(
                     f"remat: {name} ({_show(_meta(t))}) was modified in place after the forward (version "
                     f"{was} -> {now}); the recompute would read the new values and give another "
                     "computation's gradients. Write to it only after the backward, or hand remat a copy")
+
+    def read_label(self, t: torch.Tensor) -> str:
+        """'global 'W'' when f's module holds `t` under a name f's code uses, else a description."""
+        f = self.f.func if isinstance(self.f, functools.partial) else self.f
+        f = getattr(f, "__func__", f)
+        glob, code = getattr(f, "__globals__", {}), getattr(f, "__code__", None)
+        for name in code.co_names if code is not None else ():
+            for label, g in _tensors_in(glob.get(name), f"global {name!r}"):
+                if unwrapped(g) is t:
+                    return label
+        return "a tensor f reads that is not its argument nor closed over (a global or an attribute)"
 
     def arg_label(self, leaf: int) -> str:
         """'argument [1]['w']': the path of leaf `leaf` of the args tuple."""
@@ -338,10 +495,15 @@ class _Remat(Function):
         if plan.rng_devices is not None:
             plan.rng = _get_rng(plan.rng_devices)
         _RECORDS.append(plan.record)
+        reads = _Reads()
         try:
-            outs = plan.call(xs)
+            with reads, plan.dots or contextlib.nullcontext():
+                outs = plan.call(xs)
         finally:
             _RECORDS.pop()
+        plan.reads = list(reads.read.values())
+        if plan.dots is not None:
+            plan.dots.drop_overwritten()
         plan.out_meta = [_meta(o) for o in outs]
         return tuple(o.detach() for o in outs)
 
@@ -365,14 +527,20 @@ class _Remat(Function):
             caller_rng = _get_rng([d for d, _ in rng.devices])
             _set_rng(rng)
         _RECORDS.append(record)
+        dots = plan.dots
+        if dots is not None:
+            dots.replay, dots.cursor = True, 0
         try:
             with torch.enable_grad():
                 # vjp differentiates floating outputs only; integer ones (counts, ids) carry no gradient.
                 def float_outs(*a: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[()]]:
-                    return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
+                    with dots or contextlib.nullcontext():
+                        return tuple(o for o in plan.call(a) if o.is_floating_point()), ()
 
                 outs, vjp_fn, _ = torch.func.vjp(float_outs, *xs, has_aux=True)
             record.check_all_replayed()
+            if dots is not None:
+                dots.check_all_replayed()
         finally:
             _RECORDS.pop()
             if caller_rng is not None:
@@ -383,7 +551,7 @@ class _Remat(Function):
         return (None, *dxs)
 
 
-def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
+def remat(f: Callable[..., Any], policy: Policy | str = nothing_saveable, *,
           preserve_rng_state: bool = True) -> Callable[..., Any]:
     """Return g with g(*args) == f(*args) whose backward recomputes f's activations (see module doc).
 
@@ -392,10 +560,12 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
     the forward. `preserve_rng_state` (default True): the recompute replays the random state of the
     forward (CPU generator, and the generators of the devices the inputs live on), so random ops such as
     dropout give the gradients of f itself; False skips saving it (only for f that draws nothing).
+    `policy`: a Policy or its name in `POLICIES` ("dots_saveable"); an unknown name raises ValueError.
 
     The backward raises `RecomputeError` when an input or closed-over tensor was modified in place after
     the forward, or when the recompute's tags or outputs differ from the forward's (see the module doc).
     """
+    policy = policy_of(policy)
     if policy.save_all:
         return f
 
@@ -411,14 +581,21 @@ def remat(f: Callable[..., Any], policy: Policy = nothing_saveable, *,
 
 
 def saved_residuals(
-    f: Callable[..., Any], policy: Policy, *args: Any
+    f: Callable[..., Any], policy: Policy | str, *args: Any
 ) -> list[tuple[str, tuple[int, ...], bool]]:
-    """Run f once and return [(name, shape, saved?)] for every `checkpoint_name` tag it passes."""
+    """Run f once and return [(name, shape, saved?)] for every `checkpoint_name` tag it passes, then, under
+    dots_saveable, (op name such as "aten.mm", output shape, True) for every matrix product it keeps."""
+    policy = policy_of(policy)
     record = _Record(policy)
+    dots = _Dots() if policy.dots else None
     _RECORDS.append(record)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), dots or contextlib.nullcontext():
             f(*args)
     finally:
         _RECORDS.pop()
-    return record.seen
+    if dots is None:
+        return record.seen
+    dots.drop_overwritten()
+    return record.seen + [(call[0], tuple(out.shape), True) for call, out, _ in dots.saved
+                          if out is not None]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
@@ -103,9 +104,42 @@ def check_vjp(
     an = _dot(tree_flatten(vjp_fn(cot))[0], tree_flatten(tangent)[0])
     if not _agree(fd, an, rtol, eps):
         where = _failing_directions(f, vjp, primals64, tangent, cot, eps, rtol)
-        raise AssertionError(f"check_vjp: finite difference <c, J t> = {fd:.10g}, "
-                             f"vjp <J^T c, t> = {an:.10g}; {where}")
+        raise AssertionError(f"check_vjp: {_downcast(f, primals64, eps)}finite difference <c, J t> = "
+                             f"{fd:.10g}, vjp <J^T c, t> = {an:.10g}; {where}")
     return fd, an
+
+
+class _Downcasts(TorchDispatchMode):
+    """Remember the first op that turns float64 inputs into a lower-precision floating output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: tuple[str, torch.dtype] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.first is None:
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            low = [t.dtype for t in outs if t.dtype != torch.float64]
+            if low and any(t.dtype == torch.float64 for t in ins):
+                self.first = (str(func.overloadpacket), low[0])
+        return out
+
+
+def _downcast(f: Callable[..., Any], primals64: Any, eps: float) -> str:
+    """'' when f computes in float64 throughout, else the sentence naming where it leaves float64 (then the
+    central difference's eps-sized steps drown in rounding and the check compares noise)."""
+    mode = _Downcasts()
+    with torch.no_grad(), mode:
+        f(*primals64)
+    if mode.first is None:
+        return ""
+    op, dtype = mode.first
+    low = str(dtype).removeprefix("torch.")
+    return (f"f computes in {low} ({op} turned float64 inputs into {low}), so the float64 central difference "
+            f"(eps {eps:g}) is rounding noise: keep f in its inputs' dtype (no .float() or .to({dtype})) to "
+            "check it; ")
 
 
 def _dot(xs: Sequence[Any], ys: Sequence[Any]) -> float:
@@ -179,19 +213,35 @@ def _check_draw(name: str, dtype: torch.dtype, scale: float) -> None:
         raise ValueError(f"{name}: scale must be a finite number >= 0, got {scale!r}")
 
 
+# The strategies are `st.builds` of the two functions below, so a failing example prints as the call
+# that rebuilds its tensors (`seeded_tensor(shape=(64, 64), dtype=torch.float64, scale=1.0, seed=7)`), not
+# as the tensors' values: one line where a 64 x 64 tensor printed hundreds.
+_SEEDS = st.integers(0, 2**31 - 1)
+
+
+def seeded_tensor(shape: Sequence[int], dtype: torch.dtype, scale: float, seed: int) -> torch.Tensor:
+    """The tensor `tensors(shape, dtype, scale)` draws for `seed`: N(0, scale^2) entries."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tuple(shape), generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def seeded_pytree(shapes: dict[str, Any], dtype: torch.dtype, scale: float, seed: int) -> dict[str, Any]:
+    """The pytree `param_pytrees(shapes, dtype, scale)` draws for `seed`."""
+    leaves, spec = tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    # One seed, the leaves drawn one after another from its generator: a seed per leaf made equal leaves
+    # whenever hypothesis drew equal seeds, which it does often (always 0 when it shrinks).
+    g = torch.Generator().manual_seed(seed)
+    return tree_unflatten([(torch.randn(tuple(s), generator=g, dtype=torch.float64) * scale).to(dtype)
+                           for s in leaves], spec)
+
+
 def tensors(shape: Sequence[int], dtype: torch.dtype = torch.float64,
             scale: float = 1.0) -> st.SearchStrategy[torch.Tensor]:
     """A tensor of `shape` and `dtype` with N(0, scale^2) entries from a hypothesis-drawn seed. Raises
     TypeError for a dtype that is not floating, ValueError for a scale that is not finite and >= 0."""
     _check_draw("tensors", dtype, scale)
-    return _tensors(tuple(shape), dtype, scale)
-
-
-@st.composite
-def _tensors(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, scale: float) -> torch.Tensor:
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    return st.builds(seeded_tensor, shape=st.just(tuple(shape)), dtype=st.just(dtype), scale=st.just(scale),
+                     seed=_SEEDS)
 
 
 def param_pytrees(shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
@@ -199,17 +249,8 @@ def param_pytrees(shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
     """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts), its
     leaves drawn independently. Raises as `tensors` does for `dtype` and `scale`."""
     _check_draw("param_pytrees", dtype, scale)
-    leaves, spec = tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    return _leaves([tuple(s) for s in leaves], dtype, scale).map(lambda ts: tree_unflatten(ts, spec))
-
-
-@st.composite
-def _leaves(draw: st.DrawFn, shapes: list[tuple[int, ...]], dtype: torch.dtype,
-            scale: float) -> list[torch.Tensor]:
-    # One seed, the leaves drawn one after another from its generator: a seed per leaf made equal leaves
-    # whenever hypothesis drew equal seeds, which it does often (always 0 when it shrinks).
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    return [(torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype) for s in shapes]
+    return st.builds(seeded_pytree, shapes=st.just(shapes), dtype=st.just(dtype), scale=st.just(scale),
+                     seed=_SEEDS)
 
 
 def tracked_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:

@@ -86,7 +86,11 @@ def _fmoe_to_hf(args: argparse.Namespace) -> int:
     from fmoe.hf.checkpoint import load_fmoe
     from fmoe.hf.files import save_hf
 
-    cfg, params, meta = load_fmoe(args.load)
+    if args.max_shard_bytes < 1:  # before the checkpoint is read: 0 or -1 wrote one file per tensor
+        print(f"fmoe convert: error: --max-shard-bytes must be a positive number of bytes, got "
+              f"{args.max_shard_bytes}")
+        return 2
+    cfg, params, meta = load_fmoe(args.load, seams=False)  # imports no router / attention it names
     base = meta.get("hf_config") or {}
     arch = args.arch or base.get("model_type")
     if arch is None:

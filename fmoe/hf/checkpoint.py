@@ -117,10 +117,12 @@ def save_fmoe(directory: str | Path, cfg: GPTConfig, params: dict[str, Any], *,
         return checkpoint.save(directory, 0, items, meta)
 
 
-def load_fmoe(path: str | Path) -> tuple[GPTConfig, dict[str, Any], dict[str, Any]]:
+def load_fmoe(path: str | Path, *, seams: bool = True) -> tuple[GPTConfig, dict[str, Any], dict[str, Any]]:
     """Returns (cfg, params, meta) of an fmoe train checkpoint (a step directory, or a --save directory:
     its latest), verified first (checksums, safe metadata). The config is the recorded GPTConfig
-    ("model") when there is one, else the one the run's TrainConfig builds. CheckpointError if damaged."""
+    ("model") when there is one, else the one the run's TrainConfig builds. CheckpointError if damaged.
+    `seams` False (the converter): ValueError for a model with a router, experts or attention import path,
+    before anything is imported (building the config imports the module a path names)."""
     from fmoe.train.config import DTYPES, TrainConfig
 
     root = Path(path)
@@ -133,6 +135,8 @@ def load_fmoe(path: str | Path) -> tuple[GPTConfig, dict[str, Any], dict[str, An
         checkpoint.verify(root)
         meta = checkpoint.read_meta(root)
         saved = meta.get("config", {})
+        if not seams:
+            _refuse_seams(meta)
         if meta.get("model") is not None:
             cfg = gpt_config_of(meta["model"])
         else:
@@ -145,6 +149,20 @@ def load_fmoe(path: str | Path) -> tuple[GPTConfig, dict[str, Any], dict[str, An
         items = checkpoint.state_items(leaves, tensors, _NoOptimizer(), {}, 0, 0, with_rng=False)
         checkpoint.load(root, items, verified=True)
     return cfg, params, meta
+
+
+def _refuse_seams(meta: dict[str, Any]) -> None:
+    """Raise ValueError naming the first seam (router, experts, attention) a checkpoint's meta records."""
+    model = meta.get("model") or {}
+    moe, flags = model.get("moe") or {}, meta.get("config") or {}
+    seams = ("router", "experts", "attention")
+    recorded = [("router", moe.get("router")), ("experts", moe.get("experts")),
+                ("attention", model.get("attention")), *((k, flags.get(k)) for k in seams)]
+    found = [(name, value) for name, value in recorded if value is not None]
+    if found:
+        name, value = found[0]
+        raise ValueError(f"the checkpoint's model has --{name} {value!r}: an HF checkpoint holds the default "
+                         f"{name} only, and the converter imports nothing a checkpoint names")
 
 
 def _tree_empty(tree: Any, dtype: torch.dtype) -> Any:

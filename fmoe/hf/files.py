@@ -97,7 +97,11 @@ def save_hf(directory: str | Path, cfg: GPTConfig, params: dict[str, Any], arch:
     config.json (config_to_hf, with `base_config`'s unmapped fields) and model.safetensors, or shards
     of at most max_shard_bytes plus model.safetensors.index.json; returns the directory.
     FileExistsError when it already holds a config.json or safetensors, unless `overwrite` (which
-    removes those first). ValueError for a config `arch` cannot express (check_exportable)."""
+    removes those first). ValueError for a config `arch` cannot express (check_exportable), or for a
+    max_shard_bytes below 1 (which wrote one file per tensor)."""
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
+        raise ValueError(f"max_shard_bytes (--max-shard-bytes) must be a positive number of bytes, got "
+                         f"{max_shard_bytes!r}")
     st = _safetensors()
     root = Path(directory)
     hf = config_to_hf(cfg, arch, base_config)

@@ -424,6 +424,16 @@ class TrainConfig:
         """One line when this run computes in fp32 on an accelerator by choice (--no-bf16), else None."""
         return default_policy(device_type, bf16=self.bf16, fp16=self.fp16, dtype=DTYPES[self.dtype])[1]
 
+    def lr_warning(self) -> str | None:
+        """One line when the whole run trains inside the LR warmup (--steps <= --lr-warmup-iters, without
+        --lr-decay-iters: an --lr-decay-iters at or below the warmup is refused), else None. A warning, not
+        an error, because the warmup defaults to 20 steps and short trial runs are common."""
+        if self.lr_decay_iters is None and self.steps <= self.lr_warmup_iters:
+            return (f"--steps ({self.steps}) is at or below --lr-warmup-iters ({self.lr_warmup_iters}): the "
+                    "whole run trains inside the LR warmup and never reaches --lr; give --lr-warmup-iters "
+                    "below --steps (0: no warmup)")
+        return None
+
     def loss_scaler(self) -> LossScale | None:
         """The initial loss-scaling state of an --fp16 run (None otherwise); ValueError on bad flags."""
         if not self.fp16:

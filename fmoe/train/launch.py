@@ -334,6 +334,9 @@ def launch(tc: TrainConfig) -> int:
     if problem is not None:
         print(f"fmoe train: error: {problem}", file=sys.stderr)
         return 2
+    lr_warning = tc.lr_warning()
+    if lr_warning is not None and (not torchrun or os.environ.get("RANK", "0") == "0"):  # once per run
+        print(f"fmoe train: warning: {lr_warning}", file=sys.stderr)
     if torchrun:  # this process is one rank: it ends here, without finalization (teardown.py)
         exit_process(_torchrun_rank(tc))
     try:
