@@ -12,10 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from fmoe.calibrate import machine
 from fmoe.plan.specs import ClusterSpec, to_toml
+
+# One intra-op thread in the test process, as every spawned rank has (fmoe.parallel.local_ranks): on a
+# loaded 2-core machine two OpenMP threads waited on each other, and a one-process training step that
+# takes 0.15 s took 2-3 s alone and 20-46 s in the suite.
+torch.set_num_threads(1)
 
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, print_blob=True)
