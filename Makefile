@@ -23,7 +23,7 @@ run: $(STAMP)
 		--trace runs/tiny/trace.json
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 # On a machine with a GPU or NPU (and torch's device build installed): benchmarks/device_check.py's parts,
 # figures in device_check_out/ (about 5-8 minutes on one GPU).

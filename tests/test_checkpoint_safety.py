@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +56,18 @@ def _saved(tmp: Path, name: str = "ckpt", *flags: str) -> Path:
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def step2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint directory of one fresh run to step 2 with no other flags: the tests that break a
+    checkpoint each break a copy of it (`_copied`), one run for the module rather than one per test."""
+    return _saved(tmp_path_factory.mktemp("step2"))
+
+
+def _copied(saved: Path, tmp: Path) -> Path:
+    """A copy of the checkpoint directory `saved` at tmp/ckpt, as `_saved(tmp)` would have written it."""
+    return Path(shutil.copytree(saved, tmp / "ckpt", symlinks=True))
+
+
 def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
@@ -72,8 +85,8 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
-def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path)
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path: Path, step2: Path) -> None:
+    ckpt = _copied(step2, tmp_path)
     marker = tmp_path / "pwned"
     (ckpt / STEP2 / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
     (ckpt / STEP2 / checkpoint.CHECKSUMS).unlink(missing_ok=True)  # an "old" checkpoint: no checksums
@@ -99,8 +112,8 @@ def test_the_restricted_unpickler_reads_real_metadata_and_refuses_the_rest(tmp_p
 # ---- 2: a fresh run never clobbers another run's checkpoints; one run per --save -----------------------
 
 
-def test_a_fresh_run_refuses_a_save_directory_holding_checkpoints(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path)
+def test_a_fresh_run_refuses_a_save_directory_holding_checkpoints(tmp_path: Path, step2: Path) -> None:
+    ckpt = _copied(step2, tmp_path)
     err = _failed(_run(tmp_path, "--steps", "1", "--save", str(ckpt)), "--overwrite-save", max_lines=1)
     assert "--resume" in err
     assert (ckpt / checkpoint.LATEST).read_text().strip() == STEP2  # untouched
@@ -135,8 +148,8 @@ def test_a_second_run_on_the_same_save_directory_fails_at_once(tmp_path: Path) -
 # ---- 6, 7: checksums; read failures as one line -------------------------------------------------------
 
 
-def test_flipped_bytes_in_a_shard_fail_naming_the_file(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path)
+def test_flipped_bytes_in_a_shard_fail_naming_the_file(tmp_path: Path, step2: Path) -> None:
+    ckpt = _copied(step2, tmp_path)
     shard = ckpt / STEP2 / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -146,8 +159,8 @@ def test_flipped_bytes_in_a_shard_fail_naming_the_file(tmp_path: Path) -> None:
     assert "__0_0.distcp" in err and "checksum" in err, err
 
 
-def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path) -> None:
-    ckpt = _saved(tmp_path)
+def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path, step2: Path) -> None:
+    ckpt = _copied(step2, tmp_path)
     (ckpt / STEP2 / checkpoint.CHECKSUMS).unlink()
     done = _ok(tmp_path, "--steps", "3", "--save", str(ckpt), "--resume", "--override-opt-param-scheduler")
     assert "no checksums" in done.stderr, done.stderr
@@ -192,9 +205,9 @@ def test_resume_without_a_checkpoint_fails_before_launch(capsys, tmp_path: Path,
 
 
 @pytest.mark.parametrize("planted", ["step_00000003.partial", "step_00000003", ".latest.tmp"])
-def test_a_symlink_planted_in_the_save_directory_is_not_written_through(tmp_path: Path,
+def test_a_symlink_planted_in_the_save_directory_is_not_written_through(tmp_path: Path, step2: Path,
                                                                        planted: str) -> None:
-    ckpt = _saved(tmp_path)
+    ckpt = _copied(step2, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     target = outside / "target"

@@ -6,9 +6,11 @@ tests/test_schedule_file.py and tests/test_train.py run them as torchrun jobs an
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -41,17 +43,29 @@ def test_exit_process_keeps_output_and_skips_finalization() -> None:
     assert "atexit ran" not in done.stderr and "finalizer ran" not in done.stderr, done.stderr
 
 
-def _close(rank: int, world: int, outcome: str) -> dict:
-    """Rank 1 closes after `outcome`; rank 0 only after 3 s (a slow peer), or never (it failed)."""
+def _close(rank: int, world: int, outcome: str, closed: str = "") -> dict:
+    """Rank 1 closes after `outcome`; rank 0 only after 3 s (a slow peer), or never (it failed, once rank 1
+    has closed: the file at `closed` exists)."""
+    if outcome == "failed":
+        # both ranks are through the group's setup: a rank 0 that failed at once could leave while rank 1
+        # still connects to it, and rank 1 would fail to start rather than close
+        dist.barrier()
     if rank == 0:
         if outcome == "failed":
+            # alive and never at a barrier while rank 1 closes: a rank 1 that waited would wait in vain
+            deadline = time.monotonic() + TIMEOUT_S / 2
+            while not os.path.exists(closed) and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise ValueError("rank 0 failed on purpose")
         time.sleep(3.0)
         close_default_group(succeeded=True)
         return {"up": dist.is_initialized()}
     t0 = time.perf_counter()
     close_default_group(succeeded=outcome == "succeeded")
-    return {"seconds": time.perf_counter() - t0, "up": dist.is_initialized()}
+    seconds = time.perf_counter() - t0
+    if closed:
+        open(closed, "w").close()
+    return {"seconds": seconds, "up": dist.is_initialized()}
 
 
 def test_after_a_success_a_rank_waits_for_its_slow_peer_before_closing() -> None:
@@ -61,8 +75,8 @@ def test_after_a_success_a_rank_waits_for_its_slow_peer_before_closing() -> None
     assert not results[0].value["up"] and not results[1].value["up"]
 
 
-def test_after_a_failure_a_rank_closes_without_waiting_for_its_peers() -> None:
-    results = run_ranks(_close, 2, "failed", timeout_s=TIMEOUT_S, pg_timeout_s=30.0)
+def test_after_a_failure_a_rank_closes_without_waiting_for_its_peers(tmp_path: Path) -> None:
+    results = run_ranks(_close, 2, "failed", str(tmp_path / "closed"), timeout_s=TIMEOUT_S, pg_timeout_s=30.0)
     assert "rank 0 failed on purpose" in results[0].error
     assert results[1].error is None, results[1].error
     assert results[1].value["seconds"] < 10.0 and not results[1].value["up"], results[1].value

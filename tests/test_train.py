@@ -275,18 +275,24 @@ def _reduction_rank(rank: int, world: int, flags: dict) -> tuple[int, int, float
     return trainer.reducer.early, len(trainer.reducer.buckets), grad_norm
 
 
-@pytest.mark.parametrize("flags", [{"pp": 2, "ep": 1, "dp": 2}, {"pp": 1, "ep": 1, "dp": 2}],
-                         ids=["pp2_dp2_stage_hook", "pp1_dp2_backward_hooks"])
-def test_data_parallel_all_reduce_starts_before_the_step_ends(flags: dict) -> None:
-    """Buckets are issued while the schedule (or the last backward) still runs, and the step's gradient
-    norm equals the one-process run's: the overlap changes when, not what."""
-    results = spawn(_reduction_rank, flags["pp"] * flags["dp"], flags, timeout_s=180)
+@pytest.fixture(scope="module")
+def ref_grad_norm() -> float:
+    """The first step's gradient norm of the one-process run (in this process), for both layouts below."""
     ref_tc = TrainConfig(pp=1, ep=1, dp=1, progress=False, markov_sequences=MARKOV_SEQUENCES)
     world = _world(ref_tc, 0, f"file://{tempfile.mktemp()}", 0, 1)
     try:
-        want = Trainer(ref_tc, world).step()["grad_norm"]
+        return Trainer(ref_tc, world).step()["grad_norm"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flags", [{"pp": 2, "ep": 1, "dp": 2}, {"pp": 1, "ep": 1, "dp": 2}],
+                         ids=["pp2_dp2_stage_hook", "pp1_dp2_backward_hooks"])
+def test_data_parallel_all_reduce_starts_before_the_step_ends(flags: dict, ref_grad_norm: float) -> None:
+    """Buckets are issued while the schedule (or the last backward) still runs, and the step's gradient
+    norm equals the one-process run's: the overlap changes when, not what."""
+    results = spawn(_reduction_rank, flags["pp"] * flags["dp"], flags, timeout_s=180)
+    want = ref_grad_norm
     for r in results:
         early, buckets, grad_norm = r.value
         assert buckets >= 1 and early >= 1, (flags, r.rank, early, buckets)

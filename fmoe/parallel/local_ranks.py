@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fmoe.parallel.teardown import exit_process
+
 GRACE_S = 10.0  # how long reported ranks get to leave the group and exit before they are killed
 
 
@@ -46,7 +48,8 @@ class RankResult:
 
 def _rank_main(rank: int, world_size: int, store: str, pg_timeout_s: float, q: Any,
                fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    """One spawned rank: joins the group, runs fn, reports (rank, value, traceback or None, seconds)."""
+    """One spawned rank: joins the group, runs fn, reports (rank, value, traceback or None, seconds), leaves
+    the group and ends with exit code 0 (a failure is in the report), skipping finalization."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     try:
@@ -62,6 +65,12 @@ def _rank_main(rank: int, world_size: int, store: str, pg_timeout_s: float, q: A
                 dist.destroy_process_group()
             except Exception:  # the group may be broken on purpose
                 pass
+        # the report is in the pipe (the queue's feeder thread has written it); then leave at once: the
+        # interpreter's finalization with torch loaded took 1.5-3 s per rank on a loaded 2-core machine
+        # and is where gloo's threads can abort a process (fmoe.parallel.teardown)
+        q.close()
+        q.join_thread()
+        exit_process(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
