@@ -41,8 +41,8 @@ KINDS = ("p2p", "all_gather")
 def check_split(S: int, size: int) -> None:
     """Raises ValueError unless `size` cp ranks split S positions into 2 x size equal chunks."""
     if S % (2 * size):
-        raise ValueError(f"context parallelism over {size} ranks cuts a sequence into {2 * size} equal chunks "
-                         f"(causal load balancing): {S} positions do not split; use a multiple of {2 * size}")
+        raise ValueError(f"context parallelism over {size} ranks cuts a sequence into {2 * size} equal "
+                         f"chunks (causal load balancing): {S} positions do not split; use a multiple of {2 * size}")
 
 
 def chunks_of(rank: int, size: int) -> tuple[int, int]:
@@ -70,8 +70,8 @@ def _shift(x: torch.Tensor, comm: CommGroup, op: str, back: bool) -> tuple[torch
     """Issues the shift of `x` one rank on (back: one rank back); returns (the received tensor, handle)."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    n = comm.size
-    to, frm = ((comm.rank - 1) % n, (comm.rank + 1) % n) if back else ((comm.rank + 1) % n, (comm.rank - 1) % n)
+    n, step = comm.size, -1 if back else 1
+    to, frm = (comm.rank + step) % n, (comm.rank - step) % n
     sent = [0] * n
     sent[to] = x.numel() * x.element_size()
     not_before = comm._account(op, sent)
@@ -184,7 +184,8 @@ def cp_attention(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tenso
     B, s, H, d = q_BsHd.shape
     S = s * cp.size
     if positions_s.shape != (s,):
-        raise ValueError(f"cp_attention: positions must be [{s}] (this rank's), got {tuple(positions_s.shape)}")
+        raise ValueError(f"cp_attention: positions must be [{s}] (this rank's), "
+                         f"got {tuple(positions_s.shape)}")
     check_split(S, cp.size)
     ct = compute_dtype(q_BsHd.dtype)
     q_BHsd = rope(q_BsHd, positions_s, rope_theta).to(ct).transpose(1, 2)
