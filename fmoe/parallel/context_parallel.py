@@ -42,7 +42,8 @@ def check_split(S: int, size: int) -> None:
     """Raises ValueError unless `size` cp ranks split S positions into 2 x size equal chunks."""
     if S % (2 * size):
         raise ValueError(f"context parallelism over {size} ranks cuts a sequence into {2 * size} equal "
-                         f"chunks (causal load balancing): {S} positions do not split; use a multiple of {2 * size}")
+                         f"chunks (causal load balancing): {S} positions do not split; use a multiple of "
+                         f"{2 * size}")
 
 
 def chunks_of(rank: int, size: int) -> tuple[int, int]:
