@@ -9,8 +9,10 @@ import pytest
 import torch
 from dist_utils import spawn
 
+from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
+from fmoe._compat import tree_flatten, tree_unflatten
 from fmoe.ops import attention
-from fmoe.parallel import CommGroup
+from fmoe.parallel import CommGroup, ParallelContext
 from fmoe.parallel.context_parallel import check_split, cp_attention, cp_positions, take_positions
 from fmoe.transforms.testing import assert_close
 
@@ -65,3 +67,60 @@ def test_cp_attention_equals_one_process(kind: str, world: int, shape: tuple[int
     for r in got:
         for a, b in zip(r["grads"], want):
             assert_close(torch.tensor(a, dtype=DT), b, dtype=DT)
+
+
+# ---- the GPT under context parallelism -------------------------------------------------------------------
+
+def _gpt_cfg(mtp: bool, kv_heads: int) -> GPTConfig:
+    moe = MoEConfig(d_model=8, d_ff=6, num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.01,
+                    seq_aux_loss_coef=0.02, z_loss_coef=0.001, bias_update_rate=0.1)
+    return GPTConfig(vocab_size=12, d_model=8, n_layers=2, n_heads=2, n_kv_heads=kv_heads, moe=moe,
+                     num_dense_layers=1, d_ff_dense=8, mtp=mtp, mtp_loss_weight=0.3, qk_norm=True)
+
+
+def _gpt_data(cfg: GPTConfig, S: int, B: int = 2) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    params = init_gpt(cfg, g, DT)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    targets = ids.roll(-1, 1)
+    targets[0, 1] = -100  # a position that takes no loss
+    return params, ids, targets
+
+
+def _gpt_parts(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.Tensor,
+               parallel: ParallelContext | None = None) -> dict:
+    state = init_gpt_state(cfg)
+
+    def f(p: dict) -> tuple:
+        loss, aux = gpt_loss(p, ids, targets, cfg, state, parallel=parallel)
+        return loss, {"loss": loss.detach(), "main": aux.main_loss, "balance": aux.balance_loss,
+                      "mtp": aux.mtp_loss, "bias": aux.new_state["layers"][1]["expert_bias_E"]}
+
+    grads, parts = torch.func.grad(f, has_aux=True)(params)
+    return {**parts, "grads": grads}
+
+
+def _gpt_rank(rank: int, world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> dict:
+    cfg = _gpt_cfg(mtp, kv_heads)
+    params, ids, targets = _gpt_data(cfg, S)
+    par = ParallelContext(cp=CommGroup(torch.distributed.group.WORLD), cp_comm_type=kind)
+    got = _gpt_parts(cfg, params, ids, targets, par)
+    for g in tree_flatten(got["grads"])[0]:  # a rank's gradient is its positions' part: the sum is the whole's
+        torch.distributed.all_reduce(g)
+    return [(tuple(v.shape), v.flatten().tolist()) for v in tree_flatten(got)[0]]  # leaves, as lists
+
+
+@pytest.mark.parametrize("world, mtp, kv_heads, S, kind",
+                         [(2, True, 1, 8, "p2p"), (2, False, 2, 4, "all_gather"), (4, True, 2, 8, "p2p")])
+def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> None:
+    """Loss parts, the next expert bias (the whole sequence's load) and every gradient (summed over the cp
+    ranks, as a data-parallel reduction over dp x cp sums them) equal one process's, fp64: dense and MoE
+    blocks, GQA, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
+    cfg = _gpt_cfg(mtp, kv_heads)
+    want = _gpt_parts(cfg, *_gpt_data(cfg, S))
+    leaves, spec = tree_flatten(want)
+    for r in spawn(_gpt_rank, world, mtp, kv_heads, S, kind):
+        got = tree_unflatten([torch.tensor(v, dtype=DT).reshape(shape) for shape, v in r.value], spec)
+        for k in ("loss", "main", "balance", "mtp", "bias"):
+            assert_close(got[k], want[k].to(DT), dtype=DT, msg=k)
+        assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")

@@ -26,14 +26,18 @@ for the backward.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from fmoe._compat import Function
+from fmoe.balance import TokenShard
 from fmoe.ops._attention import rope
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.collectives import CommGroup, _Box, _finish, all_gather
+from fmoe.parallel.tensor import reduce_from_tp
 
 KINDS = ("p2p", "all_gather")
 
@@ -63,6 +67,16 @@ def take_positions(x_BS: torch.Tensor, positions_s: torch.Tensor) -> torch.Tenso
     """Returns x's part at `positions_s` along dim 1 (x is [B, S, ...]; differentiable: the backward
     scatters into zeros)."""
     return x_BS.index_select(1, positions_s.to(x_BS.device))
+
+
+def cp_token_shard(cp: CommGroup, B: int, s: int, device: torch.device | str = "cpu") -> TokenShard:
+    """Returns this rank's tokens (its s positions of each of B sequences, sequence-major) as a shard of
+    the cp group's: the routing statistics are the group's sums, their gradient passed back unchanged, so
+    each rank's loss holds the whole sequence's balancing terms and its gradient reaches its own tokens;
+    summed over the group with the other gradients, it is the one-process gradient."""
+    return TokenShard(total=partial(reduce_from_tp, comm=cp, op="cp.router_stats"),
+                      seq_ids_T=torch.arange(B, device=device).repeat_interleave(s),
+                      num_tokens=B * s * cp.size, num_seqs=B, seq_len=s * cp.size)
 
 
 # ---- the ring's shift: send to rank + 1, receive from rank - 1 -------------------------------------------
