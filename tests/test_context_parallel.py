@@ -105,7 +105,7 @@ def _gpt_rank(rank: int, world: int, mtp: bool, kv_heads: int, S: int, kind: str
     params, ids, targets = _gpt_data(cfg, S)
     par = ParallelContext(cp=CommGroup(torch.distributed.group.WORLD), cp_comm_type=kind)
     got = _gpt_parts(cfg, params, ids, targets, par)
-    for g in tree_flatten(got["grads"])[0]:  # a rank's gradient is its positions' part: the sum is the whole's
+    for g in tree_flatten(got["grads"])[0]:  # each rank: its positions' part
         torch.distributed.all_reduce(g)
     return [(tuple(v.shape), v.flatten().tolist()) for v in tree_flatten(got)[0]]  # leaves, as lists
 
