@@ -5,12 +5,14 @@ gloo ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import spawn
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
-from fmoe._compat import tree_flatten, tree_unflatten
+from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from fmoe.ops import attention
 from fmoe.parallel import CommGroup, ParallelContext
 from fmoe.parallel.context_parallel import check_split, cp_attention, cp_positions, take_positions
@@ -124,3 +126,73 @@ def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S
         for k in ("loss", "main", "balance", "mtp", "bias"):
             assert_close(got[k], want[k].to(DT), dtype=DT, msg=k)
         assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")
+
+
+M = 4  # microbatches
+
+
+def _pp_cp_rank(rank: int, world: int, S: int, schedule: str, record: bool = False) -> dict:
+    """pp 2 x cp 2 on 4 ranks (the layout's innermost pair of ranks is the cp group): the pipeline step
+    with fb overlap, MTP on the last chunk; `record`: also every P2P op, collective and wait it issued
+    (tests/nccl_rules.py)."""
+    from contextlib import nullcontext
+
+    from nccl_rules import recording
+
+    from fmoe import schedule as sched
+    from fmoe.parallel import ParallelLayout, Topology
+    from fmoe.pipeline import gpt_pipeline_step, gpt_program
+    from fmoe.schedule.options import ExecOptions
+
+    layout = ParallelLayout(pp=2, tp=2, topology=Topology(world, world))  # "tp": the innermost pair
+    cp = CommGroup(layout.group("tp"))
+    cfg = dataclasses.replace(_gpt_cfg(True, 1), n_layers=4)
+    params, ids, targets = _gpt_data(cfg, S, B=2 * M)
+    pp_group = layout.group("pp")
+    s = sched.build(schedule, 2, M)
+    with recording() if record else nullcontext() as log:
+        program = gpt_program(cfg, s, torch.distributed.get_rank(pp_group), parallel=ParallelContext(cp=cp))
+        batches = list(zip(ids.chunk(M), targets.chunk(M)))
+        step = gpt_pipeline_step(program, params, init_gpt_state(cfg), batches, group=pp_group,
+                                 options=ExecOptions(overlap=True))
+    if record:
+        return {"log": log}
+    grads = {keystr(p): v for p, v in tree_flatten_with_path(step.grads)[0] if v is not None}
+    for g in grads.values():  # summed over the cp pair, as the data-parallel reduction over dp x cp does
+        torch.distributed.all_reduce(g, group=cp.group)
+    held = {k: (tuple(v.shape), v.flatten().tolist()) for k, v in grads.items()}
+    return {"loss": float(step.loss), "grads": held}
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
+def test_a_pipeline_under_cp_equals_one_process(schedule: str) -> None:
+    """pp 2 x cp 2: the ring's messages inside the attention phases of a pipeline with fb overlap (DualPipeV
+    with MTP), against the mean over microbatches of the one-process loss."""
+    S = 8
+    cfg = dataclasses.replace(_gpt_cfg(True, 1), n_layers=4)
+    params, ids, targets = _gpt_data(cfg, S, B=2 * M)
+    state = init_gpt_state(cfg)
+
+    def mean_loss(p: dict) -> torch.Tensor:
+        return sum(gpt_loss(p, i, t, cfg, state)[0] for i, t in zip(ids.chunk(M), targets.chunk(M))) / M
+
+    want_loss = mean_loss(params)
+    want = {keystr(p): v for p, v in tree_flatten_with_path(torch.func.grad(mean_loss)(params))[0]}
+    for r in spawn(_pp_cp_rank, 4, S, schedule, timeout_s=240):
+        got = r.value
+        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
+        assert got["grads"]  # every rank holds some of the model
+        for path, (shape, values) in got["grads"].items():
+            assert_close(torch.tensor(values, dtype=DT).reshape(shape), want[path], msg=path)
+
+
+def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank() -> None:
+    """NCCL's rules (tests/nccl_rules.py) and the one-queue-per-device model: the ring's shifts inside the
+    attention phases and the pipeline's P2P of a pp 2 x cp 2 DualPipeV step with fb overlap neither
+    deadlock nor mismatch."""
+    from nccl_rules import replay
+
+    runs = spawn(_pp_cp_rank, 4, 8, "dualpipev", True, timeout_s=240)
+    logs = {r.rank: r.value["log"] for r in runs}
+    assert replay(logs, "nccl") == []
+    assert replay(logs, "device") == []

@@ -90,10 +90,16 @@ def _shift(x: torch.Tensor, comm: CommGroup, op: str, back: bool) -> tuple[torch
     sent = [0] * n
     sent[to] = x.numel() * x.element_size()
     not_before = comm._account(op, sent)
-    # one batch: NCCL runs a batch's sends and receives as one group, so no rank's send waits on its
-    # own receive being posted first (a ring of plain blocking pairs would deadlock)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, comm.global_ranks[to], comm.group),
-                                    dist.P2POp(dist.irecv, out, comm.global_ranks[frm], comm.group)])
+    # even ranks send first, odd ranks receive first: where a device runs one queue and a send completes
+    # only with its receive (NCCL's rendezvous), a ring where every rank sent first would wait all around
+    # (tests/nccl_rules.py's "device" model); this order pairs each send with a receive already at the front
+    def send() -> dist.Work:
+        return dist.isend(x, comm.global_ranks[to], group=comm.group)
+
+    def recv() -> dist.Work:
+        return dist.irecv(out, comm.global_ranks[frm], group=comm.group)
+
+    works = [send(), recv()] if comm.rank % 2 == 0 else [recv(), send()]
     return out, CommHandle(op, works, device=x.device, timeout=comm.timeout, keep=(x, out),
                            not_before=not_before, counters=comm.counters, ranks=comm.global_ranks)
 
