@@ -58,6 +58,7 @@ from fmoe.layer import (
 from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.ops import linear, rms_norm
 from fmoe.parallel.context import LOCAL, ParallelContext
+from fmoe.parallel.context_parallel import cp_attention, cp_token_shard
 from fmoe.parallel.tensor import (
     copy_to_tp,
     gather_sequence,
@@ -143,6 +144,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
             check_tp(cfg, P, dense=False)
             check_shard(params, cfg, P, attention_paths(cfg))
     if cfg.mla:
+        if parallel.cp is not None:
+            raise ValueError("context parallelism with multi-head latent attention is not built yet")
         return mla(params, x_BSD, cfg, parallel=parallel)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     # "layernorm" (fmoe/recompute.py) recomputes the norm alone: the q, k, v projections read its output
@@ -164,16 +167,35 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
                           for k in ("q_norm", "k_norm"))
         q_BSHd = norm(q_BSHd, q_norm, cfg.norm_eps)  # read by the attention core: alone under "layernorm"
         k_BSGd = norm(k_BSGd, k_norm, cfg.norm_eps)
-    attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
+    if parallel.cp is not None:  # this rank's positions of the sequence, against every rank's keys
+        o_BSHd = _cp_core(q_BSHd, k_BSGd, v_BSGd, cfg, parallel)
+    else:
+        attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
 
-    def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
-        return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
+        def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
+            return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
 
-    o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
+        o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
     o_BSD = linear(o_BSHd.flatten(-2), params["w_o"])
     if tp is not None:  # the heads' partial sums
         o_BSD = scatter_sequence(o_BSD, tp) if sequence_parallel else reduce_from_tp(o_BSD, tp)
     return x_BSD + o_BSD
+
+
+def _cp_core(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tensor, cfg: GPTConfig,
+             parallel: ParallelContext) -> torch.Tensor:
+    """The attention core over a sequence split by context parallelism (fmoe.parallel.context_parallel).
+    Refuses what it cannot run: a custom attention (it would see one rank's positions), and recomputing
+    the core (its recompute would replay the ring's messages)."""
+    if cfg.attention is not None:
+        raise ValueError(f"context parallelism runs fmoe's attention: a custom attention ({cfg.attention!r}) "
+                         "would see one rank's positions only")
+    if cfg.recompute.module("core_attn"):
+        raise ValueError("context parallelism: recomputing core_attn would replay the ring's messages; "
+                         "recompute other parts")
+    positions_s = parallel.positions(q_BsHd.shape[1] * parallel.cp_size, q_BsHd.device)
+    return cp_attention(q_BsHd, k_BsGd, v_BsGd, positions_s, parallel.cp, rope_theta=cfg.rope_theta,
+                        kind=parallel.cp_comm_type)
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
@@ -212,6 +234,9 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     h_TD = part(cfg.recompute, "layernorm", rms_norm)(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # t = b*S+s
     seq_len = x_BSD.shape[1] or None  # S = 0: no tokens (T = 0), no sequence to split
     shard = None
+    if parallel.cp is not None:  # this rank's positions of every sequence: the statistics are the group's
+        B, S = r_BSD.shape[:2]
+        shard, seq_len = cp_token_shard(parallel.cp, B, S, h_TD.device), None
     if tp is not None:
         B, S = r_BSD.shape[:2]
         if not sequence_parallel:

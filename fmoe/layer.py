@@ -184,17 +184,18 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
         state = {**state, "expert_bias_E": zeros_E}
     router = router_of(cfg)  # cfg.router (fmoe/seams.py): every caller of the layer routes through here
     router_params = params["router"]
-    if (tp is None) != (shard is None):
-        raise ValueError("plan_route: tp and shard go together (a tensor-parallel group and this rank's "
-                         "share of its tokens)")
-    if tp is not None:
+    if tp is not None and shard is None:
+        raise ValueError("plan_route: a tensor-parallel group needs this rank's share of its tokens (shard=)")
+    if shard is not None:  # tensor or context parallelism: each rank routes its own share of the tokens
+        what = "tensor" if tp is not None else "context"
         if cfg.dynamic_capacity_window:
-            raise ValueError("dynamic capacity under tensor parallelism: its forecast would be per rank; use "
-                             "dropless routing or a capacity factor")
+            raise ValueError(f"dynamic capacity under {what} parallelism: its forecast would be per rank; "
+                             "use dropless routing or a capacity factor")
         if router is not route:
-            raise ValueError(f"router {getattr(router, '__name__', router)!r} under tensor parallelism: each "
-                             "tp rank routes its own tokens and the balancing losses need the group's "
+            raise ValueError(f"router {getattr(router, '__name__', router)!r} under {what} parallelism: each "
+                             "rank routes its own tokens and the balancing losses need the group's "
                              "statistics, which only fmoe.router.route reduces (its shard=)")
+    if tp is not None:  # the replicated router weight: its gradient summed over the group
         router_params = {k: copy_to_tp(v, tp, op="tp.router") for k, v in router_params.items()}
     if router is route:
         r = route(router_params, x_TD, cfg, state, seq_len, check=False, shard=shard)

@@ -37,12 +37,15 @@ from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, r
 from fmoe.outline import Site, outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
 from fmoe.parallel.alltoall import row_chunks
+from fmoe.parallel.collectives import all_reduce
 from fmoe.parallel.context import LOCAL, ParallelContext
+from fmoe.parallel.context_parallel import take_positions
 from fmoe.parallel.phased import RowPlan
 from fmoe.parallel.tensor import (
     IGNORE_INDEX,
     copy_to_tp,
     gather_sequence,
+    reduce_from_tp,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -53,12 +56,33 @@ from fmoe.transforms.program import Layer, Phase, Ready
 H = "h_BSD"  # the hidden state that crosses layers and stages
 
 
+def local_positions(x_BS: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """Returns this rank's part of a whole-sequence [B, S, ...] tensor (token ids, targets): its positions
+    under context parallelism (fmoe.parallel.context_parallel), all of it without."""
+    if parallel.cp is None:
+        return x_BS
+    return take_positions(x_BS, parallel.positions(x_BS.shape[1], x_BS.device))
+
+
+def _cp_mean(loss: torch.Tensor, targets_BS: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """The mean over the whole sequence from this rank's mean over its positions' valid targets: weighted
+    by its share of the group's valid targets and summed over the cp group (gradient passed back
+    unchanged: each rank's reaches its own positions)."""
+    valid = (targets_BS != IGNORE_INDEX).sum().to(loss.dtype)
+    total = all_reduce(valid.detach(), parallel.cp, op="cp.count")
+    return reduce_from_tp(loss * valid / total.clamp_min(1), parallel.cp, op="cp.loss")
+
+
 def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor, targets_BS: torch.Tensor,
                 cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> torch.Tensor:
     """Return the mean next-token cross-entropy (scalar) of head(rms_norm(h)) against targets_BS (the main
     model's and MTP's). `parallel.tp`: head_DV is this rank's vocabulary columns [D, V/P] (vocab-parallel
-    head and cross-entropy); h replicated, or with sequence parallelism this rank's positions (gathered)."""
+    head and cross-entropy); h replicated, or with sequence parallelism this rank's positions (gathered).
+    `parallel.cp`: h is this rank's positions, targets_BS the whole sequence's; the mean is the whole's."""
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
+    if parallel.cp is not None:
+        targets_BS = local_positions(targets_BS, parallel)
+        return _cp_mean(logits_loss(h_BSD, norm_D, head_DV, targets_BS, cfg), targets_BS, parallel)
     if tp is None:
         B, S, D = h_BSD.shape
         logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
@@ -76,8 +100,10 @@ def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, 
     from the main model's last hidden state and the targets (token i+1 = targets[:, i]; an ignored
     target embeds token 0); `mtp` the MTP params (its hidden_norm, embed_norm, w_proj), `table_VD` the
     shared embedding (with `parallel.tp` this rank's vocabulary rows; h and z replicated on the group, or
-    with sequence parallelism this rank's positions)."""
+    with sequence parallelism this rank's positions; with `parallel.cp` h is this rank's positions and
+    targets_BS the whole sequence's)."""
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
+    targets_BS = local_positions(targets_BS, parallel)
 
     def shared(w: torch.Tensor) -> torch.Tensor:  # under SP used on this rank's positions: grads summed
         return copy_to_tp(w, tp) if sequence_parallel else w
@@ -113,8 +139,9 @@ def embed_layer(cfg: GPTConfig | None = None, parallel: ParallelContext = LOCAL)
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
 
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        if tp is None:
-            return {**acts, H: embedding(meta["ids_BS"], p["embed"]["table"])}, meta
+        if tp is None:  # under context parallelism this rank's positions of the whole sequence's ids
+            ids_BS = local_positions(meta["ids_BS"], parallel)
+            return {**acts, H: embedding(ids_BS, p["embed"]["table"])}, meta
         return {**acts, H: vocab_parallel_embedding(meta["ids_BS"], p["embed"]["table"], tp, cfg.vocab_size,
                                                     sequence_parallel=sequence_parallel)}, meta
 

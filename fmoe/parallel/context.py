@@ -6,8 +6,11 @@
 `tp`: the tensor-parallel group (params are this rank's shards, fmoe/tp_layout.py); `sequence_parallel`:
 the hidden state between layers is this rank's positions [B, S/P, D] (needs `tp`); `dispatcher`: the
 exchange an MoE layer's rows travel through (None: `LocalDispatcher`, every expert in this process; under
-tensor parallelism its group is the ep x tp expert group, TP extending EP). The model's functions take
-the record whole and read what they need, so a new axis joins here and nowhere else.
+tensor parallelism its group is the ep x tp expert group, TP extending EP); `cp`: the context-parallel
+group, over which each sequence is split (fmoe/parallel/context_parallel.py: rank r holds chunks r and
+2N-1-r of 2N; the hidden state is this rank's positions [B, S/N, D], token ids and targets stay whole),
+`cp_comm_type` its attention's form ("p2p" ring, or "all_gather"; Megatron's --cp-comm-type). The model's
+functions take the record whole and read what they need, so a new axis joins here and nowhere else.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fmoe.dispatch.local import LocalDispatcher
 from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.context_parallel import KINDS, cp_positions
 
 
 @dataclass(frozen=True)
@@ -26,10 +32,26 @@ class ParallelContext:
     tp: CommGroup | None = None
     sequence_parallel: bool = False
     dispatcher: Any = None
+    cp: CommGroup | None = None
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp is None:
             raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
+        if self.cp_comm_type not in KINDS:
+            raise ValueError(f"cp_comm_type must be one of {', '.join(KINDS)}, got {self.cp_comm_type!r}")
+        if self.cp is not None and self.tp is not None:
+            raise ValueError("context parallelism with tensor parallelism is not built yet: give one of cp "
+                             "and tp")
+
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel group's size (1 without one)."""
+        return 1 if self.cp is None else self.cp.size
+
+    def positions(self, S: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """This rank's positions of a length-S sequence under context parallelism (None without it)."""
+        return None if self.cp is None else cp_positions(S, self.cp.rank, self.cp.size, device)
 
     @property
     def tp_size(self) -> int:

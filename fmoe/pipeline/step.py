@@ -26,6 +26,7 @@ from fmoe.gpt_state import LayerLoad, layer_loads
 from fmoe.outline import Path, reads_of
 from fmoe.overlap import LayerOverlap, Overlap, layer_overlap
 from fmoe.parallel.context import LOCAL, ParallelContext
+from fmoe.parallel.context_parallel import check_split
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.phases import H, gpt_layers, moe_layer_turns
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, full_grads, holders, stage_params
@@ -82,10 +83,13 @@ class GPTProgram:
         B, S = micro_batch
         if self.cfg.mtp and S < 2:
             raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
-        tp = self.parallel.tp
+        tp, cp = self.parallel.tp, self.parallel.cp
         if self.parallel.sequence_parallel and S % tp.size:
             raise ValueError(f"sequence parallelism over {tp.size} ranks: {S} positions do not split evenly")
-        S_here = S // tp.size if self.parallel.sequence_parallel else S  # the hidden state's positions here
+        if cp is not None:
+            check_split(S, cp.size)
+        # the hidden state's positions on this rank: its sequence-parallel or context-parallel share
+        S_here = S // tp.size if self.parallel.sequence_parallel else S // self.parallel.cp_size
         out = {}
         for stage, layers in self.layers.items():
             first = self.chunks[self.schedule.placement.layer_chunk[stage]].first

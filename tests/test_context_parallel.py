@@ -1,0 +1,198 @@
+"""Context parallelism (fmoe/parallel/context_parallel.py) against one process: the load-balanced split,
+and attention over the split (ring and all-gather) equal to `fmoe.ops.attention` on the whole sequence in
+fp64 (output and the gradients of q, k, v, summed over the ranks that hold them), GQA included, on 2 and 4
+gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from dist_utils import spawn
+
+from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
+from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from fmoe.ops import attention
+from fmoe.parallel import CommGroup, ParallelContext
+from fmoe.parallel.context_parallel import check_split, cp_attention, cp_positions, take_positions
+from fmoe.transforms.testing import assert_close
+
+DT = torch.float64
+
+
+def test_positions_balance_the_causal_work_and_cover_the_sequence() -> None:
+    for N in (1, 2, 3, 4):
+        S = 4 * N
+        held = [cp_positions(S, r, N) for r in range(N)]
+        assert sorted(torch.cat(held).tolist()) == list(range(S))  # every position once
+        pairs = [int(sum(p + 1 for p in pos.tolist())) for pos in held]  # keys each rank's queries see
+        assert len(set(pairs)) == 1, (N, pairs)
+    assert cp_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="6 positions do not split; use a multiple of 4"):
+        check_split(6, 2)
+
+
+def _qkv(B: int, S: int, H: int, G: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, S, n, d, generator=g, dtype=DT) for n in (H, G, G))
+
+
+def _cp_rank(rank: int, world: int, kind: str, shape: tuple[int, ...]) -> dict:
+    B, S, H, G, d = shape
+    comm = CommGroup(torch.distributed.group.WORLD)
+    q, k, v = _qkv(B, S, H, G, d, 0)
+    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
+    pos = cp_positions(S, rank, world)
+    mine = [take_positions(t, pos).requires_grad_(True) for t in (q, k, v)]
+    o = cp_attention(*mine, pos, comm, rope_theta=100.0, kind=kind)
+    (o * take_positions(ct, pos)).sum().backward()
+    full = [torch.zeros_like(t).index_copy(1, pos, m.grad) for t, m in zip((q, k, v), mine)]
+    for t in full:  # each rank holds the gradient its queries gave every key: the sum is the whole's
+        torch.distributed.all_reduce(t)
+    # plain lists: a tensor would cross to the parent by a shared file descriptor, gone once the rank exits
+    return {"o": torch.zeros(B, S, H, d, dtype=DT).index_copy(1, pos, o.detach()).tolist(),
+            "grads": [t.tolist() for t in full]}
+
+
+@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
+@pytest.mark.parametrize("world, shape", [(2, (2, 8, 4, 2, 4)), (4, (1, 16, 2, 2, 4)), (2, (1, 4, 1, 1, 2))])
+def test_cp_attention_equals_one_process(kind: str, world: int, shape: tuple[int, ...]) -> None:
+    B, S, H, G, d = shape
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, 0))
+    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
+    o = attention(q, k, v, rope_theta=100.0)
+    want = torch.autograd.grad((o * ct).sum(), (q, k, v))
+    got = [r.value for r in spawn(_cp_rank, world, kind, shape)]
+    o_sum = sum(torch.tensor(r["o"], dtype=DT) for r in got)  # each rank filled its positions
+    assert_close(o_sum, o.detach(), dtype=DT)
+    for r in got:
+        for a, b in zip(r["grads"], want):
+            assert_close(torch.tensor(a, dtype=DT), b, dtype=DT)
+
+
+# ---- the GPT under context parallelism -------------------------------------------------------------------
+
+def _gpt_cfg(mtp: bool, kv_heads: int) -> GPTConfig:
+    moe = MoEConfig(d_model=8, d_ff=6, num_experts=4, top_k=2, num_shared_experts=1, aux_loss_coef=0.01,
+                    seq_aux_loss_coef=0.02, z_loss_coef=0.001, bias_update_rate=0.1)
+    return GPTConfig(vocab_size=12, d_model=8, n_layers=2, n_heads=2, n_kv_heads=kv_heads, moe=moe,
+                     num_dense_layers=1, d_ff_dense=8, mtp=mtp, mtp_loss_weight=0.3, qk_norm=True)
+
+
+def _gpt_data(cfg: GPTConfig, S: int, B: int = 2) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    params = init_gpt(cfg, g, DT)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    targets = ids.roll(-1, 1)
+    targets[0, 1] = -100  # a position that takes no loss
+    return params, ids, targets
+
+
+def _gpt_parts(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.Tensor,
+               parallel: ParallelContext | None = None) -> dict:
+    state = init_gpt_state(cfg)
+
+    def f(p: dict) -> tuple:
+        loss, aux = gpt_loss(p, ids, targets, cfg, state, parallel=parallel)
+        return loss, {"loss": loss.detach(), "main": aux.main_loss, "balance": aux.balance_loss,
+                      "mtp": aux.mtp_loss, "bias": aux.new_state["layers"][1]["expert_bias_E"]}
+
+    grads, parts = torch.func.grad(f, has_aux=True)(params)
+    return {**parts, "grads": grads}
+
+
+def _gpt_rank(rank: int, world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> dict:
+    cfg = _gpt_cfg(mtp, kv_heads)
+    params, ids, targets = _gpt_data(cfg, S)
+    par = ParallelContext(cp=CommGroup(torch.distributed.group.WORLD), cp_comm_type=kind)
+    got = _gpt_parts(cfg, params, ids, targets, par)
+    for g in tree_flatten(got["grads"])[0]:  # each rank: its positions' part
+        torch.distributed.all_reduce(g)
+    return [(tuple(v.shape), v.flatten().tolist()) for v in tree_flatten(got)[0]]  # leaves, as lists
+
+
+@pytest.mark.parametrize("world, mtp, kv_heads, S, kind",
+                         [(2, True, 1, 8, "p2p"), (2, False, 2, 4, "all_gather"), (4, True, 2, 8, "p2p")])
+def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> None:
+    """Loss parts, the next expert bias (the whole sequence's load) and every gradient (summed over the cp
+    ranks, as a data-parallel reduction over dp x cp sums them) equal one process's, fp64: dense and MoE
+    blocks, GQA, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
+    cfg = _gpt_cfg(mtp, kv_heads)
+    want = _gpt_parts(cfg, *_gpt_data(cfg, S))
+    leaves, spec = tree_flatten(want)
+    for r in spawn(_gpt_rank, world, mtp, kv_heads, S, kind):
+        got = tree_unflatten([torch.tensor(v, dtype=DT).reshape(shape) for shape, v in r.value], spec)
+        for k in ("loss", "main", "balance", "mtp", "bias"):
+            assert_close(got[k], want[k].to(DT), dtype=DT, msg=k)
+        assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")
+
+
+M = 4  # microbatches
+
+
+def _pp_cp_rank(rank: int, world: int, S: int, schedule: str, record: bool = False) -> dict:
+    """pp 2 x cp 2 on 4 ranks (the layout's innermost pair of ranks is the cp group): the pipeline step
+    with fb overlap, MTP on the last chunk; `record`: also every P2P op, collective and wait it issued
+    (tests/nccl_rules.py)."""
+    from contextlib import nullcontext
+
+    from nccl_rules import recording
+
+    from fmoe import schedule as sched
+    from fmoe.parallel import ParallelLayout, Topology
+    from fmoe.pipeline import gpt_pipeline_step, gpt_program
+    from fmoe.schedule.options import ExecOptions
+
+    layout = ParallelLayout(pp=2, tp=2, topology=Topology(world, world))  # "tp": the innermost pair
+    cp = CommGroup(layout.group("tp"))
+    cfg = dataclasses.replace(_gpt_cfg(True, 1), n_layers=4)
+    params, ids, targets = _gpt_data(cfg, S, B=2 * M)
+    pp_group = layout.group("pp")
+    s = sched.build(schedule, 2, M)
+    with recording() if record else nullcontext() as log:
+        program = gpt_program(cfg, s, torch.distributed.get_rank(pp_group), parallel=ParallelContext(cp=cp))
+        batches = list(zip(ids.chunk(M), targets.chunk(M)))
+        step = gpt_pipeline_step(program, params, init_gpt_state(cfg), batches, group=pp_group,
+                                 options=ExecOptions(overlap=True))
+    if record:
+        return {"log": log}
+    grads = {keystr(p): v for p, v in tree_flatten_with_path(step.grads)[0] if v is not None}
+    for g in grads.values():  # summed over the cp pair, as the data-parallel reduction over dp x cp does
+        torch.distributed.all_reduce(g, group=cp.group)
+    held = {k: (tuple(v.shape), v.flatten().tolist()) for k, v in grads.items()}
+    return {"loss": float(step.loss), "grads": held}
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
+def test_a_pipeline_under_cp_equals_one_process(schedule: str) -> None:
+    """pp 2 x cp 2: the ring's messages inside the attention phases of a pipeline with fb overlap (DualPipeV
+    with MTP), against the mean over microbatches of the one-process loss."""
+    S = 8
+    cfg = dataclasses.replace(_gpt_cfg(True, 1), n_layers=4)
+    params, ids, targets = _gpt_data(cfg, S, B=2 * M)
+    state = init_gpt_state(cfg)
+
+    def mean_loss(p: dict) -> torch.Tensor:
+        return sum(gpt_loss(p, i, t, cfg, state)[0] for i, t in zip(ids.chunk(M), targets.chunk(M))) / M
+
+    want_loss = mean_loss(params)
+    want = {keystr(p): v for p, v in tree_flatten_with_path(torch.func.grad(mean_loss)(params))[0]}
+    for r in spawn(_pp_cp_rank, 4, S, schedule, timeout_s=240):
+        got = r.value
+        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
+        assert got["grads"]  # every rank holds some of the model
+        for path, (shape, values) in got["grads"].items():
+            assert_close(torch.tensor(values, dtype=DT).reshape(shape), want[path], msg=path)
+
+
+def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank() -> None:
+    """NCCL's rules (tests/nccl_rules.py) and the one-queue-per-device model: the ring's shifts inside the
+    attention phases and the pipeline's P2P of a pp 2 x cp 2 DualPipeV step with fb overlap neither
+    deadlock nor mismatch."""
+    from nccl_rules import replay
+
+    runs = spawn(_pp_cp_rank, 4, 8, "dualpipev", True, timeout_s=240)
+    logs = {r.rank: r.value["log"] for r in runs}
+    assert replay(logs, "nccl") == []
+    assert replay(logs, "device") == []
