@@ -107,7 +107,8 @@ class IndexedDataset:
         return self.tokens[start: start + int(self.lengths_N[i])]
 
     def read(self, i: int, offset: int, count: int) -> np.ndarray:
-        """`count` tokens of sequence i from token `offset` on, copied out as int64."""
+        """Up to `count` tokens of sequence i from token `offset` on (fewer where it ends), as int64."""
+        count = max(0, min(count, int(self.lengths_N[i]) - offset))
         start = int(self.pointers_N[i]) // self.dtype.itemsize + offset
         return np.asarray(self.tokens[start: start + count], dtype=np.int64)
 
