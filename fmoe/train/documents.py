@@ -96,7 +96,8 @@ class DocumentStream:
         with self._lock:
             if e not in self._epochs:
                 rng = np.random.default_rng([self.seed, *self.salt, e])
-                order_D = self.docs.start + rng.permutation(len(self.docs)).astype(np.int64)
+                order_D = rng.permutation(len(self.docs))  # int64, shifted in place: no second array
+                order_D += self.docs.start
                 ends_D = np.cumsum(self.dataset.lengths_N[order_D], dtype=np.int64)
                 while len(self._epochs) >= 2:
                     self._epochs.pop(min(self._epochs))

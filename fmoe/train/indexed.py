@@ -18,6 +18,7 @@ corpus preprocessed without sentence splitting has one sequence per document), a
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from types import TracebackType
@@ -46,7 +47,8 @@ def _paths(prefix: str | Path) -> tuple[Path, Path]:
 
 
 class IndexedDataset:
-    """The sequences of `prefix`.bin / `prefix`.idx, memory-mapped: opening reads the 34-byte preamble only.
+    """The sequences of `prefix`.bin / `prefix`.idx: opening reads the 34-byte preamble only; the index is
+    memory-mapped, `read` takes a sequence's tokens from the .bin with pread (`[i]` maps the .bin).
 
     dtype: the tokens' numpy dtype; lengths_N int32, pointers_N int64 (bytes into .bin) and
     document_indices_D1 int64 are read-only views of the .idx map. ValueError (naming the file) for a
@@ -87,10 +89,27 @@ class IndexedDataset:
             if end > bin_size:
                 raise ValueError(f"{bin_path} has {bin_size} bytes; its index {idx_path} reaches byte {end} "
                                  f"(a partial copy, or the .bin of another dataset?)")
-        # an empty .bin cannot be mapped: a dataset of empty sequences reads from an empty array
-        self.tokens = (np.memmap(bin_path, dtype=self.dtype.newbyteorder("<"), mode="r") if bin_size
-                       else np.empty(0, dtype=self.dtype))
-        self.bin_bytes = bin_size
+        self.bin_path, self.bin_bytes = bin_path, bin_size
+        self._tokens: np.ndarray | None = None
+        # `read` (the samples' path) takes its tokens with pread, not through a map of the .bin: a mapped
+        # read makes the kernel map the pages around each fault into the process (64-128 KiB of page
+        # cache each), so a process that touched a few thousand samples of a 2 GB corpus held 335-720 MB
+        # more resident set than one reading 20 MB (benchmarks/data_loader.py memory, BENCHMARKS.md)
+        self._fd = os.open(bin_path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole .bin as a read-only memory map of the token dtype (mapped on first use)."""
+        if self._tokens is None:
+            # an empty .bin cannot be mapped: a dataset of empty sequences reads from an empty array
+            self._tokens = (np.memmap(self.bin_path, dtype=self.dtype.newbyteorder("<"), mode="r")
+                            if self.bin_bytes else np.empty(0, dtype=self.dtype))
+        return self._tokens
 
     def __len__(self) -> int:
         """The number of sequences N."""
@@ -109,8 +128,9 @@ class IndexedDataset:
     def read(self, i: int, offset: int, count: int) -> np.ndarray:
         """Up to `count` tokens of sequence i from token `offset` on (fewer where it ends), as int64."""
         count = max(0, min(count, int(self.lengths_N[i]) - offset))
-        start = int(self.pointers_N[i]) // self.dtype.itemsize + offset
-        return np.asarray(self.tokens[start: start + count], dtype=np.int64)
+        size = self.dtype.itemsize
+        raw = os.pread(self._fd, count * size, int(self.pointers_N[i]) + offset * size)
+        return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).astype(np.int64)
 
 
 class IndexedWriter:
