@@ -111,7 +111,8 @@ def preprocess(input_path: str, json_keys: list[str], output_prefix: str, tokeni
             done += 1
             if done % log_interval == 0:
                 rate = done / (time.perf_counter() - t0)
-                print(f"fmoe preprocess: {done} documents, {rate:.0f} docs/s", file=sys.stderr, flush=True)
+                print(f"fmoe preprocess: {done} documents, {rate:.0f} documents/s", file=sys.stderr,
+                      flush=True)
     except BaseException:
         for writer in writers:
             writer.__exit__(ValueError, None, None)
