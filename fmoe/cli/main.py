@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fmoe.cli import convert, demo, plan, simulate, train
+from fmoe.cli import convert, demo, plan, preprocess, simulate, train
 
-COMMANDS = {"demo": demo, "plan": plan, "simulate": simulate, "train": train, "convert": convert}
+COMMANDS = {"demo": demo, "plan": plan, "simulate": simulate, "train": train, "convert": convert,
+            "preprocess": preprocess}
 
 
 def main(argv: list[str] | None = None) -> int:

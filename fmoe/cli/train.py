@@ -115,14 +115,24 @@ HELP = {
     "data": "'markov' (embedded corpus with a known floor) or a file",
     "data_kind": ", ".join(DATA_KINDS[1:]) + " (required with a file --data)",
     "markov_sequences": "sequences in the Markov corpus", "save": "checkpoint directory",
+    "data_path": "Megatron indexed datasets (PREFIX.bin / .idx): one PREFIX, or weights and prefixes "
+                 "blended (0.3 A 0.7 B); instead of --data (docs/data.md)",
+    "tokenizer_type": "HuggingFaceTokenizer, SentencePieceTokenizer, ByteLevelTokenizer or NullTokenizer: "
+                      "gives --vocab-size (padded) and the EOD token",
+    "tokenizer_model": "the tokenizer's file: tokenizer.json (or its directory), a sentencepiece .model",
+    "make_vocab_size_divisible_by": "pad the tokenizer's vocabulary to a multiple of this x --tp (default "
+                                    "128; applies when --vocab-size is not given)",
+    "eod_mask_loss": "no loss on the target after an end-of-document token (--data-path with a tokenizer)",
+    "override_data": "--resume / --load on other data (source, blend, split, seed, --seq-length, files) than "
+                     "the checkpoint's (refused without it: the run would not continue its sample stream)",
     "save_interval": "steps between checkpoints (and one at the end)",
     "load": "checkpoint directory (or a --save directory: its latest) to start from",
     "resume": "continue from the latest checkpoint in --save (refused when there is none)",
     "overwrite_save": "a fresh run deletes the checkpoints already in --save (refused without it)",
     "override_opt_param_scheduler": "--resume / --load with another LR schedule (--lr, --min-lr, --lr-* or "
                                     "--steps) than the checkpoint's (refused without it: the LR would jump)",
-    "split": "train,valid,test weights over a data file's windows (Megatron's --split; the Markov corpus "
-             "draws its validation set apart)",
+    "split": "train,valid,test weights over a data file's windows or --data-path's documents (Megatron's "
+             "--split; the Markov corpus draws its validation set apart)",
     "eval_interval": "steps between held-out evaluations, and one after the last step (0: none)",
     "eval_iters": "global batches of held-out data per evaluation",
     "tensorboard_dir": "also write the metrics as TensorBoard events here (rank 0; pip install "

@@ -8,7 +8,9 @@ Keys (each rank writes the ones it holds; DCP stores a key held by several ranks
   mesh), so DCP writes the whole tensor once and any tp layout (tp 1 included) reads its part;
 - optim/<leaf key>/{exp_avg, exp_avg_sq, step}: AdamW's state, split like the weight;
 - moe_state/<layer>/<name>: the MoE layer states (expert bias, capacity window);
-- train/step: steps done (the data position: a step's batch is a function of the step);
+- train/step: steps done; train/consumed_samples: the samples read (the data position: a step reads the
+  stream positions from there on, fmoe/train/data.py; absent from older checkpoints, where it is step x
+  the global batch);
 - rng/rank<r>: each rank's torch RNG state (restored when the world size is the same).
 
 A save writes DIR/step_<n>.partial, then rank 0 adds meta.json and checksums.json (a sha256 per file,
@@ -277,6 +279,19 @@ def check_schedule(meta: dict[str, Any], config: dict[str, Any], checkpoint: str
         raise CheckpointError(f"{checkpoint} was trained with another learning-rate schedule "
                               f"({'; '.join(diff)}): the LR is a function of the step and these, so it "
                               "would jump; give --override-opt-param-scheduler to use this run's values")
+
+
+def check_data(meta: dict[str, Any], identity: dict[str, Any], checkpoint: str | Path) -> None:
+    """Raises CheckpointError naming what differs between the data the checkpoint's run read and this
+    run's `identity` (fmoe.train.data_source.data_identity): its stream would not continue."""
+    from fmoe.train.data_source import data_diff, saved_identity
+
+    saved = saved_identity(meta)
+    diff = data_diff(saved, identity) if saved is not None else []
+    if diff:
+        raise CheckpointError(f"{checkpoint} was trained on other data ({'; '.join(diff)}): this run would "
+                              "not continue its samples; give the same data flags, or --override-data to go "
+                              "on with this run's data")
 
 
 def has_key(checkpoint: str | Path, key: str) -> bool:

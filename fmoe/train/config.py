@@ -115,7 +115,12 @@ class TrainConfig:
     with fp16 compute and loss scaling: loss_scale fixes the scale, else dynamic from
     initial_loss_scale, halved after `hysteresis` overflowing steps down to min_loss_scale, doubled
     after loss_scale_window clean ones; an overflowing step is skipped), data ("markov" or a file path),
-    data_kind (for files: bin16, bin32, text), markov_sequences, save, save_interval, load, resume,
+    data_kind (for files: bin16, bin32, text), markov_sequences, data_path (Megatron's --data-path: indexed
+    datasets, one prefix or weights and prefixes, fmoe/train/documents.py; instead of data), tokenizer_type
+    and tokenizer_model (fmoe/train/tokenizer.py: the vocabulary, padded to make_vocab_size_divisible_by x
+    tp unless vocab_size is given, and the EOD), eod_mask_loss (no loss on the token after an EOD),
+    override_data (a resume or load whose data differs from the checkpoint's; refused without it), save,
+    save_interval, load, resume,
     overwrite_save (a fresh run may delete the checkpoints already in --save; refused otherwise),
     override_opt_param_scheduler (a resumed or loaded run may change the LR schedule's values),
     split (Megatron's train,valid,test weights over a data file's windows; fmoe/train/splits.py),
@@ -227,6 +232,12 @@ class TrainConfig:
     hysteresis: int = 2
     data: str = "markov"
     data_kind: str | None = None
+    data_path: tuple[str, ...] | None = None
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    make_vocab_size_divisible_by: int = 128
+    eod_mask_loss: bool = False
+    override_data: bool = False
     markov_sequences: int = 16384
     split: str = "969,30,1"
     eval_interval: int = 0
@@ -260,14 +271,17 @@ class TrainConfig:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
         values = dict(PRESETS[preset])
-        if toml_path is not None:
-            values.update(read_toml(toml_path))
-        values.update(overrides or {})
+        given = read_toml(toml_path) if toml_path is not None else {}
+        given.update(overrides or {})
+        if given.get("tokenizer_type") not in (None, "NullTokenizer"):
+            values.pop("vocab_size", None)  # the preset's: the tokenizer's is the default now (resolve_vocab)
+        values.update(given)
         return cls.build(values)
 
     @classmethod
     def build(cls, values: dict[str, Any]) -> TrainConfig:
-        """Returns the config with `values` (field -> value) over the defaults, types checked."""
+        """Returns the config with `values` (field -> value) over the defaults, types checked; without
+        vocab_size, a --tokenizer-type's padded vocabulary (fmoe.train.data_source.resolve_vocab)."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values = _renamed(values)
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}  # TOML, argparse
@@ -277,7 +291,9 @@ class TrainConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}")
         for name, value in values.items():
             _check_type(name, value, fields[name].type)
-        return cls(**values)
+        from fmoe.train.data_source import resolve_vocab
+
+        return cls(**resolve_vocab(values))
 
     def as_dict(self) -> dict[str, Any]:
         """Returns the fields as a plain dict (what checkpoints record)."""
@@ -672,6 +688,9 @@ class TrainConfig:
                              f"{self.moe_dynamic_capacity_margin}")
 
     def _check_data(self) -> None:
+        from fmoe.train.data_source import check_data_source
+
+        check_data_source(self)
         if self.data == "markov":
             return
         if not Path(self.data).is_file():

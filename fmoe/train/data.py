@@ -12,7 +12,13 @@ sequences; `windows_NS1` is [N, S + 1] (a window holds S inputs and their S next
 - File sources follow nanoGPT: a flat binary of uint16 / uint32 tokens (`ndarray.tofile`), or a text
   file at byte level. Both are memory-mapped; only the rows a rank asks for are read.
 - The batch of global step k is a pure function of (num_windows, G, k, seed): resuming at step k needs no
-  other data state, and each epoch visits every window exactly once.
+  other data state, and each epoch visits every window exactly once. In general a step reads the stream
+  positions [start, start + G) (start = the samples consumed before it, k x G at a constant batch size),
+  through the source's `samples(positions, seed)`; `--data-path`'s documents (fmoe/train/documents.py)
+  are a source of the same interface.
+- `eod_mask`: a source that knows its end-of-document token and runs under --eod-mask-loss sets its
+  targets after each EOD (the next document's first token) to -100, which the loss ignores (Megatron's
+  loss_mask[tokens == eod] = 0).
 - Everything here lives on the host, `device="cpu"` spelled out (not torch's default device): the trainer
   moves each microbatch to its rank's device.
 """
@@ -40,12 +46,14 @@ __all__ = [
     "markov_dataset",
     "microbatches",
     "shard_microbatches",
+    "stream_indices",
     "token_file",
 ]
 
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _FILE_KINDS = ("bin16", "bin32", "text")
 _EPOCH_SEED_STRIDE = 1_000_003
+IGNORE_INDEX = -100  # a target that takes no loss (fmoe.ops.cross_entropy's)
 # torch.Generator.manual_seed takes at most 64 bits; this bound keeps seed * stride + epoch inside them.
 _MAX_SEED = 2**40
 
@@ -191,7 +199,10 @@ class Dataset:
         of its tokens, cut into non-overlapping windows (the tail that fills no window is unused).
     floor: the entropy rate in nats/token for a Markov source (the best reachable mean loss), else None.
     path: the file of a file source, else None.
+    eod_mask: None (these sources know no end-of-document token; the module docstring).
     """
+
+    eod_mask: int | None = None
 
     def __init__(self, *, name: str, vocab_size: int, seq_len: int, source: torch.Tensor | np.memmap,
                  floor: float | None = None, path: Path | None = None) -> None:
@@ -234,6 +245,11 @@ class Dataset:
             raise ValueError(f"token file {self.path} holds token {int(windows_NS1.max())}, outside the "
                              f"vocabulary of size {self.vocab_size} (was it made for a larger vocabulary?)")
         return windows_NS1
+
+    def samples(self, positions_P: torch.Tensor, seed: int) -> torch.Tensor:
+        """Return int64 [P, S + 1]: the windows at stream positions `positions_P` (int [P], >= 0) of the
+        seeded stream (`stream_indices`)."""
+        return self.windows(stream_indices(self.num_windows, positions_P, seed))
 
     def describe(self) -> str:
         """Return one line naming the source, its windows and its loss floor (if known)."""
@@ -281,24 +297,32 @@ def _epoch_permutation(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def batch_indices(num_windows: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
-    """Return int64 [G]: the window indices of global step `step` (0-based).
+    """Return int64 [G]: the window indices of global step `step` (0-based): `stream_indices` of the
+    positions step * G + j, j < G."""
+    G = integer("global_batch", global_batch)
+    step = integer("step", step, minimum=0)
+    return stream_indices(num_windows, step * G + torch.arange(G, dtype=torch.int64, device="cpu"), seed)
 
-    Position p = step * G + j of the stream is window perm_e[p % num_windows] of epoch e = p // num_windows,
+
+def stream_indices(num_windows: int, positions_P: torch.Tensor, seed: int) -> torch.Tensor:
+    """Return int64 [P]: the window indices at stream positions `positions_P` (int [P], >= 0).
+
+    Position p of the stream is window perm_e[p % num_windows] of epoch e = p // num_windows,
     perm_e = randperm(num_windows) seeded with seed * 1_000_003 + e. A batch may straddle epochs.
     """
     N = integer("num_windows", num_windows)
-    G = integer("global_batch", global_batch)
-    step = integer("step", step, minimum=0)
     seed = integer("seed", seed, minimum=0)
     if seed >= _MAX_SEED:
         raise ValueError(f"seed must be < 2**40, got {seed}")
-    p_G = step * G + torch.arange(G, dtype=torch.int64, device="cpu")
-    epoch_G, slot_G = p_G // N, p_G % N
-    out_G = torch.empty(G, dtype=torch.int64, device="cpu")
-    for epoch in range(int(epoch_G[0]), int(epoch_G[-1]) + 1):
-        mask_G = epoch_G == epoch
-        out_G[mask_G] = _epoch_permutation(N, seed, epoch)[slot_G[mask_G]]
-    return out_G
+    p_P = torch.as_tensor(positions_P, dtype=torch.int64, device="cpu")
+    if p_P.numel() and int(p_P.min()) < 0:
+        raise ValueError(f"stream positions must be >= 0, got {int(p_P.min())}")
+    epoch_P, slot_P = p_P // N, p_P % N
+    out_P = torch.empty_like(p_P)
+    for epoch in epoch_P.unique().tolist():
+        mask_P = epoch_P == epoch
+        out_P[mask_P] = _epoch_permutation(N, seed, epoch)[slot_P[mask_P]]
+    return out_P
 
 
 def _rank_rows(global_batch: int, data_rank: int, data_ranks: int, micro_batch: int) -> tuple[int, int]:
@@ -334,10 +358,16 @@ def shard_microbatches(windows_GS1: torch.Tensor, data_rank: int, data_ranks: in
 
 
 def microbatches(dataset: Dataset, step: int, *, global_batch: int, micro_batch: int, data_rank: int,
-                 data_ranks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 data_ranks: int, seed: int,
+                 start: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Return data rank r's microbatches [(ids_BS, targets_BS)] of global step `step`: shard_microbatches of
-    the windows batch_indices(...) selects, reading only the G / R windows of this rank."""
+    the samples at stream positions [start, start + G) (`start` default step x G), reading only the G / R
+    of this rank; targets after an EOD set to -100 when the source has an `eod_mask`."""
     first, m = _rank_rows(global_batch, data_rank, data_ranks, micro_batch)
-    indices_G = batch_indices(dataset.num_windows, global_batch, step, seed)
-    windows_MS1 = dataset.windows(indices_G[first: first + m * micro_batch])
-    return shard_microbatches(windows_MS1, 0, 1, micro_batch)
+    start = integer("step", step, minimum=0) * global_batch if start is None else integer("start", start, 0)
+    positions_M = start + first + torch.arange(m * micro_batch, dtype=torch.int64, device="cpu")
+    out = shard_microbatches(dataset.samples(positions_M, seed), 0, 1, micro_batch)
+    eod = getattr(dataset, "eod_mask", None)
+    if eod is None:
+        return out
+    return [(ids_BS, targets_BS.masked_fill(ids_BS == eod, IGNORE_INDEX)) for ids_BS, targets_BS in out]

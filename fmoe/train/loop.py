@@ -52,8 +52,11 @@ from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, microbatches
+from fmoe.train.data_source import data_identity
+from fmoe.train.documents import Blend
 from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
 from fmoe.train.overflow import check_fp16_step
+from fmoe.train.prefetch import Prefetcher
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, rank_leaves
 from fmoe.train.splits import train_dataset, valid_dataset
 
@@ -69,9 +72,9 @@ class World:
     device: torch.device
 
 
-def build_dataset(tc: TrainConfig) -> Dataset:
-    """Returns the run's training data: the embedded Markov corpus, or the training split of a token /
-    text file (fmoe/train/splits.py)."""
+def build_dataset(tc: TrainConfig) -> Dataset | Blend:
+    """Returns the run's training data: the embedded Markov corpus, the training split of a token / text
+    file, or of --data-path's documents (fmoe/train/splits.py)."""
     return train_dataset(tc)
 
 
@@ -149,6 +152,8 @@ class Trainer:
         self.dataset = build_dataset(tc)
         self.valid = valid_dataset(tc)  # held-out windows for --eval-interval (None without it)
         self.step_done = 0
+        self.consumed_samples = 0  # the data position: the next step reads the stream from here
+        self.batches = Prefetcher(self._read, world.device)  # the next step's batch, read in the background
         self.hf_config: dict[str, Any] | None = None  # a loaded checkpoint's config.json (fmoe convert)
         self._checked = False
         self._skipped_in_a_row = 0  # fp16: skipped steps ending with the last one
@@ -211,9 +216,8 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(tc, self.step_done)
         self.opt.set_lr(lr)
-        batches = [(ids.to(self.world.device), t.to(self.world.device)) for ids, t in microbatches(
-            self.dataset, self.step_done, global_batch=tc.global_batch_size, micro_batch=tc.micro_batch_size,
-            data_rank=self.data_rank, data_ranks=tc.data_ranks, seed=tc.seed)]
+        start, G = self.consumed_samples, tc.global_batch_size
+        batches = self.batches.get(start, start + G if self.step_done + 1 < tc.steps else None)
         with capacity_agreement(self.capacity_agreement):
             if self.accumulate:
                 grads, losses, loads, dropped, waited = self._accumulate(batches)
@@ -244,6 +248,7 @@ class Trainer:
                 t.grad = None
         self._checked = True
         self.step_done += 1
+        self.consumed_samples += G
         step_s = time.perf_counter() - t0
         metrics = self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
         if used is not None:
@@ -252,6 +257,13 @@ class Trainer:
             # stops a run that would skip every later step (fmoe/train/overflow.py)
             check_fp16_step(self.step_done, metrics["loss"], used, finite, self._skipped_in_a_row)
         return metrics
+
+    def _read(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches of the global batch at stream position `start` (on the host)."""
+        tc = self.tc
+        return microbatches(self.dataset, 0, global_batch=tc.global_batch_size,
+                            micro_batch=tc.micro_batch_size, data_rank=self.data_rank,
+                            data_ranks=tc.data_ranks, seed=tc.seed, start=start)
 
     def _unscale(self, grads: dict[str, torch.Tensor]) -> float:
         """fp16: divides the summed gradients by the loss scale in place; returns the scale this step used
@@ -399,6 +411,7 @@ class Trainer:
         tp_mesh = self.world.layout.mesh["tp"] if self.tc.tp > 1 else None
         items = checkpoint.state_items(self.leaves, self.tensors, self.opt, moe_state, self.step_done,
                                        self.world.rank, with_rng, tp_mesh)
+        items["train/consumed_samples"] = torch.tensor(self.consumed_samples, dtype=torch.int64, device="cpu")
         if self.loss_scale is not None:  # fp16: the scale and its counters, so a resumed run goes on alike
             ls = self.loss_scale
             items["train/loss_scale"] = torch.tensor([ls.scale, ls.good_steps, ls.hysteresis_left],
@@ -412,7 +425,7 @@ class Trainer:
         a checkpoint this run loaded, so the export needs no --arch and keeps that file's other fields."""
         meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
                 "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp, "tp": self.tc.tp,
-                           "schedule": self.tc.schedule_name}}
+                           "schedule": self.tc.schedule_name}, "data": data_identity(self.tc)}
         if self.tc.schedule_file is not None:  # what ran, printed (fmoe.schedule.load_schedule_text reads it)
             meta["layout"]["schedule_text"] = str(self.schedule)
         if self.hf_config is not None:
@@ -430,11 +443,16 @@ class Trainer:
         checkpoint.check_compatible(meta, self.tc.as_dict(), path)
         if not self.tc.override_opt_param_scheduler:
             checkpoint.check_schedule(meta, self.tc.as_dict(), path)
+        if not self.tc.override_data:
+            checkpoint.check_data(meta, data_identity(self.tc), path)
         saved = meta.get("layout", {})
         same = meta.get("world_size") == self.world.size and all(
             saved.get(k, 1 if k == "tp" else None) == getattr(self.tc, k) for k in ("pp", "ep", "dp", "tp"))
         items = self._items(with_rng=same)
         fresh_scale = "train/loss_scale" in items and not checkpoint.has_key(path, "train/loss_scale")
+        counted = checkpoint.has_key(path, "train/consumed_samples")
+        if not counted:  # an older checkpoint: its steps were of its global batch each
+            del items["train/consumed_samples"]
         if fresh_scale:
             if self.tc.resume:
                 raise checkpoint.CheckpointError(
@@ -444,6 +462,8 @@ class Trainer:
             del items["train/loss_scale"]
         checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
+        self.consumed_samples = (int(items["train/consumed_samples"]) if counted else self.step_done * int(
+            meta.get("config", {}).get("global_batch_size", self.tc.global_batch_size)))
         self.hf_config = meta.get("hf_config")
         if self.loss_scale is not None and not fresh_scale:
             scale, good, left = items["train/loss_scale"].tolist()

@@ -10,8 +10,9 @@ with one line, e.g.
 
 Left out of the comparison, as they may differ per rank without changing what is trained: --metrics,
 --loss-curve, --progress, --tensorboard-dir and the --wandb-* flags (read by rank 0 only),
---keep-host-memory (a rank's own allocator) and --data's path (a copy of the same file may sit elsewhere
-on another node: its content is compared, as the fingerprint). --trace is compared as set or not (every
+--keep-host-memory (a rank's own allocator) and the paths of --data, --data-path and --tokenizer-model (a
+copy of the same file may sit elsewhere on another node: its content is compared, as the fingerprint, and
+--data-path's weights with it). --trace is compared as set or not (every
 rank joins its gather) and --timeout is compared (a rank that gives up earlier fails the others).
 --schedule-file is compared by the schedule it holds, not its path (`schedule_fingerprint`): ranks reading
 two copies of one schedule agree, ranks reading different schedules fail before any P2P waits on them.
@@ -25,11 +26,11 @@ from typing import Any
 
 from fmoe.parallel.agreement import AgreementError, agree
 from fmoe.train.config import TrainConfig
+from fmoe.train.data_source import file_fingerprint
 from fmoe.train.run_errors import RunError
 
-PER_RANK = ("metrics", "loss_curve", "progress", "keep_host_memory", "data", "tensorboard_dir",
-            "wandb_project", "wandb_exp_name", "wandb_save_dir")
-SAMPLE_BYTES = 1 << 16  # hashed at each end of a data file: cheap, and catches another file or version
+PER_RANK = ("metrics", "loss_curve", "progress", "keep_host_memory", "data", "data_path", "tokenizer_model",
+            "tensorboard_dir", "wandb_project", "wandb_exp_name", "wandb_save_dir")
 
 
 def compared_config(tc: TrainConfig) -> dict[str, Any]:
@@ -60,19 +61,22 @@ def schedule_fingerprint(tc: TrainConfig) -> str | None:
 
 def data_fingerprint(tc: TrainConfig) -> str:
     """What identifies the training data: "markov" (drawn from --seed and the sizes, compared in the
-    config), or a file's kind, size and the sha256 of its first and last SAMPLE_BYTES."""
+    config), a file's kind, size and the sha256 of its first and last SAMPLE_BYTES, or --data-path's
+    weights and the same of each prefix's .bin and .idx; with the tokenizer file's."""
+    tokenizer = (f"; tokenizer {file_fingerprint(tc.tokenizer_model)}"
+                 if tc.tokenizer_model is not None and os.path.isfile(tc.tokenizer_model) else "")
+    if tc.data_path is not None:
+        from fmoe.train.documents import parse_data_path
+
+        try:
+            blend = parse_data_path(tc.data_path)
+        except ValueError as exc:
+            return f"unreadable ({exc})"
+        return "; ".join(f"{w} x bin {file_fingerprint(p + '.bin')}, idx {file_fingerprint(p + '.idx')}"
+                         for w, p in blend) + tokenizer
     if tc.data == "markov":
-        return "markov"
-    try:
-        size = os.path.getsize(tc.data)
-        h = hashlib.sha256()
-        with open(tc.data, "rb") as f:
-            h.update(f.read(SAMPLE_BYTES))
-            f.seek(max(0, size - SAMPLE_BYTES))
-            h.update(f.read(SAMPLE_BYTES))
-    except OSError as exc:  # compared like any other value: the ranks that can read it name the others
-        return f"unreadable ({type(exc).__name__})"
-    return f"{tc.data_kind} file of {size} bytes, sha256 of its ends {h.hexdigest()[:16]}"
+        return "markov" + tokenizer
+    return f"{tc.data_kind} file of {file_fingerprint(tc.data)}" + tokenizer
 
 
 def check_ranks_agree(tc: TrainConfig, layout: dict[str, Any]) -> None:

@@ -12,6 +12,8 @@
   sequences of the same chain drawn with seed --seed + 2, so training data is unchanged whether or not a
   run evaluates, and the same corpus floor (the chain's entropy rate) applies to both. --split does not
   apply to it.
+- `--data-path`: --split cuts each prefix's documents (fmoe/train/documents.py); the validation set is the
+  blend of the prefixes' validation documents, with the same weights.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 from typing import TYPE_CHECKING
 
 from fmoe.train.data import Dataset, file_dataset, markov_chain, markov_corpus, markov_dataset
+from fmoe.train.documents import Blend
 
 if TYPE_CHECKING:
     from fmoe.train.config import TrainConfig
@@ -65,18 +68,30 @@ def _file_parts(tc: TrainConfig) -> tuple[Dataset, tuple[range, range, range]]:
     return ds, split_bounds(ds.num_windows, tc.split)
 
 
-def train_dataset(tc: TrainConfig) -> Dataset:
+def _documents(tc: TrainConfig, part: str) -> Blend:
+    from fmoe.train.data_source import eod_mask
+    from fmoe.train.documents import documents_dataset, parse_data_path
+
+    return documents_dataset(parse_data_path(tc.data_path), seq_len=tc.seq_length, split=tc.split, part=part,
+                             vocab_size=tc.vocab_size, seed=tc.seed, eod_mask=eod_mask(tc))
+
+
+def train_dataset(tc: TrainConfig) -> Dataset | Blend:
     """The data the run trains on (module docstring)."""
+    if tc.data_path is not None:
+        return _documents(tc, "train")
     if tc.data == "markov":
         return markov_dataset(tc.vocab_size, tc.seq_length, tc.markov_sequences, tc.seed)
     ds, (train, _, _) = _file_parts(tc)
     return window_range(ds, train, "train")
 
 
-def valid_dataset(tc: TrainConfig) -> Dataset | None:
+def valid_dataset(tc: TrainConfig) -> Dataset | Blend | None:
     """The held-out data --eval-interval evaluates on (module docstring); None when the run evaluates not."""
     if not tc.eval_interval:
         return None
+    if tc.data_path is not None:
+        return _documents(tc, "valid")
     if tc.data == "markov":
         n = tc.eval_iters * tc.global_batch_size
         chain = markov_chain(tc.vocab_size, tc.seed)
@@ -96,7 +111,7 @@ def eval_problem(tc: TrainConfig) -> str | None:
         return str(exc)
     if tc.eval_iters < 1:
         return f"--eval-iters must be a positive integer, got {tc.eval_iters}"
-    if tc.data == "markov":
+    if tc.data == "markov" or tc.data_path is not None:  # --data-path's parts: fmoe.train.data_source
         return None
     ds, (train, valid, _) = _file_parts(tc)
     if not len(train):
