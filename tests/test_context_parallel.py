@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 from dist_utils import spawn
+from test_tensor_parallel_gpt import _data as _gpt_data  # params, ids, targets (one ignored)
 
-from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
+from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt_state
 from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from fmoe.ops import attention
 from fmoe.parallel import CommGroup, ParallelContext
@@ -78,15 +79,6 @@ def _gpt_cfg(mtp: bool, kv_heads: int) -> GPTConfig:
                     seq_aux_loss_coef=0.02, z_loss_coef=0.001, bias_update_rate=0.1)
     return GPTConfig(vocab_size=12, d_model=8, n_layers=2, n_heads=2, n_kv_heads=kv_heads, moe=moe,
                      num_dense_layers=1, d_ff_dense=8, mtp=mtp, mtp_loss_weight=0.3, qk_norm=True)
-
-
-def _gpt_data(cfg: GPTConfig, S: int, B: int = 2) -> tuple:
-    g = torch.Generator().manual_seed(7)
-    params = init_gpt(cfg, g, DT)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    targets = ids.roll(-1, 1)
-    targets[0, 1] = -100  # a position that takes no loss
-    return params, ids, targets
 
 
 def _gpt_parts(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.Tensor,

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_parallel_moe import RowsOnly
 
 from fmoe.config import MoEConfig
 from fmoe.dispatch.local import LocalDispatcher
@@ -28,17 +29,7 @@ IN_EXPERT = MoEConfig(d_model=8, d_ff=8, num_experts=E, top_k=2, probs_in_expert
 COMM = SimpleNamespace(size=2, rank=0)  # the dispatchers only keep their group until they exchange
 
 
-class SyncOnly:
-    """A research script's dispatcher: the synchronous Dispatcher protocol and nothing else."""
-
-    def __init__(self, inner):
-        self.inner, self.num_local_experts = inner, inner.num_local_experts
-
-    def dispatch(self, x_RD, counts_E, probs_R=None):
-        return self.inner.dispatch(x_RD, counts_E, probs_R)
-
-    def combine(self, y_MD, meta):
-        return self.inner.combine(y_MD, meta)
+SyncOnly = RowsOnly  # a research script's dispatcher: the synchronous Dispatcher protocol and nothing else
 
 
 def _dispatchers() -> dict:
