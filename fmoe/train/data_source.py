@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmoe.train.tokenizer import Tokenizer, build_tokenizer, padded_vocab_size
 
-if TYPE_CHECKING:
-    from fmoe.train.config import TrainConfig
+# a fmoe.train.config.TrainConfig, named and not imported: the config reads this module (its checks and
+# the tokenizer's vocabulary), so an import back, even for types, would close a circle
+TrainConfig = Any
 
 SAMPLE_BYTES = 1 << 16  # hashed at each end of a data file: cheap, and catches another file or version
 

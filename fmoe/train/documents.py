@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from fmoe.train.indexed import IndexedDataset
+from fmoe.train.split_rule import split_bounds
 
 __all__ = ["Blend", "DocumentStream", "parse_data_path", "documents_dataset", "BLOCK"]
 
@@ -72,8 +73,6 @@ def parse_data_path(items: tuple[str, ...] | list[str]) -> list[tuple[float | No
 
 def split_documents(num_docs: int, split: str, part: str) -> range:
     """The documents of `part` ("train", "valid", "test") of --split over `num_docs` documents."""
-    from fmoe.train.splits import split_bounds  # splits imports this module
-
     return split_bounds(num_docs, split)[PARTS.index(part)]
 
 

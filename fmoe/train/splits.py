@@ -18,40 +18,18 @@
 
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fmoe.train.data import Dataset, file_dataset, markov_chain, markov_corpus, markov_dataset
 from fmoe.train.documents import Blend
+from fmoe.train.split_rule import parse_split as parse_split  # where callers have found them
+from fmoe.train.split_rule import split_bounds as split_bounds
 
-if TYPE_CHECKING:
-    from fmoe.train.config import TrainConfig
+# a fmoe.train.config.TrainConfig, named and not imported: the config reads the data modules (through
+# fmoe.train.data_source), so an import back, even for types, would close a circle
+TrainConfig = Any
 
 VALID_SEED_OFFSET = 2  # the training corpus is drawn with seed + 1 (markov_dataset), the chain with seed
-
-
-def parse_split(text: str) -> tuple[float, float, float]:
-    """Returns the normalized (train, valid, test) weights of a `--split` string such as "969,30,1" or
-    "98,2" (missing weights are 0), as Megatron's parse_and_normalize_split; ValueError naming the flag."""
-    numbers = re.findall(r"[^,/\s]+", text)
-    try:
-        weights = [float(x) for x in numbers]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(not w >= 0 for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"--split must be 1 to 3 weights >= 0 'train,valid,test' with a positive sum (e.g. "
-                         f"969,30,1), got {text!r}")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return weights[0] / total, weights[1] / total, weights[2] / total
-
-
-def split_bounds(num_windows: int, split: str) -> tuple[range, range, range]:
-    """Returns the window ranges (train, valid, test) of `split` over `num_windows` windows."""
-    train, valid, _ = parse_split(split)
-    a = int(round(train * num_windows))
-    b = int(round((train + valid) * num_windows))
-    return range(0, a), range(a, b), range(b, num_windows)
 
 
 def window_range(ds: Dataset, windows: range, part: str) -> Dataset:
