@@ -188,3 +188,36 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank()
     logs = {r.rank: r.value["log"] for r in runs}
     assert replay(logs, "nccl") == []
     assert replay(logs, "device") == []
+
+
+def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_other_cp_sizes(tmp_path) -> None:
+    """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
+    gradient norm, the expert loads); its step-2 checkpoint resumed in one process and at cp 4, each equal
+    to the uninterrupted run. Parameters are replicated over cp, so a checkpoint is the same at any size."""
+    from test_train import _train
+
+    steps = ("--mtp", "--pp", "1", "--ep", "1", "--steps", "4")
+    ref = _train(tmp_path, "ref", *steps)
+    cp2 = _train(tmp_path, "cp2", *steps, "--context-parallel-size", "2", "--save", str(tmp_path / "c2"),
+                 "--save-interval", "2")
+    step2 = str(tmp_path / "c2" / "step_00000002")
+    cp1 = _train(tmp_path, "cp2->cp1", *steps, "--load", step2)
+    cp4 = _train(tmp_path, "cp2->cp4", *steps, "--context-parallel-size", "4", "--cp-comm-type", "all_gather",
+                 "--load", step2)
+    for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:])):
+        assert [m["step"] for m in got] == [m["step"] for m in want], name
+        for w, h in zip(want, got, strict=True):
+            for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
+                assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
+            assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
+
+
+def test_fmoe_train_refuses_what_cp_cannot_run_before_launch() -> None:
+    from fmoe.train.config import TrainConfig
+
+    base = {"pp": 1, "ep": 1, "context_parallel_size": 2}
+    assert TrainConfig(**base).problem() is None
+    assert "--seq-length (62) must divide by 4" in TrainConfig(**base, seq_length=62).problem()
+    assert "with --tp > 1 is not built yet" in TrainConfig(**base, tp=2).problem()
+    bad = TrainConfig(**base, cp_comm_type="a2a").problem()
+    assert "--cp-comm-type must be one of p2p, all_gather" in bad

@@ -70,6 +70,9 @@ HELP = {
     "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
     "tp": "tensor-parallel ranks (Megatron's --tensor-model-parallel-size; extends ep for the experts)",
     "sequence_parallel": "shard the sequence over the tp ranks outside the TP regions (needs --tp > 1)",
+    "context_parallel_size": "context-parallel ranks: each sequence split over them, attention across the "
+                             "split (Megatron's flag)",
+    "cp_comm_type": "context parallelism's attention: p2p (ring, default) or all_gather",
     "schedule": f"{', '.join(ALL_NAMES + (ACCUMULATE,))} (default: dualpipev for pp > 1, combined_1f1b for "
                 "pp 1 with ep > 1, accumulate otherwise)",
     "schedule_file": "a schedule written out in its printed form (docs/schedules.md), instead of --schedule: "

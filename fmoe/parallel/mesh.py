@@ -2,10 +2,13 @@
 
 Which ranks share a node (`Topology`) and the layout rules that need no process group (`check_layout`) are
 plain values of fmoe.parallel.topology. `ParallelLayout` builds one
-`torch.distributed.device_mesh` with dims ("pp", "dp", "ep_inter", "ep_intra", "tp") (tp innermost, so
-tp ranks are neighbours on a node) and hands out its groups by name; rank arithmetic is left to the
-mesh. The expert group is ep x tp flattened: with TP-extends-EP (MISSION.md feature 21) the tp ranks own
-different experts instead of slices of the same ones.
+`torch.distributed.device_mesh` with dims ("pp", "cp", "dp", "ep_inter", "ep_intra", "tp") (tp innermost,
+so tp ranks are neighbours on a node; cp outside dp and ep, so every group flattened here is a run of
+adjacent dims: Megatron puts cp inside ep, nearer tp, for its ring's locality) and hands out its groups
+by name; rank arithmetic is left to the mesh. The expert group is ep x tp flattened: with TP-extends-EP
+(MISSION.md feature 21) the tp ranks own different experts instead of slices of the same ones. Context
+parallelism (cp) splits each sequence over its ranks: they read the same data and hold the same weights
+(experts too), so gradients are summed over `data_cp` (dense) and `dp_cp` (experts).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ class ParallelLayout:
     `expert` is ep x tp flattened (the group dispatchers exchange tokens over); `expert_intra` and
     `expert_inter` split it into the ranks of this node and the ranks with the same node-local position
     on the other nodes (the two stages of hierarchical dispatch). `data` is dp x ep: the ranks that hold
-    the same non-expert weights of one pipeline stage and read different data (their gradients are
-    all-reduced; expert gradients only over `dp`). Must be built by every rank, after
-    `init_process_group`, with the same arguments.
+    the same non-expert weights of one pipeline stage and read different data. `cp`: the ranks that
+    split one sequence; `data_cp` (dp x cp x ep) and `dp_cp` (dp x cp) are the groups the dense and the
+    expert gradients are summed over (`data` and `dp` without context parallelism). Must be built by
+    every rank, after `init_process_group`, with the same arguments.
 
     `agree_on`: None (default) checks nothing. A mapping (`{}` for the layout alone, or e.g.
     `{"config": cfg, "params": params}`) makes construction first run `fmoe.parallel.agree` over the
@@ -39,14 +43,14 @@ class ParallelLayout:
     e.g. `agree(layout.group("expert"), params=p)`).
     """
 
-    DIMS = ("pp", "dp", "ep_inter", "ep_intra", "tp")
+    DIMS = ("pp", "cp", "dp", "ep_inter", "ep_intra", "tp")
 
-    def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None,
+    def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                  topology: Topology | None = None, device_type: str = "cpu",
                  agree_on: Mapping[str, Any] | None = None):
         ws = dist.get_world_size()
-        dp = dp if dp is not None else ws // (tp * ep * pp)
-        self.tp, self.ep, self.pp, self.dp = tp, ep, pp, dp
+        dp = dp if dp is not None else ws // (tp * ep * pp * cp)
+        self.tp, self.ep, self.pp, self.dp, self.cp = tp, ep, pp, dp, cp
         self.device_type = device_type
         if agree_on is not None:  # before any check or group, so that every rank fails the same way
             if "layout" in agree_on:
@@ -55,8 +59,9 @@ class ParallelLayout:
             self.topology = topology or Topology.from_env(ws)
             agree(None, layout=self, **agree_on)
         self.topology = topology or Topology.from_env(ws)
-        ep_intra = check_layout(ws, tp=tp, ep=ep, pp=pp, dp=dp, ranks_per_node=self.topology.ranks_per_node)
-        shape = (pp, dp, ep // ep_intra, ep_intra, tp)
+        ep_intra = check_layout(ws, tp=tp, ep=ep, pp=pp, dp=dp, cp=cp,
+                                ranks_per_node=self.topology.ranks_per_node)
+        shape = (pp, cp, dp, ep // ep_intra, ep_intra, tp)
         self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
         self._meshes: dict[str, DeviceMesh] = {
             "pp": self.mesh["pp"], "dp": self.mesh["dp"], "tp": self.mesh["tp"],
@@ -66,10 +71,16 @@ class ParallelLayout:
             "expert_inter": self.mesh["ep_inter"],
             "data": flatten_mesh(self.mesh["dp", "ep_inter", "ep_intra"], "data"),
         }
+        self._meshes["cp"] = self.mesh["cp"]
+        if cp > 1:  # every rank builds these (a collective), only when they differ from data / dp
+            self._meshes["data_cp"] = flatten_mesh(self.mesh["cp", "dp", "ep_inter", "ep_intra"], "data_cp")
+            self._meshes["dp_cp"] = flatten_mesh(self.mesh["cp", "dp"], "dp_cp")
+        else:
+            self._meshes["data_cp"], self._meshes["dp_cp"] = self._meshes["data"], self._meshes["dp"]
 
     def describe(self) -> dict[str, Any]:
         """Return what ranks must agree on (`fmoe.parallel.agree`): sizes, world size, topology, device."""
-        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp,
+        return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp, "cp": self.cp,
                 "world_size": dist.get_world_size(), "topology": self.topology,
                 "device_type": self.device_type}
 

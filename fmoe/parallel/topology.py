@@ -52,15 +52,17 @@ class Topology:
         return cls(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
-def check_layout(world_size: int, *, tp: int, ep: int, pp: int, dp: int, ranks_per_node: int) -> int:
+def check_layout(world_size: int, *, tp: int, ep: int, pp: int, dp: int, ranks_per_node: int,
+                 cp: int = 1) -> int:
     """Returns ep_intra, the expert-parallel ranks inside one node, after checking the layout rules that
-    need no process group: tp x ep x pp x dp == world size, and the expert group (ep x tp consecutive
+    need no process group: tp x ep x pp x dp x cp == world size, and the expert group (ep x tp consecutive
     ranks) either fits a node evenly or spans whole nodes with tp inside a node. Raises ValueError."""
-    if min(tp, ep, pp, dp, ranks_per_node) < 1:
+    if min(tp, ep, pp, dp, cp, ranks_per_node) < 1:
         raise ValueError(f"ParallelLayout: sizes must be positive, got tp {tp} ep {ep} pp {pp} dp {dp} "
-                         f"ranks_per_node {ranks_per_node}")
-    if tp * ep * pp * dp != world_size:
-        raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} != world size {world_size}")
+                         f"cp {cp} ranks_per_node {ranks_per_node}")
+    if tp * ep * pp * dp * cp != world_size:
+        raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} x cp {cp} != world size "
+                         f"{world_size}")
     Topology(world_size, ranks_per_node)  # ranks_per_node divides the world
     rpn = ranks_per_node
     if ep * tp <= rpn:

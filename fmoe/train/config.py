@@ -189,6 +189,8 @@ class TrainConfig:
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     schedule: str | None = None
     schedule_file: str | None = None
     dualpipev_dw_detach: bool = False
@@ -384,9 +386,14 @@ class TrainConfig:
                              f"{self.moe_adaptive_recompute_activation_scale}")
 
     @property
+    def cp(self) -> int:
+        """The context-parallel size (--context-parallel-size): ranks that split each sequence."""
+        return self.context_parallel_size
+
+    @property
     def world_size(self) -> int:
-        """pp x ep x dp x tp."""
-        return self.pp * self.ep * self.dp * self.tp
+        """pp x ep x dp x tp x cp."""
+        return self.pp * self.ep * self.dp * self.tp * self.cp
 
     @property
     def data_ranks(self) -> int:
@@ -478,8 +485,8 @@ class TrainConfig:
         from fmoe.parallel.topology import check_layout
         from fmoe.pipeline.cut import cut_gpt
 
-        for name in ("pp", "ep", "dp", "tp", "steps", "seq_length", "micro_batch_size", "global_batch_size",
-                     "markov_sequences"):
+        for name in ("pp", "ep", "dp", "tp", "context_parallel_size", "steps", "seq_length",
+                     "micro_batch_size", "global_batch_size", "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         for name in ("save_interval", "lr_warmup_iters", "eval_interval"):
@@ -560,9 +567,11 @@ class TrainConfig:
         if vpp is not None and vpp < 1:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be a positive integer, got {vpp}")
         rpn = self.ranks_per_node or self.world_size
-        check_layout(self.world_size, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, ranks_per_node=rpn)
+        check_layout(self.world_size, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, cp=self.cp,
+                     ranks_per_node=rpn)
         self._check_routing()
         self._check_tp()
+        self._check_cp()
         for name in ("router", "experts", "attention"):  # the flag named, before the model names its field
             check_seam(f"--{name}", getattr(self, name))
         self._check_recompute()
@@ -659,6 +668,26 @@ class TrainConfig:
                              "statistics, which a --router function does not reduce")
         if self.moe_dynamic_capacity_window:
             raise ValueError("--moe-dynamic-capacity-window under --tp > 1: the forecast would be per rank")
+
+    def _check_cp(self) -> None:
+        """--context-parallel-size and --cp-comm-type, with what context parallelism cannot run yet."""
+        from fmoe.parallel.context_parallel import KINDS
+
+        if self.cp_comm_type not in KINDS:
+            raise ValueError(f"--cp-comm-type must be one of {', '.join(KINDS)}, got {self.cp_comm_type!r}")
+        if self.cp == 1:
+            return
+        if self.seq_length % (2 * self.cp):
+            raise ValueError(f"--context-parallel-size {self.cp} cuts each sequence into {2 * self.cp} "
+                             f"equal chunks (causal load balancing): --seq-length ({self.seq_length}) must "
+                             f"divide by {2 * self.cp}")
+        refused = {"--tp > 1": self.tp > 1, "--multi-latent-attention": self.model().mla,
+                   "--attention": self.attention is not None, "--router": self.router is not None,
+                   "--moe-dynamic-capacity-window": bool(self.moe_dynamic_capacity_window),
+                   "core_attn recompute": self.recompute_choice().module("core_attn")}
+        for flag, given in refused.items():
+            if given:
+                raise ValueError(f"--context-parallel-size {self.cp} with {flag} is not built yet")
 
     def _check_routing(self) -> None:
         """Group-limited routing and dynamic capacity, named by their flags (MoEConfig checks them too)."""

@@ -69,7 +69,7 @@ def evaluate(trainer: Trainer) -> dict[str, float]:
         vec = vec.to(device)
         dist.all_reduce(vec, group=trainer.world_group)
         vec = vec.cpu()
-    loss, main = (vec / (tc.data_ranks * tc.tp)).tolist()  # every tp rank holds the loss, as in training
+    loss, main = (vec / (tc.data_ranks * tc.tp * tc.cp)).tolist()  # every tp / cp rank holds the loss
     return {"eval_loss": loss, "eval_main_loss": main, "eval_s": time.perf_counter() - t0}
 
 

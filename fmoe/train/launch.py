@@ -152,8 +152,8 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
                            "backend": backend})
     layout = None
     if size > 1:
-        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, topology=Topology(size, rpn),
-                                device_type=device.type)
+        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, cp=tc.cp,
+                                topology=Topology(size, rpn), device_type=device.type)
     return World(rank, size, layout, device)
 
 
@@ -280,9 +280,10 @@ def _measured_imbalance(events_by_rank: list[list[TraceEvent]]) -> float:
 
 def _layout(tc: TrainConfig) -> str:
     """The banner's layout: pp x ep x dp always (pp 1 x ep 1 names the one-process path), tp where > 1,
-    "(sp)" after it when sequence parallelism shards the sequence over the tp ranks."""
+    "(sp)" after it when sequence parallelism shards the sequence over the tp ranks, cp where > 1."""
     tp = f" x tp {tc.tp}{' (sp)' if tc.sequence_parallel else ''}" if tc.tp > 1 else ""
-    return f"pp {tc.pp}{tp} x ep {tc.ep} x dp {tc.dp}"
+    cp = f" x cp {tc.cp} ({tc.cp_comm_type})" if tc.cp > 1 else ""
+    return f"pp {tc.pp}{tp} x ep {tc.ep} x dp {tc.dp}{cp}"
 
 
 def _describe(tc: TrainConfig, trainer: Trainer) -> str:

@@ -91,9 +91,13 @@ class Trainer:
         self.tp_rank = layout.local_rank("tp") if layout else 0
         self.expert_rank = layout.local_rank("expert") if layout else 0  # in ep x tp (TP extends EP)
         self.data_rank = layout.local_rank("data") if layout else 0
+        self.cp_rank = layout.local_rank("cp") if layout else 0
         self.pp_group = layout.group("pp") if layout and tc.pp > 1 else None
         self.data_group = layout.group("data") if layout and tc.data_ranks > 1 else None
         self.dp_group = layout.group("dp") if layout and tc.dp > 1 else None
+        # gradients are summed over the context-parallel ranks too (each holds its positions' part)
+        self.data_cp_group = layout.group("data_cp") if layout and tc.data_ranks * tc.cp > 1 else None
+        self.dp_cp_group = layout.group("dp_cp") if layout and tc.dp * tc.cp > 1 else None
         self.world_group = dist.group.WORLD if world.size > 1 else None
         self.timeout = timedelta(seconds=tc.timeout)
 
@@ -123,8 +127,9 @@ class Trainer:
         L = cfg.moe.num_experts // (tc.ep * tc.tp)
         self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
                                               ep_rank=self.expert_rank, num_local_experts=L,
-                                              counts_dense=self.data_rank == 0,
-                                              counts_expert=self.dp_rank == 0, tp_rank=self.tp_rank)
+                                              counts_dense=self.data_rank == 0 and self.cp_rank == 0,
+                                              counts_expert=self.dp_rank == 0 and self.cp_rank == 0,
+                                              tp_rank=self.tp_rank)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         # the MoE sites this rank holds (fmoe.outline), in their checkpoint keys' order
         held = set(paths)
@@ -137,7 +142,9 @@ class Trainer:
         self.parallel = ParallelContext(
             tp=CommGroup(layout.group("tp"), timeout=self.timeout) if tc.tp > 1 else None,
             sequence_parallel=tc.sequence_parallel,
-            dispatcher=self._dispatcher() if tc.ep * tc.tp > 1 else None)
+            dispatcher=self._dispatcher() if tc.ep * tc.tp > 1 else None,
+            cp=CommGroup(layout.group("cp"), timeout=self.timeout) if tc.cp > 1 else None,
+            cp_comm_type=tc.cp_comm_type)
         self.program = None if self.accumulate else gpt_program(
             cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
             overlap=LayerOverlap(tc.pair_overlap, "self" if tc.a2a_chunks == 2 else "none"))
@@ -185,7 +192,7 @@ class Trainer:
                 self._stage_leaves[st] = now
                 order += [lf.key for lf in now]
             order += [lf.key for lf in reversed(self.leaves) if lf.key not in order]
-        self.reducer = GradientReducer(self.leaves, data_group=self.data_group, dp_group=self.dp_group,
+        self.reducer = GradientReducer(self.leaves, data_group=self.data_cp_group, dp_group=self.dp_cp_group,
                                        data_ranks=self.tc.data_ranks, order=order)
 
     def _stage_done(self, stage: int, grads: dict[str, Any]) -> None:
@@ -396,7 +403,7 @@ class Trainer:
             vec[-1] = peak[0]
             vec = vec.cpu()
         n = self.world.size
-        loss, main, mtp = (vec[:3] / (tc.data_ranks * tc.tp)).tolist()  # every tp rank holds the loss
+        loss, main, mtp = (vec[:3] / (tc.data_ranks * tc.tp * tc.cp)).tolist()  # every tp / cp rank: the loss
         # each MoE layer's drops are counted on every pipeline rank holding it once per data rank
         return {"step": self.step_done, "loss": loss, "main_loss": main, "balance_loss": loss - main - (
                     tc.mtp_loss_scaling_factor * mtp), "mtp_loss": mtp, "lr": lr, "grad_norm": norm,
@@ -425,7 +432,8 @@ class Trainer:
         a checkpoint this run loaded, so the export needs no --arch and keeps that file's other fields."""
         meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
                 "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp, "tp": self.tc.tp,
-                           "schedule": self.tc.schedule_name}, "data": data_identity(self.tc)}
+                           "cp": self.tc.cp, "schedule": self.tc.schedule_name},
+                "data": data_identity(self.tc)}
         if self.tc.schedule_file is not None:  # what ran, printed (fmoe.schedule.load_schedule_text reads it)
             meta["layout"]["schedule_text"] = str(self.schedule)
         if self.hf_config is not None:
@@ -447,7 +455,8 @@ class Trainer:
             checkpoint.check_data(meta, data_identity(self.tc), path)
         saved = meta.get("layout", {})
         same = meta.get("world_size") == self.world.size and all(
-            saved.get(k, 1 if k == "tp" else None) == getattr(self.tc, k) for k in ("pp", "ep", "dp", "tp"))
+            saved.get(k, 1 if k in ("tp", "cp") else None) == getattr(self.tc, k)
+            for k in ("pp", "ep", "dp", "tp", "cp"))
         items = self._items(with_rng=same)
         fresh_scale = "train/loss_scale" in items and not checkpoint.has_key(path, "train/loss_scale")
         counted = checkpoint.has_key(path, "train/consumed_samples")
