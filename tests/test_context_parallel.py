@@ -192,8 +192,9 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank()
 
 def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_other_cp_sizes(tmp_path) -> None:
     """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
-    gradient norm, the expert loads); its step-2 checkpoint resumed in one process and at cp 4, each equal
-    to the uninterrupted run. Parameters are replicated over cp, so a checkpoint is the same at any size."""
+    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, and at ep 2 x
+    cp 2, each equal to the uninterrupted run. Parameters are replicated over cp, so a checkpoint is the same
+    at any size."""
     from test_train import _train
 
     # fp64, as tests/test_train.py's layouts: the ring sums a softmax in another order, and in fp32 that
@@ -206,7 +207,11 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
     cp1 = _train(tmp_path, "cp2->cp1", *steps, "--load", step2)
     cp4 = _train(tmp_path, "cp2->cp4", *steps, "--context-parallel-size", "4", "--cp-comm-type", "all_gather",
                  "--load", step2)
-    for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:])):
+    # with expert parallelism: each cp rank's tokens go to the experts of its own ep group
+    ep2_cp2 = _train(tmp_path, "cp2->ep2_cp2", *steps, "--ep", "2", "--context-parallel-size", "2",
+                     "--load", step2)  # the later --ep wins
+    for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:]),
+                            ("cp2->ep2_cp2", ep2_cp2, ref[2:])):
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
