@@ -41,6 +41,12 @@ class LayerOverlap:
         if self.lone not in LONE:
             raise ValueError(f"LayerOverlap.lone must be one of {', '.join(LONE)}, got {self.lone!r}")
 
+    @classmethod
+    def of_chunks(cls, a2a_chunks: int, paired: str = "pair") -> LayerOverlap:
+        """Returns the modes `--a2a-chunks` stands for: a lone forward moves its rows in two chunks with 2,
+        whole with 1; `paired` as given."""
+        return cls(paired, "self" if a2a_chunks == 2 else "none")
+
     @property
     def hands_over(self) -> bool:
         """Whether the layer hands over to its pair at the dispatch and the combine."""

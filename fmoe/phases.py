@@ -185,7 +185,7 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
         raise ValueError(f"a2a_chunks must be 1 or 2, got {a2a_chunks!r}")
     if overlap is not None and a2a_chunks != 1:
         raise ValueError("give the lone forward's chunks as overlap.lone ('self'), not also a2a_chunks")
-    overlap = overlap or LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
+    overlap = overlap or LayerOverlap.of_chunks(a2a_chunks)
     if bare and parallel.tp is not None:
         raise ValueError("tensor parallelism shards a block (fmoe.model.block), not a bare MoE layer")
     moe_cfg = cfg if bare else cfg.moe

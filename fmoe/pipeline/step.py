@@ -118,13 +118,8 @@ def gpt_program(cfg: GPTConfig, s: Schedule, rank: int, *, chunks: tuple[ChunkSp
         layers[stage] = tuple(gpt_layers(cfg, sites, parallel, a2a_chunks=a2a_chunks, overlap=overlap))
         paths[stage] = reads_of(sites)
     turns = gpt_stage_turns(cfg, s, chunks, parallel.dispatcher,
-                            overlap if overlap is not None else _lone_overlap(a2a_chunks))
+                            overlap if overlap is not None else LayerOverlap.of_chunks(a2a_chunks))
     return GPTProgram(cfg, s, rank, chunks, parallel, layers, paths, turns)
-
-
-def _lone_overlap(a2a_chunks: int) -> LayerOverlap:
-    """The modes `a2a_chunks` stands for (moe_layer's default): pairs hand over, lone ops chunk with 2."""
-    return LayerOverlap(lone="self" if a2a_chunks == 2 else "none")
 
 
 @dataclass

@@ -147,7 +147,7 @@ class Trainer:
             cp_comm_type=tc.cp_comm_type)
         self.program = None if self.accumulate else gpt_program(
             cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
-            overlap=LayerOverlap(tc.pair_overlap, "self" if tc.a2a_chunks == 2 else "none"))
+            overlap=LayerOverlap.of_chunks(tc.a2a_chunks, tc.pair_overlap))
         self.options = ExecOptions(overlap=tc.overlap, timeout=self.timeout, fuse_iw=tc.fuse_iw,
                                    grad_dtype=self.policy.grad_dtype if self.policy.mixed else None)
         # dynamic capacity: the expert group pads to one agreed capacity (seed 002; fmoe/capacity.py)
