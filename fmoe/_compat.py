@@ -21,7 +21,8 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
   itself uses (same leaf and node rules as our vjp primals); torch 2.13 has no public pytree module.
   Used by transforms/split_vjp.py, remat.py, testing.py and the tests. `tree_flatten_with_path` and
   `keystr` (same module) name a leaf by its path (`[0]['h']`); split_vjp and testing.check_vjp use them in
-  error messages only.
+  error messages only. `register_pytree_node` and `GetAttrKey` (same module) make a class a pytree
+  node, as torch.func and torch.compile read them; used by transforms/pytree.py.
 - `tensor_version`: `Tensor._version`, the counter every in-place write bumps (shared by views and
   `detach()`), which tape autograd checks on its saved tensors. Used by transforms/tape.py: a deferred
   weight-grad thunk checks that the tensors it captured were not modified in place before it runs.
@@ -47,16 +48,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._C._functorch as _functorch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
+from torch.utils._pytree import (
+    GetAttrKey,
+    keystr,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map,
+    tree_unflatten,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "Function", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
+    "Function", "GetAttrKey", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
     "functorch_active", "get_unwrapped",
-    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "tensor_version", "tree_flatten",
+    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "register_pytree_node", "tensor_version",
+    "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
 

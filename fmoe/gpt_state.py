@@ -23,6 +23,7 @@ from fmoe.config import GPTConfig
 from fmoe.layer import MoERoute, init_moe_state, update_moe_state
 from fmoe.outline import outline, state_at, with_state_at
 from fmoe.structure import check_gpt_state
+from fmoe.transforms.pytree import pytree_dataclass
 
 Path = tuple[str, ...]
 
@@ -37,6 +38,7 @@ def init_gpt_state(cfg: GPTConfig, device: torch.device | str = "cpu") -> dict[s
     return state
 
 
+@pytree_dataclass(static=("missed",))
 @dataclass(frozen=True)
 class LayerLoad:
     """One MoE layer's routing over a step: tokens_per_expert_E [E] summed over microbatches, max_load the

@@ -43,8 +43,10 @@ from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import init_router, route
 from fmoe.seams import check_routing, experts_of, router_of
 from fmoe.structure import Leaf, check_moe, check_moe_state, check_tree
+from fmoe.transforms.pytree import pytree_dataclass
 
 
+@pytree_dataclass(static=("capacity", "capacity_missed", "remat"))
 @dataclass(frozen=True)
 class MoERoute:
     """Non-differentiable routing metadata handed from the routing step to the expert and combine steps.
@@ -67,6 +69,7 @@ class MoERoute:
     losses: dict[str, torch.Tensor]
 
 
+@pytree_dataclass(static=("remat", "capacity", "capacity_missed"))
 @dataclass(frozen=True)
 class MoEAux:
     """Everything `moe` reports besides y.

@@ -48,23 +48,31 @@ from fmoe.router import check_seq_len
 from fmoe.structure import check_block, check_gpt, check_moe, local_experts
 from fmoe.tp_layout import SPLITS, check_shard, check_tp
 from fmoe.transforms.program import Ran, run_phases, tree_params
+from fmoe.transforms.pytree import pytree_dataclass
 
 
+@pytree_dataclass
 @dataclass(frozen=True)
 class GPTAux:
     """What `gpt_loss` reports besides the loss.
 
     main_loss / mtp_loss / balance_loss: detached scalars (mtp_loss 0 without MTP);
-    layers: one MoEAux per MoE layer (main layers, then the MTP block); remat_layers: indices into
-    `layers` of the layers whose expert activations were rematerialised; new_state: the next state.
+    layers: one MoEAux per MoE layer (main layers, then the MTP block); new_state: the next state;
+    remat_layers (property): indices into `layers` of the layers whose expert activations were
+    rematerialised. A pytree (transforms/pytree.py): `grad_and_value(..., has_aux=True)` and `tree_map`
+    see its tensors.
     """
 
     main_loss: torch.Tensor
     mtp_loss: torch.Tensor
     balance_loss: torch.Tensor
     layers: list[MoEAux]
-    remat_layers: list[int]
     new_state: dict[str, Any]
+
+    @property
+    def remat_layers(self) -> list[int]:
+        """Indices into `layers` of the layers whose expert activations were rematerialised."""
+        return [i for i, a in enumerate(self.layers) if a.remat]
 
 
 def _run(layers: list, params: dict[str, Any], acts: dict[str, torch.Tensor],
@@ -193,7 +201,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     moe_aux = [make_aux(b, r, state_at(new_state, o.site(name))) for name, b, r in routes]
     mtp = ran.meta.get("mtp_loss", main.new_zeros(()))
     aux = GPTAux(main_loss=main.detach(), mtp_loss=mtp.detach(), balance_loss=balance.detach(),
-                 layers=moe_aux, remat_layers=[i for i, a in enumerate(moe_aux) if a.remat],
+                 layers=moe_aux,
                  new_state=new_state)
     return loss, aux
 

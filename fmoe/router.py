@@ -26,8 +26,10 @@ from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
 from fmoe.ops import compute_dtype, expert_counts, linear
 from fmoe.structure import check_router
+from fmoe.transforms.pytree import pytree_dataclass
 
 
+@pytree_dataclass
 @dataclass(frozen=True)
 class Routing:
     """What the router decided for T tokens.

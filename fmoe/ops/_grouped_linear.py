@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm
+from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 BACKENDS = ("grouped_mm", "loop", "npu")
@@ -116,6 +117,7 @@ HOST_READS_FREE: tuple[str, ...] = ("cpu",)
 Tests empty it to run the accelerator path on CPU tensors (tests/test_host_syncs.py)."""
 
 
+@pytree_dataclass(static=("host",))
 @dataclass(frozen=True, eq=False)
 class Counts:
     """The rows per group (expert) of grouped products, in the forms the backends read.

@@ -31,8 +31,10 @@ import torch
 
 from fmoe._compat import Function, functorch_active
 from fmoe.ops._dtypes import compute_dtype
+from fmoe.transforms.pytree import pytree_dataclass
 
 
+@pytree_dataclass(static=("counts", "num_tokens", "top_k", "full"))
 @dataclass(frozen=True)
 class Layout:
     """Expert-sorted row layout of N = T*K (token, slot) pairs. See the module docstring.
