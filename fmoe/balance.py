@@ -76,9 +76,9 @@ def seq_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int, coe
         if not coef:
             return graph_zero(probs_TE)
         B, S = shard.num_seqs, shard.seq_len
-        counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
-        counts_BE.index_put_((shard.seq_ids_T.repeat_interleave(K), ids_TK.flatten()),
-                             torch.ones(T * K, dtype=probs_TE.dtype, device=probs_TE.device), accumulate=True)
+        counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device).index_put(
+            (shard.seq_ids_T.repeat_interleave(K), ids_TK.flatten()),
+            torch.ones(T * K, dtype=probs_TE.dtype, device=probs_TE.device), accumulate=True)
         sums_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device).index_add(
             0, shard.seq_ids_T, probs_TE)
         f_BE = shard.total(counts_BE) * (E / (K * S))
@@ -90,8 +90,9 @@ def seq_aux_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, seq_len: int, coe
         return graph_zero(probs_TE)
     B = T // seq_len
     ids_BN = ids_TK.reshape(B, seq_len * K)
-    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device)
-    counts_BE.scatter_add_(1, ids_BN, torch.ones_like(ids_BN, dtype=probs_TE.dtype))
+    # Out of place: vmap batches scatter_add, not its in-place form into an unbatched zeros.
+    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device).scatter_add(
+        1, ids_BN, torch.ones_like(ids_BN, dtype=probs_TE.dtype))
     f_BE = counts_BE * (E / (K * seq_len))
     P_BE = probs_TE.reshape(B, seq_len, E).mean(1)
     return coef * (f_BE * P_BE).sum(1).mean()

@@ -36,7 +36,7 @@ from einops import rearrange
 
 from fmoe._index import exclusive_cumsum
 from fmoe.config import MoEConfig
-from fmoe.ops import Layout, expert_counts, sort_layout
+from fmoe.ops import Layout, expert_counts, sort_layout, traced
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
     counts_E = expert_counts(ids_N, E)
     starts_E = exclusive_cumsum(counts_E)
     rank_N = torch.arange(N, device=dev) - starts_E[ids_N[order_N]]
-    keep_N = torch.empty(N, dtype=torch.bool, device=dev)
-    keep_N[order_N] = rank_N < C
+    # Scatters out of place (here and below): torch.func.vmap batches them, not index_put_ into an
+    # unbatched buffer.
+    keep_N = torch.empty(N, dtype=torch.bool, device=dev).scatter(0, order_N, rank_N < C)
     dropped = N - keep_N.sum()
 
     # Kept pairs sorted by expert in token order; dropped pairs get key E and go last.
@@ -106,15 +107,22 @@ def drop_layout(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, 
         dst_sorted_N = torch.where(key_sorted_N < E, key_sorted_N * C + pos_N, torch.full_like(pos_N, R))
         rows_E = torch.full((E,), C, dtype=torch.int64, device=dev)
         counts = (C,) * E
+    elif traced():
+        # Under vmap / compile the layout keeps a static size, R = N: the dropped pairs' rows stay at the
+        # end as zero rows (source: the zero row) in the last expert's block, whose outputs no token reads
+        # (their pairs point at the zero row R); their dw terms are 0 (zero input, zero cotangent).
+        R = N
+        kept = kept_E.sum()
+        dst_sorted_N = torch.where(arange_N < kept, arange_N, torch.full_like(arange_N, R))
+        rows_E = kept_E + torch.nn.functional.pad((N - kept).reshape(1), (E - 1, 0))
+        counts = None
     else:
         R = int(kept_E.sum())  # host sync: the layout's size depends on the data
         dst_sorted_N = torch.where(arange_N < R, arange_N, torch.full_like(arange_N, R))
         rows_E, counts = kept_E, None
-    row_dst_N = torch.empty_like(ids_N)
-    row_dst_N[order2_N] = dst_sorted_N
+    row_dst_N = torch.empty_like(ids_N).scatter(0, order2_N, dst_sorted_N)
     # Padding rows read pair N (the zero row); the extra slot R absorbs the writes of dropped pairs.
-    row_src_R1 = torch.full((R + 1,), N, dtype=torch.int64, device=dev)
-    row_src_R1[dst_sorted_N] = order2_N
+    row_src_R1 = torch.full((R + 1,), N, dtype=torch.int64, device=dev).scatter(0, dst_sorted_N, order2_N)
     row_src_R = row_src_R1[:R]
     layout = Layout(row_src_R=row_src_R, row_dst_N=row_dst_N, tok_R=row_src_R // K, counts_E=rows_E,
                     counts=counts, num_tokens=T, top_k=K)

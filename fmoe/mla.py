@@ -35,11 +35,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fmoe.config import GPTConfig
 from fmoe.init import ones, scaled_normal
-from fmoe.ops import linear, rms_norm, rope
+from fmoe.ops import linear, rms_norm, rope, sdpa
 from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 from fmoe.recompute import part
@@ -76,8 +75,7 @@ def latent_attention(q_BSHk: torch.Tensor, k_BSHk: torch.Tensor, v_BSHe: torch.T
     """Return o_BSHe [B, S, H, e] = causal softmax(q k^T / sqrt(k)) v per head, of queries and keys
     RoPE already applied to (their rotary part only), values of their own width e."""
     # sdpa's default scale is 1/sqrt(q's last dim), i.e. 1/sqrt(d + r); it takes e != k
-    o_BHSe = F.scaled_dot_product_attention(q_BSHk.transpose(1, 2), k_BSHk.transpose(1, 2),
-                                            v_BSHe.transpose(1, 2), is_causal=True)
+    o_BHSe = sdpa(q_BSHk.transpose(1, 2), k_BSHk.transpose(1, 2), v_BSHe.transpose(1, 2), causal=True)
     return o_BHSe.transpose(1, 2)
 
 

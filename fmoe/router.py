@@ -73,8 +73,7 @@ def _group_mask(choice_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     top_in_group = min(2, E // J)
     group_score_TJ = choice_TJe.topk(top_in_group, dim=-1).values.sum(-1)
     best_TX = _top_indices(group_score_TJ, cfg.topk_groups)  # X = topk_groups
-    mask_TJ = torch.zeros(T, J, dtype=torch.bool, device=choice_TE.device)
-    mask_TJ.scatter_(1, best_TX, True)
+    mask_TJ = torch.zeros(T, J, dtype=torch.bool, device=choice_TE.device).scatter(1, best_TX, True)
     return repeat(mask_TJ, "t j -> t (j e)", e=E // J)
 
 

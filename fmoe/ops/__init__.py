@@ -6,6 +6,7 @@ Public names only; a module's internals are reached as `fmoe.ops._linear` and so
 
 from fmoe.ops._attention import attention as attention
 from fmoe.ops._attention import rope as rope
+from fmoe.ops._attention import sdpa as sdpa
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
 from fmoe.ops._dtypes import compute_dtype as compute_dtype
 from fmoe.ops._embedding import embedding as embedding
@@ -13,6 +14,7 @@ from fmoe.ops._grouped_linear import Counts as Counts
 from fmoe.ops._grouped_linear import available_backends as available_backends
 from fmoe.ops._grouped_linear import group_counts as group_counts
 from fmoe.ops._grouped_linear import grouped_linear as grouped_linear
+from fmoe.ops._grouped_linear import traced as traced
 from fmoe.ops._linear import linear as linear
 from fmoe.ops._mlp_products import grouped_linear_pair as grouped_linear_pair
 from fmoe.ops._mlp_products import linear_pair as linear_pair

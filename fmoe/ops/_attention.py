@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, under_vmap
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -64,6 +64,24 @@ def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
     return _tables(torch.arange(S, device=device), d, theta, ct)
 
 
+def sdpa(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSe: torch.Tensor, *, causal: bool,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """Return o_BHSe = softmax(q k^T / sqrt(q's last dim) + causal mask) v: F.scaled_dot_product_attention,
+    or under torch.func.vmap the same products written out (sdpa's CPU kernels have no batching rule, and
+    vmap would run them once per batch element)."""
+    if not under_vmap():
+        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, is_causal=causal, enable_gqa=enable_gqa)
+    H, G = q_BHSd.shape[-3], k_BHSd.shape[-3]
+    if G != H:
+        k_BHSd, v_BHSe = (t.repeat_interleave(H // G, dim=-3) for t in (k_BHSd, v_BHSe))
+    score_BHSS = (q_BHSd @ k_BHSd.transpose(-2, -1)) * q_BHSd.shape[-1] ** -0.5
+    if causal:
+        S, Sk = score_BHSS.shape[-2:]
+        above_SS = torch.ones(S, Sk, dtype=torch.bool, device=q_BHSd.device).triu(Sk - S + 1)
+        score_BHSS = score_BHSS.masked_fill(above_SS, float("-inf"))
+    return torch.softmax(score_BHSS, -1) @ v_BHSe
+
+
 def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool,
                     native_gqa: bool = False) -> torch.Tensor:
     H, G = q_BSHd.shape[-2], k_BSGd.shape[-2]
@@ -75,13 +93,13 @@ def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: b
     if G != H and native_gqa:
         # Tape autograd: sdpa reads each kv head for its H / G query heads itself (no repeated copies of
         # k and v, saved for the backward, and no repeat in the graph).
-        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=causal, enable_gqa=True)
+        o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal, enable_gqa=True)
         return o_BHSd.transpose(-3, -2)
     if G != H:
         # Explicit repeat (not enable_gqa) so every sdpa backend, and its vjp, sees plain MHA shapes.
         k_BGSd = k_BGSd.repeat_interleave(H // G, dim=-3)
         v_BGSd = v_BGSd.repeat_interleave(H // G, dim=-3)
-    o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSd, is_causal=causal)
+    o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal)
     return o_BHSd.transpose(-3, -2)
 
 

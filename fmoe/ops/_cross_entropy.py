@@ -51,7 +51,9 @@ class _CrossEntropy(Function):
         safe_X = torch.where(valid_X, targets_X, torch.zeros_like(targets_X))
         count = valid_X.sum().clamp(min=1).to(lse_X.dtype)
         p_XV = torch.exp(lf_XV - lse_X.unsqueeze(-1))
-        onehot_XV = torch.nn.functional.one_hot(safe_X, lf_XV.shape[-1]).to(lse_X.dtype)
+        # A comparison, not F.one_hot: one_hot reads the targets' range to the host, which vmap cannot.
+        classes_V = torch.arange(lf_XV.shape[-1], device=lf_XV.device)
+        onehot_XV = (safe_X.unsqueeze(-1) == classes_V).to(lse_X.dtype)
         d_XV = (p_XV - onehot_XV) * (valid_X.to(lse_X.dtype) * (g / count)).unsqueeze(-1)
         return d_XV.to(logits_XV.dtype), None, None
 
@@ -100,8 +102,8 @@ def cross_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, ignore_index
 def _check_targets(targets_X: torch.Tensor, V: int, ignore_index: int) -> None:
     """Raise ValueError unless every target lies in [0, V) or equals ignore_index (one host sync). On an
     accelerator a device-side assert instead, so the host can run ahead."""
-    if not targets_X.numel():
-        return
+    if not targets_X.numel() or _grouped_linear.traced():
+        return  # under vmap / compile no data to read: the gather's own bounds check raises instead
     if targets_X.device.type not in _grouped_linear.HOST_READS_FREE:
         ok = ((targets_X == ignore_index) | ((targets_X >= 0) & (targets_X < V))).all()
         torch._assert_async(ok, f"cross_entropy: targets must lie in [0, {V}) or equal ignore_index")

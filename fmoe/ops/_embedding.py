@@ -22,8 +22,10 @@ def _table_grad(ids_X: torch.Tensor, g_XD: torch.Tensor, V: int, dtype: torch.dt
     # Repeated ids accumulate: sum in fp32 for half-precision tables, then round once.
     acc = compute_dtype(dtype)
     D = g_XD.shape[-1]
-    dt_VD = torch.zeros(V, D, dtype=acc, device=g_XD.device)
-    dt_VD.index_add_(0, ids_X.reshape(-1), g_XD.reshape(-1, D).to(acc))
+    # Out of place: under vmap (per-example gradients) g is batched and an in-place add into the unbatched
+    # zeros is not allowed; index_add's cost is the same.
+    dt_VD = torch.zeros(V, D, dtype=acc, device=g_XD.device).index_add(0, ids_X.reshape(-1),
+                                                                       g_XD.reshape(-1, D).to(acc))
     return dt_VD.to(dtype)
 
 
@@ -94,8 +96,8 @@ def _check_ids(ids_X: torch.Tensor, V: int) -> None:
     """Raise ValueError unless every id lies in [0, V) (one host sync for both bounds). On an accelerator
     a device-side assert instead, so the host can run ahead (a bad id fails at the next sync, as aten's
     own index kernels do there)."""
-    if not ids_X.numel():
-        return
+    if not ids_X.numel() or _grouped_linear.traced():
+        return  # under vmap / compile the ids have no data to read; aten's index kernel checks them itself
     if ids_X.device.type not in _grouped_linear.HOST_READS_FREE:
         torch._assert_async(((ids_X >= 0) & (ids_X < V)).all(), f"embedding: ids must lie in [0, {V})")
         return

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm
+from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm, under_vmap
+from fmoe.ops import _grouped_op
 from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
@@ -139,6 +140,10 @@ class Counts:
 
     def offsets(self, device: torch.device) -> torch.Tensor:
         """int32 [E] cumulative row ends on `device` (no host read)."""
+        if self.dev_E is not None and traced():
+            # Not cached: vmap's wrappers and compile's fake tensors belong to one transform level, and a
+            # backward runs at another.
+            return torch.cumsum(self.dev_E, 0, dtype=torch.int32)
         if self.dev_E is not None and (self.host is None or device.type not in HOST_READS_FREE):
             return self._dev_offs_E
         return _offsets(self.host, device, torch.int32)
@@ -163,8 +168,16 @@ def _npu_call(x: torch.Tensor, w: torch.Tensor, counts: Counts, split_item: int,
                                             group_list_type=1)[0]
 
 
+def traced() -> bool:
+    """True under torch.func.vmap or while torch.compile traces: no host read of the counts then (vmap's
+    tensors have no data, compile's are fake), the products go through the library ops (_grouped_op.py)."""
+    return under_vmap() or torch.compiler.is_compiling()
+
+
 def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
     """y_MF[rows of e] = x_MD[rows of e] @ w_EDF[e] (also the dx product with w transposed)."""
+    if backend != "npu" and traced():
+        return _grouped_op.grouped_mm(x_MD, w_EDF, counts.offsets(x_MD.device), backend)
     if backend == "grouped_mm":
         return grouped_mm(x_MD.contiguous(), w_EDF, offs=counts.offsets(x_MD.device))
     if backend == "npu":
@@ -180,6 +193,8 @@ def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: Counts, backend: str) 
 
 def _weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
     """dw_EDF[e] = x_MD[rows of e]^T @ g_MF[rows of e]; zero for an expert with no rows."""
+    if backend != "npu" and traced():
+        return _grouped_op.grouped_mm_dw(x_MD, g_MF, counts.offsets(x_MD.device), backend)
     if backend == "grouped_mm":
         # 2D x 2D with offs groups the shared (row) dimension: one product per expert.
         return grouped_mm(x_MD.contiguous().t(), g_MF.contiguous(), offs=counts.offsets(x_MD.device))
@@ -201,7 +216,7 @@ def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Ten
     slice (what the CPU grouped kernel runs anyway, less the [E, D, F] result and the pass adding it);
     elsewhere the grouped product, added (a device's grouped kernel beats a loop of per-expert launches,
     and a loop would need the host ints)."""
-    if out_EDF.device.type != "cpu" or counts.host is None:
+    if out_EDF.device.type != "cpu" or counts.host is None or traced():
         return out_EDF.add_(_weight_grad(x_MD, g_MF, counts, backend))
     b = _bounds(counts.host)
     for e in range(len(counts.host)):
@@ -327,7 +342,7 @@ def group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, x_MD: torch.Te
 
 def _group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, device: torch.device, backend: str,
                   name: str) -> Counts:
-    need_host = backend == "loop" or device.type in HOST_READS_FREE
+    need_host = (backend == "loop" or device.type in HOST_READS_FREE) and not traced()
     if isinstance(counts_E, Counts):
         if counts_E.host is None and need_host:
             return Counts(counts_E.read(), counts_E.dev_E)
@@ -352,6 +367,10 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
     """
     prod = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E, backend)
+    if prod.backend != "npu" and traced():
+        # The library op, whose own autograd, vmap and fake rules transforms read; the offsets go in as a
+        # tensor argument (a Function's non-tensor argument would hide them from vmap's levels).
+        return _grouped_op.product(x_MD, w_EDF, prod.counts.offsets(x_MD.device), prod.backend)
     if prod.backend != "npu" and not (may_defer() or functorch_active()):
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
         # ops (torch._grouped_mm has its own backward) with no Python backward per call.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, under_vmap
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.pytree import pytree_dataclass
 
@@ -75,7 +75,9 @@ def expert_counts(ids_X: torch.Tensor, num_experts: int) -> torch.Tensor:
     accelerators too.
     """
     ids_N = ids_X.reshape(-1).to(torch.int64)
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
+    # Out of place: torch.func.vmap batches `scatter_add` over a batch of id sets, not its in-place form
+    # into an unbatched zeros.
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add(
         0, ids_N, torch.ones_like(ids_N))
 
 
@@ -114,15 +116,18 @@ def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.T
     if probs_TK is None:
         return torch.sum(y_TKD, 1, dtype=acc).to(y_TKD.dtype)
     p_TK = probs_TK.to(acc)
-    if torch.is_grad_enabled() and (y_TKD.requires_grad or p_TK.requires_grad):
+    if under_vmap() or (torch.is_grad_enabled() and (y_TKD.requires_grad or p_TK.requires_grad)):
         # Recorded by tape autograd: multiply then sum, whose backward is one product per input (the
-        # per-slot form's backward would zero-fill a [T, K, D] gradient per slot: 2x slower).
+        # per-slot form's backward would zero-fill a [T, K, D] gradient per slot: 2x slower). Under vmap
+        # too: addcmul_ has no batching rule (vmap would loop over the batch).
         return (y_TKD.to(acc) * p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
     # Inside a Function's forward: one multiply-add per slot into an accumulator in the compute dtype, no
     # [T, K, D] product (nor an upcast copy of half-precision rows): 4.5x faster on CPU than multiply-
     # then-sum in fp32, 3x in bf16; a T-batch of [1, K] @ [K, D] bmm is slower still.
-    out_TD = torch.zeros(y_TKD.shape[0], y_TKD.shape[2], dtype=acc, device=y_TKD.device)
-    for k in range(y_TKD.shape[1]):
+    # The accumulator starts as slot 0's product (not zeros): under torch.func.vmap it is then batched
+    # like its inputs, and the in-place adds into it are legal.
+    out_TD = torch.mul(y_TKD[:, 0], p_TK[:, 0:1])
+    for k in range(1, y_TKD.shape[1]):
         out_TD.addcmul_(y_TKD[:, k], p_TK[:, k:k + 1])
     return out_TD.to(y_TKD.dtype)
 
@@ -134,6 +139,7 @@ def _unpermute_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, row_dst_N
 
 
 class _Permute(Function):
+    generate_vmap_rule = True
     """x_RD = x_TD[src_R] (a zero row where src_R = T); backward: the inverse permutation, summed over K.
 
     permute_probs runs it with the N pairs as source rows (T -> N, K = 1).
@@ -168,6 +174,7 @@ class _Permute(Function):
 
 
 class _Unpermute(Function):
+    generate_vmap_rule = True
     """y_TD = sum_k probs_TK[t, k] * y_RD[row_dst_N[t * K + k]]; backward: the forward permutation."""
 
     @staticmethod
