@@ -44,7 +44,9 @@ imported on first use.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch._C._functorch as _functorch
@@ -64,11 +66,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Function", "GetAttrKey", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
-    "functorch_active", "get_unwrapped",
+    "functorch_active", "needs_grad", "get_unwrapped",
     "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "register_pytree_node", "tensor_version",
-    "tree_flatten",
+    "trace_safe_cache", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
+
+T = TypeVar("T")
 
 HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
 
@@ -108,6 +112,8 @@ def tensor_version(t: torch.Tensor) -> int:
 
 def under_vmap() -> bool:
     """True when the caller runs inside `torch.func.vmap` (at any depth of the torch.func transform stack)."""
+    if torch.compiler.is_compiling():
+        return False  # dynamo cannot read the interpreter stack; it runs its own vmap over traced code
     stack = _functorch.get_interpreter_stack()
     return bool(stack) and any(i.key() == _functorch.TransformType.Vmap for i in stack)
 
@@ -145,6 +151,11 @@ class Function(torch.autograd.Function):
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Returns forward's outputs, recorded for autograd (and torch.func) exactly as torch's apply."""
+        if torch.compiler.is_compiling():
+            # torch.compile traces torch's own apply (its autograd.Function support); the shortcut below
+            # is for eager calls, and traced it loses the weight gradients of a Function whose inputs
+            # all need gradients.
+            return super().apply(*args, **kwargs)
         arity = cls.__dict__.get("_forward_arity")
         if arity is None:
             import inspect
@@ -157,6 +168,39 @@ class Function(torch.autograd.Function):
             args = _functorch_utils().unwrap_dead_wrappers(args)
             return super(torch.autograd.Function, cls).apply(*args)  # what torch's apply calls here
         return _custom_function_call()(cls, *args)
+
+
+def trace_safe_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """`functools.lru_cache(maxsize)` that torch.compile traces past: while compiling, the wrapped function
+    runs uncached (dynamo would trace the cache wrapper's body anyway, and warns that it may be silently
+    wrong); eager calls hit the cache. The wrapper keeps `cache_clear` / `cache_info`."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> T:
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return cached(*args, **kwargs)
+
+        call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
+
+def needs_grad(ctx: Any) -> tuple[bool, ...]:
+    """`ctx.needs_input_grad` of an autograd.Function's backward; all True while torch.compile traces it.
+
+    torch 2.13's trace of `torch.func.grad` over a Function reports False for an input that does need a
+    gradient when another input needs one too (the weight of a linear whose input is itself computed):
+    its gradient would silently be zero (tests/test_transforms_compose.py). Every gradient is computed
+    then; autograd drops those nobody asked for.
+    """
+    if torch.compiler.is_compiling():
+        return (True,) * len(ctx.needs_input_grad)
+    return ctx.needs_input_grad
 
 
 def functorch_active() -> bool:

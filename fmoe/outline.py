@@ -20,10 +20,10 @@ Paths are tuples of strings ("layers", "3"): a list on the way is indexed by a k
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fmoe._compat import trace_safe_cache
 from fmoe.config import GPTConfig
 
 Path = tuple[str, ...]
@@ -58,14 +58,14 @@ class Outline:
     sites: tuple[Site, ...]
     n_layers: int
     mtp: bool
+    # Indexes made once with the outline (not functools.cached_property: its lock, on Python 3.11, stops
+    # torch.compile from tracing a lookup).
+    _by_name: dict[str, Site] = field(init=False, repr=False, compare=False)
+    _by_params: dict[Path, Site] = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def _by_name(self) -> dict[str, Site]:
-        return {s.name: s for s in self.sites}
-
-    @functools.cached_property
-    def _by_params(self) -> dict[Path, Site]:
-        return {s.params: s for s in self.sites}
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.sites})
+        object.__setattr__(self, "_by_params", {s.params: s for s in self.sites})
 
     @property
     def moe(self) -> tuple[Site, ...]:
@@ -117,7 +117,7 @@ def reads_of(sites: tuple[Site, ...]) -> tuple[Path, ...]:
     return tuple(dict.fromkeys(p for s in sites for p in s.reads))
 
 
-@functools.lru_cache(maxsize=64)
+@trace_safe_cache(maxsize=64)
 def outline(cfg: GPTConfig) -> Outline:
     """Returns the Outline of `cfg`'s GPT (cached per config; frozen)."""
     sites = [Site("embed", "embed", ("embed",), (("embed",),))]

@@ -46,13 +46,13 @@ leaf's shape (ids of containers are reused and rebuilt by torch.func), which is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fmoe._compat import trace_safe_cache
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.outline import outline
 
@@ -236,7 +236,7 @@ def check_tree(tree: Any, spec: Spec, what: str, paths: Iterable[Path] | None = 
 # --- specs -------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
+@trace_safe_cache(maxsize=256)
 def moe_params_spec(cfg: MoEConfig, num_local_experts: int | None = None) -> Mapping[str, Any]:
     """Return the spec of `fmoe.init_moe(cfg)` params; the routed experts have `num_local_experts`
     (L, default E) experts. Do not mutate the result (it is cached)."""
@@ -259,7 +259,7 @@ def moe_params_spec(cfg: MoEConfig, num_local_experts: int | None = None) -> Map
     return spec
 
 
-@functools.lru_cache(maxsize=256)
+@trace_safe_cache(maxsize=256)
 def moe_state_spec(cfg: MoEConfig) -> Mapping[str, Any]:
     """Return the spec of a layer state (`fmoe.init_moe_state(cfg)`, every entry optional)."""
     spec: dict[str, Any] = {"expert_bias_E": Opt(Leaf((("E", cfg.num_experts),)))}
@@ -311,7 +311,7 @@ def _mla_spec(cfg: GPTConfig) -> dict[str, Any]:
     return spec
 
 
-@functools.lru_cache(maxsize=256)
+@trace_safe_cache(maxsize=256)
 def block_params_spec(cfg: GPTConfig, dense: bool = False,
                       num_local_experts: int | None = None) -> Mapping[str, Any]:
     """Return the spec of `fmoe.block.init_block(cfg, dense=dense)` params (MoE experts: L local)."""
@@ -335,7 +335,7 @@ def block_keys(cfg: GPTConfig, dense: bool = False, but: tuple[str, ...] = ()) -
     return tuple(k for k, v in spec.items() if type(v) is not Absent and k not in but)
 
 
-@functools.lru_cache(maxsize=256)
+@trace_safe_cache(maxsize=256)
 def gpt_params_spec(cfg: GPTConfig, num_local_experts: int | None = None) -> Mapping[str, Any]:
     """Return the spec of `fmoe.init_gpt(cfg)` params (MoE experts: L local)."""
     D, V = cfg.d_model, cfg.vocab_size
@@ -353,7 +353,7 @@ def gpt_params_spec(cfg: GPTConfig, num_local_experts: int | None = None) -> Map
     return spec
 
 
-@functools.lru_cache(maxsize=256)
+@trace_safe_cache(maxsize=256)
 def gpt_state_spec(cfg: GPTConfig) -> Mapping[str, Any]:
     """Return the spec of `fmoe.init_gpt_state(cfg)` (entries may be None: a fresh layer state)."""
     moe_state = Nullable(moe_state_spec(cfg.moe))

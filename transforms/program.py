@@ -297,9 +297,10 @@ def run_phases(layers: tuple[Layer, ...] | list[Layer], params_of: Callable[[Pha
     hide it behind. Losses leave the acts where they end; meta["stats"] leaves the meta after each phase."""
     losses: dict[str, torch.Tensor] = {}
     stats: list[tuple[str, str, Any]] = []
+    clock = _clock(hooks)
     for layer in layers:
         for ph in layer.phases:
-            start = time.perf_counter()
+            start = clock()
             if ph.kind == "compute":
                 acts, meta = ph.run(params_of(ph), acts, meta)
                 acts = dict(acts)
@@ -312,6 +313,16 @@ def run_phases(layers: tuple[Layer, ...] | list[Layer], params_of: Callable[[Pha
                 meta = dict(meta)
                 stats.append((layer.name, ph.name, meta.pop("stats")))
     return Ran(acts, meta, losses, stats)
+
+
+def _no_clock() -> float:
+    return 0.0
+
+
+def _clock(hooks: PhaseHooks | None) -> Callable[[], float]:
+    """The clock phases are timed with: perf_counter for hooks that record times, else none (nothing
+    reads the times then, and torch.compile cannot trace a clock read)."""
+    return time.perf_counter if hooks is not None else _no_clock
 
 
 def tree_params(tree: Any) -> Callable[[Phase], tuple[Any, ...]]:
@@ -327,7 +338,7 @@ def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...
     def run_side() -> Acts | None:
         if ph.side is None:
             return None
-        side_start = time.perf_counter()
+        side_start = _clock(hooks)()
         out, _ = ph.side.run(params_of(ph.side), acts, meta)
         if hooks is not None:
             hooks.computed(ph.side, layer, out, side_start)
@@ -336,11 +347,11 @@ def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...
     if ph.local or not torch.is_grad_enabled():  # inline: the side runs while the exchange travels
         pending = ph.start(sent, meta)
         side = run_side()
-        wait_start = time.perf_counter()
+        wait_start = _clock(hooks)()
         got, meta = pending.wait()
     else:  # one autograd node issues and waits: the side runs first
         side = run_side()
-        wait_start = time.perf_counter()
+        wait_start = _clock(hooks)()
         got, meta, pending = _differentiable(ph, sent, meta)
     if hooks is not None:
         hooks.waited(pending, ph, layer, start, wait_start)

@@ -15,12 +15,10 @@ nothing is recomputed. The RoPE tables of the default positions are built once p
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from fmoe._compat import Function, functorch_active, under_vmap
+from fmoe._compat import Function, functorch_active, trace_safe_cache, under_vmap
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -57,7 +55,7 @@ def _tables(positions_S: torch.Tensor, d: int, theta: float, ct: torch.dtype) ->
     return (torch.cat([cos_Sh, cos_Sh], -1).unsqueeze(-2), torch.cat([-sin_Sh, sin_Sh], -1).unsqueeze(-2))
 
 
-@functools.lru_cache(maxsize=16)
+@trace_safe_cache(maxsize=16)
 def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
                     device: torch.device) -> tuple[torch.Tensor, ...]:
     # Positions arange(S): the same tables for every call of a model, so they are built once.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, needs_grad
 from fmoe.ops import _grouped_linear  # HOST_READS_FREE, read at call time (tests empty it)
 from fmoe.ops._dtypes import compute_dtype
 
@@ -44,7 +44,7 @@ class _CrossEntropy(Function):
     @staticmethod
     def backward(ctx, g, _g_lse):
         logits_XV, targets_X, lse_X = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
+        if not needs_grad(ctx)[0]:
             return None, None, None
         lf_XV = logits_XV.to(lse_X.dtype)
         valid_X = targets_X != ctx.ignore_index

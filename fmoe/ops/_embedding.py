@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, needs_grad
 from fmoe.ops import _grouped_linear  # HOST_READS_FREE, read at call time (tests empty it)
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
@@ -56,7 +56,7 @@ class _Embedding(Function):
     def backward(ctx, g_XD):
         (ids_X,) = ctx.saved_tensors
         dtable = None
-        if ctx.needs_input_grad[1]:
+        if needs_grad(ctx)[1]:
             dtable = weight_grad_or_defer(ctx.w_plain, _table_grad, ids_X, g_XD, ctx.V, ctx.dtype,
                                           accumulate=_table_grad_into)
         return None, dtable

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm, under_vmap
+from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm, needs_grad, under_vmap
 from fmoe.ops import _grouped_op
 from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
@@ -134,9 +134,14 @@ class Counts:
     def __len__(self) -> int:
         return len(self.host) if self.host is not None else self.dev_E.shape[0]
 
-    @functools.cached_property
     def _dev_offs_E(self) -> torch.Tensor:
-        return torch.cumsum(self.dev_E, 0, dtype=torch.int32)
+        # Made once per Counts and kept (the forward and both backward products share it); a plain
+        # attribute, not functools.cached_property, whose lock (Python 3.11) torch.compile cannot trace.
+        offs = self.__dict__.get("_offs_E")
+        if offs is None:
+            offs = torch.cumsum(self.dev_E, 0, dtype=torch.int32)
+            object.__setattr__(self, "_offs_E", offs)
+        return offs
 
     def offsets(self, device: torch.device) -> torch.Tensor:
         """int32 [E] cumulative row ends on `device` (no host read)."""
@@ -145,7 +150,7 @@ class Counts:
             # backward runs at another.
             return torch.cumsum(self.dev_E, 0, dtype=torch.int32)
         if self.dev_E is not None and (self.host is None or device.type not in HOST_READS_FREE):
-            return self._dev_offs_E
+            return self._dev_offs_E()
         return _offsets(self.host, device, torch.int32)
 
     def group_list(self, device: torch.device) -> torch.Tensor:
@@ -171,7 +176,7 @@ def _npu_call(x: torch.Tensor, w: torch.Tensor, counts: Counts, split_item: int,
 def traced() -> bool:
     """True under torch.func.vmap or while torch.compile traces: no host read of the counts then (vmap's
     tensors have no data, compile's are fake), the products go through the library ops (_grouped_op.py)."""
-    return under_vmap() or torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() or under_vmap()
 
 
 def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
@@ -267,9 +272,9 @@ class _GroupedLinear(Function):
         prod = ctx.prod
         # A cotangent may be expanded (stride 0); the grouped kernels reject that, so materialise it.
         g_MF = g_MF.contiguous()
-        dx = prod.dx(g_MF, w_EDF) if ctx.needs_input_grad[0] else None
+        dx = prod.dx(g_MF, w_EDF) if needs_grad(ctx)[0] else None
         dw = (weight_grad_or_defer(ctx.w_plain, prod.dw, x_MD, g_MF, accumulate=prod.dw_into)
-              if ctx.needs_input_grad[1] else None)
+              if needs_grad(ctx)[1] else None)
         return dx, dw, None
 
 
@@ -277,9 +282,16 @@ def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None
     return _backend_for(x_MD.dtype, x_MD.device, w_EDF.shape[1], w_EDF.shape[2], backend)
 
 
-@functools.lru_cache(maxsize=64)
+@torch.compiler.assume_constant_result
 def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backend: str | None) -> str:
-    """The backend for one (dtype, device, D, F, request); cached, since it is asked once per product."""
+    """The backend for one (dtype, device, D, F, request). torch.compile calls it eagerly and keeps the
+    answer as a constant (it probes kernels on real tensors, and its cache is not for tracing)."""
+    return _backend_choice(dtype, device, D, F, backend)
+
+
+@functools.lru_cache(maxsize=64)
+def _backend_choice(dtype: torch.dtype, device: torch.device, D: int, F: int, backend: str | None) -> str:
+    """`_backend_for`, cached, since it is asked once per product."""
     avail = available_backends(dtype, device)
     if backend is None:
         if "npu" in avail:
@@ -355,6 +367,21 @@ def _group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, device: torch
     return Counts(tuple(int(c) for c in counts_E))
 
 
+def _compiled_transform_product(x_MD: torch.Tensor, w_EDF: torch.Tensor, prod: Grouped) -> torch.Tensor:
+    """The grouped product while torch.compile traces a torch.func transform (`compile(grad(f))`): aten's
+    `_grouped_mm`, which torch.func differentiates itself. In torch 2.13 that is bf16 only (its fake-tensor
+    rule refuses other dtypes, though the CPU kernel runs fp32), and the library op cannot stand in: a
+    custom op's autograd does not run under torch.func.grad, and traced there its weight gradient came out
+    zero. Anything else is refused rather than differentiated wrongly."""
+    if prod.backend == "grouped_mm" and x_MD.dtype == torch.bfloat16:
+        return grouped_mm(x_MD.contiguous(), w_EDF, offs=prod.counts.offsets(x_MD.device))
+    raise NotImplementedError(
+        f"grouped_linear: torch.compile of a torch.func transform (grad, vjp, vmap) over the grouped expert "
+        f"products runs in bfloat16 only (torch {torch.__version__}: aten._grouped_mm traces bf16 only); got "
+        f"{x_MD.dtype} with backend {prod.backend!r}. Use bf16, or compile the loss and call .backward() "
+        "(torch.compile's own autograd), or run the transform eagerly")
+
+
 def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor | Sequence[int] | Counts,
                    backend: str | None = None) -> torch.Tensor:
     """Return y_MF where the rows of expert e are x_MD[rows of e] @ w_EDF[e].
@@ -367,6 +394,8 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
     """
     prod = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E, backend)
+    if torch.compiler.is_compiling() and functorch_active():
+        return _compiled_transform_product(x_MD, w_EDF, prod)
     if prod.backend != "npu" and traced():
         # The library op, whose own autograd, vmap and fake rules transforms read; the offsets go in as a
         # tensor argument (a Function's non-tensor argument would hide them from vmap's levels).

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fmoe._compat import grouped_mm as _aten_grouped_mm
+from fmoe._compat import needs_grad
 
 _KERNELS = ("grouped_mm", "loop")
 
@@ -108,15 +109,18 @@ def _(info, in_dims, x_MD, g_MF, offs_E, kernel):
 
 
 # ---- autograd: each backward is the other products ----------------------------------------------------
-# A Function (not the ops' register_autograd, which torch.func.grad does not run) with the offsets as a
-# tensor argument, so vmap's levels see them; its vmap rule is generated from the ops' own.
+# A Function (not the ops' register_autograd: torch 2.13 runs a custom op's registered autograd as an
+# old-style Function, which torch.func.grad refuses) with the offsets as a tensor argument, so vmap's
+# levels see them; its vmap rule is generated from the ops' own. Its forward calls the op on detached inputs:
+# a trace of torch.func.grad (torch.compile) hands the forward the grad-tracking tensors, and the op must
+# not record anything itself (under no_grad instead, that trace loses the weight's gradient).
 
 class _Product(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x_MD, w_EDF, offs_E, kernel):
-        return grouped_mm(x_MD, w_EDF, offs_E, kernel)
+        return grouped_mm(x_MD.detach(), w_EDF.detach(), offs_E, kernel)  # this Function is its autograd
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -128,8 +132,8 @@ class _Product(torch.autograd.Function):
     def backward(ctx, g_MF):
         x_MD, w_EDF, offs_E = ctx.saved_tensors
         g_MF = g_MF.contiguous()  # a cotangent may be expanded (stride 0); the kernels reject that
-        dx = product(g_MF, w_EDF.transpose(-2, -1), offs_E, ctx.kernel) if ctx.needs_input_grad[0] else None
-        dw = product_dw(x_MD, g_MF, offs_E, ctx.kernel) if ctx.needs_input_grad[1] else None
+        dx = product(g_MF, w_EDF.transpose(-2, -1), offs_E, ctx.kernel) if needs_grad(ctx)[0] else None
+        dw = product_dw(x_MD, g_MF, offs_E, ctx.kernel) if needs_grad(ctx)[1] else None
         return dx, dw, None, None
 
 
@@ -138,7 +142,7 @@ class _ProductDw(torch.autograd.Function):
 
     @staticmethod
     def forward(x_MD, g_MF, offs_E, kernel):
-        return grouped_mm_dw(x_MD, g_MF, offs_E, kernel)
+        return grouped_mm_dw(x_MD.detach(), g_MF.detach(), offs_E, kernel)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -150,8 +154,8 @@ class _ProductDw(torch.autograd.Function):
     def backward(ctx, gw_EDF):
         x_MD, g_MF, offs_E = ctx.saved_tensors
         gw_EDF = gw_EDF.contiguous()
-        dx = product(g_MF, gw_EDF.transpose(-2, -1), offs_E, ctx.kernel) if ctx.needs_input_grad[0] else None
-        dg = product(x_MD, gw_EDF, offs_E, ctx.kernel) if ctx.needs_input_grad[1] else None
+        dx = product(g_MF, gw_EDF.transpose(-2, -1), offs_E, ctx.kernel) if needs_grad(ctx)[0] else None
+        dg = product(x_MD, gw_EDF, offs_E, ctx.kernel) if needs_grad(ctx)[1] else None
         return dx, dg, None, None
 
 

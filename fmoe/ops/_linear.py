@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, needs_grad
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
@@ -64,9 +64,9 @@ class _Linear(Function):
     @staticmethod
     def backward(ctx, g_XF):
         x_XD, w_DF = ctx.saved_tensors
-        dx = DENSE.dx(g_XF, w_DF) if ctx.needs_input_grad[0] else None
+        dx = DENSE.dx(g_XF, w_DF) if needs_grad(ctx)[0] else None
         dw = None
-        if ctx.needs_input_grad[1]:
+        if needs_grad(ctx)[1]:
             dw = weight_grad_or_defer(ctx.w_plain, DENSE.dw, x_XD, g_XF, accumulate=DENSE.dw_into)
         return dx, dw
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fmoe._compat import Function
+from fmoe._compat import Function, needs_grad
 from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear
 from fmoe.ops._linear import DENSE, Dense, linear
 from fmoe.ops._swiglu import swiglu
@@ -77,16 +77,16 @@ class _SwiGLUDown(Function):
         prod = ctx.prod
         g_MD = g_MD.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
         dw = None
-        if ctx.needs_input_grad[2]:
+        if needs_grad(ctx)[2]:
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod,
                                       accumulate=_down_weight_grad_into)
         dgate = dup = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        if needs_grad(ctx)[0] or needs_grad(ctx)[1]:
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
             dh = prod.dx(g_MD, w_FD)
-            if ctx.needs_input_grad[1]:  # dup = dh * silu(gate), silu recomputed into the result
+            if needs_grad(ctx)[1]:  # dup = dh * silu(gate), silu recomputed into the result
                 dup = torch.nn.functional.silu(gate_MF).mul_(dh)
-            if ctx.needs_input_grad[0]:  # dgate = silu'(gate) * dh * up, as aten's silu_backward
+            if needs_grad(ctx)[0]:  # dgate = silu'(gate) * dh * up, as aten's silu_backward
                 dgate = torch.ops.aten.silu_backward(dh.mul_(up_MF), gate_MF)
         return dgate, dup, dw, None
 
@@ -136,8 +136,8 @@ class _Pair(Function):
                 continue
             g_MF = g_MF.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
             dws.append(weight_grad_or_defer(ctx.w_plain[k], prod.dw, x_MD, g_MF, accumulate=prod.dw_into)
-                       if ctx.needs_input_grad[1 + k] else None)
-            if ctx.needs_input_grad[0]:
+                       if needs_grad(ctx)[1 + k] else None)
+            if needs_grad(ctx)[0]:
                 part = prod.dx(g_MF, w_DF)
                 dx = part if dx is None else dx.add_(part)  # dx is this backward's own tensor
         return dx, dws[0], dws[1], None

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import Function, functorch_active, under_vmap
+from fmoe._compat import Function, functorch_active, needs_grad, under_vmap
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.pytree import pytree_dataclass
 
@@ -194,7 +194,7 @@ class _Unpermute(Function):
         K = ctx.K
         acc = compute_dtype(y_RD.dtype)
         dy = dprobs = None
-        if ctx.needs_input_grad[0]:
+        if needs_grad(ctx)[0]:
             # Forward permutation: row r gets the cotangent of its token, times its gate weight.
             g_RD = _rows(g_TD, tok_R, ctx.full)
             if ctx.weighted:
@@ -204,7 +204,7 @@ class _Unpermute(Function):
                 # in bf16) is of the same size.
                 g_RD = g_RD * p_R1.to(y_RD.dtype)
             dy = g_RD
-        if ctx.weighted and ctx.needs_input_grad[1]:
+        if ctx.weighted and needs_grad(ctx)[1]:
             # d probs[t, k] = <g[t], y[row of (t, k)]>; the rows are re-gathered rather than saved.
             y_TKD = _rows(y_RD, row_dst_N, ctx.full).view(row_dst_N.shape[0] // K, K, y_RD.shape[-1])
             dprobs = torch.bmm(y_TKD.to(acc), g_TD.to(acc).unsqueeze(-1)).squeeze(-1).to(probs_TK.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, needs_grad
 from fmoe.ops._dtypes import compute_dtype
 
 
@@ -40,10 +40,10 @@ class _RMSNorm(Function):
         xhat_XD = xf_XD * rstd_N1
         gf_XD = g_XD.to(ct)
         dx = dscale = None
-        if ctx.needs_input_grad[0]:
+        if needs_grad(ctx)[0]:
             dxhat_XD = gf_XD * scale_D.to(ct)
             dx = (rstd_N1 * (dxhat_XD - xhat_XD * (dxhat_XD * xhat_XD).mean(-1, keepdim=True))).to(x_XD.dtype)
-        if ctx.needs_input_grad[1]:
+        if needs_grad(ctx)[1]:
             dscale = (gf_XD * xhat_XD).reshape(-1, x_XD.shape[-1]).sum(0).to(scale_D.dtype)
         return dx, dscale, None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function, functorch_active
+from fmoe._compat import Function, functorch_active, needs_grad
 
 
 class _SwiGLU(Function):
@@ -39,10 +39,10 @@ class _SwiGLU(Function):
         if g_XF is None:  # the product did not reach the output
             return None, None
         dgate = dup = None
-        if ctx.needs_input_grad[0]:
+        if needs_grad(ctx)[0]:
             # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), as aten's fused silu_backward kernel
             dgate = torch.ops.aten.silu_backward(g_XF * up_XF, gate_XF)
-        if ctx.needs_input_grad[1]:
+        if needs_grad(ctx)[1]:
             dup = g_XF * silu_XF
         return dgate, dup
 
