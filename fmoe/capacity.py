@@ -59,6 +59,7 @@ def _decimal(factor: float) -> Fraction:
     return Fraction(repr(factor))
 
 
+@torch.compiler.assume_constant_result  # Fraction arithmetic: compile takes the int, it cannot trace it
 def capacity_for(cfg: MoEConfig, num_tokens: int) -> int:
     """Return C = ceil(capacity_factor * T * K / E) for a capacity-factor config (exact rational math)."""
     if cfg.capacity_factor is None:
