@@ -149,6 +149,14 @@ class Function(torch.autograd.Function):
     _forward_arity: int | None = None
 
     @classmethod
+    def jvp(cls, ctx: Any, *tangents: Any) -> Any:
+        """Forward-mode AD is not built for fmoe's Functions: one line naming the Function and the way out
+        (torch's own message names neither)."""
+        raise NotImplementedError(f"{cls.__module__}.{cls.__name__} has no forward-mode rule: "
+                                  "torch.func.jvp and jacfwd do not run through fmoe's ops; "
+                                  "use torch.func.vjp, grad or jacrev")
+
+    @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Returns forward's outputs, recorded for autograd (and torch.func) exactly as torch's apply."""
         if torch.compiler.is_compiling():

@@ -298,3 +298,80 @@ def test_compiled_grad_keeps_the_weight_gradient_of_a_linear_on_a_computed_input
     got = torch.compile(grad(loss), fullgraph=True, backend="eager")(params)
     assert_close(got, grad(loss)(params), rtol=1e-5, atol=1e-5)
     assert got["w"].abs().sum() > 0
+
+
+# ---- split_vjp on plain torch code ---------------------------------------------------------------------
+
+def _plain_mlp(p, x_BD):
+    return torch.nn.functional.linear(torch.relu(x_BD @ p["w1"]), p["w2"].t()).square().sum() * p["s"]
+
+
+def test_split_vjp_names_the_plain_weights_its_dx_pass_computed_and_stays_quiet_on_fmoe():
+    import warnings
+
+    from fmoe.transforms import split_vjp
+
+    p = {"w1": torch.randn(8, 8, dtype=torch.float64), "w2": torch.randn(8, 8, dtype=torch.float64),
+         "s": torch.tensor(2.0, dtype=torch.float64)}
+    x_BD = torch.randn(3, 8, dtype=torch.float64)
+    out, dx = split_vjp(_plain_mlp, p, x_BD)
+    with pytest.warns(UserWarning, match=r"params\['w1'\], params\['w2'\] \(plain torch ops"):
+        _, dw = dx(torch.ones_like(out))
+    assert_close(dw(), grad(_plain_mlp)(p, x_BD), rtol=1e-12, atol=1e-12)  # gradients unchanged
+
+    cfg = gpt_cfg("shared")
+    params = init_gpt(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)
+    ids_BS = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    out, dx = split_vjp(lambda q: gpt_loss(q, ids_BS, ids_BS.roll(-1, 1), cfg)[0], params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dx(torch.ones_like(out))[1]()
+
+
+def test_deferral_report_describes_split_vjps_default_call():
+    import inspect
+
+    from fmoe.transforms import deferral_report, split_vjp
+
+    report_defaults = {k: v.default for k, v in inspect.signature(deferral_report).parameters.items()}
+    vjp_defaults = {k: v.default for k, v in inspect.signature(split_vjp).parameters.items()}
+    assert report_defaults["engine"] == vjp_defaults["engine"]
+    assert report_defaults["plain_ops"] == vjp_defaults["plain_ops"]
+
+
+# ---- the ops, and the cells that are refused ------------------------------------------------------------
+
+def _op_cases():
+    from fmoe import ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 16, generator=g, dtype=torch.float64)  # [B, T, D]: B the vmapped axis
+    w = torch.randn(16, 16, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 16, (4, 8), generator=g)
+    return {
+        "linear": (lambda xx: ops.linear(xx, w), x),
+        "rms_norm": (lambda xx: ops.rms_norm(xx, w[0]), x),
+        "swiglu": (lambda xx: ops.swiglu(xx, xx.flip(-1)), x),
+        "attention": (lambda xx: ops.attention(*(xx.view(8, 2, 8),) * 3), x),
+        "cross_entropy": (lambda tt: ops.cross_entropy(x[0] @ w, tt), t),
+        "embedding": (lambda tt: ops.embedding(tt, w), t),
+        "grouped_linear": (lambda xx: ops.grouped_linear(xx, w.expand(2, 16, 16), torch.tensor([3, 5])), x),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_op_cases()))
+def test_each_op_under_vmap_and_grad_is_a_loop(name):
+    f, xs = _op_cases()[name]
+    assert_close(vmap(f)(xs), torch.stack([f(x) for x in xs]), rtol=1e-12, atol=1e-12)
+    if xs.is_floating_point():
+        per_example = vmap(grad(lambda x: f(x).square().sum()))(xs)
+        assert_close(per_example, torch.stack([grad(lambda x: f(x).square().sum())(x) for x in xs]),
+                     rtol=1e-10, atol=1e-12)
+
+
+def test_jvp_is_refused_in_one_line_naming_the_op():
+    from fmoe.ops import linear
+
+    w = torch.randn(4, 4)
+    with pytest.raises(NotImplementedError, match=r"_linear\._Linear has no forward-mode rule.*jacrev"):
+        torch.func.jvp(lambda x: linear(x, w), (torch.randn(2, 4),), (torch.ones(2, 4),))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, overload
@@ -347,6 +348,23 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     return out, vjp_fn, aux, leaves, (detach, out_spec)
 
 
+def _warn_left_in_dx(tape: WeightGradTape, dx_param_grads: list[Any], param_pos: list[int],
+                     p_spec: Any) -> None:
+    """Warns (once per call site: Python's default filter) naming the weight leaves (2-D and up) whose
+    gradient the dx pass computed although a tape deferred: they were read by plain torch ops
+    (`F.linear`, `x @ w`), which know no tape. Norm scales and biases are cheap to leave there and are not
+    named. fmoe's own blocks read every weight through fmoe.ops, so they never warn."""
+    left = [i for g, i in zip(dx_param_grads, param_pos)
+            if isinstance(g, torch.Tensor) and g.dim() >= 2 and not tape.is_placeholder(g)]
+    if not left:
+        return
+    paths = _paths(p_spec)
+    names = [f"params{keystr(paths[i])}" if paths is not None else f"params leaf {i}" for i in left]
+    warnings.warn(f"split_vjp: the dx pass computed the weight gradients of {', '.join(names)} (plain torch "
+                  "ops know no tape); pass engine='autograd', plain_ops='defer' to defer them too, or read "
+                  "them through fmoe.ops (linear, grouped_linear)", UserWarning, stacklevel=3)
+
+
 def split_vjp(
     f: Callable[..., Any], params: Any, *args: Any, has_aux: bool = False, engine: str = "func",
     defer: bool = True, plain_ops: PlainOps = "dx",
@@ -460,6 +478,8 @@ def split_vjp(
         dargs = unflatten(full[n_param_leaves:], a_spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
+        if state["tape"] is not None and plain_ops == "dx":
+            _warn_left_in_dx(state["tape"], dx_param_grads, [i for _, i in param_diff], p_spec)
         del grads, full
         dw_once = _Once("vjp_dw")
 
