@@ -65,7 +65,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "Function", "GetAttrKey", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
+    "Function", "GetAttrKey", "HAS_GROUPED_MM", "assume_constant", "abort_process_group", "disable_functorch",
+    "flatten_mesh",
     "functorch_active", "needs_grad", "get_unwrapped",
     "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "register_pytree_node", "tensor_version",
     "trace_safe_cache", "tree_flatten",
@@ -176,6 +177,14 @@ class Function(torch.autograd.Function):
             args = _functorch_utils().unwrap_dead_wrappers(args)
             return super(torch.autograd.Function, cls).apply(*args)  # what torch's apply calls here
         return _custom_function_call()(cls, *args)
+
+
+def assume_constant(fn: Callable[..., T]) -> Callable[..., T]:
+    """`torch.compiler.assume_constant_result` without importing torch._dynamo (seconds at import, paid by
+    every spawned rank): it sets the attribute dynamo reads, `_dynamo_marked_constant`. While compiling,
+    a call to `fn` runs eagerly and its result is a constant of the graph."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def trace_safe_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
+from fmoe._compat import assume_constant
 from fmoe._index import exclusive_cumsum
 from fmoe.config import MoEConfig
 from fmoe.ops import Layout, expert_counts, sort_layout, traced
@@ -59,7 +60,7 @@ def _decimal(factor: float) -> Fraction:
     return Fraction(repr(factor))
 
 
-@torch.compiler.assume_constant_result  # Fraction arithmetic: compile takes the int, it cannot trace it
+@assume_constant  # Fraction arithmetic: compile takes the int, it cannot trace it
 def capacity_for(cfg: MoEConfig, num_tokens: int) -> int:
     """Return C = ceil(capacity_factor * T * K / E) for a capacity-factor config (exact rational math)."""
     if cfg.capacity_factor is None:

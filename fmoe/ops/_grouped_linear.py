@@ -37,7 +37,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import HAS_GROUPED_MM, Function, functorch_active, grouped_mm, needs_grad, under_vmap
+from fmoe._compat import (
+    HAS_GROUPED_MM,
+    Function,
+    assume_constant,
+    functorch_active,
+    grouped_mm,
+    needs_grad,
+    under_vmap,
+)
 from fmoe.ops import _grouped_op
 from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
@@ -282,7 +290,7 @@ def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None
     return _backend_for(x_MD.dtype, x_MD.device, w_EDF.shape[1], w_EDF.shape[2], backend)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant
 def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backend: str | None) -> str:
     """The backend for one (dtype, device, D, F, request). torch.compile calls it eagerly and keeps the
     answer as a constant (it probes kernels on real tensors, and its cache is not for tracing)."""
