@@ -149,13 +149,6 @@ class Function(torch.autograd.Function):
 
     _forward_arity: int | None = None
 
-    @classmethod
-    def jvp(cls, ctx: Any, *tangents: Any) -> Any:
-        """Forward-mode AD is not built for fmoe's Functions: one line naming the Function and the way out
-        (torch's own message names neither)."""
-        raise NotImplementedError(f"{cls.__module__}.{cls.__name__} has no forward-mode rule: "
-                                  "torch.func.jvp and jacfwd do not run through fmoe's ops; "
-                                  "use torch.func.vjp, grad or jacrev")
 
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
@@ -176,6 +169,13 @@ class Function(torch.autograd.Function):
         if not functorch_active():
             args = _functorch_utils().unwrap_dead_wrappers(args)
             return super(torch.autograd.Function, cls).apply(*args)  # what torch's apply calls here
+        if _under_jvp():
+            # Forward-mode AD is not built for fmoe's Functions: one line naming the Function and the way out
+            # (torch's own message names neither). Not a `jvp` staticmethod: torch.compile refuses to trace
+            # a Function that defines one.
+            raise NotImplementedError(f"{cls.__module__}.{cls.__name__} has no forward-mode rule: "
+                                      "torch.func.jvp and jacfwd do not run through fmoe's ops; "
+                                      "use torch.func.vjp, grad or jacrev")
         return _custom_function_call()(cls, *args)
 
 
@@ -218,6 +218,11 @@ def needs_grad(ctx: Any) -> tuple[bool, ...]:
     if torch.compiler.is_compiling():
         return (True,) * len(ctx.needs_input_grad)
     return ctx.needs_input_grad
+
+
+def _under_jvp() -> bool:
+    """True inside torch.func.jvp (or jacfwd) at any depth of the transform stack."""
+    return any(i.key() == _functorch.TransformType.Jvp for i in _functorch.get_interpreter_stack())
 
 
 def functorch_active() -> bool:
