@@ -17,7 +17,7 @@ from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_lay
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, init_moe_state, update_moe_state
 from fmoe.model import moe
-from fmoe.ops import permute, permute_probs, sort_layout, unpermute
+from fmoe.ops import _permute, permute, permute_probs, sort_layout, unpermute
 from fmoe.transforms.testing import assert_close, check_vjp
 
 
@@ -56,11 +56,23 @@ case = st.tuples(st.integers(0, 9), st.integers(1, 5), st.floats(0, 1), st.integ
 
 
 @settings(max_examples=25, deadline=None)
-@example(case=(0, 3, 0.5, 0), mode="dropless")
-@example(case=(5, 1, 0.0, 1), mode="pad")
-@example(case=(6, 4, 1.0, 2), mode="drop_probs")
-@given(case=case, mode=st.sampled_from(["dropless", "drop_probs", "drop_position", "pad", "pad_position"]))
-def test_layout_permute_unpermute_match_loops(case, mode) -> None:
+@example(case=(0, 3, 0.5, 0), mode="dropless", device_form=False)
+@example(case=(5, 1, 0.0, 1), mode="pad", device_form=False)
+@example(case=(6, 4, 1.0, 2), mode="drop_probs", device_form=True)
+@example(case=(6, 4, 1.0, 3), mode="dropless", device_form=True)
+@given(case=case, mode=st.sampled_from(["dropless", "drop_probs", "drop_position", "pad", "pad_position"]),
+       device_form=st.booleans())
+def test_layout_permute_unpermute_match_loops(case, mode, device_form) -> None:
+    """device_form: the Functions' forms for devices (unpermute's batched weighted sum) on CPU tensors."""
+    saved = _permute.SLOT_LOOP_DEVICES
+    _permute.SLOT_LOOP_DEVICES = () if device_form else saved
+    try:
+        _layout_permute_unpermute_match_loops(case, mode)
+    finally:
+        _permute.SLOT_LOOP_DEVICES = saved
+
+
+def _layout_permute_unpermute_match_loops(case, mode) -> None:
     T, E, kf, seed = case
     K = 1 + int(kf * (E - 1))
     ids_TK, probs_TK, g = draw_routing(T, E, K, seed)

@@ -109,6 +109,11 @@ def _native(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == compute_dtype(x.dtype) and not functorch_active()
 
 
+SLOT_LOOP_DEVICES: tuple[str, ...] = ("cpu",)
+"""Device types whose unpermute forward sums the K slots one multiply-add at a time (faster on CPU); the
+others run one batched product. Tests empty it to check the device form on CPU tensors."""
+
+
 def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.Tensor:
     """Return y_TD = sum_k probs_TK[t, k] * y_TKD[t, k] (unweighted when probs is None), accumulated in
     the compute dtype and returned in y's dtype."""
@@ -121,9 +126,15 @@ def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.T
         # per-slot form's backward would zero-fill a [T, K, D] gradient per slot: 2x slower). Under vmap
         # too: addcmul_ has no batching rule (vmap would loop over the batch).
         return (y_TKD.to(acc) * p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
-    # Inside a Function's forward: one multiply-add per slot into an accumulator in the compute dtype, no
-    # [T, K, D] product (nor an upcast copy of half-precision rows): 4.5x faster on CPU than multiply-
-    # then-sum in fp32, 3x in bf16; a T-batch of [1, K] @ [K, D] bmm is slower still.
+    if y_TKD.device.type not in SLOT_LOOP_DEVICES:
+        # Inside a Function's forward on a device: a T-batch of [1, K] @ [K, D] products, the gate weights
+        # in y's dtype (the output rounds to it anyway), fp32 accumulation inside the kernel: the rows are
+        # read once (the per-slot multiply-add below reads and writes an fp32 [T, D] accumulator K times:
+        # 4x the bytes, BENCHMARKS.md "Glue bytes").
+        return torch.bmm(p_TK.unsqueeze(1).to(y_TKD.dtype), y_TKD).squeeze(1)
+    # Inside a Function's forward on CPU: one multiply-add per slot into an accumulator in the compute
+    # dtype, no [T, K, D] product (nor an upcast copy of half-precision rows): 4.5x faster on CPU than
+    # multiply-then-sum in fp32, 3x in bf16; the T-batch of [1, K] @ [K, D] bmm is slower still here.
     # The accumulator starts as slot 0's product (not zeros): under torch.func.vmap it is then batched
     # like its inputs, and the in-place adds into it are legal.
     out_TD = torch.mul(y_TKD[:, 0], p_TK[:, 0:1])
@@ -136,6 +147,12 @@ def _unpermute_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, row_dst_N
                     K: int, full: bool) -> torch.Tensor:
     """unpermute's forward (both paths): y_TD [T, D], the K rows of each token gathered and summed."""
     return _weighted_sum(_rows(y_RD, row_dst_N, full).view(T, K, y_RD.shape[-1]), probs_TK)
+
+
+def _slot_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """sum_j src_XD[rows_TJ[t, j]] per token t, [T, D] in `acc` (one gather, one reduction)."""
+    T, J = rows_TJ.shape
+    return src_XD.index_select(0, rows_TJ.reshape(-1)).view(T, J, src_XD.shape[-1]).sum(1, dtype=acc)
 
 
 class _Permute(Function):
@@ -159,17 +176,19 @@ class _Permute(Function):
     def backward(ctx, g_RD):
         (row_dst_N,) = ctx.saved_tensors
         # Inverse permutation: the row of each (t, k) pair (dropped pairs read the zero row), summed over
-        # k one slot at a time, so that no [T, K, D] copy of the cotangent is made (it would be as large
-        # as g_RD itself, at the point of a split backward where the dw inputs are all held).
+        # k. Two gathers of half the slots each, each summed over its slots in one pass accumulating in the
+        # compute dtype: the rows are read once and the accumulator twice (a gather and an fp32 add per
+        # slot moved 4.5x the bytes: BENCHMARKS.md, "Glue bytes"), and no whole [T, K, D] copy of the
+        # cotangent is made at once (half of one: a split backward holds the dw inputs here).
         K = ctx.K
         if K == 1:
             return _rows(g_RD, row_dst_N, ctx.full), None, None, None, None
         src = g_RD if ctx.full else _zero_row(g_RD)
         dst_TK = row_dst_N.view(-1, K)
         acc = compute_dtype(g_RD.dtype)
-        dx = src.index_select(0, dst_TK[:, 0]).to(acc)
-        for k in range(1, K):
-            dx += src.index_select(0, dst_TK[:, k])
+        half = (K + 1) // 2
+        dx = _slot_sum(src, dst_TK[:, :half], acc)
+        dx += _slot_sum(src, dst_TK[:, half:], acc)
         return dx.to(g_RD.dtype), None, None, None, None
 
 
@@ -191,23 +210,25 @@ class _Unpermute(Function):
     @staticmethod
     def backward(ctx, g_TD):
         y_RD, probs_TK, row_src_R, row_dst_N, tok_R = ctx.saved_tensors
-        K = ctx.K
-        acc = compute_dtype(y_RD.dtype)
         dy = dprobs = None
-        if needs_grad(ctx)[0]:
-            # Forward permutation: row r gets the cotangent of its token, times its gate weight.
-            g_RD = _rows(g_TD, tok_R, ctx.full)
+        want_dy, want_dprobs = needs_grad(ctx)[0], ctx.weighted and needs_grad(ctx)[1]
+        # Row r's token's cotangent (the forward permutation): dy's rows before their gate weights, and
+        # what d probs reads in the rows' order.
+        g_RD = _rows(g_TD, tok_R, ctx.full) if want_dy or want_dprobs else None
+        if want_dprobs:
+            # d probs[t, k] = <g[t], y[row of (t, k)]>: one dot product per row of the layout, then the
+            # rows put back in pair order (a dropped pair's is 0). A batch of [1, D] x [D, 1] products in
+            # y's dtype, accumulating in fp32 inside (no fp32 copy of the rows), then the gate weights'.
+            dprobs_R1 = torch.bmm(g_RD.unsqueeze(1), y_RD.unsqueeze(2)).view(-1, 1)
+            dprobs = _rows(dprobs_R1, row_dst_N, ctx.full).view_as(probs_TK).to(probs_TK.dtype)
+        if want_dy:
             if ctx.weighted:
                 p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full)
                 # In y's dtype: the gradient is rounded to it anyway, and a mixed bf16 x fp32 product
                 # (upcast, multiply, round back) costs 4x on CPU; the gate weight's own rounding (2**-9
-                # in bf16) is of the same size.
-                g_RD = g_RD * p_R1.to(y_RD.dtype)
+                # in bf16) is of the same size. In place: g_RD is this backward's own.
+                g_RD = g_RD.mul_(p_R1.to(y_RD.dtype))
             dy = g_RD
-        if ctx.weighted and needs_grad(ctx)[1]:
-            # d probs[t, k] = <g[t], y[row of (t, k)]>; the rows are re-gathered rather than saved.
-            y_TKD = _rows(y_RD, row_dst_N, ctx.full).view(row_dst_N.shape[0] // K, K, y_RD.shape[-1])
-            dprobs = torch.bmm(y_TKD.to(acc), g_TD.to(acc).unsqueeze(-1)).squeeze(-1).to(probs_TK.dtype)
         return dy, dprobs, None, None, None, None, None, None
 
 

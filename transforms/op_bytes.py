@@ -1,0 +1,67 @@
+"""op_bytes: the bytes each aten op reads and writes while a function runs (its forward and backward).
+
+    counts = op_bytes(lambda: loss_and_grads(...))      # {op name: bytes}, GEMMs and views left out
+    glue = sum(counts.values())
+
+What is counted: for every aten op a dispatch mode sees, the bytes of its tensor inputs plus its tensor
+outputs, with three rules that keep the count near what the op moves:
+- GEMMs (mm, addmm, bmm, baddbmm, _grouped_mm, their out= and in-place forms) are left out: this counts
+  the traffic *around* the matrix products;
+- views and metadata ops (view, transpose, expand, slice, detach, ...) move nothing and are left out;
+- a gather (index_select, gather, embedding) reads only the rows it returns, so its source counts as its
+  output's bytes, not the whole source; its index counts in full.
+An in-place op counts its destination twice (read and written), as any elementwise op does.
+Runs on the meta device too (shapes only): the count of a large layer without its memory or time.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fmoe._compat import tree_flatten
+
+GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_grouped_mm", "matmul"})
+GATHERS = frozenset({"index_select", "gather", "embedding"})
+
+
+def _moves_nothing(func: Any) -> bool:
+    return func.is_view or torch.Tag.view_copy in func.tags or func.overloadpacket.__name__ in (
+        "detach", "alias", "lift_fresh", "_to_copy_noop")
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class OpBytes(TorchDispatchMode):
+    """A dispatch mode summing, per aten op name, the bytes its inputs and outputs move (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in GEMMS or _moves_nothing(func):
+            return out
+        outputs = sum(_bytes(t) for t in tree_flatten(out)[0])
+        if name in GATHERS:
+            inputs = outputs + sum(_bytes(t) for t in tree_flatten((args, kwargs))[0]
+                                   if isinstance(t, torch.Tensor) and not t.is_floating_point())
+        else:
+            inputs = sum(_bytes(t) for t in tree_flatten((args, kwargs))[0])
+        self.by_op[name] += inputs + outputs
+        return out
+
+
+def op_bytes(fn: Callable[[], Any]) -> dict[str, int]:
+    """Run fn() under `OpBytes`; returns {aten op name: bytes read + written}, GEMMs and views left out."""
+    with OpBytes() as mode:
+        fn()
+    return dict(mode.by_op)
