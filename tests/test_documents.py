@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.examples.stdlib_text import train_bpe
+from fmoe.packing import pack_documents
 from fmoe.train.config import TrainConfig
 from fmoe.train.data import microbatches
 from fmoe.train.documents import BLOCK, documents_dataset, parse_data_path
@@ -143,20 +144,20 @@ def test_the_global_batch_is_the_same_in_every_layout_and_from_any_start(tmp_pat
 
 
 def test_eod_mask_ignores_the_target_after_each_eod(tmp_path) -> None:
+    """The loader keeps every token (MTP embeds the targets); --eod-mask-loss's mask, the model's
+    (fmoe.packing), takes the loss off the target after each EOD of the loader's batches."""
     EOD = 9
     _write(str(tmp_path / "ds"), [[1, 2, EOD], [3, EOD], [4, 5, 6, EOD], [7, EOD]] * 5)
-    kw = dict(seq_len=5, split="1", part="train", vocab_size=10, seed=0)
-    plain = documents_dataset(parse_data_path([str(tmp_path / "ds")]), **kw)
-    masked = documents_dataset(parse_data_path([str(tmp_path / "ds")]), eod_mask=EOD, **kw)
-    (ids, targets), = microbatches(plain, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1, seed=0)
-    (ids_m, targets_m), = microbatches(masked, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1,
-                                       seed=0)
-    assert torch.equal(ids, ids_m)
+    ds = documents_dataset(parse_data_path([str(tmp_path / "ds")]), seq_len=5, split="1", part="train",
+                           vocab_size=10, seed=0)
+    (ids, targets), = microbatches(ds, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1, seed=0)
+    assert torch.equal(ids[:, 1:], targets[:, :-1]) and (targets >= 0).all()
+    masked = pack_documents(ids, EOD, eod_mask_loss=True).targets(targets)
     for b in range(4):
         for s in range(5):  # Megatron's loss_mask[tokens == eod] = 0, as a loop
             want = -100 if int(ids[b, s]) == EOD else int(targets[b, s])
-            assert int(targets_m[b, s]) == want
-    assert (targets_m == -100).any() and (targets_m == EOD).any()  # an EOD target itself keeps its loss
+            assert int(masked[b, s]) == want
+    assert (masked == -100).any() and (masked == EOD).any()  # an EOD target itself keeps its loss
 
 
 def test_tokens_outside_the_vocabulary_are_refused_naming_the_prefix(tmp_path) -> None:

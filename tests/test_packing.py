@@ -125,3 +125,28 @@ def test_every_layout_equals_each_document_alone() -> None:
 
     for r in spawn(layouts_rank, 2, timeout_s=240):  # a rank's failed check fails the spawn, naming it
         assert r.value == ["tp2+sp", "cp2 p2p", "cp2 all_gather", "ep2", "pp2"]
+
+
+def test_fmoe_train_refuses_document_flags_without_documents_before_launch(tmp_path) -> None:
+    """Each document flag needs --data-path's documents and a tokenizer naming the EOD, and fmoe's attention:
+    refused in one line naming the flag; with them (and --mtp) the config passes."""
+    import numpy as np
+
+    from fmoe.train.config import TrainConfig
+    from fmoe.train.indexed import IndexedWriter
+
+    prefix = str(tmp_path / "docs")
+    with IndexedWriter(prefix, np.uint16) as w:
+        for _ in range(40):
+            w.add_document([1, 2, 3, 63], [4])
+    data = {"pp": 1, "ep": 1, "data_path": (prefix,), "tokenizer_type": "NullTokenizer", "vocab_size": 64,
+            "seq_length": 8}
+    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        name = "--" + flag.replace("_", "-")
+        bad = TrainConfig(pp=1, ep=1, **{flag: True}).problem()
+        assert name in bad and "--tokenizer-type" in bad and "\n" not in bad
+        bad = TrainConfig(pp=1, ep=1, tokenizer_type="NullTokenizer", **{flag: True}).problem()
+        assert name in bad and "--data-path" in bad
+        assert TrainConfig(**data, mtp=True, **{flag: True}).problem() is None
+    bad = TrainConfig(**data, reset_attention_mask=True, attention="fmoe.ops:attention").problem()
+    assert "--reset-attention-mask with --attention" in bad
