@@ -7,6 +7,8 @@ Legend: P stream positions, S positions per sample, D documents, G global batch,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -225,3 +227,35 @@ def test_the_background_reader_returns_what_the_reader_returns() -> None:
         assert calls == [0, 8, 16, 40, 48, 99]  # each read once: ahead, or on the spot after a jump
     finally:
         pre.close()
+
+
+def _mapped_rss_kib(path: str) -> int:
+    """The resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's line: range perms offset dev inode path
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_mapped_reads_leave_no_page_of_the_bin_in_the_process(tmp_path) -> None:
+    """The samples are read through the .bin's memory map, and each read gives its pages back
+    (madvise MADV_DONTNEED): after reading samples across a cached 4 MB corpus, none of the .bin's map is
+    resident (the rule that keeps a 2 GB corpus's process as small as a 20 MB one's; BENCHMARKS.md)."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, size=int(n)).tolist() for n in rng.integers(100, 4000, size=1000)]
+    prefix = str(tmp_path / "ds")
+    _write(prefix, docs)
+    Path(prefix + ".bin").read_bytes()  # in the page cache: where a fault maps the pages around it
+    ds = documents_dataset(parse_data_path([prefix]), seq_len=64, split="1", part="train", vocab_size=60000,
+                           seed=0)
+    got = ds.samples(torch.arange(0, ds.streams[0].num_samples, 7))
+    stream = [t for d in ds.streams[0].epoch(0)[0] for t in docs[d]]
+    assert got[3].tolist() == stream[21 * 64: 21 * 64 + 65]  # the tokens themselves
+    assert _mapped_rss_kib(prefix + ".bin") == 0
+    ds.streams[0].dataset.tokens[:].sum()  # a plain map of the file keeps its pages: the check can fail
+    assert _mapped_rss_kib(prefix + ".bin") > 1000
