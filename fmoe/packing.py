@@ -4,7 +4,7 @@
                              eod_mask_loss=True)             # None when no flag is set
     loss, aux = gpt_loss(params, ids_BS, targets_BS, cfg, packing=packing)
 
-Legend (the package's, docs/moe.md): B sequences, S positions, s this rank's positions, t a key block's.
+Legend (the package's, docs/moe.md): B sequences, S positions.
 
 A sample of the training stream holds several documents back to back, each ended by the EOD token
 (fmoe/train/documents.py). Megatron's get_ltor_masks_and_position_ids reads them from the input ids: a

@@ -213,8 +213,8 @@ def test_fmoe_train_on_documents_in_a_pipeline_equals_the_one_process_run(tmp_pa
     common = dict(mtp=True, dtype="float64", steps=2, eval_interval=2, eval_iters=1, split="8,2")
     _run(_config(tmp_path, **common, metrics=str(tmp_path / "ref.jsonl")))
     ref = _metrics(tmp_path / "ref.jsonl")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in dataclasses.asdict(_config(tmp_path, **common)).items()
-             if k in _FLAGGED]
+    given = dataclasses.asdict(_config(tmp_path, **common))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in given.items() if k in _FLAGGED]
     pp2 = _train(tmp_path, "pp2", *flags, "--data-path", _dataset(tmp_path), "--mtp", "--reset-position-ids",
                  "--reset-attention-mask", "--eod-mask-loss", "--pp", "2", "--ep", "1", "--schedule", "1f1b")
     assert [m["step"] for m in pp2] == [m["step"] for m in ref] == [1, 2]
@@ -228,5 +228,5 @@ def test_fmoe_train_on_documents_in_a_pipeline_equals_the_one_process_run(tmp_pa
 # the _config fields given to `fmoe train` as flags (the switches and the data path are spelled out)
 _FLAGGED = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
             "num_attention_heads", "first_k_dense", "seq_length", "micro_batch_size", "global_batch_size",
-            "steps", "vocab_size", "tokenizer_type", "lr_warmup_iters", "moe_router_bias_update_rate", "dtype",
-            "eval_interval", "eval_iters", "split", "seed")
+            "steps", "vocab_size", "tokenizer_type", "lr_warmup_iters", "moe_router_bias_update_rate",
+            "dtype", "eval_interval", "eval_iters", "split", "seed")

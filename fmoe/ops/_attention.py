@@ -1,9 +1,14 @@
 """attention: causal grouped-query attention with rotary position embeddings (RoPE), no weights.
 
     o_BSHd = attention(q_BSHd, k_BSGd, v_BSGd)      # projections are the caller's (`linear`)
+    o_BSHd = attention(q_BSHd, k_BSGd, v_BSGd, positions_S=positions_BS, segments_BS=segments_BS)
+                                                    # documents packed in a sequence (fmoe/packing.py)
 
 Legend (the package's, docs/moe.md): B sequences, S positions (queries and keys alike), H query heads,
-G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs.
+G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs; X, Y any length.
+Documents: with `segments_BS` (each position's document) a query attends to the earlier keys of its own
+document only, sdpa taking a boolean [B, 1, S, S] mask instead of its causal flag; `positions_S` may then
+be per sequence [B, S] (positions restarting at each document).
 RoPE is the half-split ("rotate_half") form: for i < d/2, the pair (x[i], x[i + d/2]) is rotated by
 angle pos * theta^(-2i/d), with angles computed in fp32 (fp64 for fp64 input).
 Under torch.func transforms an autograd Function saves only q, k, v and recomputes the forward inside its
@@ -68,10 +73,10 @@ def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
     return _tables(torch.arange(S, device=device), d, theta, ct)
 
 
-def document_mask(segments_s: torch.Tensor, segments_t: torch.Tensor) -> torch.Tensor:
-    """Returns bool [..., s, t]: True where query and key lie in one document, from the document index of
-    each query [..., s] and each key [..., t] (fmoe/packing.py; causality is the caller's)."""
-    return segments_s.unsqueeze(-1) == segments_t.unsqueeze(-2)
+def document_mask(segments_X: torch.Tensor, segments_Y: torch.Tensor) -> torch.Tensor:
+    """Returns bool [..., X, Y]: True where query x and key y lie in one document, from the document index
+    of each query [..., X] and each key [..., Y] (fmoe/packing.py; causality is the caller's)."""
+    return segments_X.unsqueeze(-1) == segments_Y.unsqueeze(-2)
 
 
 def _mask(segments_BS: torch.Tensor | None, S: int, causal: bool,
