@@ -158,12 +158,17 @@ def layouts_rank(rank: int, world: int) -> list[str]:
     want_loss, want = alone(params, ids, targets, cfg, True)
     done = []
 
-    # tp 2 with sequence parallelism: heads and vocabulary split, experts over the pair (TP extends EP)
+    # tp 2 with sequence parallelism: heads and vocabulary split, experts over the pair (TP extends EP);
+    # GQA, and MLA (its latents gathered before the up projections, RoPE at the whole sequence's positions)
     par = ParallelContext(tp=comm, sequence_parallel=True, dispatcher=AllToAllDispatcher(comm, E))
-    loss, grads = packed(_mine(params, cfg, rank, world), ids, targets, cfg, FLAGS, "func", parallel=par)
-    assert_close(loss, want_loss, dtype=DT, msg="tp 2 + sp loss")
-    assert_close(grads, _mine(want, cfg, rank, world), dtype=DT, msg="tp 2 + sp grads")
-    done.append("tp2+sp")
+    for kind in ("gqa", "mla"):
+        c = cfg_of(kind)
+        p = params if kind == "gqa" else windows(c, ROWS)[0]  # MLA's weights, the same tokens
+        want_c_loss, want_c = (want_loss, want) if kind == "gqa" else alone(p, ids, targets, c, True)
+        loss, grads = packed(_mine(p, c, rank, world), ids, targets, c, FLAGS, "func", parallel=par)
+        assert_close(loss, want_c_loss, dtype=DT, msg=f"tp 2 + sp {kind} loss")
+        assert_close(grads, _mine(want_c, c, rank, world), dtype=DT, msg=f"tp 2 + sp {kind} grads")
+        done.append(f"tp2+sp {kind}")
 
     # cp 2: each rank two chunks of every sequence; documents from the whole sample on every rank
     for kind in ("p2p", "all_gather"):

@@ -118,13 +118,13 @@ def test_documents_change_the_model_only_where_they_say() -> None:
 
 
 def test_every_layout_equals_each_document_alone() -> None:
-    """tp 2 + sp (experts over the pair), pp 2 (1F1B, two microbatches), ep 2 (each rank its own
-    sequence) and cp 2 (p2p and all_gather): each rank's loss and gradients (summed over the ranks that
+    """tp 2 + sp (experts over the pair; GQA and MLA), pp 2 (1F1B, two microbatches), ep 2 (each rank its
+    own sequence) and cp 2 (p2p and all_gather): each rank's loss and gradients (summed over the ranks that
     split them) equal the documents-alone oracle's, fp64, MTP and --eod-mask-loss on."""
     from packing_oracle import layouts_rank
 
     for r in spawn(layouts_rank, 2, timeout_s=240):  # a rank's failed check fails the spawn, naming it
-        assert r.value == ["tp2+sp", "cp2 p2p", "cp2 all_gather", "ep2", "pp2"]
+        assert r.value == ["tp2+sp gqa", "tp2+sp mla", "cp2 p2p", "cp2 all_gather", "ep2", "pp2"]
 
 
 def test_fmoe_train_refuses_document_flags_without_documents_before_launch(tmp_path) -> None:
