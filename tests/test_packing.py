@@ -150,3 +150,20 @@ def test_fmoe_train_refuses_document_flags_without_documents_before_launch(tmp_p
         assert TrainConfig(**data, mtp=True, **{flag: True}).problem() is None
     bad = TrainConfig(**data, reset_attention_mask=True, attention="fmoe.ops:attention").problem()
     assert "--reset-attention-mask with --attention" in bad
+
+
+@pytest.mark.parametrize("kind, modules", [("gqa", ("core_attn", "layernorm")), ("mla", ("mla_up_proj",))])
+def test_recomputed_attention_keeps_the_documents(kind: str, modules: tuple[str, ...]) -> None:
+    """Selective recompute replays the attention with the same documents: its loss and gradients equal the
+    run that keeps the activations."""
+    from fmoe.recompute import Recompute
+
+    cfg = cfg_of(kind)
+    params, ids, targets = windows(cfg, EDGES)
+    flags = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}
+    kept = packed(params, ids, targets, cfg, flags, "func")
+    again = packed(params, ids, targets, dataclasses.replace(cfg, recompute=Recompute("selective",
+                                                                                      modules=modules)),
+                   flags, "func")
+    assert_close(again[0], kept[0], dtype=DT, msg="loss")
+    assert_close(again[1], kept[1], dtype=DT, msg="grads")
