@@ -57,8 +57,9 @@ from fmoe.layer import (
 )
 from fmoe.mla import init_mla, mla, mla_paths
 from fmoe.ops import linear, rms_norm
+from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
-from fmoe.parallel.context_parallel import cp_attention, cp_token_shard
+from fmoe.parallel.context_parallel import cp_attention, cp_token_shard, take_positions
 from fmoe.parallel.tensor import (
     copy_to_tp,
     gather_sequence,
@@ -127,7 +128,8 @@ def init_block(cfg: GPTConfig, generator: torch.Generator | None = None, dtype: 
 
 
 def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                   check: bool = True, parallel: ParallelContext = LOCAL) -> torch.Tensor:
+                   check: bool = True, parallel: ParallelContext = LOCAL,
+                   packing: Packing | None = None) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + w_o(attention(rope(q), rope(k), v)), q, k, v projected from
     rms_norm(x) and split into heads ([B, S, H, d] and [B, S, G, d]); with cfg.qk_norm, q and k are
     RMS-normalised per head before RoPE. `check`: check the attention weights against `cfg` first.
@@ -135,7 +137,8 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     and G/P kv heads); x and the result replicated on the group, or with `parallel.sequence_parallel`
     this rank's positions [B, S/P, D] (the norm runs on them; gathered before the projections, the output
     reduce-scattered back). With cfg.mla: multi-head latent attention instead (fmoe.mla.mla), with the
-    same `parallel`."""
+    same `parallel`. `packing` (fmoe/packing.py): the documents of the whole sequences, [B, S] under
+    every parallelism: RoPE at their positions, attention within each (None: one document each)."""
     tp, sequence_parallel, P = parallel.tp, parallel.sequence_parallel, parallel.tp_size
     if check:
         if tp is None:
@@ -146,7 +149,7 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     if cfg.mla:
         if parallel.cp is not None:
             raise ValueError("context parallelism with multi-head latent attention is not built yet")
-        return mla(params, x_BSD, cfg, parallel=parallel)
+        return mla(params, x_BSD, cfg, parallel=parallel, packing=packing)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     # "layernorm" (fmoe/recompute.py) recomputes the norm alone: the q, k, v projections read its output
     # and keep it for their backward, so only its working copies go (recomputing the projections with it
@@ -168,12 +171,13 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
         q_BSHd = norm(q_BSHd, q_norm, cfg.norm_eps)  # read by the attention core: alone under "layernorm"
         k_BSGd = norm(k_BSGd, k_norm, cfg.norm_eps)
     if parallel.cp is not None:  # this rank's positions of the sequence, against every rank's keys
-        o_BSHd = _cp_core(q_BSHd, k_BSGd, v_BSGd, cfg, parallel)
+        o_BSHd = _cp_core(q_BSHd, k_BSGd, v_BSGd, cfg, parallel, packing)
     else:
         attention_op = attention_of(cfg)  # cfg.attention (fmoe/seams.py; default fmoe.ops.attention)
+        documents = document_args(packing, cfg)
 
         def core(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor) -> torch.Tensor:
-            return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True)
+            return attention_op(q_BSHd, k_BSGd, v_BSGd, rope_theta=cfg.rope_theta, causal=True, **documents)
 
         o_BSHd = part(cfg.recompute, "core_attn", core)(q_BSHd, k_BSGd, v_BSGd)  # fmoe/recompute.py
     o_BSD = linear(o_BSHd.flatten(-2), params["w_o"])
@@ -182,8 +186,20 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     return x_BSD + o_BSD
 
 
+def document_args(packing: Packing | None, cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The attention core's document keywords (positions_S [B, S], segments_BS) of `packing`: none without
+    documents, so a custom attention (cfg.attention) is called as its protocol says; ValueError when one
+    would be asked to mask documents it is never told of."""
+    if packing is None or (packing.positions_BS is None and packing.segments_BS is None):
+        return {}
+    if cfg.attention is not None:
+        raise ValueError(f"documents (--reset-position-ids / --reset-attention-mask) need fmoe's attention: "
+                         f"a custom attention ({cfg.attention!r}) takes no positions or document mask")
+    return {"positions_S": packing.positions_BS, "segments_BS": packing.segments_BS}
+
+
 def _cp_core(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tensor, cfg: GPTConfig,
-             parallel: ParallelContext) -> torch.Tensor:
+             parallel: ParallelContext, packing: Packing | None = None) -> torch.Tensor:
     """The attention core over a sequence split by context parallelism (fmoe.parallel.context_parallel).
     Refuses what it cannot run: a custom attention (it would see one rank's positions), and recomputing
     the core (its recompute would replay the ring's messages)."""
@@ -194,14 +210,17 @@ def _cp_core(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tensor, c
         raise ValueError("context parallelism: recomputing core_attn would replay the ring's messages; "
                          "recompute other parts")
     positions_s = parallel.positions(q_BsHd.shape[1] * parallel.cp_size, q_BsHd.device)
+    packing = packing or Packing()
+    rope_Bs = None if packing.positions_BS is None else take_positions(packing.positions_BS, positions_s)
     return cp_attention(q_BsHd, k_BsGd, v_BsGd, positions_s, parallel.cp, rope_theta=cfg.rope_theta,
-                        kind=parallel.cp_comm_type)
+                        kind=parallel.cp_comm_type, rope_positions_Bs=rope_Bs,
+                        segments_BS=packing.segments_BS)
 
 
 def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
               state: dict[str, Any] | None = None, remat: bool | None = None, *,
-              permute_tokens: bool = True, check: bool = True,
-              parallel: ParallelContext = LOCAL) -> tuple[dict[str, torch.Tensor], MoERoute]:
+              permute_tokens: bool = True, check: bool = True, parallel: ParallelContext = LOCAL,
+              packing: Packing | None = None) -> tuple[dict[str, torch.Tensor], MoERoute]:
     """Phase 1: return (acts, route).
 
     acts: {"residual_BSD": x + attention, "normed_TD": rms_norm(residual) per token (the experts'
@@ -211,7 +230,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     dispatcher permutes itself): no "rows_RD", and the gate weights as "probs_TK".
     route: the `MoERoute` (layout, load, drops, remat decision). `check`: check the weights it reads
     (attention, "mlp_norm", "moe"/"router") and the state against `cfg` first.
-    `parallel`: as in `self_attention` (params this rank's attention shard). Each tp rank
+    `parallel`, `packing`: as in `self_attention` (params this rank's attention shard). Each tp rank
     routes and dispatches its own tokens (TP extends EP): with sequence parallelism its positions, else
     its 1/P of the replicated residual's tokens (`split_tokens`); the router's statistics are the
     group's (`token_shard`, fmoe.layer.plan_route).
@@ -226,7 +245,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
             check_block(params, cfg, state, paths=(("mlp_norm",), ("moe", "router")))
     if remat is None and cfg.recompute.module("moe"):
         remat = True  # selective recompute of the routed experts: every layer, every step
-    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel, packing=packing)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
     # the router, the permutation and the shared expert read the normed tokens: "layernorm" recomputes the
@@ -372,11 +391,12 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute,
 
 
 def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-                check: bool = True, parallel: ParallelContext = LOCAL) -> torch.Tensor:
+                check: bool = True, parallel: ParallelContext = LOCAL,
+                packing: Packing | None = None) -> torch.Tensor:
     """Return y_BSD of a dense block: attention sublayer, then x + SwiGLU(rms_norm(x)). `check`: check
     the params against `cfg` (a dense block) first; False skips it. `parallel.tp`: the tensor-parallel
     group, `params` this rank's shard (fmoe/tp_layout.py); x and y replicated on the group, or with
-    `parallel.sequence_parallel` this rank's positions [B, S/P, D]."""
+    `parallel.sequence_parallel` this rank's positions [B, S/P, D]. `packing`: as in `self_attention`."""
     tp = parallel.tp
     if check:
         if tp is None:
@@ -384,7 +404,7 @@ def dense_block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
         else:
             check_tp(cfg, tp.size, dense=True)
             check_shard(params, cfg, tp.size, tuple(SPLITS))
-    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel)
+    r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel, packing=packing)
     rc = cfg.recompute  # "mlp" recomputes the norm with the rest of the MLP already
     return part(rc, "mlp", swiglu_mlp)(params["mlp"], r_BSD, cfg.norm_eps, parallel,
                                        rc.module("layernorm") and not rc.module("mlp"))

@@ -38,7 +38,8 @@ import torch
 
 from fmoe.config import GPTConfig
 from fmoe.init import ones, scaled_normal
-from fmoe.ops import linear, rms_norm, rope, sdpa
+from fmoe.ops import document_mask, linear, rms_norm, rope, sdpa
+from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
 from fmoe.recompute import part
@@ -71,11 +72,19 @@ def init_mla(cfg: GPTConfig, generator: torch.Generator | None = None,
     return p
 
 
-def latent_attention(q_BSHk: torch.Tensor, k_BSHk: torch.Tensor, v_BSHe: torch.Tensor) -> torch.Tensor:
+def latent_attention(q_BSHk: torch.Tensor, k_BSHk: torch.Tensor, v_BSHe: torch.Tensor,
+                     segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Return o_BSHe [B, S, H, e] = causal softmax(q k^T / sqrt(k)) v per head, of queries and keys
-    RoPE already applied to (their rotary part only), values of their own width e."""
+    RoPE already applied to (their rotary part only), values of their own width e. `segments_BS`: each
+    position's document, attention within one only (fmoe/packing.py; None: one document)."""
+    mask = None
+    if segments_BS is not None:
+        S = q_BSHk.shape[1]
+        causal_SS = torch.ones(S, S, dtype=torch.bool, device=q_BSHk.device).tril()
+        mask = (document_mask(segments_BS, segments_BS) & causal_SS).unsqueeze(1)
     # sdpa's default scale is 1/sqrt(q's last dim), i.e. 1/sqrt(d + r); it takes e != k
-    o_BHSe = sdpa(q_BSHk.transpose(1, 2), k_BSHk.transpose(1, 2), v_BSHe.transpose(1, 2), causal=True)
+    o_BHSe = sdpa(q_BSHk.transpose(1, 2), k_BSHk.transpose(1, 2), v_BSHe.transpose(1, 2), causal=True,
+                  mask=mask)
     return o_BHSe.transpose(1, 2)
 
 
@@ -108,9 +117,10 @@ def _up(lat: torch.Tensor, norm: torch.Tensor | None, eps: float, w: torch.Tenso
 
 def _qkv(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: torch.Tensor,
          w_kv_b: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor | None, eps: float,
-         cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         cfg: GPTConfig, positions_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Returns (q_BSHk, k_BSHk, v_BSHe) of the latents: the up projections (w_q_b or w_q, w_kv_b; the
-    latent norms first when their scales are given), RoPE on q's rotary part and on the shared key."""
+    latent norms first when their scales are given), RoPE on q's rotary part and on the shared key (at
+    `positions_BS`, default 0..S-1)."""
     d, r, e = cfg.head_dim, cfg.qk_rope_head_dim, cfg.o_head_dim
     q_BSHk = _up(q_lat, q_norm, eps, w_q).unflatten(-1, (-1, d + r))
     kv_BSHde = _up(ckv_BSC, kv_norm, eps, w_kv_b).unflatten(-1, (-1, d + e))
@@ -119,26 +129,29 @@ def _qkv(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: 
     # for the backward, as the attention core's remat region keeps its inputs ("core_attn"): H x d per token
     v_BSHe = v_BSHe.contiguous()
     q_nope_BSHd, q_rope_BSHr = q_BSHk.split((d, r), -1)
-    q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, theta=cfg.rope_theta)], -1)
-    kr_BS1r = rope(kr_BSr.unsqueeze(-2), theta=cfg.rope_theta)  # one rotary key head for all H heads
+    q_BSHk = torch.cat([q_nope_BSHd, rope(q_rope_BSHr, positions_BS, theta=cfg.rope_theta)], -1)
+    kr_BS1r = rope(kr_BSr.unsqueeze(-2), positions_BS, theta=cfg.rope_theta)  # one rotary key head for all H
     k_BSHk = torch.cat([k_nope_BSHd, kr_BS1r.expand(*k_nope_BSHd.shape[:-1], r)], -1)
     return q_BSHk, k_BSHk, v_BSHe
 
 
 def _attend(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: torch.Tensor,
             w_kv_b: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor | None, eps: float,
-            cfg: GPTConfig) -> torch.Tensor:
+            cfg: GPTConfig, positions_BS: torch.Tensor | None = None,
+            segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Returns o_BSHe of the latents: `_qkv` and the attention core (the "mla_up_proj" part's region)."""
-    return latent_attention(*_qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps, cfg))
+    qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps, cfg, positions_BS)
+    return latent_attention(*qkv, segments_BS)
 
 
 def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
-        parallel: ParallelContext = LOCAL) -> torch.Tensor:
+        parallel: ParallelContext = LOCAL, packing: Packing | None = None) -> torch.Tensor:
     """Return r_BSD [B, S, D] = x + MLA(rms_norm(x)) (the module docstring; params unchecked: the caller's
     `fmoe.block.self_attention` checks them). `parallel.tp`: the tensor-parallel group, `params` this
     rank's shard (its H/P heads of w_q_b or w_q, w_kv_b and w_o); x and the result replicated on the
     group, or with `parallel.sequence_parallel` this rank's positions [B, S/P, D] (the down projections
-    and norms run on them).
+    and norms run on them). `packing` (fmoe/packing.py): the whole sequences' documents, RoPE at their
+    positions and attention within each (None: one document per sequence).
 
     Selective recompute (fmoe/recompute.py): "layernorm" runs the attention norm with the down projections
     under remat (`_down`), and each latent norm alone; "mla_up_proj" runs the latents' way to the attention
@@ -146,6 +159,8 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
     attention core) under remat, so the normed latents and q, k, v are not kept; it includes "core_attn"."""
     C, eps, rc = cfg.kv_lora_rank, cfg.norm_eps, cfg.recompute
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
+    packing = packing or Packing()
+    docs = (packing.positions_BS, packing.segments_BS)
 
     def mine(name: str) -> torch.Tensor:
         # replicated weights used on this rank's positions only (SP): their gradient summed over the group
@@ -168,10 +183,10 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
     w_q, w_kv_b = params["w_q_b"] if cfg.q_lora_rank else params["w_q"], params["w_kv_b"]
     if rc.module("mla_up_proj"):  # it includes the attention core: "core_attn" adds nothing
         o_BSHe = part(rc, "mla_up_proj", _attend)(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps,
-                                                  cfg)
+                                                  cfg, *docs)
     else:
-        qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, None, None, eps, cfg)
-        o_BSHe = part(rc, "core_attn", latent_attention)(*qkv)  # fmoe/recompute.py
+        qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, None, None, eps, cfg, docs[0])
+        o_BSHe = part(rc, "core_attn", latent_attention)(*qkv, docs[1])  # fmoe/recompute.py
     o_BSD = linear(o_BSHe.flatten(-2), params["w_o"])
     if tp is not None:  # the heads' partial sums
         o_BSD = scatter_sequence(o_BSD, tp) if sequence_parallel else reduce_from_tp(o_BSD, tp)

@@ -42,6 +42,7 @@ from fmoe.gpt_state import LayerLoad, init_gpt_state, update_gpt_state
 from fmoe.layer import MoEAux, make_aux, update_moe_state
 from fmoe.ops import linear, rms_norm
 from fmoe.outline import alone, outline, state_at
+from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.phases import H, gpt_layers, moe_layer
 from fmoe.router import check_seq_len
@@ -124,7 +125,7 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
 
 def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: dict[str, Any] | None = None,
           *, parallel: ParallelContext | None = None, remat: bool | None = None,
-          check: bool = True) -> tuple[torch.Tensor, MoEAux]:
+          check: bool = True, packing: Packing | None = None) -> tuple[torch.Tensor, MoEAux]:
     """Return (y_BSD, aux): an MoE block (fmoe/block.py), the phases of `fmoe.phases.moe_layer` in order,
     the exchanges through `parallel.dispatcher` (default local); aux.loss is the differentiable balancing
     loss. `remat`: as in `moe`. `check`: check the block params (routed experts: the dispatcher's
@@ -134,7 +135,8 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
     expert replicated, the dispatcher's local experts whole: TP extends EP, the dispatcher's group being
     the ep x tp expert group); x and y replicated on the group, or with `sequence_parallel` this rank's
     positions [B, S/P, D]. Each rank routes its own share of the tokens; the balancing loss is the
-    group's (equal to one process's)."""
+    group's (equal to one process's). `packing`: the sequences' documents (fmoe/packing.py), as in
+    `gpt_loss`."""
     parallel = parallel or LOCAL
     tp, dispatcher = parallel.tp, parallel.exchange(cfg.moe.num_experts)
     if check:
@@ -146,16 +148,16 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
             check_shard(params, cfg, tp.size, tuple(SPLITS))
             check_block(params, cfg, state, num_local_experts=n, paths=(("mlp_norm",), ("moe",)))
     layer = moe_layer(cfg, alone("block"), parallel, remat=remat)
-    ran = _run([layer], params, {"h_BSD": x_BSD}, {"state": state})
+    ran = _run([layer], params, {"h_BSD": x_BSD}, {"state": state, "packing": packing})
     return ran.acts["h_BSD"], _layer_aux(ran, cfg.moe, state, check)
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
                state: dict[str, Any] | None = None, *, parallel: ParallelContext | None = None,
-               check: bool = True) -> torch.Tensor:
+               check: bool = True, packing: Packing | None = None) -> torch.Tensor:
     """Return logits_BSV [B, S, V] of the main model, head(rms_norm(h)) (no MTP, no loss): what an
     inference framework computes, e.g. to compare with an imported checkpoint (fmoe/hf). `parallel`: its
-    dispatcher (tensor parallelism is not taken here). `check`: as in `gpt_loss`."""
+    dispatcher (tensor parallelism is not taken here). `check`, `packing`: as in `gpt_loss`."""
     state = state or init_gpt_state(cfg, ids_BS.device)
     parallel = parallel or LOCAL
     if parallel.tp is not None:
@@ -163,13 +165,14 @@ def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
     if check:
         check_gpt(params, cfg, state, num_local_experts=local_experts(parallel.dispatcher))
     sites = outline(cfg).chunk(range(cfg.n_layers), first=True, head=False, last=False)
-    x_BSD = _run(gpt_layers(cfg, sites, parallel), params, {}, {"ids_BS": ids_BS, "state": state}).acts[H]
+    meta = {"ids_BS": ids_BS, "state": state, "packing": packing}
+    x_BSD = _run(gpt_layers(cfg, sites, parallel), params, {}, meta).acts[H]
     return linear(rms_norm(x_BSD, params["norm"], cfg.norm_eps), params["head"]["w"])
 
 
 def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Tensor, cfg: GPTConfig,
              state: dict[str, Any] | None = None, *, parallel: ParallelContext | None = None,
-             check: bool = True) -> tuple[torch.Tensor, GPTAux]:
+             check: bool = True, packing: Packing | None = None) -> tuple[torch.Tensor, GPTAux]:
     """Return (loss, aux): the differentiable training loss (fp32 scalar) and a `GPTAux`: the GPT's
     layers (fmoe.phases.gpt_layers, one chunk with every layer) run in order.
 
@@ -181,6 +184,9 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     with `tp` (and `sequence_parallel`) tensor parallelism (`params` this rank's
     `fmoe.tp_layout.shard_gpt` with the dispatcher's local experts, the dispatcher over the ep x tp expert
     group; ids and targets the same on the group's ranks); the loss is the whole model's on every rank.
+    `packing` (fmoe/packing.py, `pack_documents`): the documents packed in each sequence, [B, S] whole
+    under every parallelism: RoPE positions restarting per document, attention within a document, the
+    targets' loss mask (MTP's rolled from it, never across a document); None: one document per sequence.
     """
     state = state or init_gpt_state(cfg, ids_BS.device)
     parallel = parallel or LOCAL
@@ -190,7 +196,8 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
         _check_tp_shards(params, cfg, parallel.tp_size)
     layers = gpt_layers(cfg, outline(cfg).chunk(range(cfg.n_layers), first=True, head=True, last=True),
                         parallel)
-    ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS, "state": state})
+    ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS, "state": state,
+                                    "packing": packing})
     main = ran.losses["ce"]
     routes = _routes(ran)
     balance = sum((b for _, b, _ in routes), main.new_zeros(()))

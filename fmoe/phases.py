@@ -36,6 +36,7 @@ from fmoe.layer import plan_route
 from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
 from fmoe.outline import Site, outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
+from fmoe.packing import Packing, mtp_targets
 from fmoe.parallel.alltoall import row_chunks
 from fmoe.parallel.collectives import all_reduce
 from fmoe.parallel.context import LOCAL, ParallelContext
@@ -116,12 +117,6 @@ def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, 
     return linear(torch.cat([hn_BSD, e_BSD], dim=-1), shared(mtp["w_proj"]))
 
 
-def mtp_targets(targets_BS: torch.Tensor) -> torch.Tensor:
-    """Returns MTP's targets [B, S]: token i+2 at position i (targets[:, i+1]), the last position ignored
-    (there is no token S+1 in the window)."""
-    return torch.cat([targets_BS[:, 1:], targets_BS.new_full((targets_BS.shape[0], 1), IGNORE_INDEX)], dim=1)
-
-
 def exchange_of(dispatcher: Any, moe_cfg: MoEConfig) -> tuple[Exchange, bool]:
     """Returns (the Exchange the MoE phases drive, whether it takes whole tokens): the dispatcher's own
     issue / wait form, its token-level one when it says so for `moe_cfg` (Exchange.token_level), or for a
@@ -151,7 +146,8 @@ def embed_layer(cfg: GPTConfig | None = None, parallel: ParallelContext = LOCAL)
 def dense_layer(cfg: GPTConfig, i: int, parallel: ParallelContext = LOCAL) -> Layer:
     """Returns dense block `i` as one compute phase over acts[h_BSD] (`parallel`: dense_block's)."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # p: the block's params
-        h_BSD = block.dense_block(p, acts[H], cfg, check=False, parallel=parallel)
+        h_BSD = block.dense_block(p, acts[H], cfg, check=False, parallel=parallel,
+                                  packing=meta.get("packing"))
         return {**acts, H: h_BSD}, meta  # gpt_programs / gpt_loss checked
 
     site = outline(cfg).layer(i)
@@ -236,7 +232,8 @@ def _front_phase(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelConte
 
     def attention(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:  # the block's minus its experts
         out, route = block.attention(p, acts[H], cfg, state_at(meta.get("state"), site), remat,
-                                     permute_tokens=False, check=False, parallel=parallel)
+                                     permute_tokens=False, check=False, parallel=parallel,
+                                     packing=meta.get("packing"))
         out[balance] = out.pop("loss")
         return routed(acts, H, out, route, meta)
 
@@ -447,7 +444,9 @@ def head_layer(cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> Layer:
     path (returns the loss only); with MTP it passes the hidden state on to the MTP module, on this
     stage or the next. `parallel`: `logits_loss`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        ce = logits_loss(acts[H], p["norm"], p["head"]["w"], meta["targets_BS"], cfg, parallel)
+        packing: Packing = meta.get("packing") or Packing()  # --eod-mask-loss's mask on the targets
+        targets_BS = packing.targets(meta["targets_BS"])
+        ce = logits_loss(acts[H], p["norm"], p["head"]["w"], targets_BS, cfg, parallel)
         return ({**acts, "ce": ce} if cfg.mtp else {"ce": ce}), meta
 
     return Layer("head", (Phase("head", "compute", fn=fn, param_paths=(("norm",), ("head", "w")),
@@ -459,8 +458,8 @@ def mtp_head_layer(cfg: GPTConfig, parallel: ParallelContext = LOCAL) -> Layer:
     cross-entropy ("mtp"), and the unweighted one, detached, as meta["mtp_loss"]. Ends the path: returns
     the loss only. `parallel`: `logits_loss`'s."""
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        mtp = logits_loss(acts[H], p["mtp"]["norm"], p["head"]["w"], mtp_targets(meta["targets_BS"]), cfg,
-                          parallel)
+        later_BS = mtp_targets(meta["targets_BS"], meta.get("packing"))  # within documents, rolled loss mask
+        mtp = logits_loss(acts[H], p["mtp"]["norm"], p["head"]["w"], later_BS, cfg, parallel)
         return {"mtp": cfg.mtp_loss_weight * mtp}, {**meta, "mtp_loss": mtp.detach()}
 
     paths = (("mtp", "norm"), ("head", "w"))

@@ -10,6 +10,7 @@ checkpoint removed (what a kill after step 2 leaves behind).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -50,7 +51,8 @@ def _config(root: Path, **kw) -> TrainConfig:
     base = dict(pp=1, ep=1, num_layers=2, hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=32,
                 num_experts=4, num_attention_heads=2, first_k_dense=1, seq_length=16, micro_batch_size=2,
                 global_batch_size=8, steps=STEPS, vocab_size=V, data_path=(_dataset(root),),
-                tokenizer_type="NullTokenizer", eod_mask_loss=True, lr_warmup_iters=1, progress=False,
+                tokenizer_type="NullTokenizer", eod_mask_loss=True, reset_position_ids=True,
+                reset_attention_mask=True, lr_warmup_iters=1, progress=False,
                 moe_router_bias_update_rate=1e-2)
     return TrainConfig(**{**base, **kw})
 
@@ -146,6 +148,8 @@ def test_a_resume_into_another_layout_reads_the_same_global_batches(uninterrupte
     ({"split": "90,10"}, "split: checkpoint '969,30,1', this run '90,10'"),
     ({"seed": 7}, "seed: checkpoint 1234, this run 7"),
     ({"eod_mask_loss": False}, "eod_mask: checkpoint 63, this run None"),
+    ({"reset_attention_mask": False}, "reset_attention_mask: checkpoint True, this run False"),
+    ({"reset_position_ids": False}, "reset_position_ids: checkpoint True, this run False"),
     ({"data_path": ("2", "A", "1", "B")}, "blend: checkpoint"),
     ({"data_path": None}, "source: checkpoint 'data-path', this run 'markov'"),
 ])
@@ -153,7 +157,8 @@ def test_a_resume_on_other_data_is_refused_in_one_line(uninterrupted, change: di
     root, tc, _, _ = uninterrupted
     meta = checkpoint.read_meta(root / "ckpt" / "step_00000002")
     now = _config(root, **change) if change.get("data_path", ()) is not None else _config(
-        root, data_path=None, eod_mask_loss=False, tokenizer_type=None)
+        root, data_path=None, eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False,
+        tokenizer_type=None)
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.check_data(meta, data_identity(now), "ckpt/step_00000002")
     text = str(info.value)
@@ -197,3 +202,31 @@ def test_a_text_file_run_resumed_without_data_is_refused_not_continued_on_markov
     with pytest.raises(checkpoint.CheckpointError, match="source: checkpoint 'text file"):
         checkpoint.check_data(meta, data_identity(TrainConfig(vocab_size=256)), "new")
     checkpoint.check_data({"config": {"num_layers": 4}}, data_identity(run), "converted")  # fmoe convert's
+
+
+def test_fmoe_train_on_documents_in_a_pipeline_equals_the_one_process_run(tmp_path) -> None:
+    """`fmoe train --reset-position-ids --reset-attention-mask --eod-mask-loss --mtp` on an indexed dataset
+    at pp 2 (1F1B: the documents ride in each microbatch's meta to both stages, the held-out evaluation's
+    too) equal to the one-process run (in this process, the same config) step by step, fp64."""
+    from test_train import _train
+
+    common = dict(mtp=True, dtype="float64", steps=2, eval_interval=2, eval_iters=1, split="8,2")
+    _run(_config(tmp_path, **common, metrics=str(tmp_path / "ref.jsonl")))
+    ref = _metrics(tmp_path / "ref.jsonl")
+    given = dataclasses.asdict(_config(tmp_path, **common))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in given.items() if k in _FLAGGED]
+    pp2 = _train(tmp_path, "pp2", *flags, "--data-path", _dataset(tmp_path), "--mtp", "--reset-position-ids",
+                 "--reset-attention-mask", "--eod-mask-loss", "--pp", "2", "--ep", "1", "--schedule", "1f1b")
+    assert [m["step"] for m in pp2] == [m["step"] for m in ref] == [1, 2]
+    for w, h in zip(ref, pp2, strict=True):
+        for key in ("loss", "main_loss", "mtp_loss", "grad_norm", "eval_loss"):
+            if key in w:
+                assert h[key] == pytest.approx(w[key], rel=1e-9), (w["step"], key)
+    assert "eval_loss" in ref[-1] and ref[-1]["mtp_loss"] > 0
+
+
+# the _config fields given to `fmoe train` as flags (the switches and the data path are spelled out)
+_FLAGGED = ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
+            "num_attention_heads", "first_k_dense", "seq_length", "micro_batch_size", "global_batch_size",
+            "steps", "vocab_size", "tokenizer_type", "lr_warmup_iters", "moe_router_bias_update_rate",
+            "dtype", "eval_interval", "eval_iters", "split", "seed")

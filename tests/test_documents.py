@@ -7,6 +7,8 @@ Legend: P stream positions, S positions per sample, D documents, G global batch,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe.examples.stdlib_text import train_bpe
+from fmoe.packing import pack_documents
 from fmoe.train.config import TrainConfig
 from fmoe.train.data import microbatches
 from fmoe.train.documents import BLOCK, documents_dataset, parse_data_path
@@ -143,20 +146,20 @@ def test_the_global_batch_is_the_same_in_every_layout_and_from_any_start(tmp_pat
 
 
 def test_eod_mask_ignores_the_target_after_each_eod(tmp_path) -> None:
+    """The loader keeps every token (MTP embeds the targets); --eod-mask-loss's mask, the model's
+    (fmoe.packing), takes the loss off the target after each EOD of the loader's batches."""
     EOD = 9
     _write(str(tmp_path / "ds"), [[1, 2, EOD], [3, EOD], [4, 5, 6, EOD], [7, EOD]] * 5)
-    kw = dict(seq_len=5, split="1", part="train", vocab_size=10, seed=0)
-    plain = documents_dataset(parse_data_path([str(tmp_path / "ds")]), **kw)
-    masked = documents_dataset(parse_data_path([str(tmp_path / "ds")]), eod_mask=EOD, **kw)
-    (ids, targets), = microbatches(plain, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1, seed=0)
-    (ids_m, targets_m), = microbatches(masked, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1,
-                                       seed=0)
-    assert torch.equal(ids, ids_m)
+    ds = documents_dataset(parse_data_path([str(tmp_path / "ds")]), seq_len=5, split="1", part="train",
+                           vocab_size=10, seed=0)
+    (ids, targets), = microbatches(ds, 0, global_batch=4, micro_batch=4, data_rank=0, data_ranks=1, seed=0)
+    assert torch.equal(ids[:, 1:], targets[:, :-1]) and (targets >= 0).all()
+    masked = pack_documents(ids, EOD, eod_mask_loss=True).targets(targets)
     for b in range(4):
         for s in range(5):  # Megatron's loss_mask[tokens == eod] = 0, as a loop
             want = -100 if int(ids[b, s]) == EOD else int(targets[b, s])
-            assert int(targets_m[b, s]) == want
-    assert (targets_m == -100).any() and (targets_m == EOD).any()  # an EOD target itself keeps its loss
+            assert int(masked[b, s]) == want
+    assert (masked == -100).any() and (masked == EOD).any()  # an EOD target itself keeps its loss
 
 
 def test_tokens_outside_the_vocabulary_are_refused_naming_the_prefix(tmp_path) -> None:
@@ -224,3 +227,35 @@ def test_the_background_reader_returns_what_the_reader_returns() -> None:
         assert calls == [0, 8, 16, 40, 48, 99]  # each read once: ahead, or on the spot after a jump
     finally:
         pre.close()
+
+
+def _mapped_rss_kib(path: str) -> int:
+    """The resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's line: range perms offset dev inode path
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_mapped_reads_leave_no_page_of_the_bin_in_the_process(tmp_path) -> None:
+    """The samples are read through the .bin's memory map, and each read gives its pages back
+    (madvise MADV_DONTNEED): after reading samples across a cached 4 MB corpus, none of the .bin's map is
+    resident (the rule that keeps a 2 GB corpus's process as small as a 20 MB one's; BENCHMARKS.md)."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, size=int(n)).tolist() for n in rng.integers(100, 4000, size=1000)]
+    prefix = str(tmp_path / "ds")
+    _write(prefix, docs)
+    Path(prefix + ".bin").read_bytes()  # in the page cache: where a fault maps the pages around it
+    ds = documents_dataset(parse_data_path([prefix]), seq_len=64, split="1", part="train", vocab_size=60000,
+                           seed=0)
+    got = ds.samples(torch.arange(0, ds.streams[0].num_samples, 7))
+    stream = [t for d in ds.streams[0].epoch(0)[0] for t in docs[d]]
+    assert got[3].tolist() == stream[21 * 64: 21 * 64 + 65]  # the tokens themselves
+    assert _mapped_rss_kib(prefix + ".bin") == 0
+    ds.streams[0].dataset.tokens[:].sum()  # a plain map of the file keeps its pages: the check can fail
+    assert _mapped_rss_kib(prefix + ".bin") > 1000

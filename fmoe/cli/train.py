@@ -126,6 +126,10 @@ HELP = {
     "make_vocab_size_divisible_by": "pad the tokenizer's vocabulary to a multiple of this x --tp (default "
                                     "128; applies when --vocab-size is not given)",
     "eod_mask_loss": "no loss on the target after an end-of-document token (--data-path with a tokenizer)",
+    "reset_position_ids": "RoPE positions restart at 0 after each end-of-document token (--data-path with a "
+                          "tokenizer; Megatron's)",
+    "reset_attention_mask": "attention within a document only: a token sees the earlier tokens of its own "
+                            "document (--data-path with a tokenizer; Megatron's)",
     "override_data": "--resume / --load on other data (source, blend, split, seed, --seq-length, files) than "
                      "the checkpoint's (refused without it: the run would not continue its sample stream)",
     "save_interval": "steps between checkpoints (and one at the end)",

@@ -5,6 +5,7 @@ Public names only; a module's internals are reached as `fmoe.ops._linear` and so
 """
 
 from fmoe.ops._attention import attention as attention
+from fmoe.ops._attention import document_mask as document_mask
 from fmoe.ops._attention import rope as rope
 from fmoe.ops._attention import sdpa as sdpa
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy

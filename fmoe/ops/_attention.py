@@ -1,9 +1,14 @@
 """attention: causal grouped-query attention with rotary position embeddings (RoPE), no weights.
 
     o_BSHd = attention(q_BSHd, k_BSGd, v_BSGd)      # projections are the caller's (`linear`)
+    o_BSHd = attention(q_BSHd, k_BSGd, v_BSGd, positions_S=positions_BS, segments_BS=segments_BS)
+                                                    # documents packed in a sequence (fmoe/packing.py)
 
 Legend (the package's, docs/moe.md): B sequences, S positions (queries and keys alike), H query heads,
-G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs.
+G key/value heads (G divides H), d head dim (even, for RoPE), h = d / 2 rotation pairs; X, Y any length.
+Documents: with `segments_BS` (each position's document) a query attends to the earlier keys of its own
+document only, sdpa taking a boolean [B, 1, S, S] mask instead of its causal flag; `positions_S` may then
+be per sequence [B, S] (positions restarting at each document).
 RoPE is the half-split ("rotate_half") form: for i < d/2, the pair (x[i], x[i + d/2]) is rotated by
 angle pos * theta^(-2i/d), with angles computed in fp32 (fp64 for fp64 input).
 Under torch.func transforms an autograd Function saves only q, k, v and recomputes the forward inside its
@@ -26,7 +31,8 @@ def rope(x_BSHd: torch.Tensor, positions_S: torch.Tensor | None = None,
          theta: float = 10000.0) -> torch.Tensor:
     """Return x rotated by RoPE (same shape and dtype); x is [..., S, H, d] with d even.
 
-    `positions_S` (integer or float [S], default arange(S)) gives each position's index.
+    `positions_S` (integer or float [S], default arange(S)) gives each position's index; [B, S] (x's
+    leading dims) gives each sequence its own (documents' positions restarting, fmoe/packing.py).
     Differentiable by plain torch ops.
     """
     S, d = x_BSHd.shape[-3], x_BSHd.shape[-1]
@@ -36,9 +42,11 @@ def rope(x_BSHd: torch.Tensor, positions_S: torch.Tensor | None = None,
     if positions_S is None:
         cos_S1d, signed_sin_S1d = _default_tables(S, d, float(theta), ct, x_BSHd.device)
     else:
-        if positions_S.shape != (S,):
-            raise ValueError(f"rope: positions must have shape ({S},), got {tuple(positions_S.shape)}")
-        cos_S1d, signed_sin_S1d = _tables(positions_S, d, theta, ct)
+        lead = tuple(x_BSHd.shape[:-2])
+        if tuple(positions_S.shape) not in ((S,), lead):
+            raise ValueError(f"rope: positions must have shape ({S},) or {lead}, got "
+                             f"{tuple(positions_S.shape)}")
+        cos_S1d, signed_sin_S1d = _tables(positions_S, d, theta, ct)  # [S, 1, d] or [B, S, 1, d]
     xf = x_BSHd.to(ct)
     # x * [cos, cos] + [x2, x1] * [-sin, sin]: three full-width kernels on contiguous rows where rotating
     # each half apart takes six on strided halves; the halves swap by a roll, whose backward is a roll
@@ -47,7 +55,8 @@ def rope(x_BSHd: torch.Tensor, positions_S: torch.Tensor | None = None,
 
 
 def _tables(positions_S: torch.Tensor, d: int, theta: float, ct: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Returns (cos, signed sin) [S, 1, d] of the rotation angles a = pos * theta^(-2i/d), in dtype ct:
+    """Returns (cos, signed sin) [..., S, 1, d] of the rotation angles a = pos * theta^(-2i/d) of positions
+    [..., S], in dtype ct:
     [cos a, cos a] and [-sin a, sin a] along the head dim (broadcast over heads)."""
     inv_freq_h = theta ** (-torch.arange(0, d // 2, device=positions_S.device, dtype=ct) * 2 / d)
     ang_Sh = positions_S.to(ct).unsqueeze(-1) * inv_freq_h  # [S, h]
@@ -63,41 +72,64 @@ def _default_tables(S: int, d: int, theta: float, ct: torch.dtype,
 
 
 def sdpa(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSe: torch.Tensor, *, causal: bool,
-         enable_gqa: bool = False) -> torch.Tensor:
-    """Return o_BHSe = softmax(q k^T / sqrt(q's last dim) + causal mask) v: F.scaled_dot_product_attention,
-    or under torch.func.vmap the same products written out (sdpa's CPU kernels have no batching rule, and
-    vmap would run them once per batch element)."""
+         mask: torch.Tensor | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Return o_BHSe = softmax(q k^T / sqrt(q's last dim) + mask) v: F.scaled_dot_product_attention, or
+    under torch.func.vmap the same products written out (sdpa's CPU kernels have no batching rule, and
+    vmap would run them once per batch element). `mask`: bool, broadcasting to [B, H, S, Sk], True where a
+    query attends; given, it replaces `causal` (it holds causality itself, as `_mask` makes it)."""
     if not under_vmap():
-        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, is_causal=causal, enable_gqa=enable_gqa)
+        flags = {"is_causal": causal} if mask is None else {"attn_mask": mask}
+        return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSe, enable_gqa=enable_gqa, **flags)
     H, G = q_BHSd.shape[-3], k_BHSd.shape[-3]
     if G != H:
         k_BHSd, v_BHSe = (t.repeat_interleave(H // G, dim=-3) for t in (k_BHSd, v_BHSe))
     score_BHSS = (q_BHSd @ k_BHSd.transpose(-2, -1)) * q_BHSd.shape[-1] ** -0.5
-    if causal:
+    if mask is not None:
+        score_BHSS = score_BHSS.masked_fill(~mask, float("-inf"))
+    elif causal:
         S, Sk = score_BHSS.shape[-2:]
         above_SS = torch.ones(S, Sk, dtype=torch.bool, device=q_BHSd.device).triu(Sk - S + 1)
         score_BHSS = score_BHSS.masked_fill(above_SS, float("-inf"))
     return torch.softmax(score_BHSS, -1) @ v_BHSe
 
 
+def document_mask(segments_X: torch.Tensor, segments_Y: torch.Tensor) -> torch.Tensor:
+    """Returns bool [..., X, Y]: True where query x and key y lie in one document, from the document index
+    of each query [..., X] and each key [..., Y] (fmoe/packing.py; causality is the caller's)."""
+    return segments_X.unsqueeze(-1) == segments_Y.unsqueeze(-2)
+
+
+def _mask(segments_BS: torch.Tensor | None, S: int, causal: bool,
+          device: torch.device) -> torch.Tensor | None:
+    """sdpa's boolean mask [B, 1, S, S] (True: attend) of documents `segments_BS`, causal or not; None
+    without documents (sdpa's own causal flag then)."""
+    if segments_BS is None:
+        return None
+    mask_BSS = document_mask(segments_BS, segments_BS)
+    if causal:
+        mask_BSS = mask_BSS & torch.ones(S, S, dtype=torch.bool, device=device).tril()
+    return mask_BSS.unsqueeze(-3)  # one mask for every head
+
+
 def _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool,
-                    native_gqa: bool = False) -> torch.Tensor:
+                    native_gqa: bool = False, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     H, G = q_BSHd.shape[-2], k_BSGd.shape[-2]
     # Heads before positions ([..., S, H, d] -> [..., H, S, d]); native transposes, no einops parsing on
     # this per-layer path.
     q_BHSd = rope(q_BSHd, positions_S, theta).transpose(-3, -2)
     k_BGSd = rope(k_BSGd, positions_S, theta).transpose(-3, -2)
     v_BGSd = v_BSGd.transpose(-3, -2)
+    mask = _mask(segments_BS, q_BSHd.shape[-3], causal, q_BSHd.device)
     if G != H and native_gqa:
         # Tape autograd: sdpa reads each kv head for its H / G query heads itself (no repeated copies of
         # k and v, saved for the backward, and no repeat in the graph).
-        o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal, enable_gqa=True)
+        o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal, mask=mask, enable_gqa=True)
         return o_BHSd.transpose(-3, -2)
     if G != H:
         # Explicit repeat (not enable_gqa) so every sdpa backend, and its vjp, sees plain MHA shapes.
         k_BGSd = k_BGSd.repeat_interleave(H // G, dim=-3)
         v_BGSd = v_BGSd.repeat_interleave(H // G, dim=-3)
-    o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal)
+    o_BHSd = sdpa(q_BHSd, k_BGSd, v_BGSd, causal=causal, mask=mask)
     return o_BHSd.transpose(-3, -2)
 
 
@@ -105,33 +137,37 @@ class _Attention(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool) -> torch.Tensor:
-        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal)
+    def forward(q_BSHd, k_BSGd, v_BSGd, positions_S, theta: float, causal: bool, segments_BS) -> torch.Tensor:
+        return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal, segments_BS=segments_BS)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal = inputs
-        ctx.save_for_backward(q_BSHd, k_BSGd, v_BSGd, positions_S)
+        q_BSHd, k_BSGd, v_BSGd, positions_S, theta, causal, segments_BS = inputs
+        ctx.save_for_backward(q_BSHd, k_BSGd, v_BSGd, positions_S, segments_BS)
         ctx.theta, ctx.causal = theta, causal
 
     @staticmethod
     def backward(ctx, g_BSHd):
-        q_BSHd, k_BSGd, v_BSGd, positions_S = ctx.saved_tensors
+        q_BSHd, k_BSGd, v_BSGd, positions_S, segments_BS = ctx.saved_tensors
         theta, causal = ctx.theta, ctx.causal
-        _, vjp_fn = torch.func.vjp(lambda q, k, v: _attention_math(q, k, v, positions_S, theta, causal),
+        _, vjp_fn = torch.func.vjp(lambda q, k, v: _attention_math(q, k, v, positions_S, theta, causal,
+                                                                   segments_BS=segments_BS),
                                    q_BSHd, k_BSGd, v_BSGd)
         dq, dk, dv = vjp_fn(g_BSHd.contiguous(), retain_graph=False)  # free its activations as it goes
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, *,
               rope_theta: float = 10000.0, causal: bool = True,
-              positions_S: torch.Tensor | None = None) -> torch.Tensor:
+              positions_S: torch.Tensor | None = None,
+              segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Return o_BSHd = softmax(rope(q) rope(k)^T / sqrt(d) + causal mask) v, per head.
 
     q is [B, S, H, d] (or [S, H, d]); k and v are [B, S, G, d] with G dividing H (grouped-query
     attention: query head h reads kv head h // (H / G)). RoPE (theta `rope_theta`, positions
-    `positions_S`, default arange(S)) is applied to q and k. Output has q's shape and dtype.
+    `positions_S`, [S] or per sequence [B, S], default arange(S)) is applied to q and k.
+    `segments_BS` (integer [B, S], q's leading dims): each position's document; a query then attends to
+    the keys of its own document only (fmoe/packing.py). Output has q's shape and dtype.
     """
     if q_BSHd.dim() not in (3, 4) or k_BSGd.dim() != q_BSHd.dim() or v_BSGd.dim() != q_BSHd.dim():
         raise ValueError(f"attention: q, k, v must all be [B, S, heads, d] or [S, heads, d], got "
@@ -150,14 +186,18 @@ def attention(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, 
     if not (q_BSHd.dtype == k_BSGd.dtype == v_BSGd.dtype) or not q_BSHd.is_floating_point():
         raise ValueError(f"attention: q, k, v must share one floating dtype, got "
                          f"{q_BSHd.dtype}, {k_BSGd.dtype}, {v_BSGd.dtype}")
-    S = q_BSHd.shape[-3]
-    if positions_S is not None and positions_S.shape != (S,):
-        raise ValueError(f"attention: positions must have shape ({S},), got {tuple(positions_S.shape)}")
+    S, lead = q_BSHd.shape[-3], tuple(q_BSHd.shape[:-2])
+    if positions_S is not None and tuple(positions_S.shape) not in ((S,), lead):
+        raise ValueError(f"attention: positions must have shape ({S},) or {lead}, got "
+                         f"{tuple(positions_S.shape)}")
+    if segments_BS is not None and tuple(segments_BS.shape) != lead:
+        raise ValueError(f"attention: segments must have shape {lead} (q's batch and positions), got "
+                         f"{tuple(segments_BS.shape)}")
     if not functorch_active():
         # Tape autograd: sdpa's own backward (flash on CPU keeps the output and log-sum-exp, not the
         # [S, S] probabilities), no recompute. Under torch.func the Function below recomputes instead.
         return _attention_math(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal),
-                               native_gqa=q_BSHd.device.type in ("cpu", "cuda"))
+                               native_gqa=q_BSHd.device.type in ("cpu", "cuda"), segments_BS=segments_BS)
     if positions_S is None:
         positions_S = torch.arange(S, device=q_BSHd.device)
-    return _Attention.apply(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal))
+    return _Attention.apply(q_BSHd, k_BSGd, v_BSGd, positions_S, float(rope_theta), bool(causal), segments_BS)

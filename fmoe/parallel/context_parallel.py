@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from fmoe._compat import Function
 from fmoe.balance import TokenShard
-from fmoe.ops._attention import rope
+from fmoe.ops._attention import document_mask, rope
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.parallel.async_comm import CommHandle
 from fmoe.parallel.collectives import CommGroup, _Box, _finish, all_gather
@@ -156,9 +156,20 @@ def _heads_first(x_BtGd: torch.Tensor, H: int) -> torch.Tensor:
     return x_BGtd if G == H else x_BGtd.repeat_interleave(H // G, dim=1)
 
 
-def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommGroup) -> torch.Tensor:
+def _documents(segments_BS: torch.Tensor | None, mask: torch.Tensor | None, q_chunk: slice | torch.Tensor,
+               k_chunk: slice | torch.Tensor) -> torch.Tensor | None:
+    """`mask` ([s, t] or None) and, with documents (`segments_BS`, the whole sequence's [B, S]), their
+    mask [B, 1, s, t] of the query and key positions `q_chunk`, `k_chunk` (slices or int64 indices)."""
+    if segments_BS is None:
+        return mask
+    docs = document_mask(segments_BS[:, q_chunk], segments_BS[:, k_chunk]).unsqueeze(1)
+    return docs if mask is None else docs & mask
+
+
+def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommGroup,
+          segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention of this rank's queries (its two chunks, in order) over every rank's keys and values
-    (kv: k and v side by side on the last axis, already rotated)."""
+    (kv: k and v side by side on the last axis, already rotated); `segments_BS`: documents (cp_attention)."""
     H, N = q_BHsd.shape[1], cp.size
     C = S // (2 * N)
     mine = chunks_of(cp.rank, N)
@@ -175,7 +186,9 @@ def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommG
             for b, kc in enumerate(theirs):
                 if kc > qc:  # above the causal diagonal: every key is later than every query
                     continue
-                o_b, lse_b = _block(q_chunks[a], k_chunks[b], v_chunks[b], causal_CC if kc == qc else None)
+                mask = _documents(segments_BS, causal_CC if kc == qc else None, slice(qc * C, (qc + 1) * C),
+                                  slice(kc * C, (kc + 1) * C))
+                o_b, lse_b = _block(q_chunks[a], k_chunks[b], v_chunks[b], mask)
                 outs[a] = list(_merge(outs[a][0], outs[a][1], o_b, lse_b))
         if box is not None:
             box.handle.wait()
@@ -184,22 +197,29 @@ def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommG
 
 
 def _gathered(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, pos_s: torch.Tensor,
-              cp: CommGroup) -> torch.Tensor:
-    """All-gather attention: every rank's keys and values gathered, masked by their true positions."""
+              cp: CommGroup, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """All-gather attention: every rank's keys and values gathered, masked by their true positions (and
+    documents, `segments_BS`)."""
     H = q_BHsd.shape[1]
     kv_sBGe = all_gather(kv_BsGe.transpose(0, 1), cp, op="cp.all_gather")  # ranks' blocks in rank order
     kv_BtGe = kv_sBGe.transpose(0, 1)
     pos_t = torch.cat([cp_positions(S, j, cp.size, pos_s.device) for j in range(cp.size)])
     k_BHtd, v_BHtd = (_heads_first(t, H) for t in kv_BtGe.split(d, dim=-1))
-    return _block(q_BHsd, k_BHtd, v_BHtd, pos_t.unsqueeze(0) <= pos_s.unsqueeze(1))[0]
+    mask = _documents(segments_BS, pos_t.unsqueeze(0) <= pos_s.unsqueeze(1), pos_s, pos_t)
+    return _block(q_BHsd, k_BHtd, v_BHtd, mask)[0]
 
 
 def cp_attention(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tensor, positions_s: torch.Tensor,
-                 cp: CommGroup, *, rope_theta: float = 10000.0, kind: str = "p2p") -> torch.Tensor:
+                 cp: CommGroup, *, rope_theta: float = 10000.0, kind: str = "p2p",
+                 rope_positions_Bs: torch.Tensor | None = None,
+                 segments_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Returns o_BsHd: causal grouped-query attention of this rank's queries over the whole sequence split
     over the cp group (module docstring), RoPE at the true `positions_s` (this rank's `cp_positions`);
     q [B, s, H, d], k and v [B, s, G, d] with G dividing H. Output has q's shape and dtype; equal to
-    `fmoe.ops.attention` on the whole sequence at these positions."""
+    `fmoe.ops.attention` on the whole sequence at these positions. Documents (fmoe/packing.py):
+    `rope_positions_Bs` this rank's RoPE positions [B, s] (restarting per document; default positions_s),
+    `segments_BS` the whole sequence's document index [B, S] (every rank has it: a block's key documents
+    are read from it, nothing travels with the keys), attention within a document only."""
     if kind not in KINDS:
         raise ValueError(f"context-parallel attention: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     B, s, H, d = q_BsHd.shape
@@ -208,11 +228,15 @@ def cp_attention(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tenso
         raise ValueError(f"cp_attention: positions must be [{s}] (this rank's), "
                          f"got {tuple(positions_s.shape)}")
     check_split(S, cp.size)
+    if segments_BS is not None and tuple(segments_BS.shape) != (B, S):
+        raise ValueError(f"cp_attention: segments must be the whole sequence's [{B}, {S}], "
+                         f"got {tuple(segments_BS.shape)}")
     ct = compute_dtype(q_BsHd.dtype)
-    q_BHsd = rope(q_BsHd, positions_s, rope_theta).to(ct).transpose(1, 2)
-    kv_BsGe = torch.cat([rope(k_BsGd, positions_s, rope_theta), v_BsGd], dim=-1).to(ct)
+    rot = positions_s if rope_positions_Bs is None else rope_positions_Bs
+    q_BHsd = rope(q_BsHd, rot, rope_theta).to(ct).transpose(1, 2)
+    kv_BsGe = torch.cat([rope(k_BsGd, rot, rope_theta), v_BsGd], dim=-1).to(ct)
     if kind == "p2p":
-        o_BHsd = _ring(q_BHsd, kv_BsGe, d, S, cp)
+        o_BHsd = _ring(q_BHsd, kv_BsGe, d, S, cp, segments_BS)
     else:
-        o_BHsd = _gathered(q_BHsd, kv_BsGe, d, S, positions_s, cp)
+        o_BHsd = _gathered(q_BHsd, kv_BsGe, d, S, positions_s, cp, segments_BS)
     return o_BHsd.transpose(1, 2).to(q_BsHd.dtype)

@@ -6,9 +6,11 @@ gradients summed, MoE loads reported for the once-per-step state update.
     out.loss, out.grads (init_gpt layout), out.loads, out.result (timeline, peaks)
 
 `batches[mb]` = (ids_BS, targets_BS) of microbatch mb; every rank gets the same list (the first and the
-last stage read it). The loss is the mean over microbatches of cross-entropy + balancing losses + the
-weighted MTP loss; it lives on the rank(s) holding the last chunk and is summed across the pipeline
-group so every rank returns it.
+last stage read it). `packings[mb]`, when given, is its documents (fmoe/packing.py): it travels in the
+microbatch's meta, which the executor hands every stage, so each attention and loss reads it where it runs.
+The loss is the mean over microbatches of cross-entropy + balancing losses + the weighted MTP loss; it
+lives on the rank(s) holding the last chunk and is summed across the pipeline group so every rank returns
+it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fmoe.dispatch.local import LocalDispatcher
 from fmoe.gpt_state import LayerLoad, layer_loads
 from fmoe.outline import Path, reads_of
 from fmoe.overlap import LayerOverlap, Overlap, layer_overlap
+from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
 from fmoe.parallel.context_parallel import check_split
 from fmoe.parallel.shared_grads import SharedGrads
@@ -139,7 +142,7 @@ def gpt_pipeline_step(program: GPTProgram, params: dict[str, Any], state: dict[s
                       batches: list[tuple[torch.Tensor, torch.Tensor]], *,
                       group: dist.ProcessGroup | None = None, shared: SharedGrads | None = None,
                       options: ExecOptions = DEFAULTS, on_stage_done: Any = None,
-                      check: bool = True) -> PipelineStep:
+                      check: bool = True, packings: list[Packing | None] | None = None) -> PipelineStep:
     """Runs one step of `program` (`gpt_program`: its schedule, on its rank) over microbatches `batches`
     with this step's `params` and `state` (read by the MoE layers' routing); returns a PipelineStep.
     `group`: the pipeline process group. `shared`: the SharedGrads of this layout (built on every rank;
@@ -149,7 +152,7 @@ def gpt_pipeline_step(program: GPTProgram, params: dict[str, Any], state: dict[s
     `on_stage_done(stage, grads)` is the executor's hook (fmoe.schedule.execute): grads are stage-keyed
     ("layers" a dict by index string), before the shared-weight sum. `check`: check the params and
     states this rank reads against the config first (`GPTProgram.check`); False skips it, for trees that
-    already passed."""
+    already passed. `packings`: each microbatch's documents (None: one document per sequence)."""
     s, cfg = program.schedule, program.cfg
     if len(batches) != s.m:
         raise ScheduleError(f"{len(batches)} microbatches for schedule {s.name} with m={s.m}")
@@ -161,7 +164,7 @@ def gpt_pipeline_step(program: GPTProgram, params: dict[str, Any], state: dict[s
     if check:
         program.check(params, state)
     programs = program.stage_programs(params, (B, S), params["embed"]["table"].dtype)
-    data = [{"ids_BS": ids, "targets_BS": t, "state": state} for ids, t in batches]
+    data = microbatch_meta(batches, state, packings)
     result = execute(s, program.rank, programs, lambda mb: data[mb], group=group, options=options,
                      on_stage_done=on_stage_done, stage_turns=program.stage_turns)
     if s.pp > 1:
@@ -173,6 +176,18 @@ def gpt_pipeline_step(program: GPTProgram, params: dict[str, Any], state: dict[s
         dist.all_reduce(loss, group=group)
     loads = layer_loads(stats for *_, stats in result.stats)
     return PipelineStep(loss, full_grads(result.grads, cfg), loads, result)
+
+
+def microbatch_meta(batches: list[tuple[torch.Tensor, torch.Tensor]], state: dict[str, Any] | None,
+                    packings: list[Packing | None] | None = None) -> list[dict[str, Any]]:
+    """Returns each microbatch's meta as the executor hands it to every stage: its token ids, targets and
+    documents (`packings[mb]`, None without), and the step's MoE state. ValueError when `packings` is not
+    one per microbatch."""
+    packings = [None] * len(batches) if packings is None else list(packings)
+    if len(packings) != len(batches):
+        raise ValueError(f"{len(packings)} packings for {len(batches)} microbatches: give one per microbatch")
+    return [{"ids_BS": ids, "targets_BS": t, "state": state, "packing": p}
+            for (ids, t), p in zip(batches, packings)]
 
 
 def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],

@@ -119,6 +119,8 @@ class TrainConfig:
     datasets, one prefix or weights and prefixes, fmoe/train/documents.py; instead of data), tokenizer_type
     and tokenizer_model (fmoe/train/tokenizer.py: the vocabulary, padded to make_vocab_size_divisible_by x
     tp unless vocab_size is given, and the EOD), eod_mask_loss (no loss on the token after an EOD),
+    reset_position_ids / reset_attention_mask (RoPE positions restart at each document / attention within a
+    document only: the documents --data-path's EODs end, fmoe/packing.py),
     override_data (a resume or load whose data differs from the checkpoint's; refused without it), save,
     save_interval, load, resume,
     overwrite_save (a fresh run may delete the checkpoints already in --save; refused otherwise),
@@ -239,6 +241,8 @@ class TrainConfig:
     tokenizer_model: str | None = None
     make_vocab_size_divisible_by: int = 128
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
     override_data: bool = False
     markov_sequences: int = 16384
     split: str = "969,30,1"

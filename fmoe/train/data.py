@@ -16,9 +16,9 @@ sequences; `windows_NS1` is [N, S + 1] (a window holds S inputs and their S next
   positions [start, start + G) (start = the samples consumed before it, k x G at a constant batch size),
   through the source's `samples(positions, seed)`; `--data-path`'s documents (fmoe/train/documents.py)
   are a source of the same interface.
-- `eod_mask`: a source that knows its end-of-document token and runs under --eod-mask-loss sets its
-  targets after each EOD (the next document's first token) to -100, which the loss ignores (Megatron's
-  loss_mask[tokens == eod] = 0).
+- Documents: every source gives its tokens as they are (targets are always tokens); what --eod-mask-loss,
+  --reset-position-ids and --reset-attention-mask do with the EODs of --data-path's documents is the
+  model's, from the ids on the device (fmoe/packing.py), so MTP still embeds the true next token.
 - Everything here lives on the host, `device="cpu"` spelled out (not torch's default device): the trainer
   moves each microbatch to its rank's device.
 """
@@ -53,7 +53,6 @@ __all__ = [
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _FILE_KINDS = ("bin16", "bin32", "text")
 _EPOCH_SEED_STRIDE = 1_000_003
-IGNORE_INDEX = -100  # a target that takes no loss (fmoe.ops.cross_entropy's)
 # torch.Generator.manual_seed takes at most 64 bits; this bound keeps seed * stride + epoch inside them.
 _MAX_SEED = 2**40
 
@@ -199,10 +198,7 @@ class Dataset:
         of its tokens, cut into non-overlapping windows (the tail that fills no window is unused).
     floor: the entropy rate in nats/token for a Markov source (the best reachable mean loss), else None.
     path: the file of a file source, else None.
-    eod_mask: None (these sources know no end-of-document token; the module docstring).
     """
-
-    eod_mask: int | None = None
 
     def __init__(self, *, name: str, vocab_size: int, seq_len: int, source: torch.Tensor | np.memmap,
                  floor: float | None = None, path: Path | None = None) -> None:
@@ -362,12 +358,8 @@ def microbatches(dataset: Dataset, step: int, *, global_batch: int, micro_batch:
                  start: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Return data rank r's microbatches [(ids_BS, targets_BS)] of global step `step`: shard_microbatches of
     the samples at stream positions [start, start + G) (`start` default step x G), reading only the G / R
-    of this rank; targets after an EOD set to -100 when the source has an `eod_mask`."""
+    of this rank."""
     first, m = _rank_rows(global_batch, data_rank, data_ranks, micro_batch)
     start = integer("step", step, minimum=0) * global_batch if start is None else integer("start", start, 0)
     positions_M = start + first + torch.arange(m * micro_batch, dtype=torch.int64, device="cpu")
-    out = shard_microbatches(dataset.samples(positions_M, seed), 0, 1, micro_batch)
-    eod = getattr(dataset, "eod_mask", None)
-    if eod is None:
-        return out
-    return [(ids_BS, targets_BS.masked_fill(ids_BS == eod, IGNORE_INDEX)) for ids_BS, targets_BS in out]
+    return shard_microbatches(dataset.samples(positions_M, seed), 0, 1, micro_batch)

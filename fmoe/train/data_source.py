@@ -5,11 +5,12 @@
     ident = data_identity(tc)             # recorded in a checkpoint's meta.json ("data")
     diff = data_diff(saved, ident)        # what a resume or load would change: ["split: ...", ...]
 
-The identity is what decides which tokens step k reads: the source (the Markov corpus and its sizes, a
-file and its kind, or --data-path's prefixes and weights), --split, --seq-length, --seed (the order), the
-tokenizer's EOD mask, and each file's size and a digest of its ends (so a file re-tokenized in place is
-noticed). Paths are compared as given: a copy of the data elsewhere is a difference the user overrides
-with --override-data.
+The identity is what decides which tokens step k reads and how the model sees them: the source (the
+Markov corpus and its sizes, a file and its kind, or --data-path's prefixes and weights), --split,
+--seq-length, --seed (the order), the tokenizer's EOD mask, the document flags (--reset-position-ids,
+--reset-attention-mask: a resume that changed them would train another model on the same tokens), and
+each file's size and a digest of its ends (so a file re-tokenized in place is noticed). Paths are compared
+as given: a copy of the data elsewhere is a difference the user overrides with --override-data.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def eod_mask(tc: TrainConfig) -> int | None:
     return run_tokenizer(tc).eod if tc.eod_mask_loss else None
 
 
+DOCUMENT_FLAGS = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+
+
+def document_flags(tc: TrainConfig) -> dict[str, bool]:
+    """The document flags of the run, as fmoe.packing.pack_documents takes them."""
+    return {name: bool(getattr(tc, name)) for name in DOCUMENT_FLAGS}
+
+
+def documents_eod(tc: TrainConfig) -> int | None:
+    """The EOD id the run's documents end at when a document flag is given (fmoe/packing.py), else None."""
+    return run_tokenizer(tc).eod if any(document_flags(tc).values()) else None
+
+
 def check_data_source(tc: TrainConfig) -> None:
     """--data-path, the tokenizer flags and --eod-mask-loss, with what they need of each other: ValueError,
     one line naming the flag. Opens each prefix's index (memory-mapped: reads its header)."""
@@ -61,16 +75,17 @@ def check_data_source(tc: TrainConfig) -> None:
     if tok is not None and tc.vocab_size < tok.vocab_size:
         raise ValueError(f"--vocab-size {tc.vocab_size} is smaller than --tokenizer-model's vocabulary of "
                          f"{tok.vocab_size}: leave --vocab-size out (it is then padded from the tokenizer's)")
-    if tc.eod_mask_loss:
+    given = [f"--{name.replace('_', '-')}" for name, on in document_flags(tc).items() if on]
+    if given:
         if tok is None:
-            raise ValueError("--eod-mask-loss masks the token after each end of document: give "
+            raise ValueError(f"{given[0]} reads documents by their end-of-document token: give "
                              "--tokenizer-type (and --tokenizer-model) to name the EOD token")
         if tc.data_path is None:
-            raise ValueError("--eod-mask-loss applies to --data-path's documents (the other sources have no "
+            raise ValueError(f"{given[0]} applies to --data-path's documents (the other sources have no "
                              "end-of-document tokens)")
-        if tc.mtp:
-            raise ValueError("--eod-mask-loss with --mtp: MTP embeds the target of each position, which the "
-                             "mask replaces after an EOD (not supported yet; leave one out)")
+        if tc.attention is not None and (tc.reset_position_ids or tc.reset_attention_mask):
+            raise ValueError(f"{given[0]} with --attention {tc.attention}: a custom attention takes no "
+                             "document positions or mask (leave one out)")
     if tc.data_path is None:
         return
     if tc.data != "markov":
@@ -109,6 +124,8 @@ def data_identity(tc: TrainConfig) -> dict[str, Any]:
         out["split"] = tc.split
         out["files"] = {p + ext: file_fingerprint(p + ext) for _, p in blend for ext in (".bin", ".idx")}
         out["eod_mask"] = eod_mask(tc)
+        out["reset_position_ids"] = tc.reset_position_ids
+        out["reset_attention_mask"] = tc.reset_attention_mask
     elif tc.data == "markov":
         out["source"] = "markov"
         out["vocab_size"], out["markov_sequences"] = tc.vocab_size, tc.markov_sequences

@@ -150,15 +150,15 @@ def blend_table(weights: list[float], size: int = BLOCK) -> _Table:
 class Blend:
     """The samples of --data-path: its prefixes' `part` streams, blended by weight (module docstring).
 
-    name, seq_len, vocab_size, floor (None: real text has no known loss floor) and `eod_mask` (the EOD id
-    whose next-token targets take no loss under --eod-mask-loss, else None) as fmoe.train.data.Dataset.
+    name, seq_len, vocab_size and floor (None: real text has no known loss floor) as
+    fmoe.train.data.Dataset (what the EODs do is the model's: fmoe/packing.py).
     """
 
     floor = None
 
     def __init__(self, streams: list[DocumentStream], weights: list[float], *, vocab_size: int,
-                 eod_mask: int | None, part: str) -> None:
-        self.streams, self.weights, self.vocab_size, self.eod_mask = streams, weights, vocab_size, eod_mask
+                 part: str) -> None:
+        self.streams, self.weights, self.vocab_size = streams, weights, vocab_size
         self.seq_len = streams[0].seq_len
         self.table = blend_table(weights) if len(streams) > 1 else None
         self.name = ("data-path " + " ".join(f"{w:.3g} {s.name}" for w, s in zip(weights, streams))
@@ -201,7 +201,7 @@ class Blend:
 
 
 def documents_dataset(blend: list[tuple[float | None, str]], *, seq_len: int, split: str, part: str,
-                      vocab_size: int, seed: int, eod_mask: int | None = None) -> Blend:
+                      vocab_size: int, seed: int) -> Blend:
     """The Blend of `part` of the --data-path entries `blend` (parse_data_path's). ValueError naming the
     prefix whose part holds no sample of seq_len + 1 tokens."""
     streams = []
@@ -220,4 +220,4 @@ def documents_dataset(blend: list[tuple[float | None, str]], *, seq_len: int, sp
         weights = [s.num_tokens / total for s in streams]
     else:
         weights = [float(w) for w, _ in blend]
-    return Blend(streams, weights, vocab_size=vocab_size, eod_mask=eod_mask, part=part)
+    return Blend(streams, weights, vocab_size=vocab_size, part=part)

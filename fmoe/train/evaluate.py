@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fmoe.model import gpt_loss
+from fmoe.pipeline.step import microbatch_meta
 from fmoe.precision import cast_to_compute
 from fmoe.schedule.forward_only import forward_only
 from fmoe.train.data import microbatches
@@ -77,7 +78,7 @@ def _accumulate(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64)
     for ids, targets in batches:
         loss, aux = gpt_loss(params, ids, targets, trainer.cfg, trainer.state, parallel=trainer.parallel,
-                             check=False)
+                             check=False, packing=trainer.packing(ids))
         out += torch.stack([loss.detach(), aux.main_loss.detach()]).double().cpu()
     return out
 
@@ -85,7 +86,7 @@ def _accumulate(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
 def _pipeline(trainer: Trainer, params: dict, batches: list) -> torch.Tensor:
     (B, S), = {tuple(ids.shape) for ids, _ in batches}
     programs = trainer.program.stage_programs(params, (B, S), params["embed"]["table"].dtype)
-    data = [{"ids_BS": ids, "targets_BS": t, "state": trainer.state} for ids, t in batches]
+    data = microbatch_meta(batches, trainer.state, [trainer.packing(ids) for ids, _ in batches])
     sums = forward_only(trainer.schedule.placement, trainer.pp_rank, programs, lambda mb: data[mb],
                         len(batches), group=trainer.pp_group, device=trainer.world.device)
     if not sums:  # this rank holds no loss stage

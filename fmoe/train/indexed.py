@@ -18,7 +18,7 @@ corpus preprocessed without sentence splitting has one sequence per document), a
 
 from __future__ import annotations
 
-import os
+import mmap
 import struct
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +33,14 @@ DTYPE_CODES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int8, 3: np.int16
                                             6: np.float64, 7: np.float32, 8: np.uint16}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _PREAMBLE = len(HEADER) + 8 + 1 + 8 + 8  # header, version, code, N, D + 1: 34 bytes
+# `read` (the samples' path) copies its tokens out of the .bin's map, then madvise(MADV_DONTNEED)s the
+# 2 MiB-aligned window around them. A fault on a mapped file maps the pages around it into the process too
+# (fault-around, 64 KiB; readahead fills the page cache further), so without it a process that touched a few
+# thousand samples of a 2 GB corpus held +744 MiB of resident set over one reading 20 MB (MADV_RANDOM:
+# still +350 MiB). DONTNEED on a read-only file map only unmaps: the pages stay in the page cache, a later
+# read faults them back in. Fault-around never crosses a 2 MiB page-table boundary, so the window holds
+# every page the read mapped (benchmarks/data_loader.py memory, BENCHMARKS.md "Data loader").
+_MAPPED_READ = 2 << 20
 
 
 def optimal_dtype(vocab_size: int) -> type[np.generic]:
@@ -47,8 +55,8 @@ def _paths(prefix: str | Path) -> tuple[Path, Path]:
 
 
 class IndexedDataset:
-    """The sequences of `prefix`.bin / `prefix`.idx: opening reads the 34-byte preamble only; the index is
-    memory-mapped, `read` takes a sequence's tokens from the .bin with pread (`[i]` maps the .bin).
+    """The sequences of `prefix`.bin / `prefix`.idx: opening reads the 34-byte preamble only; the index and
+    the .bin are memory-mapped, and `read` gives the pages it touched back to the kernel (`_MAPPED_READ`).
 
     dtype: the tokens' numpy dtype; lengths_N int32, pointers_N int64 (bytes into .bin) and
     document_indices_D1 int64 are read-only views of the .idx map. ValueError (naming the file) for a
@@ -91,16 +99,8 @@ class IndexedDataset:
                                  f"(a partial copy, or the .bin of another dataset?)")
         self.bin_path, self.bin_bytes = bin_path, bin_size
         self._tokens: np.ndarray | None = None
-        # `read` (the samples' path) takes its tokens with pread, not through a map of the .bin: a mapped
-        # read makes the kernel map the pages around each fault into the process (64-128 KiB of page
-        # cache each), so a process that touched a few thousand samples of a 2 GB corpus held 335-720 MB
-        # more resident set than one reading 20 MB (benchmarks/data_loader.py memory, BENCHMARKS.md)
-        self._fd = os.open(bin_path, os.O_RDONLY)
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
+        with open(bin_path, "rb") as f:  # the map outlives the descriptor
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if bin_size else None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -126,11 +126,20 @@ class IndexedDataset:
         return self.tokens[start: start + int(self.lengths_N[i])]
 
     def read(self, i: int, offset: int, count: int) -> np.ndarray:
-        """Up to `count` tokens of sequence i from token `offset` on (fewer where it ends), as int64."""
+        """Up to `count` tokens of sequence i from token `offset` on (fewer where it ends), as int64: copied
+        out of the .bin's map, whose pages around them are then dropped from this process (`_MAPPED_READ`)."""
         count = max(0, min(count, int(self.lengths_N[i]) - offset))
+        if not count:
+            return np.empty(0, dtype=np.int64)
         size = self.dtype.itemsize
-        raw = os.pread(self._fd, count * size, int(self.pointers_N[i]) + offset * size)
-        return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).astype(np.int64)
+        lo = int(self.pointers_N[i]) + offset * size
+        tokens = np.frombuffer(self._map, dtype=self.dtype.newbyteorder("<"), count=count, offset=lo)
+        out = tokens.astype(np.int64)
+        del tokens  # the map's exported buffer
+        a = lo // _MAPPED_READ * _MAPPED_READ
+        b = min(self.bin_bytes, -(-(lo + count * size) // _MAPPED_READ) * _MAPPED_READ)
+        self._map.madvise(mmap.MADV_DONTNEED, a, b - a)
+        return out
 
 
 class IndexedWriter:

@@ -30,6 +30,7 @@ from fmoe.init import init_seed
 from fmoe.model import gpt_loss
 from fmoe.outline import outline, state_at
 from fmoe.overlap import LayerOverlap
+from fmoe.packing import Packing, pack_documents
 from fmoe.parallel import (
     AllGatherDispatcher,
     AllToAllDispatcher,
@@ -52,7 +53,7 @@ from fmoe.schedule.verify import verify
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, microbatches
-from fmoe.train.data_source import data_identity
+from fmoe.train.data_source import data_identity, document_flags, documents_eod
 from fmoe.train.documents import Blend
 from fmoe.train.optim import LeafOptimizer, clip_factor, lr_at
 from fmoe.train.overflow import check_fp16_step
@@ -157,6 +158,7 @@ class Trainer:
             self.capacity_agreement = CapacityAgreement(expert)
         self.shared = (SharedGrads(self.holders, self.pp_group) if self.pp_group is not None else None)
         self.dataset = build_dataset(tc)
+        self.eod, self.document_flags = documents_eod(tc), document_flags(tc)
         self.valid = valid_dataset(tc)  # held-out windows for --eval-interval (None without it)
         self.step_done = 0
         self.consumed_samples = 0  # the data position: the next step reads the stream from here
@@ -265,6 +267,13 @@ class Trainer:
             check_fp16_step(self.step_done, metrics["loss"], used, finite, self._skipped_in_a_row)
         return metrics
 
+    def packing(self, ids_BS: torch.Tensor) -> Packing | None:
+        """The documents of a microbatch's ids under the run's document flags (fmoe/packing.py), made on
+        the ids' device without a host sync; None without those flags."""
+        if self.eod is None:
+            return None
+        return pack_documents(ids_BS, self.eod, **self.document_flags)
+
     def _read(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's microbatches of the global batch at stream position `start` (on the host)."""
         tc = self.tc
@@ -315,7 +324,7 @@ class Trainer:
                 if last[0] and not policy.mixed and self.reducer.buckets:
                     hooks = [leaves[k].register_post_accumulate_grad_hook(hook(k)) for k in leaves]
                 loss, aux = gpt_loss(params, ids, targets, cfg, self.state, parallel=self.parallel,
-                                     check=not self._checked)
+                                     check=not self._checked, packing=self.packing(ids))
                 (loss / m if self.loss_scale is None else loss * (self.loss_scale.scale / m)).backward()
                 # in the loss's own dtype (at least fp32): a float64 run logs float64 losses
                 sums = sums + torch.stack([loss.detach(), aux.main_loss, aux.mtp_loss]).to(
@@ -342,7 +351,7 @@ class Trainer:
                           compute_model=self.compute_model)
         out = gpt_pipeline_step(self.program, params, self.state, batches, group=self.pp_group,
                                 shared=self.shared, options=options, on_stage_done=self._stage_done,
-                                check=not self._checked)
+                                check=not self._checked, packings=[self.packing(ids) for ids, _ in batches])
         self.last_result = out.result
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)

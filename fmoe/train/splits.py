@@ -47,11 +47,10 @@ def _file_parts(tc: TrainConfig) -> tuple[Dataset, tuple[range, range, range]]:
 
 
 def _documents(tc: TrainConfig, part: str) -> Blend:
-    from fmoe.train.data_source import eod_mask
     from fmoe.train.documents import documents_dataset, parse_data_path
 
     return documents_dataset(parse_data_path(tc.data_path), seq_len=tc.seq_length, split=tc.split, part=part,
-                             vocab_size=tc.vocab_size, seed=tc.seed, eod_mask=eod_mask(tc))
+                             vocab_size=tc.vocab_size, seed=tc.seed)
 
 
 def train_dataset(tc: TrainConfig) -> Dataset | Blend:
