@@ -40,8 +40,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PARTS = ("env", "ops", "optim", "comm", "syncs", "bench", "train")
-TIMEOUT_S = {"env": 60, "ops": 90, "optim": 60, "comm": 90, "syncs": 60, "bench": 120, "train": 200}
+PARTS = ("env", "ops", "optim", "comm", "syncs", "bench", "compile", "train")
+TIMEOUT_S = {"env": 60, "ops": 90, "optim": 60, "comm": 90, "syncs": 60, "bench": 120, "compile": 240,
+             "train": 200}
 
 
 def pick_device(name: str) -> torch.device:
@@ -295,6 +296,46 @@ def part_bench(dev: torch.device) -> dict:
     return {"figures": {"moe_tflops": flops / moe_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
                         "moe_over_dense": ratio, "shape": [T, D, F, E, K]},
             "checks": {}}
+
+
+def part_compile(dev: torch.device) -> dict:
+    """The bf16 MoE layer compiled (torch.compile fullgraph, inductor on a device; aot_eager for the CPU
+    dry run, which only checks that it traces) against eager and against the dense matmul ceiling,
+    forward + backward; the compile time of the first call apart."""
+    import fmoe
+
+    T, D, F, E, K = (8192, 2048, 1024, 64, 8) if dev.type != "cpu" else (256, 128, 64, 8, 2)
+    cfg = fmoe.MoEConfig(d_model=D, d_ff=F, num_experts=E, top_k=K)
+    params = _to(fmoe.init_moe(cfg, torch.Generator().manual_seed(0)), dev, torch.bfloat16)
+    leaves = [t.requires_grad_() for t in _leaves(params)]
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def forward(p, x_TD):
+        return fmoe.moe(p, x_TD, cfg)[0]
+
+    backend = "inductor" if dev.type != "cpu" else "aot_eager"
+    compiled = torch.compile(forward, fullgraph=True, backend=backend)
+
+    def step(fn) -> Callable[[], Any]:
+        return lambda: torch.autograd.grad((fn(params, x).float().sum(),), [x, *leaves])
+
+    t = time.perf_counter()
+    got = step(compiled)()
+    _sync(dev)
+    compile_s = time.perf_counter() - t
+    want = step(forward)()
+    err = max(_rel(g.float(), w.float()) for g, w in zip(got, want))
+    flops = 3 * (3 * 2 * T * K * D * F)
+    a = torch.randn(T * K, D, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(D, F, device=dev, dtype=torch.bfloat16)
+    reps = {"warmup": 1, "iters": 2} if dev.type == "cpu" else {}  # the dry run only checks it runs
+    dense_s = _median_s(lambda: a @ b, dev, **reps) * 9
+    eager_s, compiled_s = _median_s(step(forward), dev, **reps), _median_s(step(compiled), dev, **reps)
+    figures = {"compile_s": compile_s, "eager_tflops": flops / eager_s / 1e12,
+               "compiled_tflops": flops / compiled_s / 1e12, "compiled_over_eager": eager_s / compiled_s,
+               "compiled_over_dense": dense_s / compiled_s, "shape": [T, D, F, E, K]}
+    return {"figures": figures,
+            "checks": {"compiled_equals_eager": {"ok": err < 2e-2, "why": f"max rel. err. {err:.1e} (bf16)"}}}
 
 
 def part_train(dev: torch.device, out: str) -> dict:

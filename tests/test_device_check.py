@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def test_device_check_parts_run_on_cpu(tmp_path) -> None:
-    parts = "env,ops,optim,comm,syncs,bench"
+    parts = "env,ops,optim,comm,syncs,bench,compile"
     script = os.path.join(ROOT, "benchmarks", "device_check.py")
     proc = subprocess.run([sys.executable, script, "--device", "cpu", "--parts", parts, "--out", tmp_path],
                           capture_output=True, text=True, timeout=240)

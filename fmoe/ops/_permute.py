@@ -150,8 +150,11 @@ def _unpermute_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, row_dst_N
 
 
 def _slot_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """sum_j src_XD[rows_TJ[t, j]] per token t, [T, D] in `acc` (one gather, one reduction)."""
+    """sum_j src_XD[rows_TJ[t, j]] per token t, [T, D] in `acc` (one gather, one reduction; one slot: the
+    gathered rows themselves, no second [T, D] tensor)."""
     T, J = rows_TJ.shape
+    if J == 1:
+        return src_XD.index_select(0, rows_TJ[:, 0]).to(acc)
     return src_XD.index_select(0, rows_TJ.reshape(-1)).view(T, J, src_XD.shape[-1]).sum(1, dtype=acc)
 
 
@@ -179,7 +182,9 @@ class _Permute(Function):
         # k. Two gathers of half the slots each, each summed over its slots in one pass accumulating in the
         # compute dtype: the rows are read once and the accumulator twice (a gather and an fp32 add per
         # slot moved 4.5x the bytes: BENCHMARKS.md, "Glue bytes"), and no whole [T, K, D] copy of the
-        # cotangent is made at once (half of one: a split backward holds the dw inputs here).
+        # cotangent is made at once. The price: half of one is held while it is summed, T ceil(K/2) D
+        # elements where the per-slot form held T D (a split backward holds the dw inputs here); K = 2
+        # holds no more than it did.
         K = ctx.K
         if K == 1:
             return _rows(g_RD, row_dst_N, ctx.full), None, None, None, None
