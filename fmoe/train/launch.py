@@ -20,7 +20,8 @@ Before any rank builds its model, every rank's config, layout and data fingerpri
 within seconds, the launcher exiting 128 + the signal (fmoe/train/signals.py).
 
 The --save directory is claimed (fmoe/train/save_dir.py: locked, checked again, cleared for
---overwrite-save) by the launcher before it spawns a rank, or by global rank 0 under torchrun.
+--overwrite-save), and the output files locked (fmoe/train/run_outputs.py, the same lock), by the launcher
+before it spawns a rank, or by global rank 0 under torchrun.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import sys
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from fmoe.pipeline.cut import cut_costs
 from fmoe.precision import float32_matmul_precision
 from fmoe.schedule.imbalance import imbalance_pct
 from fmoe.schedule.timeline import TraceEvent
-from fmoe.train import checkpoint, preflight, save_dir
+from fmoe.train import checkpoint, preflight, run_outputs, save_dir
 from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
 from fmoe.train.evaluate import due as eval_due
@@ -157,29 +157,50 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     return World(rank, size, layout, device)
 
 
-def _claim_on_rank0(tc: TrainConfig, world: World) -> TextIO | None:
-    """Under torchrun (no fmoe launcher): global rank 0 claims --save and tells every rank the outcome, so
-    all of them fail together with its one line; returns the lock file on rank 0 (None elsewhere)."""
-    handle, problem = None, None
+class _Claimed:
+    """What one job holds while it lives: --save's lock (save_dir.claim) and its outputs' (run_outputs)."""
+
+    def __init__(self, tc: TrainConfig):
+        """Claims --save, then the output files; CheckpointError / RunError (one line) when refused."""
+        self.save = (save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
+                     if tc.save else None)
+        try:
+            self.outputs = run_outputs.claim(tc)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "outputs", None) is not None:
+            self.outputs.release()
+        if self.save is not None:
+            self.save.close()
+
+
+def _claim_on_rank0(tc: TrainConfig, world: World) -> _Claimed | None:
+    """Under torchrun (no fmoe launcher): global rank 0 claims --save and the outputs and tells every rank
+    the outcome, so all of them fail together with its one line; returns the claim on rank 0 (None
+    elsewhere)."""
+    claimed, problem = None, None
     if world.rank == 0:
         try:
-            handle = save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
-        except CheckpointError as exc:
-            problem = str(exc)
+            claimed = _Claimed(tc)
+        except (CheckpointError, RunError) as exc:
+            problem = (type(exc).__name__, str(exc))
     if world.size > 1:
         box = [problem]
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem is not None:
-        raise CheckpointError(problem)
-    return handle
+        raise (CheckpointError if problem[0] == "CheckpointError" else RunError)(problem[1])
+    return claimed
 
 
 def train_rank(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
     """Trains on this rank from the start, `--load` or `--resume` to `--steps`, saving as asked; returns
-    rank 0's summary (None on the other ranks). `save_claimed`: the launcher holds --save's lock (else
-    rank 0 takes it here)."""
-    lock = _claim_on_rank0(tc, world) if tc.save and not save_claimed else None
+    rank 0's summary (None on the other ranks). `save_claimed`: the launcher holds the locks of --save and
+    the outputs (else rank 0 takes them here)."""
+    lock = _claim_on_rank0(tc, world) if not save_claimed else None
     try:
         return _train(tc, world)
     finally:
@@ -190,10 +211,6 @@ def train_rank(tc: TrainConfig, world: World, save_claimed: bool = False) -> str
 def _train(tc: TrainConfig, world: World) -> str | None:
     trainer = Trainer(tc, world)
     lead = world.rank == 0
-    if lead:
-        for out in (tc.metrics, tc.loss_curve, tc.trace):
-            if out:
-                os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     start = None
     if tc.resume:
         start = checkpoint.latest(tc.save)
@@ -351,16 +368,16 @@ def launch(tc: TrainConfig) -> int:
     except ValueError as exc:
         print(f"fmoe train: error: {exc}", file=sys.stderr)
         return 2
-    try:  # before any rank starts: a second run on this --save fails here, at once
-        lock = (save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
-                if tc.save else None)
+    try:  # before any rank starts: a second run on this --save or these outputs fails here, at once
+        lock = _Claimed(tc)
     except CheckpointError as exc:
         return _checkpoint_failed(str(exc))
+    except RunError as exc:
+        return _run_failed(str(exc))
     try:
         return _spawn(tc, device_type)
     finally:
-        if lock is not None:
-            lock.close()
+        lock.close()
 
 
 def _torchrun_rank(tc: TrainConfig) -> int:
