@@ -82,7 +82,7 @@ def test_a_logging_flag_without_its_package_fails_before_launch(monkeypatch, cap
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed, whatever this machine has
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     cases = [(("--wandb-project", "p"), "wandb is not installed (pip install wandb)"),
-             (("--wandb-exp-name", "x"), "--wandb-exp-name needs --wandb-project"),
+             (("--wandb-exp-name", "x"), "--wandb-exp-name applies to --wandb-project only"),
              (("--tensorboard-dir", "tb"), "tensorboard is not installed (pip install 'fmoe[tensorboard]')")]
     for flags, needle in cases:
         code = main(["train", "--no-progress", *flags])

@@ -39,6 +39,7 @@ from fmoe.plan.specs import (
 )
 from fmoe.plan.train_flags import train_overrides
 from fmoe.train.config import PRESETS, TrainConfig
+from fmoe.train.modifiers import Needs, unmodified
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +180,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# flag -> what it needs (fmoe.train.modifiers: one rule for train and plan)
+PLAN_MODIFIERS = {"schedule": Needs("--explain LAYOUT", lambda args: args.explain is not None)}
+
+
+def _defaults() -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return {name: parser.get_default(name) for name in PLAN_MODIFIERS}
+
+
 def _run(args: argparse.Namespace) -> int:
+    modifier = unmodified(PLAN_MODIFIERS, args, _defaults())
+    if modifier is not None:
+        raise PlanError(modifier)
     ctx = context(args)
     t0 = time.perf_counter()
     result = Q.plan(

@@ -345,11 +345,7 @@ class TrainConfig:
                                  self.recompute_modules)
         if g not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity must be full or selective, got {g!r}")
-        if g != "full" and (method is not None or n is not None):
-            raise ValueError("--recompute-method and --recompute-num-layers choose the layers of "
-                             "--recompute-granularity full")
-        if g != "selective" and modules is not None:
-            raise ValueError("--recompute-modules names the parts of --recompute-granularity selective")
+        # --recompute-method / -num-layers / -modules without their granularity: fmoe.train.modifiers
         if g == "selective":
             modules = modules or ("core_attn",)  # Megatron's default
             unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -484,7 +480,12 @@ class TrainConfig:
         from fmoe.parallel.link_model import parse_link_model
         from fmoe.parallel.topology import check_layout
         from fmoe.pipeline.cut import cut_gpt
+        from fmoe.train.modifiers import TRAIN_MODIFIERS, unmodified
 
+        # a flag given without the flag it modifies would be ignored: one rule, one table
+        modifier = unmodified(TRAIN_MODIFIERS, self, {f.name: f.default for f in dataclasses.fields(self)})
+        if modifier is not None:
+            raise ValueError(modifier)
         for name in ("pp", "ep", "dp", "tp", "context_parallel_size", "steps", "seq_length",
                      "micro_batch_size", "global_batch_size", "markov_sequences"):
             if getattr(self, name) < 1:
@@ -510,8 +511,6 @@ class TrainConfig:
             raise ValueError("give --bf16 or --fp16, not both")
         if self.fp16:
             self.loss_scaler()  # its own checks, with the flags named
-        elif self.loss_scale is not None:
-            raise ValueError("--loss-scale applies to --fp16 only (bf16 and fp32 need no loss scaling)")
         if not (math.isfinite(self.compute_model) and self.compute_model >= 0):
             raise ValueError(f"--compute-model must be a finite scale >= 0, got {self.compute_model}")
         if self.compute_model and self.schedule_name == ACCUMULATE:
@@ -519,9 +518,6 @@ class TrainConfig:
                              "ep > 1 or --schedule combined_1f1b), not the one-process accumulate path")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function softmax "
-                             "(sigmoid scores are renormalised over the top k, as in Megatron)")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.a2a_chunks not in (1, 2):
@@ -546,16 +542,10 @@ class TrainConfig:
             raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
                              f"--micro-batch-size ({self.micro_batch_size}) x dp ({self.dp}) x ep "
                              f"({self.ep})")
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval needs --save DIR")
-        if self.resume and not self.save:
-            raise ValueError("--resume reads the latest checkpoint in --save DIR: give --save")
         if self.resume and self.load:
             raise ValueError("give --resume or --load, not both")
         if self.load and not Path(self.load).is_dir():
             raise ValueError(f"--load: no checkpoint directory {self.load}")
-        if self.overwrite_save and not self.save:
-            raise ValueError("--overwrite-save needs --save DIR")
         if self.trace_step < 1:
             raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
         if self.trace and self.trace_step > self.steps:
@@ -646,9 +636,6 @@ class TrainConfig:
         """--tp and --sequence-parallel, with what they need of the model, the batch and the other flags."""
         from fmoe.tp_layout import check_tp
 
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel shards the sequence over the tensor-parallel ranks: give "
-                             "--tp > 1")
         if self.tp == 1:
             return
         check_tp(self.model(), self.tp, dense=self.first_k_dense > 0)

@@ -65,9 +65,6 @@ def check_data_source(tc: TrainConfig) -> None:
         if tok is None:
             raise ValueError("--eod-mask-loss masks the token after each end of document: give "
                              "--tokenizer-type (and --tokenizer-model) to name the EOD token")
-        if tc.data_path is None:
-            raise ValueError("--eod-mask-loss applies to --data-path's documents (the other sources have no "
-                             "end-of-document tokens)")
         if tc.mtp:
             raise ValueError("--eod-mask-loss with --mtp: MTP embeds the target of each position, which the "
                              "mask replaces after an EOD (not supported yet; leave one out)")

@@ -44,13 +44,10 @@ def installed(name: str) -> bool:
 
 def backends_problem(tc: TrainConfig) -> str | None:
     """One line saying why the logging flags cannot work, or None (checked before launch)."""
-    if tc.wandb_project is None:
-        given = [f for f in ("wandb_exp_name", "wandb_save_dir") if getattr(tc, f) is not None]
-        if given:
-            return f"--{given[0].replace('_', '-')} needs --wandb-project"
-    elif not tc.wandb_project:
+    # --wandb-exp-name / --wandb-save-dir without --wandb-project: fmoe.train.modifiers
+    if tc.wandb_project is not None and not tc.wandb_project:
         return "--wandb-project must not be empty"
-    elif not installed("wandb"):
+    elif tc.wandb_project is not None and not installed("wandb"):
         return "--wandb-project logs to Weights & Biases, but wandb is not installed (pip install wandb)"
     if tc.tensorboard_dir is not None and not installed("tensorboard"):
         return ("--tensorboard-dir writes TensorBoard events, but tensorboard is not installed "
