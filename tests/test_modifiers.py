@@ -47,6 +47,7 @@ ENABLE: dict[str, dict[str, Any]] = {
     "--tokenizer-type": {"tokenizer_type": "ByteLevelTokenizer"},
     "--data-path": {"data_path": ("p",)},
     "--schedule dualpipev": {},
+    "--no-progress (the bar shows every step)": {"progress": False},
 }
 # what turns the flag off where the default has it on
 DISABLE = {"--data markov (the default, without --data-path)": {"data_path": ("p",)},

@@ -127,7 +127,8 @@ class TrainConfig:
     eval_interval (steps between held-out evaluations; 0 = none), eval_iters (global batches per
     evaluation), tensorboard_dir, wandb_project / wandb_exp_name / wandb_save_dir (rank 0 logs there too;
     fmoe/train/log_backends.py),
-    metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
+    metrics, trace, trace_step, loss_curve, progress, log_interval (Megatron's: steps between the lines
+    a run without the bar prints; 0 = none), timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
     step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
     CPU; or cpu / cuda / npu).
@@ -259,6 +260,7 @@ class TrainConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     progress: bool = True
+    log_interval: int = 10
     timeout: float = 300.0
     keep_host_memory: bool = True
     device: str = "auto"
@@ -490,7 +492,7 @@ class TrainConfig:
                      "micro_batch_size", "global_batch_size", "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("save_interval", "lr_warmup_iters", "eval_interval"):
+        for name in ("save_interval", "lr_warmup_iters", "eval_interval", "log_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "timeout"):

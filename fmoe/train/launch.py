@@ -55,7 +55,7 @@ from fmoe.train.host_memory import keep_freed_memory
 from fmoe.train.log_backends import LogBackends
 from fmoe.train.loop import Trainer, World
 from fmoe.train.rank_agreement import check_ranks_agree
-from fmoe.train.report import Reporter, write_loss_curve, write_step_trace
+from fmoe.train.report import Reporter, read_metrics, write_loss_curve, write_step_trace
 from fmoe.train.run_errors import RunError, raised_run_error
 from fmoe.train.signals import die_with_parent, forward_stop_signals, stop_ranks
 
@@ -223,25 +223,53 @@ def _train(tc: TrainConfig, world: World) -> str | None:
         trainer.load(str(start))
     reporter = Reporter(tc.steps, metrics_path=tc.metrics if lead else None, progress=tc.progress and lead,
                         floor=trainer.dataset.floor, describe=_describe(tc, trainer),
-                        continue_from=trainer.step_done if tc.resume else None)
+                        continue_from=trainer.step_done if tc.resume else None, log_interval=tc.log_interval)
     if lead and start is not None:
-        print(f"fmoe train: resumed from {start} at step {trainer.step_done}", flush=True)
-    reporter.start(trainer.step_done)
+        print(_started_from(tc, str(start), trainer.step_done), flush=True)
+    if lead:
+        reporter.start(trainer.step_done)
     backends = LogBackends.open(tc, trainer.step_done) if lead else None
     try:
         _steps(tc, trainer, reporter, backends, lead)
     finally:
         if backends is not None:
             backends.close()
-    summary = reporter.close() if lead else None
-    if lead and tc.loss_curve and reporter.history:
-        drawn = write_loss_curve(reporter.history, tc.loss_curve, trainer.dataset.floor,
-                                 _describe(tc, trainer))
+    if not lead:
+        return None
+    summary = reporter.close()
+    if tc.loss_curve and reporter.history:
+        drawn = write_loss_curve(reporter.earlier + reporter.history, tc.loss_curve, trainer.dataset.floor,
+                                 _describe(tc, trainer), resumed_at=reporter.earlier[-1]["step"]
+                                 if reporter.earlier else None)
         if drawn is None:
             summary += "\n  (no loss-curve PNG: matplotlib is not installed; pip install 'fmoe[viz]')"
-        else:
-            summary += f"\n  loss curve: {tc.loss_curve}"
-    return summary
+    return summary + "".join(f"\n  {line}" for line in _written(tc))
+
+
+def _started_from(tc: TrainConfig, start: str, step: int) -> str:
+    """The line saying what the run starts from: a --resume continues its run at the checkpoint's step; a
+    --load starts this run from a checkpoint's weights (a converted one: step 0, what it was converted
+    from)."""
+    if tc.resume:
+        return f"fmoe train: resumed from {start} at step {step}"
+    meta = checkpoint.read_meta(start)
+    hf = meta.get("hf_config") or {}
+    source = f", converted from Hugging Face {hf.get('model_type', 'a model')}" if hf else ""
+    state = "weights (a fresh optimizer)" if hf else f"weights, optimizer state and step {step}"
+    return f"fmoe train: loaded the {state} of {start}{source}; training steps {step + 1}-{tc.steps}"
+
+
+def _written(tc: TrainConfig) -> list[str]:
+    """Where the run's outputs are, one line each: metrics, loss curve, trace, checkpoints, TensorBoard."""
+    out = [f"metrics: {tc.metrics}" if tc.metrics else None,
+           f"loss curve: {tc.loss_curve}" if tc.loss_curve and os.path.isfile(tc.loss_curve)
+           and os.path.getsize(tc.loss_curve) else None,
+           f"trace: {tc.trace} (and {os.path.splitext(tc.trace)[0]}.png)" if tc.trace else None]
+    if tc.save:
+        last = checkpoint.latest(tc.save)
+        out.append(f"checkpoints: {tc.save} (latest {last.name})" if last is not None else None)
+    out.append(f"TensorBoard: {tc.tensorboard_dir}" if tc.tensorboard_dir else None)
+    return [line for line in out if line]
 
 
 def _steps(tc: TrainConfig, trainer: Trainer, reporter: Reporter, backends: LogBackends | None,
@@ -427,7 +455,29 @@ def _run_ranks(args: tuple, nprocs: int) -> int | None:
         if signum is None:
             return None
         stop_ranks(ranks.processes)
-    print(f"fmoe train: stopped by {signal.Signals(signum).name}; every rank was ended", file=sys.stderr)
+    return 128 + signum
+
+
+def _stopped(tc: TrainConfig, signum: int) -> int:
+    """After a stop signal ended the run: its loss curve drawn from the metrics file (the ranks could not
+    draw it) and one line saying how to continue; returns 128 + the signal."""
+    drawn = ""
+    if tc.loss_curve and tc.metrics and os.path.isfile(tc.metrics):
+        history = read_metrics(tc.metrics)
+        if history and write_loss_curve(history, tc.loss_curve, None,
+                                        f"stopped after step {history[-1]['step']}") is not None:
+            drawn = f"; loss curve of its {len(history)} steps: {tc.loss_curve}"
+    last = checkpoint.latest(tc.save) if tc.save else None
+    if last is not None:
+        step = checkpoint.read_meta(last).get("step", "?")
+        how = (f"continue from {last} (step {step}): the same command with --resume"
+               + (" in place of --overwrite-save" if tc.overwrite_save else ""))
+    elif tc.save:
+        how = f"no checkpoint was saved yet in {tc.save} (--save-interval N saves every N steps)"
+    else:
+        how = "nothing was saved: give --save DIR (and --save-interval N) to make a run resumable"
+    print(f"fmoe train: stopped by {signal.Signals(signum).name}; every rank was ended{drawn}; {how}",
+          file=sys.stderr)
     return 128 + signum
 
 
@@ -439,13 +489,16 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
         if tc.world_size == 1:
             store = tempfile.mktemp(prefix="fmoe_train_store_")
             world = _world(tc, 0, f"file://{store}", 0, 1, device_type)
-            print(_train_and_close(tc, world, save_claimed=True))
+            try:
+                print(_train_and_close(tc, world, save_claimed=True))
+            except KeyboardInterrupt:  # Ctrl-C: the one rank is this process
+                return _stopped(tc, signal.SIGINT)
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:
             stopped = _run_ranks((tc, init, tc.world_size, out_path, device_type, os.getpid()), tc.world_size)
             if stopped is not None:
-                return stopped
+                return _stopped(tc, stopped - 128)
         except mp.ProcessExitedException as exc:
             print(f"fmoe train: rank {exc.error_index} exited with code {exc.exit_code}; the other ranks "
                   "were stopped", file=sys.stderr)

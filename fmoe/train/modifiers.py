@@ -59,6 +59,7 @@ TRAIN_MODIFIERS: dict[str, Needs] = {
     **_any("save_interval", "resume", "overwrite_save", needs=SAVE),
     **_any("override_data", "override_opt_param_scheduler", needs=CONTINUED),
     "trace_step": Needs("--trace FILE", lambda tc: bool(tc.trace)),
+    "log_interval": Needs("--no-progress (the bar shows every step)", lambda tc: not tc.progress),
     **_any("wandb_exp_name", "wandb_save_dir", needs=WANDB),
     **_any("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis",
            needs=FP16),
