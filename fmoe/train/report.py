@@ -208,7 +208,8 @@ def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path,
     path = Path(path)
     out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step", meta=meta)]
     try:
-        out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step"))
+        out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step",
+                             unit="s"))
     except ImportError:
         pass
     return out
