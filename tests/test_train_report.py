@@ -87,3 +87,55 @@ def test_load_of_a_converted_checkpoint_says_what_it_loaded(tmp_path: Path) -> N
     assert "resumed" not in line, line
     assert line == (f"fmoe train: loaded the weights (a fresh optimizer) of {ckpt}, converted from Hugging "
                     "Face qwen3_moe; training steps 1-5")
+
+
+def test_train_help_shows_each_default_and_the_presets_own() -> None:
+    from fmoe.cli.train import defaults_text
+
+    assert defaults_text("num_layers") == " [default: 4; deepseek-v3: 61; pangu-ultra-moe: 61; small: 8]"
+    assert defaults_text("micro_batch_size") == " [default: 4; deepseek-v3: 1; pangu-ultra-moe: 1]"
+    assert defaults_text("progress") == " [default: on]" and defaults_text("lr") == " [default: 0.003]"
+    assert defaults_text("kv_channels") == ""  # None: the help says what leaving it out means
+
+
+def test_the_sequence_wise_aux_loss_has_a_flag(capsys, no_launch: None) -> None:
+    from fmoe.cli.main import main
+
+    seq = TrainConfig(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.02).model().moe
+    assert (seq.aux_loss_coef, seq.seq_aux_loss_coef) == (0.0, 0.02)
+    plain = TrainConfig().model().moe
+    assert (plain.aux_loss_coef, plain.seq_aux_loss_coef) == (1e-2, 0.0)
+    none = TrainConfig(moe_router_load_balancing_type="none").model().moe
+    assert (none.aux_loss_coef, none.seq_aux_loss_coef) == (0.0, 0.0)
+    assert main(["train", "--moe-router-load-balancing-type", "sinkhorn"]) == 2
+    err = capsys.readouterr().err
+    assert "--moe-router-load-balancing-type must be one of aux_loss, seq_aux_loss, none" in err, err
+
+
+def test_the_readme_lists_every_job() -> None:
+    from fmoe.cli.main import COMMANDS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = " ".join(readme[readme.index("Other jobs:"):].split("\n\n")[0].split())
+    assert all(f"`{name}`" in line for name in COMMANDS), (line, list(COMMANDS))
+
+
+def test_the_command_after_a_conversion_runs_a_two_layer_model(tmp_path: Path) -> None:
+    import shlex
+
+    from fmoe.cli.convert import _toml, train_command
+
+    toml = tmp_path / "model.toml"
+    fields = {"num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64, "moe_ffn_hidden_size": 16,
+              "num_experts": 4, "moe_router_topk": 2, "num_attention_heads": 4, "num_query_groups": 2,
+              "first_k_dense": 0, "moe_shared_experts": 0, "vocab_size": 128, "mtp": False}
+    toml.write_text(_toml(fields))
+    command = train_command(str(toml), str(tmp_path))
+    args = shlex.split(command)[2:]
+    given = {args[k][2:].replace("-", "_"): args[k + 1] for k in range(0, len(args), 2)}
+    toml_path = given.pop("config")
+    flags = {k: int(v) if v.isdigit() else v for k, v in given.items()}
+    tc = TrainConfig.from_sources("tiny", toml_path, flags)
+    assert tc.num_layers == 2 and tc.problem() is None, (command, tc.problem())
+    # the preset's own layout refuses 2 layers: the command had to choose another
+    assert TrainConfig.from_sources("tiny", str(toml), {"load": str(tmp_path)}).problem() is not None

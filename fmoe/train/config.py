@@ -45,6 +45,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 DISPATCHERS = ("alltoall", "allgather", "hierarchical")
 DATA_KINDS = ("markov", "bin16", "bin32", "text")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+# Megatron's --moe-router-load-balancing-type: what --moe-aux-loss-coeff weighs (the batch's load-balancing
+# loss, DeepSeek-V3's sequence-wise one, or nothing)
+BALANCING = ("aux_loss", "seq_aux_loss", "none")
 ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
 
 
@@ -65,7 +68,9 @@ class TrainConfig:
     then the top k kept as they are; default: renormalised over the top k, i.e. a softmax over the k
     selected logits, as Megatron's default and Mixtral; softmax only: fmoe's MoEConfig.topk_norm
     "before" / "after"), moe_aux_loss_coeff, moe_z_loss_coeff,
-    moe_router_bias_update_rate (aux-loss-free), moe_expert_capacity_factor (None = dropless),
+    moe_router_load_balancing_type (Megatron's: what moe_aux_loss_coeff weighs, "aux_loss" over the
+    micro batch, "seq_aux_loss" per sequence as DeepSeek-V3, "none"), moe_router_bias_update_rate
+    (aux-loss-free), moe_expert_capacity_factor (None = dropless),
     moe_pad_expert_input_to_capacity, moe_token_drop_policy, moe_router_num_groups / moe_router_group_topk
     (group-limited routing, Megatron's and DeepSeek-V3's: a token picks its experts from its group_topk best
     of num_groups groups; both or neither), moe_dynamic_capacity_window / moe_dynamic_capacity_margin
@@ -162,6 +167,7 @@ class TrainConfig:
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 1e-2
+    moe_router_load_balancing_type: str = "aux_loss"
     moe_z_loss_coeff: float = 0.0
     moe_router_bias_update_rate: float = 0.0
     moe_expert_capacity_factor: float | None = None
@@ -307,10 +313,16 @@ class TrainConfig:
 
     def model(self) -> GPTConfig:
         """Returns the GPTConfig of this run (ValueError from the config classes on bad sizes)."""
+        balancing = self.moe_router_load_balancing_type
+        if balancing not in BALANCING:
+            raise ValueError(f"--moe-router-load-balancing-type must be one of {', '.join(BALANCING)}, got "
+                             f"{balancing!r}")
         moe = MoEConfig(d_model=self.hidden_size, d_ff=self.moe_ffn_hidden_size, num_experts=self.num_experts,
                         top_k=self.moe_router_topk, score_func=self.moe_router_score_function,
                         topk_norm="before" if self.moe_router_pre_softmax else "after",
-                        aux_loss_coef=self.moe_aux_loss_coeff, z_loss_coef=self.moe_z_loss_coeff,
+                        aux_loss_coef=self.moe_aux_loss_coeff if balancing == "aux_loss" else 0.0,
+                        seq_aux_loss_coef=self.moe_aux_loss_coeff if balancing == "seq_aux_loss" else 0.0,
+                        z_loss_coef=self.moe_z_loss_coeff,
                         bias_update_rate=self.moe_router_bias_update_rate,
                         capacity_factor=self.moe_expert_capacity_factor,
                         pad_to_capacity=self.moe_pad_expert_input_to_capacity,
