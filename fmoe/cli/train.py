@@ -147,6 +147,8 @@ HELP = {
     "metrics": "JSON line per step to this file",
     "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
     "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
+    "moe_per_layer_logging": "each MoE layer's tokens per expert (and the aux-loss-free expert bias) every "
+                             "step: in the metrics file, and as per-expert histograms in TensorBoard / W&B",
     "log_interval": "without the bar (--no-progress): a line every N steps (Megatron's; 0: none)",
     "timeout": "seconds a collective may wait before the run fails",
     "keep_host_memory": "CPU ranks keep freed heap memory for the next step (default on; glibc)",

@@ -133,7 +133,9 @@ class TrainConfig:
     evaluation), tensorboard_dir, wandb_project / wandb_exp_name / wandb_save_dir (rank 0 logs there too;
     fmoe/train/log_backends.py),
     metrics, trace, trace_step, loss_curve, progress, log_interval (Megatron's: steps between the lines
-    a run without the bar prints; 0 = none), timeout (seconds a collective may wait before the
+    a run without the bar prints; 0 = none), moe_per_layer_logging (Megatron's: every step's tokens per
+    expert of each MoE layer, and the aux-loss-free expert bias, into the metrics and as histograms to
+    TensorBoard / W&B), timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
     step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
     CPU; or cpu / cuda / npu).
@@ -267,6 +269,7 @@ class TrainConfig:
     wandb_save_dir: str | None = None
     progress: bool = True
     log_interval: int = 10
+    moe_per_layer_logging: bool = False
     timeout: float = 300.0
     keep_host_memory: bool = True
     device: str = "auto"

@@ -5,7 +5,9 @@
     backends.log(metrics)                           # one step's metrics (eval ones on evaluation steps)
     backends.close()
 
-Both get the same scalars under the same tags (TAGS: "train/loss", "train/lr", "eval/main_loss", ...) at
+With --moe-per-layer-logging each MoE layer's tokens per expert (and the aux-loss-free expert bias) go to
+both as histograms with one bar per expert ("moe/expert_load/KEY", "moe/expert_bias/KEY"). Both get the
+same scalars under the same tags (TAGS: "train/loss", "train/lr", "eval/main_loss", ...) at
 the step number of the metrics. TensorBoard: torch.utils.tensorboard's SummaryWriter (the `tensorboard`
 package, `pip install 'fmoe[tensorboard]'`), opened with purge_step = the run's first step, so that, as the
 metrics file does, a fresh run hides an earlier run's points in the same directory and a resumed run the
@@ -61,6 +63,31 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
             if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
 
 
+def per_expert(metrics: dict[str, Any]) -> dict[str, list[float]]:
+    """The per-expert values of a --moe-per-layer-logging step under their tags: "moe/expert_load/KEY"
+    (tokens per expert of MoE layer KEY) and "moe/expert_bias/KEY"; {} without them."""
+    return {f"moe/{name}/{layer}": values for name in ("expert_load", "expert_bias")
+            for layer, values in metrics.get(name, {}).items()}
+
+
+def _tensorboard_bars(writer: Any, tag: str, values: list[float], step: int) -> None:
+    """Tokens per expert as one bar per expert: a raw TensorBoard histogram whose bucket e (edges e - 0.5,
+    e + 0.5) holds expert e's count, so the histogram view reads as the layer's per-expert chart; a bias
+    (signed) as the histogram of its values over the experts."""
+    if "/expert_bias/" in tag:
+        import numpy as np
+
+        writer.add_histogram(tag, np.asarray(values), step)
+        return
+    counts = values
+    total = sum(counts)
+    writer.add_histogram_raw(tag, min=0, max=len(values) - 1, num=total,
+                             sum=sum(e * c for e, c in enumerate(counts)),
+                             sum_squares=sum(e * e * c for e, c in enumerate(counts)),
+                             bucket_limits=[e + 0.5 for e in range(len(values))], bucket_counts=counts,
+                             global_step=step)
+
+
 class LogBackends:
     """The open backends of a run (none, TensorBoard, W&B or both)."""
 
@@ -87,15 +114,23 @@ class LogBackends:
         return cls(writer, run)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Writes one step's scalars to every open backend."""
+        """Writes one step's scalars to every open backend, and with --moe-per-layer-logging each MoE
+        layer's tokens per expert and expert bias as histograms (`per_expert`)."""
         if self.writer is None and self.wandb_run is None:
             return
         step, values = int(metrics["step"]), scalars(metrics)
+        experts = per_expert(metrics)
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
+            for tag, counts in experts.items():
+                _tensorboard_bars(self.writer, tag, counts, step)
         if self.wandb_run is not None:
-            self.wandb_run.log(values, step=step)
+            import wandb
+
+            bars = {tag: wandb.Histogram(np_histogram=(counts, list(range(len(counts) + 1))))
+                    for tag, counts in experts.items()}
+            self.wandb_run.log({**values, **bars}, step=step)
 
     def close(self) -> None:
         """Flushes and closes every open backend."""

@@ -258,6 +258,8 @@ class Trainer:
         self.consumed_samples += G
         step_s = time.perf_counter() - t0
         metrics = self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
+        if tc.moe_per_layer_logging:
+            metrics.update(self._per_layer(loads))
         if used is not None:
             metrics.update(loss_scale=used_scale, skipped=not finite)
             self._skipped_in_a_row = 0 if finite else self._skipped_in_a_row + 1
@@ -410,6 +412,30 @@ class Trainer:
                 "tokens_per_s": tc.global_batch_size * tc.seq_length / (float(vec[5]) / n),
                 "step_s": float(vec[5]) / n, "exposed_comm_frac": float(vec[4]) / n,
                 "max_over_mean_load": float(vec[6]), "dropped": int(vec[3])}
+
+    def _per_layer(self, loads: dict) -> dict[str, dict[str, list[float]]]:
+        """Every MoE layer's step (by its checkpoint key, in key order), the same on every rank:
+        "expert_load" the tokens routed to each of its E experts (summed over the data ranks), and with an
+        aux-loss-free bias "expert_bias" its E values after this step's update. Each pipeline rank knows
+        its own layers: the ranks exchange them (one all_gather_object)."""
+        rate = self.cfg.moe.bias_update_rate
+        mine: dict[str, tuple[list[float], list[float] | None]] = {}
+        for site in self.moe_sites:
+            load = loads.get(site.params)
+            if load is None:
+                continue
+            bias = (state_at(self.state, site) or {}).get("expert_bias_E") if rate else None
+            mine[site.key] = (load.tokens_per_expert_E.double().cpu().tolist(),
+                              None if bias is None else bias.double().cpu().tolist())
+        if self.world_group is not None:
+            every: list[Any] = [None] * self.world.size
+            dist.all_gather_object(every, mine, group=self.world_group)
+            for theirs in every:
+                mine.update(theirs)
+        out: dict[str, dict[str, list[float]]] = {"expert_load": {k: mine[k][0] for k in sorted(mine)}}
+        if rate:
+            out["expert_bias"] = {k: mine[k][1] for k in sorted(mine) if mine[k][1] is not None}
+        return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------
 

@@ -17,6 +17,8 @@ METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "g
                "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
 FP16_KEYS = ("loss_scale", "skipped")  # present in an --fp16 run's metrics only
 EVAL_KEYS = ("eval_loss", "eval_main_loss", "eval_s")  # on the steps an evaluation followed (--eval-interval)
+# --moe-per-layer-logging: MoE layer (checkpoint key) -> tokens per expert; -> the aux-loss-free expert bias
+PER_LAYER_KEYS = ("expert_load", "expert_bias")
 
 
 class Reporter:
@@ -53,7 +55,7 @@ class Reporter:
         """Records one step's metrics: a JSON line, the bar's postfix."""
         self.history.append(m)
         if self._file is not None:
-            keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS)
+            keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS, *PER_LAYER_KEYS)
             self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
             self._file.flush()
         if "eval_main_loss" in m:
