@@ -510,6 +510,14 @@ class TrainConfig:
         for name in ("save_interval", "lr_warmup_iters", "eval_interval", "log_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # inf or nan reached AdamW or a timedelta before
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{_flag(f.name)} must be a finite number, got {value}")
+        from fmoe.train.data import MAX_SEED
+
+        if not 0 <= self.seed < MAX_SEED:  # the data order's seed range; inside the ranks otherwise
+            raise ValueError(f"--seed must lie in [0, 2**40), got {self.seed}")
         for name in ("lr", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
@@ -812,7 +820,7 @@ def read_toml(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise ValueError(f"--config: no such file {path}")
     try:
-        raw = tomllib.loads(p.read_text())
+        raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is no statement
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path}: {exc}") from None
     out: dict[str, Any] = {}

@@ -55,7 +55,7 @@ _FILE_KINDS = ("bin16", "bin32", "text")
 _EPOCH_SEED_STRIDE = 1_000_003
 IGNORE_INDEX = -100  # a target that takes no loss (fmoe.ops.cross_entropy's)
 # torch.Generator.manual_seed takes at most 64 bits; this bound keeps seed * stride + epoch inside them.
-_MAX_SEED = 2**40
+MAX_SEED = 2**40  # data seeds below it (fmoe.train.config checks --seed before launch)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def stream_indices(num_windows: int, positions_P: torch.Tensor, seed: int) -> to
     """
     N = integer("num_windows", num_windows)
     seed = integer("seed", seed, minimum=0)
-    if seed >= _MAX_SEED:
+    if seed >= MAX_SEED:
         raise ValueError(f"seed must be < 2**40, got {seed}")
     p_P = torch.as_tensor(positions_P, dtype=torch.int64, device="cpu")
     if p_P.numel() and int(p_P.min()) < 0:

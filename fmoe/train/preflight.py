@@ -31,7 +31,7 @@ def problem(tc: TrainConfig, world_size: int | None = None) -> str | None:
                       output_clash(tc), _trace_problem(tc)):
             if found is not None:
                 return found
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, checkpoint.CheckpointError) as exc:
         return str(exc).splitlines()[0]
     return None
 
