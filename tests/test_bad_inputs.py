@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fmoe._compat import tree_flatten
 from fmoe.cli.main import main, negatives_as_values
 
 
@@ -79,3 +80,84 @@ def test_a_truncated_safetensors_file_names_the_file(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:100])  # a download cut short
     with pytest.raises(ValueError, match=f"{path} is not a readable safetensors file"):
         read_state_dict(tmp_path)
+
+
+def _tiny_gpt():
+    import torch
+
+    import fmoe
+    from fmoe.config import GPTConfig, MoEConfig
+
+    cfg = GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff_dense=32, num_dense_layers=0,
+                    moe=MoEConfig(d_model=16, d_ff=16, num_experts=4, top_k=2))
+    return cfg, fmoe.init_gpt(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def test_gpt_loss_refuses_targets_of_another_shape() -> None:
+    import torch
+
+    from fmoe.model import gpt_loss
+
+    cfg, params = _tiny_gpt()
+    ids = torch.randint(0, 32, (2, 8))
+    for targets in (ids[:, :4], ids.reshape(-1)):  # the second one used to train on silently
+        with pytest.raises(ValueError, match=r"targets_BS must have ids_BS's shape \[B, S\] = \(2, 8\)"):
+            gpt_loss(params, ids, targets, cfg)
+
+
+def test_block_names_an_input_dtype_other_than_the_params() -> None:
+    import torch
+
+    from fmoe.model import block
+
+    cfg, params = _tiny_gpt()
+    with pytest.raises(ValueError, match="block: the input is torch.float32 but the params are torch.float6"):
+        block(params["layers"][0], torch.randn(2, 8, 16), cfg)
+
+
+def test_remat_suggests_the_policy_meant() -> None:
+    import torch
+
+    from fmoe.transforms import remat
+
+    with pytest.raises(ValueError, match="unknown policy 'nothing' .did you mean 'nothing_saveable'.."):
+        remat(lambda x: x * 2, policy="nothing")(torch.ones(2, requires_grad=True))
+
+
+@pytest.mark.parametrize("shape, hint", [(3, r"write \(3,\)"), ("ab", "got 'ab'"),
+                                         ([2, 3], r"write \(2, 3\)")])
+def test_test_strategies_name_a_shape_that_is_none(shape: object, hint: str) -> None:
+    from fmoe.transforms.testing import param_pytrees, tensors
+
+    with pytest.raises(TypeError, match=f"param_pytrees: shapes\\['w'\\] must be a shape.*{hint}"):
+        param_pytrees({"w": shape})
+    if not isinstance(shape, list):  # tensors takes any sequence of ints
+        with pytest.raises(TypeError, match=f"tensors: shape must be a shape.*{hint}"):
+            tensors(shape)
+
+
+def test_init_gpt_shard_names_a_bad_share_or_a_holds_that_matches_nothing() -> None:
+    from fmoe.gpt_init import init_gpt_shard
+
+    cfg, _ = _tiny_gpt()
+    for tp in ((0, 0), (2, 2), (-1, 1)):
+        with pytest.raises(ValueError, match=r"init_gpt_shard: tp must be \(rank, size\)"):
+            init_gpt_shard(cfg, 0, tp=tp)
+    with pytest.raises(ValueError, match=r"holds \[\('layer', '0'\)\] match no parameter path"):
+        init_gpt_shard(cfg, 0, holds=[("layer", "0")])  # "layers"
+    held = init_gpt_shard(cfg, 0, holds=[("layers", "0")])
+    import torch
+
+    leaves = lambda tree: [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]  # noqa: E731
+    assert not any(t.is_meta for t in leaves(held["layers"][0]))
+    assert all(t.is_meta for t in leaves(held["layers"][1]))
+
+
+def test_split_vjp_with_has_aux_needs_a_pair() -> None:
+    import torch
+
+    from fmoe.transforms import split_vjp
+
+    for engine in ("func", "autograd"):  # a [2] tensor used to unpack into out = x[0], aux = x[1]
+        with pytest.raises(TypeError, match=r"\(has_aux=True\): f must return \(output, aux\), got a Tensor"):
+            split_vjp(lambda p, x: p * x, torch.ones(2), torch.ones(2), has_aux=True, engine=engine)
