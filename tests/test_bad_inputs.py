@@ -161,3 +161,33 @@ def test_split_vjp_with_has_aux_needs_a_pair() -> None:
     for engine in ("func", "autograd"):  # a [2] tensor used to unpack into out = x[0], aux = x[1]
         with pytest.raises(TypeError, match=r"\(has_aux=True\): f must return \(output, aux\), got a Tensor"):
             split_vjp(lambda p, x: p * x, torch.ones(2), torch.ones(2), has_aux=True, engine=engine)
+
+
+RUN = {"pp": 1, "ep": 1, "num_layers": 2, "seq_length": 16, "global_batch_size": 8, "steps": 1,
+       "progress": False, "device": "cpu", "lr_warmup_iters": 0, "markov_sequences": 256,
+       "keep_host_memory": False}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a disk that is always full)")
+@pytest.mark.parametrize("flag, path", [("metrics", "/dev/full"), ("tensorboard_dir", "/dev/full/tb")])
+def test_an_output_that_cannot_be_written_is_named(capsys, flag: str, path: str) -> None:
+    from fmoe.train.config import TrainConfig
+    from fmoe.train.launch import launch
+
+    assert launch(TrainConfig(**RUN, **{flag: path})) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    named = f"fmoe train: error: --{flag.replace('_', '-')} {path}: cannot write ("
+    assert len(err) == 1 and err[0].startswith(named), err
+
+
+def test_tensorboard_missing_in_the_ranks_is_named(monkeypatch) -> None:
+    import sys
+
+    from fmoe.train.config import TrainConfig
+    from fmoe.train.log_backends import LogBackends
+    from fmoe.train.run_errors import RunError
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # importable at launch, not here
+    with pytest.raises(RunError, match="--tensorboard-dir: rank 0 cannot import torch.utils.tensorboard .* "
+                                       "the ranks run another Python environment"):
+        LogBackends.open(TrainConfig(tensorboard_dir="tb"), 0)

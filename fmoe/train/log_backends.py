@@ -18,10 +18,15 @@ launch (`backends_problem`), not in rank 0 after the model is built.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from fmoe.train.run_errors import RunError
 
 if TYPE_CHECKING:
     from fmoe.train.config import TrainConfig
@@ -63,6 +68,27 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
             if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
 
 
+@contextmanager
+def _tensorboard_named(directory: str | None) -> Iterator[None]:
+    """An OSError writing TensorBoard's events (a full disk, a path through a file) as one RunError line
+    naming --tensorboard-dir."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunError(f"--tensorboard-dir {directory}: cannot write ({exc.strerror or exc}): free space "
+                       "there or give another folder") from None
+
+
+def _rank_import(module: str, flag: str, package: str) -> Any:
+    """`module` imported in rank 0; RunError when it cannot be although the launcher found it (checked
+    before launch): the ranks run with another Python path or environment."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RunError(f"{flag}: rank 0 cannot import {module} ({exc}), though the launcher could: the ranks "
+                       f"run another Python environment or path; pip install {package} there") from None
+
+
 def per_expert(metrics: dict[str, Any]) -> dict[str, list[float]]:
     """The per-expert values of a --moe-per-layer-logging step under their tags: "moe/expert_load/KEY"
     (tokens per expert of MoE layer KEY) and "moe/expert_bias/KEY"; {} without them."""
@@ -91,8 +117,8 @@ def _tensorboard_bars(writer: Any, tag: str, values: list[float], step: int) -> 
 class LogBackends:
     """The open backends of a run (none, TensorBoard, W&B or both)."""
 
-    def __init__(self, writer: Any = None, wandb_run: Any = None):
-        self.writer, self.wandb_run = writer, wandb_run
+    def __init__(self, writer: Any = None, wandb_run: Any = None, tensorboard_dir: str | None = None):
+        self.writer, self.wandb_run, self.tensorboard_dir = writer, wandb_run, tensorboard_dir
 
     @classmethod
     def open(cls, tc: TrainConfig, first_step: int) -> LogBackends:
@@ -100,18 +126,19 @@ class LogBackends:
         checkpoint's)."""
         writer = run = None
         if tc.tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=tc.tensorboard_dir, purge_step=first_step + 1, flush_secs=10)
+            SummaryWriter = _rank_import("torch.utils.tensorboard", "--tensorboard-dir",
+                                         "'fmoe[tensorboard]'").SummaryWriter
+            with _tensorboard_named(tc.tensorboard_dir):
+                writer = SummaryWriter(log_dir=tc.tensorboard_dir, purge_step=first_step + 1, flush_secs=10)
         if tc.wandb_project is not None:
-            import wandb
+            wandb = _rank_import("wandb", "--wandb-project", "wandb")
 
             save_dir = tc.wandb_save_dir or (os.path.join(tc.save, "wandb") if tc.save else None)
             if save_dir is not None:
                 os.makedirs(save_dir, exist_ok=True)
             run = wandb.init(project=tc.wandb_project, name=tc.wandb_exp_name, dir=save_dir,
                              config=tc.as_dict())
-        return cls(writer, run)
+        return cls(writer, run, tc.tensorboard_dir)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Writes one step's scalars to every open backend, and with --moe-per-layer-logging each MoE
@@ -121,10 +148,11 @@ class LogBackends:
         step, values = int(metrics["step"]), scalars(metrics)
         experts = per_expert(metrics)
         if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
-            for tag, counts in experts.items():
-                _tensorboard_bars(self.writer, tag, counts, step)
+            with _tensorboard_named(self.tensorboard_dir):
+                for tag, value in values.items():
+                    self.writer.add_scalar(tag, value, step)
+                for tag, counts in experts.items():
+                    _tensorboard_bars(self.writer, tag, counts, step)
         if self.wandb_run is not None:
             import wandb
 
@@ -135,8 +163,9 @@ class LogBackends:
     def close(self) -> None:
         """Flushes and closes every open backend."""
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            writer, self.writer = self.writer, None
+            with _tensorboard_named(self.tensorboard_dir):
+                writer.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None

@@ -7,11 +7,14 @@ import json
 import math
 import textwrap
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from fmoe.schedule.timeline import TraceEvent, write_png, write_trace
+from fmoe.train.run_errors import RunError
 
 METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s",
                "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
@@ -39,7 +42,9 @@ class Reporter:
                 self.earlier = _keep_steps_through(Path(metrics_path), continue_from)
             # A fresh run truncates (as torchtitan starts a new log per run): a file holding two runs'
             # steps reads as one; --resume appends to its own run's lines.
-            self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
+            with _named("--metrics", metrics_path):
+                self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
+        self._metrics_path = metrics_path
         self._progress = progress
         self._bar: Any = None
         self._eval: str = ""  # the last evaluation, kept on the bar until the next one
@@ -56,8 +61,9 @@ class Reporter:
         self.history.append(m)
         if self._file is not None:
             keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS, *PER_LAYER_KEYS)
-            self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
-            self._file.flush()
+            with _named("--metrics", self._metrics_path):
+                self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
+                self._file.flush()
         if "eval_main_loss" in m:
             self._eval = f" eval {m['eval_main_loss']:.3f}@{m['step']}"
         if self.log_interval and (m["step"] % self.log_interval == 0 or m["step"] == self.total):
@@ -107,6 +113,16 @@ class Reporter:
             lines.append(f"  fp16: {skipped} of {len(self.history)} steps skipped (non-finite gradients), "
                          f"last loss scale {last['loss_scale']:g}")
         return "\n".join(lines)
+
+
+@contextmanager
+def _named(flag: str, path: str | None) -> Iterator[None]:
+    """An OSError inside (a full disk, a folder that is a file) as a RunError naming the flag and path."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunError(f"{flag} {path}: cannot write ({exc.strerror or exc}): free space there or give "
+                       "another path") from None
 
 
 def _line(m: dict[str, Any]) -> str:
