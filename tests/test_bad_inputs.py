@@ -191,3 +191,28 @@ def test_tensorboard_missing_in_the_ranks_is_named(monkeypatch) -> None:
     with pytest.raises(RunError, match="--tensorboard-dir: rank 0 cannot import torch.utils.tensorboard .* "
                                        "the ranks run another Python environment"):
         LogBackends.open(TrainConfig(tensorboard_dir="tb"), 0)
+
+
+def test_a_checkpoint_without_the_runs_moe_state_loads_fresh_or_is_named(tmp_path: Path, capsys) -> None:
+    """Trained without the aux-loss-free bias or dynamic capacity: a --load starts that state fresh (it
+    failed with DCP's "Missing key"), a --resume is refused naming the flag, another window's history is
+    named (a "Size mismatch" before)."""
+    from fmoe.train.config import TrainConfig
+    from fmoe.train.launch import launch
+
+    plain, windowed = tmp_path / "plain", tmp_path / "windowed"
+    assert launch(TrainConfig(**RUN, save=str(plain))) == 0
+    assert launch(TrainConfig(**RUN, save=str(windowed), moe_dynamic_capacity_window=2)) == 0
+    capsys.readouterr()
+    later = {**RUN, "steps": 2, "override_opt_param_scheduler": True}
+    assert launch(TrainConfig(**later, load=str(plain), moe_router_bias_update_rate=1e-3)) == 0
+    assert launch(TrainConfig(**later, load=str(plain), moe_dynamic_capacity_window=2)) == 0
+    capsys.readouterr()
+    assert launch(TrainConfig(**later, save=str(plain), resume=True, moe_router_bias_update_rate=1e-3)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no moe_state/" in err[0] and "expert_bias_E" in err[0], err
+    assert "--moe-router-bias-update-rate" in err[0] and "give --load" in err[0], err
+    assert launch(TrainConfig(**later, load=str(windowed), moe_dynamic_capacity_window=3)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "load_history_W of size (2,), this run's is (3,)" in err[0], err
+    assert "--moe-dynamic-capacity-window it was trained with" in err[0], err

@@ -16,6 +16,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +60,11 @@ from fmoe.train.overflow import check_fp16_step
 from fmoe.train.prefetch import Prefetcher
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, rank_leaves
 from fmoe.train.splits import train_dataset, valid_dataset
+
+# a MoE state leaf (fmoe/gpt_state.py) -> the flag that makes a run keep it
+MOE_STATE_FLAGS = {"expert_bias_E": "--moe-router-bias-update-rate",
+                   **dict.fromkeys(("load_history_W", "capacity_misses", "capacity_steps"),
+                                   "--moe-dynamic-capacity-window")}
 
 
 @dataclass
@@ -439,6 +445,31 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------
 
+    def _moe_state_absent(self, path: str, items: dict[str, torch.Tensor]) -> list[str]:
+        """The MoE state keys this run keeps that checkpoint `path` lacks (it was trained without the
+        aux-loss-free bias or dynamic capacity): for a --load; CheckpointError naming the flag for a
+        --resume (it continues a run as it was) and for a state saved at another size (another window)."""
+        from fmoe.train.safe_metadata import read_metadata
+
+        saved = read_metadata(Path(path) / ".metadata").state_dict_metadata
+        absent = []
+        for key, t in items.items():
+            if not key.startswith("moe_state/"):
+                continue
+            flag = MOE_STATE_FLAGS.get(key.rsplit("/", 1)[-1], "the MoE state flags")
+            if key not in saved:
+                if self.tc.resume:
+                    raise checkpoint.CheckpointError(
+                        f"{path} has no {key}: the run that saved it had no {flag}, and --resume continues a "
+                        f"run as it was; give --load to start this run's state fresh from it, or leave out "
+                        f"{flag}")
+                absent.append(key)
+            elif tuple(saved[key].size) != tuple(t.shape):
+                raise checkpoint.CheckpointError(
+                    f"{path} holds {key} of size {tuple(saved[key].size)}, this run's is {tuple(t.shape)}: "
+                    f"give the {flag} it was trained with")
+        return absent
+
     def _items(self, with_rng: bool) -> dict[str, torch.Tensor]:
         moe_state = {site.key: state_at(self.state, site) for site in self.moe_sites}
         tp_mesh = self.world.layout.mesh["tp"] if self.tc.tp > 1 else None
@@ -495,6 +526,8 @@ class Trainer:
                     "run, and --resume continues a run as it was; give --load to start this --fp16 run from "
                     "it with a fresh loss scale")
             del items["train/loss_scale"]
+        for key in self._moe_state_absent(path, items):
+            del items[key]  # a --load starts it fresh (init_gpt_state's), as a fresh run with the flag
         checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
         self.consumed_samples = (int(items["train/consumed_samples"]) if counted else self.step_done * int(
