@@ -216,3 +216,76 @@ def test_a_checkpoint_without_the_runs_moe_state_loads_fresh_or_is_named(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "load_history_W of size (2,), this run's is (3,)" in err[0], err
     assert "--moe-dynamic-capacity-window it was trained with" in err[0], err
+
+
+# ---- a user's router, experts or attention returning what the layer cannot read -------------------------
+
+def _route_then(change):
+    from fmoe.router import route
+
+    def router(p, x, cfg, state=None, seq_len=None):
+        return change(route(p, x, cfg, state, seq_len))
+    return router
+
+
+def _experts_then(change):
+    from fmoe.experts import routed_experts
+
+    return lambda p, x, c, probs, backend: change(routed_experts(p, x, c, probs, backend))
+
+
+def _attention_then(change):
+    from fmoe.ops import attention
+
+    def core(q, k, v, *, rope_theta, causal):
+        return change(attention(q, k, v, rope_theta=rope_theta, causal=causal))
+    return core
+
+
+def _seamed_loss(**seams) -> None:
+    import torch
+
+    import fmoe
+    from fmoe.config import GPTConfig, MoEConfig
+    from fmoe.model import gpt_loss
+
+    moe = MoEConfig(d_model=16, d_ff=16, num_experts=4, top_k=2, router=seams.get("router"),
+                    experts=seams.get("experts"))
+    cfg = GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff_dense=32, num_dense_layers=0,
+                    moe=moe, attention=seams.get("attention"))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    gpt_loss(fmoe.init_gpt(cfg, torch.Generator().manual_seed(0)), ids, ids, cfg)
+
+
+def _counts_zero(r):
+    import dataclasses
+
+    import torch
+
+    return dataclasses.replace(r, counts_E=torch.zeros_like(r.counts_E))
+
+
+def _probs_nan(r):
+    import dataclasses
+
+    return dataclasses.replace(r, probs_TK=r.probs_TK * float("nan"))
+
+
+@pytest.mark.parametrize("seam, change, error, needle", [
+    ("router", _counts_zero, ValueError, "returned counts_E that disagree with its ids_TK"),
+    ("router", _probs_nan, ValueError, r"returned gate weights \(probs_TK\) that are not finite"),
+    ("router", lambda r: None, TypeError, "returned a NoneType; it must return a fmoe.router.Routing"),
+    ("experts", lambda y: (y,), TypeError, r"returned a tuple; it must return y_MD, a tensor of shape"),
+    ("experts", lambda y: None, TypeError, "returned a NoneType; it must return y_MD"),
+    ("experts", lambda y: y[:-1], ValueError, r"returned y_MD of shape \[31, 16\]; it must be \[32, 16\]"),
+    ("experts", lambda y: y[:, :8], ValueError, r"returned y_MD of shape \[32, 8\]"),
+    ("experts", lambda y: y.double(), ValueError, "returned y_MD of dtype torch.float64; it must keep its"),
+    ("attention", lambda o: (o, None), TypeError, r"returned a tuple; it must return o_BSHd"),
+    ("attention", lambda o: o[:, :-1], ValueError, r"returned o_BSHd of shape \[2, 7, 2, 8\]; it must be "),
+    ("attention", lambda o: o.double(), ValueError, "returned o_BSHd of dtype torch.float64"),
+])
+def test_a_seam_returning_what_the_layer_cannot_read_is_named(seam: str, change, error: type,
+                                                              needle: str) -> None:
+    wrap = {"router": _route_then, "experts": _experts_then, "attention": _attention_then}[seam]
+    with pytest.raises(error, match=f"{seam} '.*' {needle}"):
+        _seamed_loss(**{seam: wrap(change)})
