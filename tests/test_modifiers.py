@@ -97,6 +97,19 @@ def test_the_command_line_refuses_a_lone_modifier_in_one_line(capsys, no_launch:
                      f"{flags[0]}"], lines
 
 
+@pytest.mark.parametrize("flag", ["--first-extra", "--last-extra", "--placement"])
+def test_simulate_refuses_a_layer_placement_flag_without_layers(capsys, flag: str) -> None:
+    from fmoe.cli.main import main
+    from fmoe.cli.simulate import SIMULATE_MODIFIERS
+
+    assert set(SIMULATE_MODIFIERS) == {"first_extra", "last_extra", "placement"}
+    value = "even" if flag == "--placement" else "1"
+    assert main(["simulate", flag, value]) == 2
+    want = f"error: {flag} applies to --layers N only: give --layers N or leave out {flag}"
+    assert capsys.readouterr().out.strip() == want
+    assert main(["simulate", "--layers", "8", flag, value]) == 0
+
+
 def test_plan_refuses_a_schedule_without_explain(capsys) -> None:
     from fmoe.cli.main import main
 

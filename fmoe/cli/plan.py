@@ -39,7 +39,7 @@ from fmoe.plan.specs import (
 )
 from fmoe.plan.train_flags import train_overrides
 from fmoe.train.config import PRESETS, TrainConfig
-from fmoe.train.modifiers import Needs, unmodified
+from fmoe.train.modifiers import Needs, parser_defaults, unmodified
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,14 +215,8 @@ def run(args: argparse.Namespace) -> int:
 PLAN_MODIFIERS = {"schedule": Needs("--explain LAYOUT", lambda args: args.explain is not None)}
 
 
-def _defaults() -> dict[str, object]:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return {name: parser.get_default(name) for name in PLAN_MODIFIERS}
-
-
 def _run(args: argparse.Namespace) -> int:
-    modifier = unmodified(PLAN_MODIFIERS, args, _defaults())
+    modifier = unmodified(PLAN_MODIFIERS, args, parser_defaults(add_arguments, PLAN_MODIFIERS))
     if modifier is not None:
         raise PlanError(modifier)
     ctx = context(args)

@@ -9,7 +9,8 @@ set it); the table says, per modifier, the flag it needs and when that flag is i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import argparse
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,14 @@ def unmodified(table: Mapping[str, Needs], run: Any, defaults: Mapping[str, Any]
             flag = "--" + name.replace("_", "-")
             return f"{flag} applies to {needs.flag} only: give {needs.flag} or leave out {flag}"
     return None
+
+
+def parser_defaults(add_arguments: Callable[[argparse.ArgumentParser], None],
+                    names: Iterable[str]) -> dict[str, Any]:
+    """The defaults a command's `add_arguments` gives the options `names` (for `unmodified` on its args)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return {name: parser.get_default(name) for name in names}
 
 
 def _any(*names: str, needs: Needs) -> dict[str, Needs]:
