@@ -11,13 +11,16 @@ The config checkers return the value in its normal form, so one rule holds for e
 - `flag`: exactly True or False (a Python bool): the string "False" is truthy and numpy's bool_ is not a
   bool, so both are refused rather than guessed.
 - `choice`: one of a tuple of options.
-All raise ValueError naming the field.
+- `json_object`: a file that must hold a JSON object (a config.json, a checkpoint's meta.json).
+All raise ValueError naming the field (the file).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from pathlib import Path
+from typing import Any
 
 
 def positive(name: str, value: float) -> None:
@@ -64,3 +67,17 @@ def choice(name: str, value: object, options: tuple[object, ...]) -> None:
     """Raise ValueError unless `value` is one of `options`; returns None."""
     if value not in options:
         raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+def json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in file `path`; ValueError naming the file when it is not JSON (where it breaks)
+    or holds another value (a list, a number)."""
+    import json
+
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object ({{...}}), got a {type(value).__name__}")
+    return value

@@ -90,8 +90,19 @@ def init_gpt_shard(cfg: GPTConfig, seed: int, dtype: torch.dtype = torch.float32
     (default: `draw_device`); the values equal the same part of `init_gpt` given `init_seed`'s seed.
     ValueError when a size does not split its units (heads, ffn, vocabulary, experts)."""
     wanted = None if holds is None else {tuple(str(k) for k in h) for h in holds}
+    for name, share in (("tp", tp), ("experts", experts)):
+        if not (isinstance(share, tuple) and len(share) == 2 and share[1] >= 1 and 0 <= share[0] < share[1]):
+            raise ValueError(f"init_gpt_shard: {name} must be (rank, size) with size >= 1 and 0 <= rank < "
+                             f"size, got {share!r}")
     spec = gpt_spec(cfg, dtype)
     shares = {"tp": tp, "expert": experts}
+    if wanted is not None:
+        paths: list[tuple[str, ...]] = []
+        _rebuild(spec, (), lambda where, t: paths.append(tuple(str(k) for k in where)))
+        missing = sorted(h for h in wanted if not any(p[:len(h)] == h for p in paths))
+        if missing:  # a typo would leave every parameter a meta tensor, silently
+            raise ValueError(f"init_gpt_shard: holds {missing} match no parameter path (they start with "
+                             f"{sorted({p[0] for p in paths})}, e.g. ('layers', '0'))")
 
     def make(where: Where, t: torch.Tensor) -> torch.Tensor:
         if not _held(where, wanted):

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fmoe._compat import tree_flatten
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
@@ -140,6 +141,7 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
     parallel = parallel or LOCAL
     tp, dispatcher = parallel.tp, parallel.exchange(cfg.moe.num_experts)
     if check:
+        _check_input_dtype("block", x_BSD, params)
         n = local_experts(dispatcher)
         if tp is None:
             check_block(params, cfg, state, num_local_experts=n)
@@ -150,6 +152,17 @@ def block(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, state: di
     layer = moe_layer(cfg, alone("block"), parallel, remat=remat)
     ran = _run([layer], params, {"h_BSD": x_BSD}, {"state": state, "packing": packing})
     return ran.acts["h_BSD"], _layer_aux(ran, cfg.moe, state, check)
+
+
+def _check_input_dtype(name: str, x: torch.Tensor, params: dict[str, Any]) -> None:
+    """ValueError when `x`'s dtype is not the params' (a float32 input to float64 weights failed inside a
+    matmul, "expected m1 and m2 to have the same dtype")."""
+    leaves = tree_flatten(params)[0]
+    dtypes = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if len(dtypes) == 1 and x.dtype not in dtypes:
+        want = next(iter(dtypes))
+        raise ValueError(f"{name}: the input is {x.dtype} but the params are {want}: cast one to the other "
+                         f"(x.to({want}))")
 
 
 def gpt_logits(params: dict[str, Any], ids_BS: torch.Tensor, cfg: GPTConfig,
@@ -188,6 +201,9 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
     under every parallelism: RoPE positions restarting per document, attention within a document, the
     targets' loss mask (MTP's rolled from it, never across a document); None: one document per sequence.
     """
+    if ids_BS.dim() != 2 or targets_BS.shape != ids_BS.shape:
+        raise ValueError(f"gpt_loss: targets_BS must have ids_BS's shape [B, S] = {tuple(ids_BS.shape)} "
+                         f"(targets[:, i] = token i + 1), got {tuple(targets_BS.shape)}")
     state = state or init_gpt_state(cfg, ids_BS.device)
     parallel = parallel or LOCAL
     if check and parallel.tp is None:

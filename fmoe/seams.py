@@ -24,7 +24,7 @@ import torch
 
 from fmoe.experts import routed_experts
 from fmoe.import_path import load
-from fmoe.ops import attention
+from fmoe.ops import attention, expert_counts
 from fmoe.router import Routing, route
 
 if TYPE_CHECKING:
@@ -88,19 +88,59 @@ def router_of(cfg: MoEConfig) -> Router:
 
 
 def experts_of(cfg: MoEConfig) -> Experts:
-    """The routed-experts function `cfg` carries (MoEConfig.experts; default fmoe.experts.routed_experts)."""
-    return _resolve(cfg.experts, routed_experts)
+    """The routed-experts function `cfg` carries (MoEConfig.experts; default fmoe.experts.routed_experts);
+    a user's is wrapped so that an output other than y_MD [M, D] in the rows' dtype is named
+    (`check_output`), not met later in the shared expert's sum or `linear`."""
+    fn = _resolve(cfg.experts, routed_experts)
+    if fn is routed_experts:
+        return fn
+    name = f"experts {_seam_name(cfg.experts)}"
+
+    def checked(p: dict[str, torch.Tensor], x_MD: torch.Tensor, counts_L: Any, probs_M: torch.Tensor | None,
+                backend: str) -> torch.Tensor:
+        return check_output(name, "y_MD", fn(p, x_MD, counts_L, probs_M, backend), x_MD.shape, x_MD.dtype)
+
+    return checked
 
 
 def attention_of(cfg: GPTConfig) -> Attention:
-    """The core attention `cfg` carries (GPTConfig.attention; default fmoe.ops.attention)."""
-    return _resolve(cfg.attention, attention)
+    """The core attention `cfg` carries (GPTConfig.attention; default fmoe.ops.attention); a user's is
+    wrapped so that an output other than o_BSHd [B, S, H, d] in q's dtype is named (`check_output`)."""
+    fn = _resolve(cfg.attention, attention)
+    if fn is attention:
+        return fn
+    name = f"attention {_seam_name(cfg.attention)}"
+
+    def checked(q_BSHd: torch.Tensor, k_BSGd: torch.Tensor, v_BSGd: torch.Tensor, *, rope_theta: float,
+                causal: bool) -> torch.Tensor:
+        o = fn(q_BSHd, k_BSGd, v_BSGd, rope_theta=rope_theta, causal=causal)
+        return check_output(name, "o_BSHd", o, (*q_BSHd.shape[:3], v_BSGd.shape[-1]), q_BSHd.dtype)
+
+    return checked
+
+
+def check_output(name: str, what: str, out: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`out` of a user's seam function `name`; TypeError unless a tensor, ValueError naming the shape or
+    dtype it should have (structure only: no value is read, so no host sync)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} returned a {type(out).__name__}; it must return {what}, a tensor of shape "
+                        f"{list(shape)} and dtype {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} returned {what} of shape {list(out.shape)}; it must be {list(shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name} returned {what} of dtype {out.dtype}; it must keep its input's {dtype}")
+    return out
+
+
+def _seam_name(value: Any) -> str:
+    """A seam as a user names it: its import path, or the function's qualified name."""
+    return repr(value) if isinstance(value, str) else repr(getattr(value, "__qualname__",
+                                                                   getattr(value, "__name__", value)))
 
 
 def _router_name(cfg: MoEConfig) -> str:
     """The router as a user names it: its import path, or the function's qualified name."""
-    r = cfg.router
-    return repr(r) if isinstance(r, str) else repr(getattr(r, "__qualname__", getattr(r, "__name__", r)))
+    return _seam_name(cfg.router)
 
 
 _ROUTING_FIELDS = ("ids_TK", "probs_TK", "counts_E", "losses", "loss")
@@ -124,17 +164,29 @@ def check_routing(r: Routing, num_tokens: int, cfg: MoEConfig) -> None:
         wrong.append(f"ids_TK {r.ids_TK.dtype} {list(r.ids_TK.shape)} (want int64 [{T}, {K}])")
     if not r.probs_TK.is_floating_point() or tuple(r.probs_TK.shape) != (T, K):
         wrong.append(f"probs_TK {r.probs_TK.dtype} {list(r.probs_TK.shape)} (want floating [{T}, {K}])")
-    if tuple(r.counts_E.shape) != (E,):
-        wrong.append(f"counts_E {list(r.counts_E.shape)} (want [{E}])")
+    if tuple(r.counts_E.shape) != (E,) or r.counts_E.is_floating_point() or r.counts_E.dtype == torch.bool:
+        wrong.append(f"counts_E {r.counts_E.dtype} {list(r.counts_E.shape)} (want integer [{E}])")
     if wrong:
         raise ValueError(f"router {_router_name(cfg)} returned {'; '.join(wrong)}")
     ids_TK = r.ids_TK
     if ids_TK.device.type == "meta" or ids_TK.numel() == 0:
         return
     outside = f"router {_router_name(cfg)} returned expert ids outside [0, {E}) (num_experts {E})"
+    # what the layer reads besides the ids: the gate weights (NaN spread into every row it scales) and the
+    # counts (the rows are grouped by them: counts that disagree with the ids mis-group or index past)
+    nan = f"router {_router_name(cfg)} returned gate weights (probs_TK) that are not finite (NaN or inf)"
+    miscount = (f"router {_router_name(cfg)} returned counts_E that disagree with its ids_TK: counts_E must "
+                "be fmoe.ops.expert_counts(ids_TK, E)")
     if ids_TK.device.type == "cpu":
         bad = (ids_TK < 0) | (ids_TK >= E)
         if bool(bad.any()):
             raise ValueError(f"{outside}: {int(ids_TK[bad][0])} at token {int(bad.nonzero()[0, 0])}")
+        if not bool(torch.isfinite(r.probs_TK.detach()).all()):
+            raise ValueError(nan)
+        if not torch.equal(r.counts_E.long(), expert_counts(ids_TK, E)):
+            raise ValueError(f"{miscount}; got {r.counts_E.tolist()}, the ids give "
+                             f"{expert_counts(ids_TK, E).tolist()}")
     else:
         torch._assert_async(((ids_TK >= 0) & (ids_TK < E)).all(), outside)
+        torch._assert_async(torch.isfinite(r.probs_TK.detach()).all(), nan)
+        torch._assert_async((r.counts_E.long() == expert_counts(ids_TK, E)).all(), miscount)

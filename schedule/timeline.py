@@ -279,11 +279,39 @@ def hidden_shares(trace: str | Path | Mapping[str, Any]) -> dict[str, float | No
                    or (e.get("cat") == "wait" and e["name"].startswith("wait a2a ")))
 
 
+# the picture fits a screen: at most MAX_WIDTH_IN x DPI pixels wide, whatever the step's length
+MAX_WIDTH_IN, DPI = 15.0, 110
+# seconds -> (scale, unit) for the x axis, the first whose span reads above 1
+_SCALES = ((1.0, "s"), (1e3, "ms"), (1e6, "µs"))
+
+
+def _axis_scale(span: float, unit: str | None) -> tuple[float, str]:
+    """How the x axis shows times of `unit` ("s", or None for a simulation's cost units): seconds in
+    s / ms / µs, whichever reads the span as a number above 1; cost units as they are."""
+    if unit != "s":
+        return 1.0, unit or "cost units"
+    return next(((k, u) for k, u in _SCALES if span * k >= 1.0), _SCALES[-1])
+
+
 def write_png(source: Report | Sequence[TraceEvent], path: str | Path, labels: bool | None = None,
-              title: str | None = None) -> Path:
+              title: str | None = None, unit: str | None = None) -> Path:
     """Draws the timeline of a simulated Report or of measured lane events (needs matplotlib:
-    pip install 'fmoe[viz]') to `path`; returns the path. `labels` writes each compute event's name in its
-    box (default: when there are at most 400 compute events)."""
+    pip install 'fmoe[viz]') to `path` (`timeline_figure`); returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(source, labels=labels, title=title, unit=unit)
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(source: Report | Sequence[TraceEvent], labels: bool | None = None,
+                    title: str | None = None, unit: str | None = None) -> Any:
+    """The matplotlib Figure of a timeline, sized for a screen (at most MAX_WIDTH_IN x DPI pixels wide).
+    `labels` writes each compute event's name in its box where it fits (default on; a name wider or
+    taller than its box is left out, so no two overlap); `unit`: the unit of the events' times ("s": drawn
+    in s, ms or µs; None: a simulation's cost units), named on the x axis."""
     try:
         import matplotlib
 
@@ -300,27 +328,60 @@ def write_png(source: Report | Sequence[TraceEvent], path: str | Path, labels: b
     ranks = sorted({e.rank for e in events}) or [0]
     t0 = min((e.start for e in events), default=0.0)
     span = max((e.end for e in events), default=1.0) - t0
+    scale, shown = _axis_scale(span, unit)
     compute = [e for e in events if e.lane == "compute"]
-    labels = len(compute) <= 400 if labels is None else labels
-    fig, ax = plt.subplots(figsize=(max(8.0, min(40.0, 3 * len(compute) ** 0.5)), 1.0 + 1.2 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, max(8.0, 3 * len(compute) ** 0.5)),
+                                    1.4 + 1.1 * len(ranks)), dpi=DPI)
     row = {r: 4 * (len(ranks) - 1 - k) + 2 for k, r in enumerate(ranks)}
     for e in events:
         y = row[e.rank] - LANES.index(lane_of(e))
-        ax.barh(y, e.end - e.start, left=e.start - t0, height=0.9 if e.lane == "compute" else 0.6,
+        ax.barh(y, (e.end - e.start) * scale, left=(e.start - t0) * scale,
+                height=0.9 if e.lane == "compute" else 0.6,
                 color=COLORS.get(e.cat, "#999999"), edgecolor="black" if e.lane == "compute" else None,
                 linewidth=0.3 if e.lane == "compute" else 0)
-        if labels and e.lane == "compute" and e.cat != "wait":
-            ax.text((e.start + e.end) / 2 - t0, y, e.name.replace("&", "\n"), ha="center", va="center",
-                    fontsize=5)
     ax.set_yticks([row[r] - d for r in ranks for d in range(len(LANES))])
-    ax.set_yticklabels([f"r{r} {lane}" for r in ranks for lane in LANES], fontsize=7)
-    ax.set_xlim(0, span if span > 0 else 1.0)
-    ax.set_xlabel("time")
-    ax.set_title(title)
-    handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=9, fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.set_yticklabels([f"rank {r} {lane}" for r in ranks for lane in LANES], fontsize=8)
+    ax.set_xlim(0, span * scale if span > 0 else 1.0)
+    ax.set_ylim(min(row.values()) - len(LANES), max(row.values()) + 1)
+    ax.set_xlabel(f"time ({shown})", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title(title, fontsize=10)
+    cats = {e.cat for e in events}
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items() if k in cats]
+    fig.legend(handles=handles, loc="lower center", ncol=9, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # the legend's strip at the bottom
+    if labels is None or labels:
+        _label_boxes(fig, ax, [e for e in compute if e.cat != "wait"], row, t0, scale)
+    return fig
+
+
+def _label_boxes(fig: Any, ax: Any, events: list[TraceEvent], row: dict[int, int], t0: float,
+                 scale: float) -> None:
+    """Writes each event's name in its compute box where the text fits inside the box (measured by the
+    renderer at the saved DPI); a name that does not fit is left out, so labels never overlap."""
+    renderer = fig.canvas.get_renderer()
+    to_px = ax.transData.transform
+    for e in events:
+        y = row[e.rank] - LANES.index("compute")
+        (x0, y0) = to_px(((e.start - t0) * scale, y - 0.45))
+        (x1, y1) = to_px(((e.end - t0) * scale, y + 0.45))
+        if x1 - x0 < 6:  # no name fits a sliver
+            continue
+        for name in _shorter(e.name):  # the longest that fits
+            text = ax.text((e.start + e.end) / 2 * scale - t0 * scale, y, name, ha="center", va="center",
+                           fontsize=6, clip_on=True)
+            box = text.get_window_extent(renderer)
+            if box.width <= (x1 - x0) - 2 and box.height <= abs(y1 - y0):
+                break
+            text.remove()
+
+
+def _shorter(name: str) -> list[str]:
+    """A compute event's name as its box may show it, longest first: the phase and microbatch ("F mb2",
+    then "F2"), not the stage and layer (the row and its neighbours say those); a simulated op's name
+    ("F3", "F3&B2") as it is."""
+    head = name.split()
+    mb = next((w[2:] for w in head if w.startswith("mb")), None)
+    if not head or mb is None:
+        return [name]
+    return [f"{head[0]} mb{mb}", f"{head[0]}{mb}"]

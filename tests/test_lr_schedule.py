@@ -125,7 +125,8 @@ def test_bad_schedules_fail_with_one_line_before_launch(capsys, no_launch: None)
              (("--lr-decay-style", "WSD"), "needs --lr-wsd-decay-iters"),
              (("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "200"), "must lie in [1, 130]"),
              (("--lr-wsd-decay-iters", "5"), "applies to --lr-decay-style WSD only"),
-             (("--lr-wsd-decay-style", "step"), "--lr-wsd-decay-style must be one of"),
+             (("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5", "--lr-wsd-decay-style", "step"),
+              "--lr-wsd-decay-style must be one of"),
              (("--lr-decay-iters", "20"), "must exceed --lr-warmup-iters (20)"),
              (("--lr-warmup-init", "1.0"), "--lr-warmup-init must lie in"),
              (("--lr-warmup-iters", "-1"), "--lr-warmup-iters must be >= 0")]

@@ -128,15 +128,16 @@ def test_full_keeps_at_most_half(oracle: dict) -> None:
 
 @pytest.mark.parametrize("flags, needle", [
     ({"recompute_granularity": "all"}, "--recompute-granularity must be full or selective"),
-    ({"recompute_modules": ("moe",)}, "--recompute-modules names the parts of --recompute-granularity"),
+    ({"recompute_modules": ("moe",)}, "--recompute-modules applies to --recompute-granularity selective"),
     ({"recompute_granularity": "selective", "recompute_modules": ("moe_act",)}, "moe_act is not one of"),
     ({"recompute_granularity": "full", "recompute_num_layers": 2}, "recomputes one layer at a time"),
     ({"recompute_granularity": "full", "recompute_method": "block"}, "give N"),
-    ({"recompute_method": "uniform"}, "choose the layers of --recompute-granularity full"),
+    ({"recompute_method": "uniform"}, "--recompute-method applies to --recompute-granularity full only"),
     ({"recompute_granularity": "full", "moe_adaptive_recompute_activation": True}, "has no effect"),
     ({"recompute_granularity": "selective", "recompute_modules": ("moe",),
       "moe_adaptive_recompute_activation": True}, "every layer's experts"),
-    ({"moe_adaptive_recompute_activation_scale": 0.0}, "must be > 0"),
+    ({"moe_adaptive_recompute_activation": True, "moe_adaptive_recompute_activation_scale": 0.0},
+     "must be > 0"),
 ])
 def test_bad_recompute_flags_fail_before_launch(flags: dict, needle: str) -> None:
     problem = TrainConfig(**flags).problem()

@@ -76,8 +76,11 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
     # fp64: a layout sums its gradients in another order, and in fp32 that rounding can flip a token whose
     # top-k scores nearly tie after a few updates (seen at step 3 of the dp 2 run, a 1e-4 loss jump);
     # in fp64 the layouts' weights stay equal far below any such margin
-    fp64 = ("--dtype", "float64")
+    # --moe-per-layer-logging: every MoE layer's tokens per expert, gathered from the pipeline ranks that
+    # hold it, equal to the one process's (issue 48)
+    fp64 = ("--dtype", "float64", "--moe-per-layer-logging")
     ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", "--steps", str(STEPS), *fp64)
+    assert len(ref[0]["expert_load"]) == 3  # the tiny preset's MoE layers (one dense first)
     assert [m["step"] for m in ref] == list(range(1, STEPS + 1))
     assert ref[-1]["main_loss"] < ref[0]["main_loss"]
     for name, flags in LAYOUTS.items():
@@ -86,6 +89,7 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
             for key in ("loss", "main_loss", "balance_loss", "grad_norm", "lr"):
                 assert have[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), (name, want["step"], key)
             assert have["max_over_mean_load"] == pytest.approx(want["max_over_mean_load"], rel=1e-3), name
+            assert have["expert_load"] == want["expert_load"], (name, want["step"])
 
 
 def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_layouts(tmp_path: Path) -> None:

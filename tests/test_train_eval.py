@@ -82,7 +82,8 @@ def test_bad_eval_flags_fail_with_one_line_before_launch(tmp_path, capsys, no_la
     data = ("--data", str(tiny), "--data-kind", "bin16")
     cases = [((*data, "--eval-interval", "5"), "leaves no validation window of 10"),
              ((*data, "--split", "0,1"), "leaves no training window"),
-             (("--split", "1,x"), "--split must be"),
+             ((*data, "--split", "1,x"), "--split must be"),
+             (("--split", "1,x"), "--split applies to --data FILE or --data-path"),
              (("--eval-interval", "5", "--eval-iters", "0"), "--eval-iters must be a positive integer"),
              (("--eval-interval", "-1"), "--eval-interval must be >= 0")]
     for flags, needle in cases:

@@ -82,7 +82,7 @@ def test_a_logging_flag_without_its_package_fails_before_launch(monkeypatch, cap
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed, whatever this machine has
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     cases = [(("--wandb-project", "p"), "wandb is not installed (pip install wandb)"),
-             (("--wandb-exp-name", "x"), "--wandb-exp-name needs --wandb-project"),
+             (("--wandb-exp-name", "x"), "--wandb-exp-name applies to --wandb-project only"),
              (("--tensorboard-dir", "tb"), "tensorboard is not installed (pip install 'fmoe[tensorboard]')")]
     for flags, needle in cases:
         code = main(["train", "--no-progress", *flags])
@@ -106,3 +106,44 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_past_its_checkpoint(tmp_pa
     assert _scalars(tmp_path)["train/loss"] == {1: 11.0, 2: 12.0, 3: 23.0, 4: 24.0, 5: 25.0}
     run(0, 2, 30.0)
     assert _scalars(tmp_path)["train/loss"] == {1: 31.0, 2: 32.0}
+
+
+def test_per_layer_expert_loads_and_bias_go_to_the_metrics_and_histograms(tmp_path: Path, monkeypatch,
+                                                                         capsys) -> None:
+    """--moe-per-layer-logging: each MoE layer's tokens per expert (every token reaches top-k experts:
+    they sum to tokens x k, dropless) and the aux-loss-free bias (from 0: rate x sign(mean - load), then
+    that plus the next step's), in the JSON lines, TensorBoard's histograms (one bucket per expert) and
+    W&B's."""
+    import torch
+
+    fake = FakeWandb()
+    fake.Histogram = lambda np_histogram: ("hist", tuple(np_histogram[0]), tuple(np_histogram[1]))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    board, metrics, rate = tmp_path / "tb", tmp_path / "m.jsonl", 1e-2
+    tc = TrainConfig(pp=1, ep=1, num_layers=2, first_k_dense=0, seq_length=16, global_batch_size=8, steps=2,
+                     lr_warmup_iters=0, progress=False, device="cpu", metrics=str(metrics),
+                     moe_router_bias_update_rate=rate, moe_per_layer_logging=True,
+                     tensorboard_dir=str(board), wandb_project="proj", markov_sequences=256)
+    assert launch(tc) == 0
+    capsys.readouterr()
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    layers = sorted(lines[0]["expert_load"])
+    assert len(layers) == 2, layers
+    bias = {k: torch.zeros(tc.num_experts, dtype=torch.float64) for k in layers}
+    for m in lines:
+        for k in layers:
+            load = torch.tensor(m["expert_load"][k], dtype=torch.float64)
+            assert len(load) == tc.num_experts and load.sum() == 8 * 16 * tc.moe_router_topk, (k, load)
+            bias[k] = bias[k] + rate * torch.sign(load.mean() - load)
+            assert m["expert_bias"][k] == pytest.approx(bias[k].tolist(), rel=1e-6), (m["step"], k)  # fp32
+    acc = EventAccumulator(str(board), size_guidance={"histograms": 0})
+    acc.Reload()
+    for k in layers:
+        events = acc.Histograms(f"moe/expert_load/{k}")
+        assert [e.step for e in events] == [1, 2]
+        for e, m in zip(events, lines, strict=True):
+            assert list(e.histogram_value.bucket) == pytest.approx(m["expert_load"][k])
+        assert f"moe/expert_bias/{k}" in acc.Tags()["histograms"]
+    for (step, values), m in zip(fake.logged, lines, strict=True):
+        assert values[f"moe/expert_load/{layers[0]}"] == (
+            "hist", tuple(m["expert_load"][layers[0]]), tuple(range(tc.num_experts + 1))), step

@@ -34,7 +34,9 @@ def test_the_flags_reach_the_layer_config() -> None:
     ({"moe_router_num_groups": 8, "moe_router_group_topk": 1}, "exceeds the 1 experts of 1 groups"),
     ({"moe_dynamic_capacity_window": 2, "moe_expert_capacity_factor": 1.0}, "leave out --moe-expert"),
     ({"moe_dynamic_capacity_window": -1}, "--moe-dynamic-capacity-window must be >= 0"),
-    ({"moe_dynamic_capacity_margin": 0.5}, "--moe-dynamic-capacity-margin must be >= 1"),
+    ({"moe_dynamic_capacity_window": 2, "moe_dynamic_capacity_margin": 0.5},
+     "--moe-dynamic-capacity-margin must be >= 1"),
+    ({"moe_dynamic_capacity_margin": 1.5}, "applies to --moe-dynamic-capacity-window > 0 only"),
 ])
 def test_bad_routing_flags_fail_before_launch(flags: dict, needle: str) -> None:
     problem = TrainConfig(**flags).problem()

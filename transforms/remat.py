@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ def policy_of(policy: Policy | str) -> Policy:
                         f"{type(policy).__name__}")
     if policy not in POLICIES:
         takes = policy in ("save_only_these_names", "save_any_names_but_these")
-        hint = f" (it takes names: pass {policy}('a', ...))" if takes else ""
+        close = difflib.get_close_matches(policy, POLICIES, n=1, cutoff=0.5)
+        hint = (f" (it takes names: pass {policy}('a', ...))" if takes else
+                f" (did you mean {close[0]!r}?)" if close else "")
         raise ValueError(f"remat: unknown policy {policy!r}{hint}; the policies by name are "
                          f"{sorted(POLICIES)}")
     return POLICIES[policy]

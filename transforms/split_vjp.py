@@ -306,6 +306,16 @@ def split_vjp(f: Callable[..., Any], params: Any, *args: Any,
               plain_ops: PlainOps = "dx") -> tuple[Any, DxFn, Any]: ...
 
 
+def _output_and_aux(res: Any) -> tuple[Any, Any]:
+    """`res` of a has_aux function as (out, aux); TypeError naming the mistake unless it is a pair (a tensor
+    of two rows used to unpack silently into out = row 0, aux = row 1)."""
+    if not (isinstance(res, (tuple, list)) and len(res) == 2):
+        got = type(res).__name__ + (f" of {len(res)}" if isinstance(res, (tuple, list)) else "")
+        raise TypeError(f"split_vjp(has_aux=True): f must return (output, aux), got a {got}; drop has_aux "
+                        "for a function without aux")
+    return res[0], res[1]
+
+
 def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: bool, is_param: list[bool]
                   ) -> tuple[Any, Callable[..., tuple], Any, list[torch.Tensor], tuple[list, Any]]:
     """Returns (out, vjp_fn, aux, leaves, (out's leaves, out's spec)): the torch.func.vjp contract on tape
@@ -316,7 +326,7 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     leaves = [x.detach().requires_grad_() for x in xs]
     with torch.enable_grad():
         res = flat_f(*leaves)
-    out_g, aux = res if has_aux else (res, None)
+    out_g, aux = _output_and_aux(res) if has_aux else (res, None)
     out_leaves, out_spec = flatten(out_g)
     differentiable = [k for k, o in enumerate(out_leaves) if isinstance(o, torch.Tensor) and o.requires_grad]
     graph = {"outs": [out_leaves[k] for k in differentiable], "leaves": leaves}
@@ -435,7 +445,7 @@ def split_vjp(
         aux_skeleton: list[Any] = []
 
         def flat_f_aux(*xs: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
-            out, aux = flat_f(*xs)
+            out, aux = _output_and_aux(flat_f(*xs))
             tensors: list[torch.Tensor] = []
             aux_skeleton.append(_split_tensors(aux, tensors))
             return out, tensors

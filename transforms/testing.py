@@ -219,6 +219,30 @@ def _check_draw(name: str, dtype: torch.dtype, scale: float) -> None:
 _SEEDS = st.integers(0, 2**31 - 1)
 
 
+def _check_shape(name: str, where: str, shape: Any, tuple_only: bool = False) -> None:
+    """TypeError unless `shape` is a shape: a tuple (or for `tensors` any sequence but a string) of ints
+    >= 0; the message names where it was given (`where`) and what to write instead."""
+    kinds = (tuple,) if tuple_only else (tuple, list, torch.Size)
+    if not (isinstance(shape, kinds) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                             for n in shape)):
+        hint = f" (write ({shape},) for one dimension)" if isinstance(shape, int) else (
+            f" (write {tuple(shape)})" if isinstance(shape, list) else "")
+        raise TypeError(f"{name}: {where} must be a shape, a tuple of ints >= 0 such as (2, 3), got "
+                        f"{shape!r}{hint}")
+
+
+def _check_shapes(shapes: Any, where: str = "shapes") -> None:
+    """param_pytrees' `shapes`: dicts and lists (of dicts, lists or shapes) whose leaves are shapes
+    (tuples of ints); a list of ints is a shape written as a list, and refused as one."""
+    items = shapes.items() if isinstance(shapes, dict) else enumerate(shapes) if (
+        isinstance(shapes, list) and not all(isinstance(n, int) for n in shapes)) else None
+    if items is None:
+        _check_shape("param_pytrees", where, shapes, tuple_only=True)
+        return
+    for key, value in items:
+        _check_shapes(value, f"{where}[{key!r}]")
+
+
 def seeded_tensor(shape: Sequence[int], dtype: torch.dtype, scale: float, seed: int) -> torch.Tensor:
     """The tensor `tensors(shape, dtype, scale)` draws for `seed`: N(0, scale^2) entries."""
     g = torch.Generator().manual_seed(seed)
@@ -238,8 +262,10 @@ def seeded_pytree(shapes: dict[str, Any], dtype: torch.dtype, scale: float, seed
 def tensors(shape: Sequence[int], dtype: torch.dtype = torch.float64,
             scale: float = 1.0) -> st.SearchStrategy[torch.Tensor]:
     """A tensor of `shape` and `dtype` with N(0, scale^2) entries from a hypothesis-drawn seed. Raises
-    TypeError for a dtype that is not floating, ValueError for a scale that is not finite and >= 0."""
+    TypeError for a shape that is not a sequence of ints >= 0 or a dtype that is not floating, ValueError
+    for a scale that is not finite and >= 0."""
     _check_draw("tensors", dtype, scale)
+    _check_shape("tensors", "shape", shape)
     return st.builds(seeded_tensor, shape=st.just(tuple(shape)), dtype=st.just(dtype), scale=st.just(scale),
                      seed=_SEEDS)
 
@@ -247,8 +273,10 @@ def tensors(shape: Sequence[int], dtype: torch.dtype = torch.float64,
 def param_pytrees(shapes: dict[str, Any], dtype: torch.dtype = torch.float64,
                   scale: float = 0.5) -> st.SearchStrategy[dict[str, Any]]:
     """A nested dict of tensors whose structure and shapes follow `shapes` (dict of tuples or dicts), its
-    leaves drawn independently. Raises as `tensors` does for `dtype` and `scale`."""
+    leaves drawn independently. Raises as `tensors` does for `dtype` and `scale`, TypeError naming the key
+    of a shape that is not a tuple of ints >= 0."""
     _check_draw("param_pytrees", dtype, scale)
+    _check_shapes(shapes)
     return st.builds(seeded_pytree, shapes=st.just(shapes), dtype=st.just(dtype), scale=st.just(scale),
                      seed=_SEEDS)
 

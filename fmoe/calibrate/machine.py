@@ -64,15 +64,19 @@ def _key() -> str:
     return f"torch {torch.__version__}, {os.cpu_count()} cores, calibration {CALIBRATION_VERSION}"
 
 
-def cluster_file(recalibrate: bool = False) -> Path:
+Progress = Callable[[int, int, Path], None]  # (rounds done, rounds in all, the file written at the end)
+
+
+def cluster_file(recalibrate: bool = False, progress: Progress | None = None) -> Path:
     """Returns the path of this machine's cluster spec file, measured now (a few minutes) and written
-    there on first use, when it was measured with another torch or core count, or with `recalibrate`."""
+    there on first use, when it was measured with another torch or core count, or with `recalibrate`.
+    `progress(done, total, path)` is called as the measurement starts (done 0) and after each round."""
     path = _cache_path()
     if not recalibrate and path.is_file():
         with path.open() as f:
             if f.readline().rstrip("\n") == f"# {_key()}":
                 return path
-    spec = calibrate()
+    spec = calibrate(None if progress is None else lambda done, total: progress(done, total, path))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_toml(spec, _key()))
     return path
@@ -258,9 +262,10 @@ def measure_machine(rates: list[dict[str, float]] | None = None) -> ClusterSpec:
     )
 
 
-def calibrate() -> ClusterSpec:
-    """Measures this machine (see the module docstring) and returns its ClusterSpec."""
-    samples, rates = measure_runs()
+def calibrate(progress: Callable[[int, int], None] | None = None) -> ClusterSpec:
+    """Measures this machine (see the module docstring) and returns its ClusterSpec; `progress(done,
+    total)` at the start and after each measured round."""
+    samples, rates = measure_runs(progress=progress)
     return fit_host(measure_machine(rates), **samples)
 
 
@@ -285,14 +290,24 @@ def calibration_configs() -> dict[str, Any]:
 CALIBRATION_STEPS = 16  # measured steps of each calibration run, after 2 warm-up steps a session
 
 
-def measure_runs(steps: int = CALIBRATION_STEPS) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
+def measure_runs(steps: int = CALIBRATION_STEPS, progress: Callable[[int, int], None] | None = None,
+                 ) -> tuple[dict[str, HostSample], list[dict[str, float]]]:
     """The HostSample of every calibration run (calibration_configs), measured live side by side: a step of
     each in turn, `steps` rounds over two sets of fresh processes (fmoe.calibrate.jobs.step_live; this
     machine's speed drifts within seconds, and two copies of one job came out up to 1.066x apart);
-    and the machine's rates (measure_rates) measured once in every round, with the jobs stopped."""
+    and the machine's rates (measure_rates) measured once in every round, with the jobs stopped.
+    `progress(done, steps)`: at the start (0) and after each round."""
     configs = calibration_configs()
     rates: list[dict[str, float]] = []
-    runs = step_live(configs, steps, events=set(configs), each_round=lambda: rates.append(measure_rates()))
+
+    def each_round() -> None:
+        rates.append(measure_rates())
+        if progress is not None:
+            progress(len(rates), steps)
+
+    if progress is not None:
+        progress(0, steps)
+    runs = step_live(configs, steps, events=set(configs), each_round=each_round)
     return {name: run.host_sample() for name, run in runs.items()}, rates
 
 

@@ -77,9 +77,26 @@ def _hf_to_fmoe(args: argparse.Namespace) -> int:
               "--load` refuses this checkpoint; fmoe.hf.load_hf and fmoe.gpt_logits run it, `fmoe convert "
               "fmoe-to-hf` exports it")
     else:
-        print(f"train from it: fmoe train --config {path.parent / 'model.toml'} --load {args.save} "
-              f"(or the flags {_train_flags(fields)})")
+        print(f"train from it: {train_command(str(path.parent / 'model.toml'), args.save)} "
+              f"(or the model's flags {_train_flags(fields)})")
     return 0
+
+
+# layouts the printed command may add, tried in order: the tiny preset's own (pp 2 x ep 2, DualPipeV:
+# layers in a multiple of 4), one pipeline rank with expert parallelism, one process
+LAYOUTS = ({}, {"pp": 1}, {"pp": 1, "ep": 1})
+
+
+def train_command(toml: str, save: str) -> str:
+    """The `fmoe train` command that starts from the converted checkpoint in `save` (its model in `toml`)
+    with the first of LAYOUTS its model passes the checks before launch with."""
+    from fmoe.train.config import TrainConfig
+
+    for layout in LAYOUTS:
+        if TrainConfig.from_sources("tiny", toml, {**layout, "load": save}).problem() is None:
+            break
+    flags = "".join(f" --{k} {v}" for k, v in layout.items())
+    return f"fmoe train --config {toml} --load {save}{flags}"
 
 
 def _fmoe_to_hf(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from fmoe.plan.specs import (
 )
 from fmoe.plan.train_flags import train_overrides
 from fmoe.train.config import PRESETS, TrainConfig
+from fmoe.train.modifiers import Needs, parser_defaults, unmodified
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate-top", type=int, default=32, help="candidates simulated after screening")
     parser.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
     parser.add_argument(
-        "--timeline", default="plan-timeline.png", help="PNG of the best layout's timeline ('' for none)"
+        "--timeline", default=None, metavar="PNG",
+        help="write the timeline of the best layout (of the --explain one with --explain) to this PNG "
+        "(default: none)",
     )
     parser.add_argument(
         "--explain",
@@ -153,7 +156,7 @@ def context(args: argparse.Namespace) -> E.Context:
     if cluster_name is None or devices is None:
         raise PlanError("--cluster and --devices are required (but with --published)")
     # "local": this machine, as its calibration's spec file says (measured on first use)
-    cluster = load_cluster(cluster_name, files={"local": lambda: str(cluster_file())})
+    cluster = load_cluster(cluster_name, files={"local": lambda: str(cluster_file(progress=_calibrating))})
     gb = args.global_batch
     if gb is None and pub is not None:
         gb = pub.global_batch
@@ -170,6 +173,35 @@ def context(args: argparse.Namespace) -> E.Context:
     return E.Context(model, cluster, devices, gb, args.imbalance, recompute)
 
 
+def _say(line: str, end: str = "\n") -> None:
+    """A progress line on stderr (stdout keeps the table and --json clean); on a terminal, `end="\r"`
+    lets the next line replace it."""
+    print(line, end=end if sys.stderr.isatty() else "\n", file=sys.stderr, flush=True)
+
+
+def _calibrating(done: int, total: int, path: object) -> None:
+    if done == 0:
+        _say(f"fmoe plan: --cluster local: measuring this machine once (about 5 minutes; kept in {path})")
+    else:  # a round takes about 20 s: each one said
+        _say(f"fmoe plan: calibration round {done}/{total}", end="\r" if done < total else "\n")
+
+
+_last_said = [0.0]
+SAY_EVERY_S = 5.0  # off a terminal, a progress line at most this often (and the last one)
+
+
+def _searching(what: str, done: int, total: int) -> None:
+    now = time.monotonic()
+    if what == "screened":
+        _say(f"fmoe plan: {done} of {total} layouts fit; simulating the best")
+    elif sys.stderr.isatty() or done == total or now - _last_said[0] >= SAY_EVERY_S:
+        _say(f"fmoe plan: screened {done} layouts" if what == "screening" else
+             f"fmoe plan: simulated {done}/{total}", end="\r" if done < total or not total else "\n")
+    else:
+        return
+    _last_said[0] = now
+
+
 def run(args: argparse.Namespace) -> int:
     """Plans and prints; returns 0, or 2 after one `fmoe plan: error: ...` line for an impossible request."""
     try:
@@ -179,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# flag -> what it needs (fmoe.train.modifiers: one rule for train and plan)
+PLAN_MODIFIERS = {"schedule": Needs("--explain LAYOUT", lambda args: args.explain is not None)}
+
+
 def _run(args: argparse.Namespace) -> int:
+    modifier = unmodified(PLAN_MODIFIERS, args, parser_defaults(add_arguments, PLAN_MODIFIERS))
+    if modifier is not None:
+        raise PlanError(modifier)
     ctx = context(args)
     t0 = time.perf_counter()
     result = Q.plan(
@@ -189,6 +228,7 @@ def _run(args: argparse.Namespace) -> int:
         vpps=_ints(args.vpp, "--vpp"),
         capacity_factors=_caps(args.capacity_factors),
         zero1=not args.no_zero1,
+        progress=_searching,
     )
     seconds = time.perf_counter() - t0
     if args.explain is not None:
@@ -196,6 +236,8 @@ def _run(args: argparse.Namespace) -> int:
     top = result.best[: max(args.top, 1)]
     if args.json:
         print(json.dumps([p.as_dict() for p in top], indent=1))
+        if args.timeline:
+            _say(f"fmoe plan: timeline of the best: {_write_timeline(result.best[0], args.timeline)}")
         return 0
     m = ctx.model
     print(
@@ -212,11 +254,31 @@ def _run(args: argparse.Namespace) -> int:
         print("why: " + Q.why(result.best[0], result.best[1]))
     _print_train_command(args.model, result.best[0], ctx)
     if args.timeline:
-        from fmoe.schedule.timeline import write_png
-
-        write_png(E.timeline(result.best[0]), args.timeline)
-        print(f"timeline of the best: {args.timeline}")
+        print(f"timeline of the best: {_write_timeline(result.best[0], args.timeline)}")
     return 0
+
+
+def _write_timeline(pred: E.Prediction, path: str) -> str:
+    """Draws `pred`'s simulated schedule to `path`, titled with the table's figures and the layout (the
+    picture draws at most SIM_CAP x pp + pp microbatches, the table's step all of them); returns `path`."""
+    from fmoe.schedule.timeline import write_png
+
+    rep = E.timeline(pred)
+    write_png(rep, path, title=timeline_title(pred, rep.makespan), unit="s")
+    return path
+
+
+def timeline_title(pred: E.Prediction, makespan: float) -> str:
+    """The plan timeline's title: the layout and the table's figures for it, then what the picture draws
+    (`makespan`: its simulated pipeline's)."""
+    lay = pred.layout
+    drawn = E.timeline_microbatches(pred)
+    part = (f"{drawn} of {pred.microbatches} microbatches drawn" if drawn < pred.microbatches
+            else f"{pred.microbatches} microbatches")
+    title = (f"{lay.label()} {lay.schedule}, overlap {Q.overlap_label(pred)}: step {pred.step_s:.4g} s, "
+             f"bubble {100 * pred.bubble:.1f}% (as in the table)\n{part}: makespan {makespan:.4g} s "
+             f"(the pipeline only, without the optimizer and data-parallel sums)")
+    return title
 
 
 def _precision(ctx: E.Context) -> str:
@@ -322,6 +384,8 @@ def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> 
         print(json.dumps(pred.as_dict(), indent=1))
     else:
         print(Q.explain(pred))
+        if args.timeline:
+            print(f"timeline: {_write_timeline(pred, args.timeline)}")
         rank = next((k for k, p in enumerate(result.best, 1) if p.layout == pred.layout), None)
         if rank is not None and rank > 1:
             print("why the best beats it: " + Q.why(result.best[0], pred))

@@ -27,6 +27,7 @@ import math
 
 from fmoe import schedule
 from fmoe.schedule.registry import ALL_NAMES
+from fmoe.train.modifiers import Needs, parser_defaults, unmodified
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +75,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+# flag -> what it needs (fmoe.train.modifiers: one rule for train, plan and simulate)
+SIMULATE_MODIFIERS = dict.fromkeys(("first_extra", "last_extra", "placement"),
+                                   Needs("--layers N", lambda args: args.layers is not None))
+
+
 def _run(args: argparse.Namespace) -> int:
     """`run` without the error handling: raises ScheduleError for a bad argument; returns 0."""
+    modifier = unmodified(SIMULATE_MODIFIERS, args, parser_defaults(add_arguments, SIMULATE_MODIFIERS))
+    if modifier is not None:
+        raise schedule.ScheduleError(modifier)
     s = _schedule(args)
     schedule.verify(s)
     if args.schedule_file is not None:  # what the file was read as (verified: an error stays one line)

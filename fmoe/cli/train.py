@@ -40,7 +40,9 @@ HELP = {
     "qk_pos_emb_head_dim": "MLA: a head's rotary qk dim (even)", "v_head_dim": "MLA: a head's value dim",
     "moe_router_pre_softmax": "softmax over all experts, top-k weights not renormalised (default: "
                               "renormalised over the top k, a softmax over the k selected logits)",
-    "moe_router_score_function": "softmax or sigmoid", "moe_aux_loss_coeff": "load-balancing loss",
+    "moe_router_score_function": "softmax or sigmoid", "moe_aux_loss_coeff": "load-balancing loss weight",
+    "moe_router_load_balancing_type": "aux_loss (over the micro batch), seq_aux_loss (per sequence, "
+                                      "DeepSeek-V3's) or none: what --moe-aux-loss-coeff weighs",
     "moe_z_loss_coeff": "router z-loss", "moe_router_bias_update_rate": "aux-loss-free expert bias rate",
     "moe_expert_capacity_factor": "capacity factor (default dropless)",
     "moe_pad_expert_input_to_capacity": "pad every expert to capacity",
@@ -149,9 +151,32 @@ HELP = {
     "metrics": "JSON line per step to this file",
     "trace": "measured Chrome trace of one step (and its PNG)", "trace_step": "which step --trace records",
     "loss_curve": "loss-curve PNG", "progress": "progress bar (default on)",
+    "moe_per_layer_logging": "each MoE layer's tokens per expert (and the aux-loss-free expert bias) every "
+                             "step: in the metrics file, and as per-expert histograms in TensorBoard / W&B",
+    "log_interval": "without the bar (--no-progress): a line every N steps (Megatron's; 0: none)",
     "timeout": "seconds a collective may wait before the run fails",
     "keep_host_memory": "CPU ranks keep freed heap memory for the next step (default on; glibc)",
 }
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return " ".join(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def defaults_text(name: str) -> str:
+    """What `--help` adds after field `name`'s help: " [default: V]" (the tiny preset's, TrainConfig's),
+    with each preset that sets another value ("; small: 8"); "" where the default is None (the help
+    says what not giving it means)."""
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+    others = [f"{preset}: {_shown(values[name])}" for preset, values in PRESETS.items()
+              if name in values and values[name] != default]
+    if default is None and not others:
+        return ""
+    return f" [default: {'none' if default is None else _shown(default)}{''.join('; ' + o for o in others)}]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,14 +189,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type).split("|")[0].strip()
+        text = HELP[f.name] + defaults_text(f.name)
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=HELP[f.name])
+                                help=text)
         elif kind.startswith("tuple"):  # tuple[str, ...]: names after the flag, as Megatron's lists
-            parser.add_argument(flag, nargs="+", metavar="NAME", default=argparse.SUPPRESS, help=HELP[f.name])
+            parser.add_argument(flag, nargs="+", metavar="NAME", default=argparse.SUPPRESS, help=text)
         else:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
-                                default=argparse.SUPPRESS, help=HELP[f.name])
+                                default=argparse.SUPPRESS, help=text)
     for old, new in RENAMED.items():  # still read, with a warning (TrainConfig.build)
         parser.add_argument("--" + old.replace("_", "-"), type=int, default=argparse.SUPPRESS,
                             help=f"deprecated: --{new.replace('_', '-')}")

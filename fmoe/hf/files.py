@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fmoe._checks import json_object
 from fmoe.config import GPTConfig
 from fmoe.hf.config_map import arch_of, config_from_hf, config_to_hf
 from fmoe.hf.weight_map import params_from_hf, params_to_hf
@@ -41,13 +42,16 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint (no {CONFIG})")
-    return json.loads(path.read_text())
+    return json_object(path)
 
 
 def _shard_files(root: Path) -> list[Path]:
     """The safetensors files of `root`: its index's shards, or model.safetensors."""
     if (root / INDEX).is_file():
-        names = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+        index = json_object(root / INDEX)
+        if not isinstance(index.get("weight_map"), dict):
+            raise ValueError(f"{root / INDEX} has no \"weight_map\" object (tensor name -> shard file)")
+        names = sorted(set(index["weight_map"].values()))
         for name in names:
             if Path(name).name != name or name in ("", ".", ".."):
                 raise ValueError(f"{root / INDEX} names a shard outside its directory: {name!r}")
@@ -62,7 +66,13 @@ def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     st = _safetensors()
     out: dict[str, torch.Tensor] = {}
     for path in _shard_files(Path(directory)):
-        out.update(st.load_file(str(path), device="cpu"))
+        try:
+            out.update(st.load_file(str(path), device="cpu"))
+        except Exception as exc:  # safetensors' own error types (SafetensorError: a truncated header)
+            if isinstance(exc, ImportError):
+                raise
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or damaged?): "
+                             f"{exc}") from None
     return out
 
 

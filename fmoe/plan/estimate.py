@@ -733,12 +733,19 @@ def _closed_form(
     return pipe, work, exposed, [pipe] * pp
 
 
-def timeline(pred: Prediction) -> S.Report:
-    """Returns the simulator's Report of `pred`'s schedule (at most SIM_CAP x pp + pp microbatches: the
-    steady state repeats beyond), for a timeline picture."""
+def timeline_microbatches(pred: Prediction) -> int:
+    """The microbatches `timeline` draws: all of `pred`'s, at most SIM_CAP x pp + pp (16 at pp 1): the
+    steady state repeats beyond."""
     lay = pred.layout
-    m = min(pred.microbatches, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(pred.microbatches, 16)
-    return S.simulate(L.build_schedule(lay.schedule, lay.pp, m, max(lay.vpp, 1)), pred.costs)
+    return min(pred.microbatches, SIM_CAP * lay.pp + lay.pp) if lay.pp > 1 else min(pred.microbatches, 16)
+
+
+def timeline(pred: Prediction) -> S.Report:
+    """Returns the simulator's Report of `pred`'s schedule over `timeline_microbatches(pred)`, for a
+    timeline picture."""
+    lay = pred.layout
+    return S.simulate(L.build_schedule(lay.schedule, lay.pp, timeline_microbatches(pred), max(lay.vpp, 1)),
+                      pred.costs)
 
 
 def fastest_fitting(ctx: Context, lay: L.Layout, simulate: bool = True) -> Prediction:

@@ -13,6 +13,8 @@ them (and the best of every schedule) are simulated and re-ranked, so the table'
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fmoe.plan import layout as L
@@ -30,6 +32,9 @@ class PlanResult:
     rejected: tuple[tuple[L.Layout, str], ...]
 
 
+SCREEN_REPORT = 1000  # layouts between two "screening" progress calls
+
+
 def plan(
     ctx: Context,
     *,
@@ -38,8 +43,12 @@ def plan(
     vpps: tuple[int, ...] = (2, 4),
     capacity_factors: tuple[float | None, ...] = (None,),
     zero1: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> PlanResult:
-    """Returns the PlanResult of searching every layout for `ctx`. Raises PlanError when none can run."""
+    """Returns the PlanResult of searching every layout for `ctx`. Raises PlanError when none can run.
+    `progress(what, done, total)`: every SCREEN_REPORT layouts screened ("screening", tried, 0), after the
+    screening ("screened", layouts that fit, all tried) and as each of the best is simulated ("simulated",
+    k, of how many)."""
     rejected: list[tuple[L.Layout, str]] = []
     quick: list[Prediction] = []
     for lay, why_not in L.candidates(
@@ -52,6 +61,8 @@ def plan(
         capacity_factors=capacity_factors,
         zero1=zero1,
     ):
+        if progress is not None and (len(rejected) + len(quick)) % SCREEN_REPORT == SCREEN_REPORT - 1:
+            progress("screening", len(rejected) + len(quick) + 1, 0)
         if why_not is not None:
             rejected.append((lay, why_not))
             continue
@@ -71,7 +82,13 @@ def plan(
     for name in {p.layout.schedule for p in quick}:  # the best of each schedule, for the comparison
         first = next(p for p in quick if p.layout.schedule == name)
         chosen.setdefault(first.layout, first)
-    simulated = [fastest_fitting(ctx, p.layout, simulate=True) for p in chosen.values()]
+    if progress is not None:
+        progress("screened", len(quick), len(quick) + len(rejected))
+    simulated = []
+    for p in chosen.values():
+        simulated.append(fastest_fitting(ctx, p.layout, simulate=True))
+        if progress is not None:
+            progress("simulated", len(simulated), len(chosen))
     best = sorted((p for p in simulated if p.fits), key=lambda p: p.step_s)
     rejected += [(p.layout, p.reason or "does not fit") for p in simulated if not p.fits]
     return PlanResult(tuple(best), len(quick), tuple(rejected))
@@ -103,9 +120,17 @@ def overlap_label(p: Prediction) -> str:
     return f"{paired}/{lone}" if p.layout.schedule in PAIRED_SCHEDULES else f"-/{lone}"
 
 
+COLUMNS = ("overlap: how the MoE all-to-all is hidden, in an F&B pair / alone: pair (behind the other "
+           "microbatch's compute), self (in row chunks behind its own experts), none; '-' where the schedule "
+           "has no F&B pairs; off: fb overlap off. rc: what is recomputed in the backward: none, adaptive "
+           "(the routed experts of a layer whose load runs high), parts joined by '+' (selective), full "
+           "(whole layers). bubble: idle share of the step; comm: exposed communication's share.")
+
+
 def format_table(preds: tuple[Prediction, ...] | list[Prediction], start: int = 1) -> str:
-    """The ranked table of `preds` (header + one line each)."""
-    return "\n".join([HEADER] + [format_row(start + k, p) for k, p in enumerate(preds)])
+    """The ranked table of `preds` (header + one line each) and what its overlap and rc columns mean."""
+    return "\n".join([HEADER] + [format_row(start + k, p) for k, p in enumerate(preds)]
+                     + textwrap.wrap(COLUMNS, len(HEADER)))
 
 
 def _parts(p: Prediction) -> dict[str, float]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
+from fmoe._checks import json_object
 from fmoe.tp_layout import tp_split_axis
 from fmoe.train import checksums
 from fmoe.train.checksums import CHECKSUMS
@@ -227,7 +228,10 @@ def read_meta(checkpoint: str | Path) -> dict[str, Any]:
     path = Path(checkpoint) / META
     if not path.is_file():
         raise CheckpointError(f"{checkpoint} is not a complete fmoe checkpoint (no {META})")
-    return json.loads(path.read_text())
+    try:
+        return json_object(path)
+    except ValueError as exc:  # a damaged or edited meta.json: its name, not a JSON or Key error
+        raise CheckpointError(f"{exc}: the checkpoint's description is damaged") from None
 
 
 def architecture_diff(model: dict[str, Any], config: dict[str, Any]) -> list[str]:

@@ -45,6 +45,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 DISPATCHERS = ("alltoall", "allgather", "hierarchical")
 DATA_KINDS = ("markov", "bin16", "bin32", "text")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+# Megatron's --moe-router-load-balancing-type: what --moe-aux-loss-coeff weighs (the batch's load-balancing
+# loss, DeepSeek-V3's sequence-wise one, or nothing)
+BALANCING = ("aux_loss", "seq_aux_loss", "none")
 ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
 
 
@@ -65,7 +68,9 @@ class TrainConfig:
     then the top k kept as they are; default: renormalised over the top k, i.e. a softmax over the k
     selected logits, as Megatron's default and Mixtral; softmax only: fmoe's MoEConfig.topk_norm
     "before" / "after"), moe_aux_loss_coeff, moe_z_loss_coeff,
-    moe_router_bias_update_rate (aux-loss-free), moe_expert_capacity_factor (None = dropless),
+    moe_router_load_balancing_type (Megatron's: what moe_aux_loss_coeff weighs, "aux_loss" over the
+    micro batch, "seq_aux_loss" per sequence as DeepSeek-V3, "none"), moe_router_bias_update_rate
+    (aux-loss-free), moe_expert_capacity_factor (None = dropless),
     moe_pad_expert_input_to_capacity, moe_token_drop_policy, moe_router_num_groups / moe_router_group_topk
     (group-limited routing, Megatron's and DeepSeek-V3's: a token picks its experts from its group_topk best
     of num_groups groups; both or neither), moe_dynamic_capacity_window / moe_dynamic_capacity_margin
@@ -129,7 +134,10 @@ class TrainConfig:
     eval_interval (steps between held-out evaluations; 0 = none), eval_iters (global batches per
     evaluation), tensorboard_dir, wandb_project / wandb_exp_name / wandb_save_dir (rank 0 logs there too;
     fmoe/train/log_backends.py),
-    metrics, trace, trace_step, loss_curve, progress, timeout (seconds a collective may wait before the
+    metrics, trace, trace_step, loss_curve, progress, log_interval (Megatron's: steps between the lines
+    a run without the bar prints; 0 = none), moe_per_layer_logging (Megatron's: every step's tokens per
+    expert of each MoE layer, and the aux-loss-free expert bias, into the metrics and as histograms to
+    TensorBoard / W&B), timeout (seconds a collective may wait before the
     run fails), keep_host_memory (CPU ranks keep what malloc frees instead of faulting it back in every
     step: fmoe/train/host_memory.py), device (auto: CUDA if the machine has GPUs, else Ascend NPUs, else
     CPU; or cpu / cuda / npu).
@@ -163,6 +171,7 @@ class TrainConfig:
     moe_router_score_function: str = "softmax"
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 1e-2
+    moe_router_load_balancing_type: str = "aux_loss"
     moe_z_loss_coeff: float = 0.0
     moe_router_bias_update_rate: float = 0.0
     moe_expert_capacity_factor: float | None = None
@@ -263,6 +272,8 @@ class TrainConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     progress: bool = True
+    log_interval: int = 10
+    moe_per_layer_logging: bool = False
     timeout: float = 300.0
     keep_host_memory: bool = True
     device: str = "auto"
@@ -309,10 +320,16 @@ class TrainConfig:
 
     def model(self) -> GPTConfig:
         """Returns the GPTConfig of this run (ValueError from the config classes on bad sizes)."""
+        balancing = self.moe_router_load_balancing_type
+        if balancing not in BALANCING:
+            raise ValueError(f"--moe-router-load-balancing-type must be one of {', '.join(BALANCING)}, got "
+                             f"{balancing!r}")
         moe = MoEConfig(d_model=self.hidden_size, d_ff=self.moe_ffn_hidden_size, num_experts=self.num_experts,
                         top_k=self.moe_router_topk, score_func=self.moe_router_score_function,
                         topk_norm="before" if self.moe_router_pre_softmax else "after",
-                        aux_loss_coef=self.moe_aux_loss_coeff, z_loss_coef=self.moe_z_loss_coeff,
+                        aux_loss_coef=self.moe_aux_loss_coeff if balancing == "aux_loss" else 0.0,
+                        seq_aux_loss_coef=self.moe_aux_loss_coeff if balancing == "seq_aux_loss" else 0.0,
+                        z_loss_coef=self.moe_z_loss_coeff,
                         bias_update_rate=self.moe_router_bias_update_rate,
                         capacity_factor=self.moe_expert_capacity_factor,
                         pad_to_capacity=self.moe_pad_expert_input_to_capacity,
@@ -349,11 +366,7 @@ class TrainConfig:
                                  self.recompute_modules)
         if g not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity must be full or selective, got {g!r}")
-        if g != "full" and (method is not None or n is not None):
-            raise ValueError("--recompute-method and --recompute-num-layers choose the layers of "
-                             "--recompute-granularity full")
-        if g != "selective" and modules is not None:
-            raise ValueError("--recompute-modules names the parts of --recompute-granularity selective")
+        # --recompute-method / -num-layers / -modules without their granularity: fmoe.train.modifiers
         if g == "selective":
             modules = modules or ("core_attn",)  # Megatron's default
             unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -488,14 +501,27 @@ class TrainConfig:
         from fmoe.parallel.link_model import parse_link_model
         from fmoe.parallel.topology import check_layout
         from fmoe.pipeline.cut import cut_gpt
+        from fmoe.train.modifiers import TRAIN_MODIFIERS, unmodified
 
+        # a flag given without the flag it modifies would be ignored: one rule, one table
+        modifier = unmodified(TRAIN_MODIFIERS, self, {f.name: f.default for f in dataclasses.fields(self)})
+        if modifier is not None:
+            raise ValueError(modifier)
         for name in ("pp", "ep", "dp", "tp", "context_parallel_size", "steps", "seq_length",
                      "micro_batch_size", "global_batch_size", "markov_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        for name in ("save_interval", "lr_warmup_iters", "eval_interval"):
+        for name in ("save_interval", "lr_warmup_iters", "eval_interval", "log_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # inf or nan reached AdamW or a timedelta before
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{_flag(f.name)} must be a finite number, got {value}")
+        from fmoe.train.data import MAX_SEED
+
+        if not 0 <= self.seed < MAX_SEED:  # the data order's seed range; inside the ranks otherwise
+            raise ValueError(f"--seed must lie in [0, 2**40), got {self.seed}")
         for name in ("lr", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")
@@ -514,8 +540,6 @@ class TrainConfig:
             raise ValueError("give --bf16 or --fp16, not both")
         if self.fp16:
             self.loss_scaler()  # its own checks, with the flags named
-        elif self.loss_scale is not None:
-            raise ValueError("--loss-scale applies to --fp16 only (bf16 and fp32 need no loss scaling)")
         if not (math.isfinite(self.compute_model) and self.compute_model >= 0):
             raise ValueError(f"--compute-model must be a finite scale >= 0, got {self.compute_model}")
         if self.compute_model and self.schedule_name == ACCUMULATE:
@@ -523,9 +547,6 @@ class TrainConfig:
                              "ep > 1 or --schedule combined_1f1b), not the one-process accumulate path")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            raise ValueError("--moe-router-pre-softmax applies to --moe-router-score-function softmax "
-                             "(sigmoid scores are renormalised over the top k, as in Megatron)")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.a2a_chunks not in (1, 2):
@@ -550,16 +571,10 @@ class TrainConfig:
             raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
                              f"--micro-batch-size ({self.micro_batch_size}) x dp ({self.dp}) x ep "
                              f"({self.ep})")
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval needs --save DIR")
-        if self.resume and not self.save:
-            raise ValueError("--resume reads the latest checkpoint in --save DIR: give --save")
         if self.resume and self.load:
             raise ValueError("give --resume or --load, not both")
         if self.load and not Path(self.load).is_dir():
             raise ValueError(f"--load: no checkpoint directory {self.load}")
-        if self.overwrite_save and not self.save:
-            raise ValueError("--overwrite-save needs --save DIR")
         if self.trace_step < 1:
             raise ValueError(f"--trace-step must be a step number >= 1, got {self.trace_step}")
         if self.trace and self.trace_step > self.steps:
@@ -650,9 +665,6 @@ class TrainConfig:
         """--tp and --sequence-parallel, with what they need of the model, the batch and the other flags."""
         from fmoe.tp_layout import check_tp
 
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("--sequence-parallel shards the sequence over the tensor-parallel ranks: give "
-                             "--tp > 1")
         if self.tp == 1:
             return
         check_tp(self.model(), self.tp, dense=self.first_k_dense > 0)
@@ -812,7 +824,7 @@ def read_toml(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise ValueError(f"--config: no such file {path}")
     try:
-        raw = tomllib.loads(p.read_text())
+        raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is no statement
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path}: {exc}") from None
     out: dict[str, Any] = {}

@@ -54,7 +54,7 @@ _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _FILE_KINDS = ("bin16", "bin32", "text")
 _EPOCH_SEED_STRIDE = 1_000_003
 # torch.Generator.manual_seed takes at most 64 bits; this bound keeps seed * stride + epoch inside them.
-_MAX_SEED = 2**40
+MAX_SEED = 2**40  # data seeds below it (fmoe.train.config checks --seed before launch)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def stream_indices(num_windows: int, positions_P: torch.Tensor, seed: int) -> to
     """
     N = integer("num_windows", num_windows)
     seed = integer("seed", seed, minimum=0)
-    if seed >= _MAX_SEED:
+    if seed >= MAX_SEED:
         raise ValueError(f"seed must be < 2**40, got {seed}")
     p_P = torch.as_tensor(positions_P, dtype=torch.int64, device="cpu")
     if p_P.numel() and int(p_P.min()) < 0:

@@ -20,7 +20,8 @@ Before any rank builds its model, every rank's config, layout and data fingerpri
 within seconds, the launcher exiting 128 + the signal (fmoe/train/signals.py).
 
 The --save directory is claimed (fmoe/train/save_dir.py: locked, checked again, cleared for
---overwrite-save) by the launcher before it spawns a rank, or by global rank 0 under torchrun.
+--overwrite-save), and the output files locked (fmoe/train/run_outputs.py, the same lock), by the launcher
+before it spawns a rank, or by global rank 0 under torchrun.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import sys
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from fmoe.pipeline.cut import cut_costs
 from fmoe.precision import float32_matmul_precision
 from fmoe.schedule.imbalance import imbalance_pct
 from fmoe.schedule.timeline import TraceEvent
-from fmoe.train import checkpoint, preflight, save_dir
+from fmoe.train import checkpoint, preflight, run_outputs, save_dir
 from fmoe.train.checkpoint import CheckpointError
 from fmoe.train.config import TrainConfig
 from fmoe.train.evaluate import due as eval_due
@@ -55,7 +55,7 @@ from fmoe.train.host_memory import keep_freed_memory
 from fmoe.train.log_backends import LogBackends
 from fmoe.train.loop import Trainer, World
 from fmoe.train.rank_agreement import check_ranks_agree
-from fmoe.train.report import Reporter, write_loss_curve, write_step_trace
+from fmoe.train.report import Reporter, read_metrics, write_loss_curve, write_step_trace
 from fmoe.train.run_errors import RunError, raised_run_error
 from fmoe.train.signals import die_with_parent, forward_stop_signals, stop_ranks
 
@@ -157,29 +157,50 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     return World(rank, size, layout, device)
 
 
-def _claim_on_rank0(tc: TrainConfig, world: World) -> TextIO | None:
-    """Under torchrun (no fmoe launcher): global rank 0 claims --save and tells every rank the outcome, so
-    all of them fail together with its one line; returns the lock file on rank 0 (None elsewhere)."""
-    handle, problem = None, None
+class _Claimed:
+    """What one job holds while it lives: --save's lock (save_dir.claim) and its outputs' (run_outputs)."""
+
+    def __init__(self, tc: TrainConfig):
+        """Claims --save, then the output files; CheckpointError / RunError (one line) when refused."""
+        self.save = (save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
+                     if tc.save else None)
+        try:
+            self.outputs = run_outputs.claim(tc)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "outputs", None) is not None:
+            self.outputs.release()
+        if self.save is not None:
+            self.save.close()
+
+
+def _claim_on_rank0(tc: TrainConfig, world: World) -> _Claimed | None:
+    """Under torchrun (no fmoe launcher): global rank 0 claims --save and the outputs and tells every rank
+    the outcome, so all of them fail together with its one line; returns the claim on rank 0 (None
+    elsewhere)."""
+    claimed, problem = None, None
     if world.rank == 0:
         try:
-            handle = save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
-        except CheckpointError as exc:
-            problem = str(exc)
+            claimed = _Claimed(tc)
+        except (CheckpointError, RunError) as exc:
+            problem = (type(exc).__name__, str(exc))
     if world.size > 1:
         box = [problem]
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem is not None:
-        raise CheckpointError(problem)
-    return handle
+        raise (CheckpointError if problem[0] == "CheckpointError" else RunError)(problem[1])
+    return claimed
 
 
 def train_rank(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
     """Trains on this rank from the start, `--load` or `--resume` to `--steps`, saving as asked; returns
-    rank 0's summary (None on the other ranks). `save_claimed`: the launcher holds --save's lock (else
-    rank 0 takes it here)."""
-    lock = _claim_on_rank0(tc, world) if tc.save and not save_claimed else None
+    rank 0's summary (None on the other ranks). `save_claimed`: the launcher holds the locks of --save and
+    the outputs (else rank 0 takes them here)."""
+    lock = _claim_on_rank0(tc, world) if not save_claimed else None
     try:
         return _train(tc, world)
     finally:
@@ -190,10 +211,6 @@ def train_rank(tc: TrainConfig, world: World, save_claimed: bool = False) -> str
 def _train(tc: TrainConfig, world: World) -> str | None:
     trainer = Trainer(tc, world)
     lead = world.rank == 0
-    if lead:
-        for out in (tc.metrics, tc.loss_curve, tc.trace):
-            if out:
-                os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     start = None
     if tc.resume:
         start = checkpoint.latest(tc.save)
@@ -206,25 +223,53 @@ def _train(tc: TrainConfig, world: World) -> str | None:
         trainer.load(str(start))
     reporter = Reporter(tc.steps, metrics_path=tc.metrics if lead else None, progress=tc.progress and lead,
                         floor=trainer.dataset.floor, describe=_describe(tc, trainer),
-                        continue_from=trainer.step_done if tc.resume else None)
+                        continue_from=trainer.step_done if tc.resume else None, log_interval=tc.log_interval)
     if lead and start is not None:
-        print(f"fmoe train: resumed from {start} at step {trainer.step_done}", flush=True)
-    reporter.start(trainer.step_done)
+        print(_started_from(tc, str(start), trainer.step_done), flush=True)
+    if lead:
+        reporter.start(trainer.step_done)
     backends = LogBackends.open(tc, trainer.step_done) if lead else None
     try:
         _steps(tc, trainer, reporter, backends, lead)
     finally:
         if backends is not None:
             backends.close()
-    summary = reporter.close() if lead else None
-    if lead and tc.loss_curve and reporter.history:
-        drawn = write_loss_curve(reporter.history, tc.loss_curve, trainer.dataset.floor,
-                                 _describe(tc, trainer))
+    if not lead:
+        return None
+    summary = reporter.close()
+    if tc.loss_curve and reporter.history:
+        drawn = write_loss_curve(reporter.earlier + reporter.history, tc.loss_curve, trainer.dataset.floor,
+                                 _describe(tc, trainer), resumed_at=reporter.earlier[-1]["step"]
+                                 if reporter.earlier else None)
         if drawn is None:
             summary += "\n  (no loss-curve PNG: matplotlib is not installed; pip install 'fmoe[viz]')"
-        else:
-            summary += f"\n  loss curve: {tc.loss_curve}"
-    return summary
+    return summary + "".join(f"\n  {line}" for line in _written(tc))
+
+
+def _started_from(tc: TrainConfig, start: str, step: int) -> str:
+    """The line saying what the run starts from: a --resume continues its run at the checkpoint's step; a
+    --load starts this run from a checkpoint's weights (a converted one: step 0, what it was converted
+    from)."""
+    if tc.resume:
+        return f"fmoe train: resumed from {start} at step {step}"
+    meta = checkpoint.read_meta(start)
+    hf = meta.get("hf_config") or {}
+    source = f", converted from Hugging Face {hf.get('model_type', 'a model')}" if hf else ""
+    state = "weights (a fresh optimizer)" if hf else f"weights, optimizer state and step {step}"
+    return f"fmoe train: loaded the {state} of {start}{source}; training steps {step + 1}-{tc.steps}"
+
+
+def _written(tc: TrainConfig) -> list[str]:
+    """Where the run's outputs are, one line each: metrics, loss curve, trace, checkpoints, TensorBoard."""
+    out = [f"metrics: {tc.metrics}" if tc.metrics else None,
+           f"loss curve: {tc.loss_curve}" if tc.loss_curve and os.path.isfile(tc.loss_curve)
+           and os.path.getsize(tc.loss_curve) else None,
+           f"trace: {tc.trace} (and {os.path.splitext(tc.trace)[0]}.png)" if tc.trace else None]
+    if tc.save:
+        last = checkpoint.latest(tc.save)
+        out.append(f"checkpoints: {tc.save} (latest {last.name})" if last is not None else None)
+    out.append(f"TensorBoard: {tc.tensorboard_dir}" if tc.tensorboard_dir else None)
+    return [line for line in out if line]
 
 
 def _steps(tc: TrainConfig, trainer: Trainer, reporter: Reporter, backends: LogBackends | None,
@@ -351,16 +396,16 @@ def launch(tc: TrainConfig) -> int:
     except ValueError as exc:
         print(f"fmoe train: error: {exc}", file=sys.stderr)
         return 2
-    try:  # before any rank starts: a second run on this --save fails here, at once
-        lock = (save_dir.claim(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load)
-                if tc.save else None)
+    try:  # before any rank starts: a second run on this --save or these outputs fails here, at once
+        lock = _Claimed(tc)
     except CheckpointError as exc:
         return _checkpoint_failed(str(exc))
+    except RunError as exc:
+        return _run_failed(str(exc))
     try:
         return _spawn(tc, device_type)
     finally:
-        if lock is not None:
-            lock.close()
+        lock.close()
 
 
 def _torchrun_rank(tc: TrainConfig) -> int:
@@ -410,7 +455,29 @@ def _run_ranks(args: tuple, nprocs: int) -> int | None:
         if signum is None:
             return None
         stop_ranks(ranks.processes)
-    print(f"fmoe train: stopped by {signal.Signals(signum).name}; every rank was ended", file=sys.stderr)
+    return 128 + signum
+
+
+def _stopped(tc: TrainConfig, signum: int) -> int:
+    """After a stop signal ended the run: its loss curve drawn from the metrics file (the ranks could not
+    draw it) and one line saying how to continue; returns 128 + the signal."""
+    drawn = ""
+    if tc.loss_curve and tc.metrics and os.path.isfile(tc.metrics):
+        history = read_metrics(tc.metrics)
+        if history and write_loss_curve(history, tc.loss_curve, None,
+                                        f"stopped after step {history[-1]['step']}") is not None:
+            drawn = f"; loss curve of its {len(history)} steps: {tc.loss_curve}"
+    last = checkpoint.latest(tc.save) if tc.save else None
+    if last is not None:
+        step = checkpoint.read_meta(last).get("step", "?")
+        how = (f"continue from {last} (step {step}): the same command with --resume"
+               + (" in place of --overwrite-save" if tc.overwrite_save else ""))
+    elif tc.save:
+        how = f"no checkpoint was saved yet in {tc.save} (--save-interval N saves every N steps)"
+    else:
+        how = "nothing was saved: give --save DIR (and --save-interval N) to make a run resumable"
+    print(f"fmoe train: stopped by {signal.Signals(signum).name}; every rank was ended{drawn}; {how}",
+          file=sys.stderr)
     return 128 + signum
 
 
@@ -422,13 +489,16 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
         if tc.world_size == 1:
             store = tempfile.mktemp(prefix="fmoe_train_store_")
             world = _world(tc, 0, f"file://{store}", 0, 1, device_type)
-            print(_train_and_close(tc, world, save_claimed=True))
+            try:
+                print(_train_and_close(tc, world, save_claimed=True))
+            except KeyboardInterrupt:  # Ctrl-C: the one rank is this process
+                return _stopped(tc, signal.SIGINT)
             return 0
         init = f"tcp://127.0.0.1:{_free_port()}"
         try:
             stopped = _run_ranks((tc, init, tc.world_size, out_path, device_type, os.getpid()), tc.world_size)
             if stopped is not None:
-                return stopped
+                return _stopped(tc, stopped - 128)
         except mp.ProcessExitedException as exc:
             print(f"fmoe train: rank {exc.error_index} exited with code {exc.exit_code}; the other ranks "
                   "were stopped", file=sys.stderr)

@@ -16,6 +16,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +61,11 @@ from fmoe.train.overflow import check_fp16_step
 from fmoe.train.prefetch import Prefetcher
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, rank_leaves
 from fmoe.train.splits import train_dataset, valid_dataset
+
+# a MoE state leaf (fmoe/gpt_state.py) -> the flag that makes a run keep it
+MOE_STATE_FLAGS = {"expert_bias_E": "--moe-router-bias-update-rate",
+                   **dict.fromkeys(("load_history_W", "capacity_misses", "capacity_steps"),
+                                   "--moe-dynamic-capacity-window")}
 
 
 @dataclass
@@ -260,6 +266,8 @@ class Trainer:
         self.consumed_samples += G
         step_s = time.perf_counter() - t0
         metrics = self._metrics(losses, loads, dropped, waited, float(norm), lr, step_s)
+        if tc.moe_per_layer_logging:
+            metrics.update(self._per_layer(loads))
         if used is not None:
             metrics.update(loss_scale=used_scale, skipped=not finite)
             self._skipped_in_a_row = 0 if finite else self._skipped_in_a_row + 1
@@ -420,7 +428,56 @@ class Trainer:
                 "step_s": float(vec[5]) / n, "exposed_comm_frac": float(vec[4]) / n,
                 "max_over_mean_load": float(vec[6]), "dropped": int(vec[3])}
 
+    def _per_layer(self, loads: dict) -> dict[str, dict[str, list[float]]]:
+        """Every MoE layer's step (by its checkpoint key, in key order), the same on every rank:
+        "expert_load" the tokens routed to each of its E experts (summed over the data ranks), and with an
+        aux-loss-free bias "expert_bias" its E values after this step's update. Each pipeline rank knows
+        its own layers: the ranks exchange them (one all_gather_object)."""
+        rate = self.cfg.moe.bias_update_rate
+        mine: dict[str, tuple[list[float], list[float] | None]] = {}
+        for site in self.moe_sites:
+            load = loads.get(site.params)
+            if load is None:
+                continue
+            bias = (state_at(self.state, site) or {}).get("expert_bias_E") if rate else None
+            mine[site.key] = (load.tokens_per_expert_E.double().cpu().tolist(),
+                              None if bias is None else bias.double().cpu().tolist())
+        if self.world_group is not None:
+            every: list[Any] = [None] * self.world.size
+            dist.all_gather_object(every, mine, group=self.world_group)
+            for theirs in every:
+                mine.update(theirs)
+        out: dict[str, dict[str, list[float]]] = {"expert_load": {k: mine[k][0] for k in sorted(mine)}}
+        if rate:
+            out["expert_bias"] = {k: mine[k][1] for k in sorted(mine) if mine[k][1] is not None}
+        return out
+
     # ---- checkpoints ------------------------------------------------------------------------------------
+
+    def _moe_state_absent(self, path: str, items: dict[str, torch.Tensor]) -> list[str]:
+        """The MoE state keys this run keeps that checkpoint `path` lacks (it was trained without the
+        aux-loss-free bias or dynamic capacity): for a --load; CheckpointError naming the flag for a
+        --resume (it continues a run as it was) and for a state saved at another size (another window)."""
+        from fmoe.train.safe_metadata import read_metadata
+
+        saved = read_metadata(Path(path) / ".metadata").state_dict_metadata
+        absent = []
+        for key, t in items.items():
+            if not key.startswith("moe_state/"):
+                continue
+            flag = MOE_STATE_FLAGS.get(key.rsplit("/", 1)[-1], "the MoE state flags")
+            if key not in saved:
+                if self.tc.resume:
+                    raise checkpoint.CheckpointError(
+                        f"{path} has no {key}: the run that saved it had no {flag}, and --resume continues a "
+                        f"run as it was; give --load to start this run's state fresh from it, or leave out "
+                        f"{flag}")
+                absent.append(key)
+            elif tuple(saved[key].size) != tuple(t.shape):
+                raise checkpoint.CheckpointError(
+                    f"{path} holds {key} of size {tuple(saved[key].size)}, this run's is {tuple(t.shape)}: "
+                    f"give the {flag} it was trained with")
+        return absent
 
     def _items(self, with_rng: bool) -> dict[str, torch.Tensor]:
         moe_state = {site.key: state_at(self.state, site) for site in self.moe_sites}
@@ -478,6 +535,8 @@ class Trainer:
                     "run, and --resume continues a run as it was; give --load to start this --fp16 run from "
                     "it with a fresh loss scale")
             del items["train/loss_scale"]
+        for key in self._moe_state_absent(path, items):
+            del items[key]  # a --load starts it fresh (init_gpt_state's), as a fresh run with the flag
         checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
         self.consumed_samples = (int(items["train/consumed_samples"]) if counted else self.step_done * int(

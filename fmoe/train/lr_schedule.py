@@ -133,9 +133,7 @@ def schedule_problem(tc: TrainConfig) -> str | None:
         if tc.lr_decay_iters <= s.lr_warmup_iters:  # Megatron asserts lr_warmup_steps < lr_decay_steps
             return (f"--lr-decay-iters ({tc.lr_decay_iters}) must exceed --lr-warmup-iters "
                     f"({s.lr_warmup_iters})")
-    if s.lr_decay_style != "WSD":
-        if tc.lr_wsd_decay_iters is not None:
-            return "--lr-wsd-decay-iters applies to --lr-decay-style WSD only"
+    if s.lr_decay_style != "WSD":  # the WSD flags without WSD: fmoe.train.modifiers
         return None
     wd, room = s.lr_wsd_decay_iters, s.lr_decay_iters - s.lr_warmup_iters
     if wd is None:

@@ -1,6 +1,6 @@
 """Everything `fmoe train` checks before any process starts: the config's own fields
 (`TrainConfig.problem`), then what needs the job's other parts: the LR schedule and logging flags, the
-validation split, the --save directory and the checkpoint a --resume continues from.
+validation split, the --save directory, the output files' paths and the checkpoint a --resume continues from.
 
     problem = preflight.problem(tc, world_size=None)     # None, or one line saying what is wrong
 
@@ -14,6 +14,7 @@ from fmoe.train import checkpoint
 from fmoe.train.config import TrainConfig
 from fmoe.train.log_backends import backends_problem
 from fmoe.train.lr_schedule import schedule_problem
+from fmoe.train.run_outputs import clash as output_clash
 from fmoe.train.save_dir import check as check_save_dir
 from fmoe.train.splits import eval_problem
 
@@ -27,10 +28,10 @@ def problem(tc: TrainConfig, world_size: int | None = None) -> str | None:
     try:
         for found in (schedule_problem(tc), backends_problem(tc), eval_problem(tc),
                       check_save_dir(tc.save, resume=tc.resume, overwrite=tc.overwrite_save, load=tc.load),
-                      _trace_problem(tc)):
+                      output_clash(tc), _trace_problem(tc)):
             if found is not None:
                 return found
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, checkpoint.CheckpointError) as exc:
         return str(exc).splitlines()[0]
     return None
 

@@ -7,40 +7,52 @@ import json
 import math
 import textwrap
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from fmoe.schedule.timeline import TraceEvent, write_png, write_trace
+from fmoe.train.run_errors import RunError
 
 METRIC_KEYS = ("step", "loss", "main_loss", "balance_loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s",
                "step_s", "exposed_comm_frac", "max_over_mean_load", "dropped")
 FP16_KEYS = ("loss_scale", "skipped")  # present in an --fp16 run's metrics only
 EVAL_KEYS = ("eval_loss", "eval_main_loss", "eval_s")  # on the steps an evaluation followed (--eval-interval)
+# --moe-per-layer-logging: MoE layer (checkpoint key) -> tokens per expert; -> the aux-loss-free expert bias
+PER_LAYER_KEYS = ("expert_load", "expert_bias")
 
 
 class Reporter:
     """Rank 0's view of the run: `start(first_step)`, `step(metrics)` per step, `close() -> summary`."""
 
     def __init__(self, total_steps: int, *, metrics_path: str | None, progress: bool, floor: float | None,
-                 describe: str, continue_from: int | None = None):
-        """`continue_from`: the step a --resume run restarts at (the metrics file is continued); None for
-        a fresh run (the file is started anew)."""
+                 describe: str, continue_from: int | None = None, log_interval: int = 0):
+        """`continue_from`: the step a --resume run restarts at (the metrics file is continued, its earlier
+        steps kept in `earlier` for the loss curve); None for a fresh run (the file is started anew).
+        `log_interval`: without the bar, a line every that many steps (0: none)."""
         self.total, self.floor, self.describe = total_steps, floor, describe
         self.history: list[dict[str, Any]] = []
+        self.earlier: list[dict[str, Any]] = []  # a resumed run's steps before its checkpoint
+        self.log_interval = log_interval if not progress else 0
         self._file: TextIO | None = None
         if metrics_path:
             if continue_from is not None:
-                _keep_steps_through(Path(metrics_path), continue_from)
+                self.earlier = _keep_steps_through(Path(metrics_path), continue_from)
             # A fresh run truncates (as torchtitan starts a new log per run): a file holding two runs'
             # steps reads as one; --resume appends to its own run's lines.
-            self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
+            with _named("--metrics", metrics_path):
+                self._file = open(metrics_path, "a" if continue_from is not None else "w")  # noqa: SIM115
+        self._metrics_path = metrics_path
         self._progress = progress
         self._bar: Any = None
         self._eval: str = ""  # the last evaluation, kept on the bar until the next one
 
     def start(self, first_step: int) -> None:
-        """Opens the progress bar at `first_step` (0 for a fresh run, the checkpoint's step on resume)."""
+        """Prints what the run is (layers, layout, data, floor) and opens the progress bar at `first_step`
+        (0 for a fresh run, the checkpoint's step on resume)."""
+        print(f"fmoe train: {self.describe}; steps {first_step + 1}-{self.total}", flush=True)
         if self._progress:
             self._bar = _progress_bar(self.total, first_step)
 
@@ -48,18 +60,17 @@ class Reporter:
         """Records one step's metrics: a JSON line, the bar's postfix."""
         self.history.append(m)
         if self._file is not None:
-            keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS)
-            self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
-            self._file.flush()
+            keys = (*METRIC_KEYS, *FP16_KEYS, *EVAL_KEYS, *PER_LAYER_KEYS)
+            with _named("--metrics", self._metrics_path):
+                self._file.write(json.dumps({k: m[k] for k in keys if k in m}) + "\n")
+                self._file.flush()
         if "eval_main_loss" in m:
             self._eval = f" eval {m['eval_main_loss']:.3f}@{m['step']}"
+        if self.log_interval and (m["step"] % self.log_interval == 0 or m["step"] == self.total):
+            print(f"fmoe train: step {m['step']}/{self.total} {_line(m)} lr {m['lr']:.3g} grad norm "
+                  f"{m['grad_norm']:.3g}{self._eval}", flush=True)
         if self._bar is not None:
-            self._bar.set_postfix_str(
-                f"loss {m['main_loss']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s'] * 1e3:.0f}ms "
-                f"exposed {100 * m['exposed_comm_frac']:.0f}% load {m['max_over_mean_load']:.2f} "
-                f"drop {m['dropped']}" + (f" scale {m['loss_scale']:g}" if "loss_scale" in m else "")
-                + self._eval,
-                refresh=False)
+            self._bar.set_postfix_str(_line(m) + self._eval, refresh=False)
             self._bar.update(1)
 
     def close(self) -> str:
@@ -104,6 +115,23 @@ class Reporter:
         return "\n".join(lines)
 
 
+@contextmanager
+def _named(flag: str, path: str | None) -> Iterator[None]:
+    """An OSError inside (a full disk, a folder that is a file) as a RunError naming the flag and path."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunError(f"{flag} {path}: cannot write ({exc.strerror or exc}): free space there or give "
+                       "another path") from None
+
+
+def _line(m: dict[str, Any]) -> str:
+    """One step's figures as the bar and the --log-interval lines show them."""
+    return (f"loss {m['main_loss']:.3f} tok/s {m['tokens_per_s']:.0f} step {m['step_s'] * 1e3:.0f}ms "
+            f"exposed {100 * m['exposed_comm_frac']:.0f}% load {m['max_over_mean_load']:.2f} "
+            f"drop {m['dropped']}" + (f" scale {m['loss_scale']:g}" if "loss_scale" in m else ""))
+
+
 def _progress_bar(total: int, first_step: int) -> Any:
     """A tqdm bar from `first_step` of `total` whose write lock is a thread lock. tqdm's default lock
     adds a multiprocessing RLock: a named semaphore the launcher's resource tracker records, which a rank
@@ -118,25 +146,43 @@ def _progress_bar(total: int, first_step: int) -> Any:
     return Bar(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="fmoe train")
 
 
-def _keep_steps_through(path: Path, step: int) -> None:
+def _keep_steps_through(path: Path, step: int) -> list[dict[str, Any]]:
     """Drops the lines of `path` after step `step` (steps the crashed run made past its checkpoint, which
-    the resumed run makes again) and a torn last line, so each step appears once."""
+    the resumed run makes again) and a torn last line, so each step appears once; returns the kept
+    steps' metrics."""
     if not path.is_file():
-        return
-    kept = []
+        return []
+    kept, steps = [], []
     for line in path.read_text().splitlines():
         try:
-            if int(json.loads(line)["step"]) <= step:
+            m = json.loads(line)
+            if int(m["step"]) <= step:
                 kept.append(line + "\n")
+                steps.append(m)
         except (ValueError, KeyError, TypeError):
             continue
     path.write_text("".join(kept))
+    return steps
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The steps' metrics in a --metrics file (a torn or foreign line skipped)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and "step" in m and "main_loss" in m and "loss" in m:
+            out.append(m)
+    return out
 
 
 def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: float | None,
-                     title: str) -> Path | None:
-    """Draws main loss (and total loss) against step, with the corpus floor, to `path`; returns it, or
-    None when matplotlib is not installed (pip install 'fmoe[viz]')."""
+                     title: str, resumed_at: int | None = None) -> Path | None:
+    """Draws main loss (and total loss) against step, with the corpus floor, to `path` (a dotted line at
+    `resumed_at`, the checkpoint a resumed run continued from); returns it, or None when matplotlib is not
+    installed (pip install 'fmoe[viz]')."""
     try:
         import matplotlib
 
@@ -154,6 +200,8 @@ def write_loss_curve(history: list[dict[str, Any]], path: str | Path, floor: flo
                 label="held-out main loss")
     if floor is not None:
         ax.axhline(floor, color="black", linestyle="--", label=f"floor {floor:.3f}")
+    if resumed_at is not None:
+        ax.axvline(resumed_at, color="gray", linestyle=":", label=f"resumed after step {resumed_at}")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / token")
     ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
@@ -178,7 +226,8 @@ def write_step_trace(events_by_rank: list[list[TraceEvent]], path: str | Path,
     path = Path(path)
     out = [write_trace(events, path, us_per_unit=1e6, name="fmoe train step", meta=meta)]
     try:
-        out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step"))
+        out.append(write_png(events, path.with_suffix(".png"), title="fmoe train: one measured step",
+                             unit="s"))
     except ImportError:
         pass
     return out

@@ -9,27 +9,27 @@ mix) unless --overwrite-save, which deletes them first; --resume where --save is
 complete checkpoint (Megatron's --load starts afresh then; --resume asks to continue, so a typo must
 not silently restart); a second run on a locked directory.
 
-The lock is fcntl.flock on DIR/.fmoe-train.lock, taken by the process that outlives every rank of the
-job and that a second job's launcher meets first: `fmoe train`'s own launcher when it spawns the ranks
-(a second one fails before it starts any), global rank 0 under torchrun (the rank that moves `latest`).
-One lock per job, not per rank: the ranks of one job share the directory. The kernel drops it when the
-holder dies, so a killed run leaves no stale lock. The file holds the holder's pid and host, for the
-message. On NFS flock needs working NFS locks (v4); on a file system without them it fails loudly.
+The lock is fcntl.flock on DIR/.fmoe-train.lock (fmoe/train/run_lock.py: the rule for every file a run
+owns), taken by the process that outlives every rank of the job and that a second job's launcher meets
+first: `fmoe train`'s own launcher when it spawns the ranks (a second one fails before it starts any),
+global rank 0 under torchrun (the rank that moves `latest`). One lock per job, not per rank: the ranks of
+one job share the directory. The kernel drops it when the holder dies, so a killed run leaves no stale
+lock. The file holds the holder's pid and host, for the message. On NFS flock needs working NFS locks
+(v4); on a file system without them it fails loudly.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
-import socket
 import stat
 from pathlib import Path
 from typing import TextIO
 
 from fmoe.train.checkpoint import latest
 from fmoe.train.run_errors import CheckpointError
+from fmoe.train.run_lock import Busy, hold
 
 LOCK = ".fmoe-train.lock"
 # what a save writes into --save (the leftovers of a crashed save included); other files are not ours
@@ -87,27 +87,16 @@ def clear(save: str) -> None:
 
 
 def lock(save: str) -> TextIO:
-    """Takes the exclusive lock of `save` (created if absent); returns the open lock file (closing it, or
-    the process ending, releases the lock). CheckpointError naming the holder when another run has it."""
+    """Takes the exclusive lock of `save` (created if absent; fmoe.train.run_lock.hold, the rule every file
+    of a run follows); returns the open lock file (closing it, or the process ending, releases the lock).
+    CheckpointError naming the holder when another run has it."""
     os.makedirs(save, exist_ok=True)
-    path = os.path.join(save, LOCK)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        return hold(os.path.join(save, LOCK), f"--save {save}", keep_holder=True)
+    except Busy as exc:
+        raise CheckpointError(str(exc).replace("one run per file", "one run per directory")) from None
     except OSError as exc:
-        raise CheckpointError(f"--save {save}: cannot open its lock file {path}: {exc.strerror}") from None
-    f = os.fdopen(fd, "r+")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = f.read().strip() or "pid unknown"
-        f.close()
-        raise CheckpointError(f"--save {save} is in use by another fmoe train ({holder}): one run per "
-                              "directory") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
+        raise CheckpointError(f"--save {save}: cannot open its lock file: {exc}") from None
 
 
 def claim(save: str, *, resume: bool, overwrite: bool, load: str | None) -> TextIO:
