@@ -46,6 +46,7 @@ ENABLE: dict[str, dict[str, Any]] = {
     "a decaying --lr-decay-style (not constant)": {},
     "--tokenizer-type": {"tokenizer_type": "ByteLevelTokenizer"},
     "--data-path": {"data_path": ("p",)},
+    "--data-path with --tokenizer-type": {"data_path": ("p",), "tokenizer_type": "ByteLevelTokenizer"},
     "--schedule dualpipev": {},
     "--no-progress (the bar shows every step)": {"progress": False},
 }

@@ -89,7 +89,10 @@ TRAIN_MODIFIERS: dict[str, Needs] = {
     "lr_warmup_init": Needs("--lr-warmup-iters > 0", lambda tc: tc.lr_warmup_iters > 0),
     "min_lr": Needs("a decaying --lr-decay-style (not constant)", lambda tc: tc.lr_decay_style != "constant"),
     **_any("tokenizer_model", "make_vocab_size_divisible_by", needs=TOKENIZER),
-    "eod_mask_loss": Needs("--data-path", lambda tc: tc.data_path is not None),
+    # documents: their end-of-document token comes from --data-path's tokenizer
+    **_any("eod_mask_loss", "reset_position_ids", "reset_attention_mask",
+           needs=Needs("--data-path with --tokenizer-type",
+                       lambda tc: tc.data_path is not None and tc.tokenizer_type is not None)),
     # a --schedule-file's own message says to write DualPipeV's I and W ops into the file
     "dualpipev_dw_detach": Needs("--schedule dualpipev", lambda tc: tc.schedule_file is not None
                                  or tc.schedule_name.startswith("dualpipev")),
