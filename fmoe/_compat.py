@@ -12,8 +12,11 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `disable_functorch`: `torch._C._DisableFuncTorch`, a context that runs its block below every torch.func
   transform. Used by fmoe/parallel/async_comm.py: a gloo wait writes into the collective's output, which
   under torch.func would be an (illegal) in-place write to a captured tensor.
-- `flatten_mesh`: `DeviceMesh._flatten(name)`, merging several mesh dims into one 1-D mesh with its own
-  process group; there is no public way to do that. Used by fmoe/parallel/mesh.py (ep, expert groups).
+- `flatten_mesh`: `DeviceMesh._flatten(name, backend_override)`, merging several mesh dims into one 1-D
+  mesh with its own process group; there is no public way to do that. Used by fmoe/parallel/mesh.py (ep,
+  expert groups). `group_options`: `torch._C._distributed_c10d.Backend.Options` (or the backend's own
+  Options class), the only carrier of a timeout into a DeviceMesh's groups (`backend_override`): without
+  it every subgroup takes torch's default timeout, not the world's. Used by fmoe/parallel/mesh.py.
 - `abort_process_group`: `torch.distributed.distributed_c10d._abort_process_group`, which closes a
   group's connections at once (destroy_process_group may block on a dead peer). Used by
   fmoe/parallel/failure.py so that peers blocked in a collective with a failed rank fail now.
@@ -43,6 +46,7 @@ imported on first use.
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Function", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
-    "functorch_active", "get_unwrapped",
+    "functorch_active", "get_unwrapped", "group_options",
     "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "tensor_version", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
@@ -107,9 +111,27 @@ def disable_functorch() -> contextlib.AbstractContextManager[Any]:
     return torch._C._DisableFuncTorch()
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """Return the 1-D mesh `name` that merges every dim of `mesh` (size = product of its dims)."""
-    return mesh._flatten(name)
+def flatten_mesh(mesh: DeviceMesh, name: str, options: Any = None) -> DeviceMesh:
+    """Return the 1-D mesh `name` that merges every dim of `mesh` (size = product of its dims); its
+    process group is created with `options` (`group_options`; None: torch's defaults)."""
+    return mesh._flatten(name, backend_override=options)
+
+
+def group_options(device_type: str, timeout: timedelta) -> Any:
+    """Return process-group options that carry `timeout`, for a DeviceMesh's `backend_override`: the
+    backend's own Options class where torch exposes one (ProcessGroupNCCL.Options on CUDA, which NCCL's
+    group creation insists on; torch_npu's ProcessGroupHCCL.Options on NPU), else c10d's generic
+    `Backend.Options` (gloo takes only the timeout from it)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
+    own = getattr(getattr(dist, f"ProcessGroup{backend.upper()}", None), "Options", None)
+    if own is None:
+        return Backend.Options(backend, timeout)
+    options = own()
+    options._timeout = timeout
+    return options
 
 
 def abort_process_group(group: dist.ProcessGroup | None = None) -> bool:

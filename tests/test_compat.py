@@ -6,6 +6,8 @@ Legend: N rows, K inner dim, F output features, E groups.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from dist_utils import spawn
@@ -81,15 +83,17 @@ def _flatten_mesh_rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-    flat = _compat.flatten_mesh(mesh["a", "b"], "ab")
+    flat = _compat.flatten_mesh(mesh["a", "b"], "ab", _compat.group_options("cpu", timedelta(seconds=7)))
     t = torch.ones(2)
     dist.all_reduce(t, group=flat.get_group())
-    return {"names": flat.mesh_dim_names, "size": flat.size(), "ndim": flat.ndim, "sum": t.tolist()}
+    timeout = flat.get_group()._get_backend(torch.device("cpu")).options._timeout
+    return {"names": flat.mesh_dim_names, "size": flat.size(), "ndim": flat.ndim, "sum": t.tolist(),
+            "timeout_s": timeout.total_seconds()}
 
 
-def test_flatten_mesh_on_a_world_1_gloo_group() -> None:
+def test_flatten_mesh_with_group_options_on_a_world_1_gloo_group() -> None:
     (r,) = spawn(_flatten_mesh_rank, 1, timeout_s=90, pg_timeout_s=20)
-    assert r.value == {"names": ("ab",), "size": 1, "ndim": 1, "sum": [1.0, 1.0]}
+    assert r.value == {"names": ("ab",), "size": 1, "ndim": 1, "sum": [1.0, 1.0], "timeout_s": 7.0}
 
 
 def _abort_rank(rank: int, world: int) -> dict:
