@@ -39,6 +39,7 @@ from fmoe.dispatch.exchange import RowPlan
 from fmoe.outline import outline
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.alltoall import row_chunks
+from fmoe.sync_count import count_syncs
 from fmoe.parallel.context import ParallelContext
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.schedule.ir import Overlap
@@ -74,6 +75,10 @@ def test_row_chunks_are_whole_all_to_alls_that_partition_the_rows(counts: list) 
     layout = [[(p, q, lx, i) for q in range(P) for lx in range(L) for i in range(counts[p][q][lx])]
               for p in range(P)]
     layout = [[(*r, k) for k, r in enumerate(rows)] for rows in layout]
+    with count_syncs() as c:  # host ints in, one upload out (a non-blocking one on a device)
+        for p in range(P):
+            row_chunks(plans[p], 2, torch.device("cpu"))
+    assert c.total == 0, c.by_caller()
     got: list[list[tuple]] = [[] for _ in range(P)]  # rows each rank's experts see, over both chunks
     for c in range(2):
         chunks = [row_chunks(plans[p], 2, torch.device("cpu"))[c] for p in range(P)]
