@@ -39,11 +39,11 @@ from fmoe.dispatch.exchange import RowPlan
 from fmoe.outline import outline
 from fmoe.parallel import AllToAllDispatcher, CommGroup, ParallelLayout, Topology
 from fmoe.parallel.alltoall import row_chunks
-from fmoe.sync_count import count_syncs
 from fmoe.parallel.context import ParallelContext
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.schedule.ir import Overlap
 from fmoe.schedule.options import ExecOptions
+from fmoe.sync_count import count_syncs
 
 
 def _plans(counts: list[list[list[int]]]) -> list[RowPlan]:
