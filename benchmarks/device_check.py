@@ -14,8 +14,9 @@ costs only itself; the run keeps to `--budget-s`. Parts:
 - comm: a 1-rank NCCL / HCCL group: fmoe's async all-to-all, all-gather, reduce-scatter and all-reduce,
   and that a wait leaves the host free (the host returns from wait() while the device is still busy);
 - syncs: host syncs of one MoE block's forward, dx and dw passes on the device (fmoe.sync_count), and
-  CUDA's own sync debug mode's warnings by fmoe line: the block in bf16 (none), fp32 (grouped_mm's
-  fallback; the loop backend at most 1), a 1-rank all-to-all plan (at most 1) and its row chunks (none);
+  CUDA's own sync debug mode's warnings by fmoe line: the block in bf16 (none), fp32 (automatic: the
+  loop backend on CUDA, grouped_mm's fallback syncing per product; at most 1) and fp32 through the loop
+  backend (at most 1), a 1-rank all-to-all plan (at most 1) and its row chunks (none);
 - bench: the bf16 MoE layer's forward + backward TFLOP/s against a dense bf16 matmul of the same FLOPs in
   the same run (medians of timed iterations);
 - train: `fmoe train` on one device for a few steps in fp32 (TF32 off) against the same run on the CPU
@@ -272,7 +273,7 @@ def part_syncs(dev: torch.device) -> dict:
     # sizes read from a side stream) and its row chunks (one non-blocking upload)
     from device_parts import a2a_sync_warnings, block_sync_warnings
 
-    cases = (("bf16", torch.bfloat16, None, 0), ("fp32", torch.float32, None, None),
+    cases = (("bf16", torch.bfloat16, None, 0), ("fp32", torch.float32, None, 1),
              ("fp32_loop", torch.float32, "loop", 1))
     for label, dtype, backend, most in cases:
         n, where, counted = block_sync_warnings(dev, dtype, backend)

@@ -6,6 +6,8 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `grouped_mm`, `grouped_mm_op`, `HAS_GROUPED_MM`: `torch._grouped_mm(a, b, offs=...)` (and its aten op
   `torch.ops.aten._grouped_mm`), one GEMM per row group in a single kernel; torch has no public grouped
   GEMM. Used by fmoe/ops/_grouped_linear.py (the "grouped_mm" backend) and its flop-count test.
+  `grouped_mm_syncs`: where that op is a host sync per call (its CUDA fallback), which the automatic
+  backend choice avoids.
 - `is_functorch_wrapped`, `get_unwrapped`: `torch._C._functorch.is_functorch_wrapped_tensor` /
   `get_unwrapped`, which see through one torch.func wrapper. Used by transforms/tape.py: the tape keys
   deferral on the caller's tensor object, and a deferred thunk must hold tensors that outlive the vjp.
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Function", "HAS_GROUPED_MM", "abort_process_group", "disable_functorch", "flatten_mesh",
-    "functorch_active", "get_unwrapped", "group_options",
+    "functorch_active", "get_unwrapped", "group_options", "grouped_mm_syncs",
     "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "tensor_version", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
@@ -74,6 +76,20 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch
     grouping the shared dim N. `offs` is int32 cumulative group ends [E].
     """
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def grouped_mm_syncs(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when `torch._grouped_mm` in `dtype` on `device` reads its offsets on the host at every call.
+    On CUDA its own grouped kernel runs for bf16 on compute capability 9.x and 10.x only (torch 2.13,
+    aten/src/ATen/native/cuda/GroupedBlas.cpp, `bf16bf16_grouped_mm`); every other case takes
+    `_grouped_mm_fallback`, which copies `offs` to the CPU (a host sync) and loops over the groups (the 9
+    syncs of an fp32 MoE block the device check saw). ROCm: bf16 only. CPU: never (the host is the
+    device); other devices: not known to."""
+    if device.type != "cuda":
+        return False
+    if dtype != torch.bfloat16:
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] not in (9, 10)
 
 
 def grouped_mm_op() -> Any:

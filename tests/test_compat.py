@@ -192,3 +192,11 @@ def test_function_skips_signature_binding_and_still_works_under_torch_func(monke
     monkeypatch.undo()
     assert torch.equal(_Scale.apply(x.detach()), x.detach() * 2)  # a default filled in: torch's own apply
     assert torch.equal(_Scale.apply(x.detach(), factor=4.0), x.detach() * 4)
+
+
+def test_grouped_mm_syncs_only_on_cuda_outside_its_own_kernel(monkeypatch) -> None:
+    assert not _compat.grouped_mm_syncs(torch.float32, torch.device("cpu"))  # the host is the device
+    assert _compat.grouped_mm_syncs(torch.float32, torch.device("cuda", 0))  # the fallback: offs.cpu()
+    for major, syncs in ((9, False), (10, False), (8, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert _compat.grouped_mm_syncs(torch.bfloat16, torch.device("cuda", 0)) == syncs, major

@@ -317,3 +317,34 @@ def test_split_sizes_are_read_from_a_side_stream_after_the_count_exchange(monkey
     assert got["counts_L"] == [2, 0, 3, 1]
     (where,) = got["syncs"]  # the one read: of the pinned host copy
     assert where.startswith("tolist at parallel/host_read.py:"), got
+
+
+# ---- fp32 and bf16 through torch._grouped_mm on CUDA (issue 45, C5) --------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_automatic_backend_never_takes_a_grouped_mm_that_syncs_per_product(monkeypatch, dtype) -> None:
+    """torch._grouped_mm on CUDA (sm90) modelled on CPU tensors: its own kernel for bf16, and for every other
+    dtype its fallback, which copies the offsets to the host at every call (`offs.cpu()`, counted). The
+    automatic choice must not take that path: the block's fp32 forward then reads the counts once (the loop
+    backend, one read for all its products), not once per product (9 with grouped_mm), and bf16 none."""
+    real = gl.grouped_mm
+
+    def cuda_grouped_mm(a, b, *, offs):  # sm90's: a host read of the offsets outside bf16
+        if a.dtype != torch.bfloat16:
+            offs.cpu()
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(gl, "HOST_READS_FREE", ())  # the accelerator path
+    monkeypatch.setattr(gl, "grouped_mm", cuda_grouped_mm)
+    monkeypatch.setattr(gl, "grouped_mm_syncs", lambda dt, device: dt != torch.bfloat16,  # sm90 CUDA's rule
+                        raising=False)
+    gl._backend_for.cache_clear()
+    try:
+        cfg, params, x = _tiny()
+        params = torch.utils._pytree.tree_map(lambda t: t.to(dtype), params)
+        block_syncs(params, x.to(dtype), cfg)
+        got = block_syncs(params, x.to(dtype), cfg)
+    finally:
+        gl._backend_for.cache_clear()
+    most = 1 if dtype == torch.float32 else 0
+    assert got["forward"] <= most and got["dx"] == got["dw"] == 0, got
