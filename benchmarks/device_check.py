@@ -44,6 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _device import _leaves, _median_s, _rel, _sync, _to, pick_device  # noqa: E402  (after the path)
+
 PARTS = ("env", "ops", "optim", "comm", "syncs", "bench", "train")
 # the MoE layer's parts (issue 45), in benchmarks/device_parts.py: the default run leaves them out (two
 # runs of their own: grouped,syncs,exec1,gloo_ep2 then profile,glue,ceiling,train_big)
@@ -51,68 +53,6 @@ LAYER_PARTS = ("grouped", "exec1", "gloo_ep2", "profile", "glue", "ceiling", "tr
 TIMEOUT_S = {"env": 60, "ops": 90, "optim": 60, "comm": 90, "syncs": 90, "bench": 120, "train": 200,
              "grouped": 60, "exec1": 150, "gloo_ep2": 150, "profile": 120, "glue": 60, "ceiling": 60,
              "train_big": 150}
-
-
-def pick_device(name: str) -> torch.device:
-    """Returns the device `name` asks for ("auto": the first CUDA or NPU device, else the CPU)."""
-    if name != "auto":
-        return torch.device(name if name == "cpu" else f"{name}:0")
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    try:
-        import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():
-            return torch.device("npu:0")
-    except ImportError:
-        pass
-    return torch.device("cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type != "cpu":
-        torch.accelerator.synchronize(dev)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 on the CPU (0 when both are 0)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den else float((a - b).norm())
-
-
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree) for t in _leaves(tree[k])]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _leaves(v)]
-    return []
-
-
-def _to(tree: Any, dev: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dev, dtype) if tree.is_floating_point() else tree.to(dev)
-    if isinstance(tree, dict):
-        return {k: _to(v, dev, dtype) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to(v, dev, dtype) for v in tree)
-    return tree
-
-
-def _median_s(fn: Callable[[], Any], dev: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds per call of fn(), each timed with the device synchronised around it."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # ---- parts -------------------------------------------------------------------------------------------

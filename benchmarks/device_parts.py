@@ -35,29 +35,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from device_check import _leaves, _rel, _sync, _to
+from _device import _leaves, _median_s, _rel, _sync, _to
 
 
 def _event_s(fn: Callable[[], Any], dev: torch.device, iters: int = 10, warm: int = 3) -> float:
     """Median seconds of fn(): CUDA events around it on a GPU (no host sync between calls), the host
-    clock with the device synchronised on the CPU."""
+    clock with the device synchronised elsewhere (device_check's `_median_s`)."""
+    if dev.type != "cuda":
+        return _median_s(fn, dev, warm, iters)
     for _ in range(warm):
         fn()
     out = []
     for _ in range(iters):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            _sync(dev)
-            t = time.perf_counter()
-            fn()
-            _sync(dev)
-            out.append(time.perf_counter() - t)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
     return statistics.median(out)
 
 
