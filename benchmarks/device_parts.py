@@ -1,6 +1,7 @@
 """The device check's parts for the MoE layer at the device's rate (issue 45; run by
 benchmarks/device_check.py, which imports them: `--parts grouped,syncs,exec1,gloo_ep2` then
-`--parts profile,glue,ceiling,train_big`, the two runs of ../shared/gpu_check/parts/PLAN.md):
+`--parts profile,glue,ceiling,train_big`: two runs of at most 330 s, which fit 15 minutes of device time
+with the machine's start):
 - grouped: fmoe's Grouped fwd / dx / dw / dw_into and torch._grouped_mm's own autograd in bf16 and fp32
   against float64 on the CPU, on uneven, empty-expert, one-row and no-row counts; an empty expert's dw
   exactly 0 on both paths; no CUDA sync-debug warning per bf16 product;
