@@ -14,11 +14,15 @@ costs only itself; the run keeps to `--budget-s`. Parts:
 - comm: a 1-rank NCCL / HCCL group: fmoe's async all-to-all, all-gather, reduce-scatter and all-reduce,
   and that a wait leaves the host free (the host returns from wait() while the device is still busy);
 - syncs: host syncs of one MoE block's forward, dx and dw passes on the device (fmoe.sync_count), and
-  CUDA's own sync debug mode's warnings over the same work;
+  CUDA's own sync debug mode's warnings by fmoe line: the block in bf16 (none), fp32 (automatic: the
+  loop backend on CUDA, grouped_mm's fallback syncing per product; at most 1) and fp32 through the loop
+  backend (at most 1), a 1-rank all-to-all plan (at most 1) and its row chunks (none);
 - bench: the bf16 MoE layer's forward + backward TFLOP/s against a dense bf16 matmul of the same FLOPs in
   the same run (medians of timed iterations);
 - train: `fmoe train` on one device for a few steps in fp32 (TF32 off) against the same run on the CPU
   (per-step losses), and a bf16-mixed run (the device default) for tokens/s.
+and the MoE layer's parts of benchmarks/device_parts.py (not in the default run; name them in --parts):
+grouped, exec1, gloo_ep2, profile, glue, ceiling, train_big.
 Writes OUT/device_check.json (every part's figures and checks) and OUT/summary.txt; exit code 1 when a
 check failed or a part did not finish.
 """
@@ -40,71 +44,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _device import _leaves, _median_s, _rel, _sync, _to, pick_device  # noqa: E402  (after the path)
+
 PARTS = ("env", "ops", "optim", "comm", "syncs", "bench", "compile", "train")
-TIMEOUT_S = {"env": 60, "ops": 90, "optim": 60, "comm": 90, "syncs": 60, "bench": 120, "compile": 240,
-             "train": 200}
-
-
-def pick_device(name: str) -> torch.device:
-    """Returns the device `name` asks for ("auto": the first CUDA or NPU device, else the CPU)."""
-    if name != "auto":
-        return torch.device(name if name == "cpu" else f"{name}:0")
-    if torch.cuda.is_available():
-        return torch.device("cuda:0")
-    try:
-        import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():
-            return torch.device("npu:0")
-    except ImportError:
-        pass
-    return torch.device("cpu")
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type != "cpu":
-        torch.accelerator.synchronize(dev)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 on the CPU (0 when both are 0)."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den else float((a - b).norm())
-
-
-def _leaves(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree) for t in _leaves(tree[k])]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _leaves(v)]
-    return []
-
-
-def _to(tree: Any, dev: torch.device, dtype: torch.dtype) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dev, dtype) if tree.is_floating_point() else tree.to(dev)
-    if isinstance(tree, dict):
-        return {k: _to(v, dev, dtype) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to(v, dev, dtype) for v in tree)
-    return tree
-
-
-def _median_s(fn: Callable[[], Any], dev: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds per call of fn(), each timed with the device synchronised around it."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+# the MoE layer's parts (issue 45), in benchmarks/device_parts.py: the default run leaves them out (two
+# runs of their own: grouped,syncs,exec1,gloo_ep2 then profile,glue,ceiling,train_big)
+LAYER_PARTS = ("grouped", "exec1", "gloo_ep2", "profile", "glue", "ceiling", "train_big")
+TIMEOUT_S = {"env": 60, "ops": 90, "optim": 60, "comm": 90, "syncs": 90, "bench": 120, "compile": 240,
+             "train": 200,
+             "grouped": 60, "exec1": 150, "gloo_ep2": 150, "profile": 120, "glue": 60, "ceiling": 60,
+             "train_big": 150}
 
 
 # ---- parts -------------------------------------------------------------------------------------------
@@ -247,8 +196,6 @@ def part_comm(dev: torch.device) -> dict:
 
 
 def part_syncs(dev: torch.device) -> dict:
-    import warnings
-
     from fmoe.block import init_block
     from fmoe.sync_count import block_syncs
     from fmoe.train.config import TrainConfig
@@ -262,14 +209,24 @@ def part_syncs(dev: torch.device) -> dict:
     checks = {"at_most_one_forward_none_backward": {
         "ok": counted["forward"] <= 1 and counted["dx"] == 0 and counted["dw"] == 0,
         "why": f"forward {counted['forward']}, dx {counted['dx']}, dw {counted['dw']}: {counted['where']}"}}
+    # CUDA's sync debug mode, each warning by the fmoe line that caused it: the block in bf16 (training's
+    # path: none), fp32 through grouped_mm and through the loop backend; the all-to-all plan (its split
+    # sizes read from a side stream) and its row chunks (one non-blocking upload)
+    from device_parts import a2a_sync_warnings, block_sync_warnings
+
+    cases = (("bf16", torch.bfloat16, None, 0), ("fp32", torch.float32, None, 1),
+             ("fp32_loop", torch.float32, "loop", 1))
+    for label, dtype, backend, most in cases:
+        n, where, counted = block_sync_warnings(dev, dtype, backend)
+        figures[f"block_{label}"] = {"cuda_sync_warnings": n, "where": where, "fmoe_counter": counted}
+        if dev.type == "cuda" and most is not None:
+            checks[f"block_{label}_sync_warnings"] = {"ok": n <= most,
+                                                      "why": f"{n} (at most {most}): {where}"}
+    a2a = a2a_sync_warnings(dev)
+    figures["a2a_plan"], figures["a2a_row_chunks"] = a2a["plan"], a2a["row_chunks"]
     if dev.type == "cuda":
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            block_syncs(params, x, gcfg)
-        torch.cuda.set_sync_debug_mode("default")
-        figures["cuda_sync_debug_warnings"] = len(caught)
-        figures["cuda_sync_debug_first"] = [str(w.message)[:160] for w in caught[:5]]
+        checks["a2a_plan_at_most_one_sync"] = {"ok": a2a["plan"][0] <= 1, "why": str(a2a["plan"])}
+        checks["row_chunks_no_sync"] = {"ok": a2a["row_chunks"][0] == 0, "why": str(a2a["row_chunks"])}
     return {"figures": figures, "checks": checks}
 
 
@@ -374,15 +331,20 @@ def part_train(dev: torch.device, out: str) -> dict:
 
 def run_part(name: str, dev: torch.device, out: str) -> dict:
     """Runs part `name` in this process; returns {"figures", "checks"}."""
-    fn = globals()[f"part_{name}"]
-    return fn(dev, out) if name == "train" else fn(dev)
+    if name in LAYER_PARTS:
+        import device_parts
+
+        fn = getattr(device_parts, f"part_{name}")
+    else:
+        fn = globals()[f"part_{name}"]
+    return fn(dev, out) if name in ("train", "grouped", "exec1", "train_big") else fn(dev)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "device_check_out"))
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"))
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS + LAYER_PARTS)}")
     ap.add_argument("--budget-s", type=float, default=450.0)
     ap.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part, write its JSON
     args = ap.parse_args()
@@ -394,6 +356,9 @@ def main() -> int:
             json.dump(result, f, indent=1, default=str)
         return 0
     report, start, failed = {"device": str(dev)}, time.monotonic(), False
+    unknown = [p for p in args.parts.split(",") if p not in PARTS + LAYER_PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}: give some of {', '.join(PARTS + LAYER_PARTS)}")
     for name in args.parts.split(","):
         left = args.budget_s - (time.monotonic() - start)
         if left < 20:

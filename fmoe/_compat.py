@@ -6,14 +6,19 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `grouped_mm`, `grouped_mm_op`, `HAS_GROUPED_MM`: `torch._grouped_mm(a, b, offs=...)` (and its aten op
   `torch.ops.aten._grouped_mm`), one GEMM per row group in a single kernel; torch has no public grouped
   GEMM. Used by fmoe/ops/_grouped_linear.py (the "grouped_mm" backend) and its flop-count test.
+  `grouped_mm_syncs`: where that op is a host sync per call (its CUDA fallback), which the automatic
+  backend choice avoids.
 - `is_functorch_wrapped`, `get_unwrapped`: `torch._C._functorch.is_functorch_wrapped_tensor` /
   `get_unwrapped`, which see through one torch.func wrapper. Used by transforms/tape.py: the tape keys
   deferral on the caller's tensor object, and a deferred thunk must hold tensors that outlive the vjp.
 - `disable_functorch`: `torch._C._DisableFuncTorch`, a context that runs its block below every torch.func
   transform. Used by fmoe/parallel/async_comm.py: a gloo wait writes into the collective's output, which
   under torch.func would be an (illegal) in-place write to a captured tensor.
-- `flatten_mesh`: `DeviceMesh._flatten(name)`, merging several mesh dims into one 1-D mesh with its own
-  process group; there is no public way to do that. Used by fmoe/parallel/mesh.py (ep, expert groups).
+- `flatten_mesh`: `DeviceMesh._flatten(name, backend_override)`, merging several mesh dims into one 1-D
+  mesh with its own process group; there is no public way to do that. Used by fmoe/parallel/mesh.py (ep,
+  expert groups). `group_options`: `torch._C._distributed_c10d.Backend.Options` (or the backend's own
+  Options class), the only carrier of a timeout into a DeviceMesh's groups (`backend_override`): without
+  it every subgroup takes torch's default timeout, not the world's. Used by fmoe/parallel/mesh.py.
 - `abort_process_group`: `torch.distributed.distributed_c10d._abort_process_group`, which closes a
   group's connections at once (destroy_process_group may block on a dead peer). Used by
   fmoe/parallel/failure.py so that peers blocked in a collective with a failed rank fail now.
@@ -46,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -65,11 +71,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "Function", "GetAttrKey", "HAS_GROUPED_MM", "assume_constant", "abort_process_group", "disable_functorch",
-    "flatten_mesh",
-    "functorch_active", "needs_grad", "get_unwrapped",
-    "grouped_mm", "grouped_mm_op", "is_functorch_wrapped", "keystr", "register_pytree_node", "tensor_version",
-    "trace_safe_cache", "tree_flatten",
+    "Function", "GetAttrKey", "HAS_GROUPED_MM", "abort_process_group", "assume_constant", "disable_functorch",
+    "flatten_mesh", "functorch_active", "get_unwrapped", "group_options", "grouped_mm", "grouped_mm_op",
+    "grouped_mm_syncs", "is_functorch_wrapped", "keystr", "needs_grad", "register_pytree_node",
+    "tensor_version", "trace_safe_cache", "tree_flatten",
     "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
 ]
 
@@ -85,6 +90,20 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch
     grouping the shared dim N. `offs` is int32 cumulative group ends [E].
     """
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def grouped_mm_syncs(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when `torch._grouped_mm` in `dtype` on `device` reads its offsets on the host at every call.
+    On CUDA its own grouped kernel runs for bf16 on compute capability 9.x and 10.x only (torch 2.13,
+    aten/src/ATen/native/cuda/GroupedBlas.cpp, `bf16bf16_grouped_mm`); every other case takes
+    `_grouped_mm_fallback`, which copies `offs` to the CPU (a host sync) and loops over the groups (the 9
+    syncs of an fp32 MoE block the device check saw). ROCm: bf16 only. CPU: never (the host is the
+    device); other devices: not known to."""
+    if device.type != "cuda":
+        return False
+    if dtype != torch.bfloat16:
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] not in (9, 10)
 
 
 def grouped_mm_op() -> Any:
@@ -124,9 +143,27 @@ def disable_functorch() -> contextlib.AbstractContextManager[Any]:
     return torch._C._DisableFuncTorch()
 
 
-def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """Return the 1-D mesh `name` that merges every dim of `mesh` (size = product of its dims)."""
-    return mesh._flatten(name)
+def flatten_mesh(mesh: DeviceMesh, name: str, options: Any = None) -> DeviceMesh:
+    """Return the 1-D mesh `name` that merges every dim of `mesh` (size = product of its dims); its
+    process group is created with `options` (`group_options`; None: torch's defaults)."""
+    return mesh._flatten(name, backend_override=options)
+
+
+def group_options(device_type: str, timeout: timedelta) -> Any:
+    """Return process-group options that carry `timeout`, for a DeviceMesh's `backend_override`: the
+    backend's own Options class where torch exposes one (ProcessGroupNCCL.Options on CUDA, which NCCL's
+    group creation insists on; torch_npu's ProcessGroupHCCL.Options on NPU), else c10d's generic
+    `Backend.Options` (gloo takes only the timeout from it)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
+    own = getattr(getattr(dist, f"ProcessGroup{backend.upper()}", None), "Options", None)
+    if own is None:
+        return Backend.Options(backend, timeout)
+    options = own()
+    options._timeout = timeout
+    return options
 
 
 def abort_process_group(group: dist.ProcessGroup | None = None) -> bool:

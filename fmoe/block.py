@@ -67,6 +67,7 @@ from fmoe.parallel.tensor import (
     reduce_from_tp,
     scatter_sequence,
     split_tokens,
+    tp_weight,
 )
 from fmoe.recompute import Recompute, part
 from fmoe.seams import attention_of
@@ -156,7 +157,7 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     # would free the output too, at the projections' cost: not done)
     norm = part(cfg.recompute, "layernorm", rms_norm)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
-    norm_D = copy_to_tp(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]
+    norm_D = tp_weight(params["attn_norm"], tp) if sequence_parallel else params["attn_norm"]
     h_BSD = norm(x_BSD, norm_D, cfg.norm_eps)
     if tp is not None:  # enters the TP region: every head shard reads h (its gradient summed over them)
         h_BSD = gather_sequence(h_BSD, tp) if sequence_parallel else copy_to_tp(h_BSD, tp)
@@ -166,7 +167,7 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
     v_BSGd = linear(h_BSD, params["w_v"]).unflatten(-1, (G, cfg.head_dim))
     if cfg.qk_norm:
         # replicated scales used on this rank's heads only: their gradient is summed over the group
-        q_norm, k_norm = (params[k] if tp is None else copy_to_tp(params[k], tp)
+        q_norm, k_norm = (params[k] if tp is None else tp_weight(params[k], tp)
                           for k in ("q_norm", "k_norm"))
         q_BSHd = norm(q_BSHd, q_norm, cfg.norm_eps)  # read by the attention core: alone under "layernorm"
         k_BSGd = norm(k_BSGd, k_norm, cfg.norm_eps)
@@ -247,7 +248,7 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
         remat = True  # selective recompute of the routed experts: every layer, every step
     r_BSD = self_attention(params, x_BSD, cfg, check=False, parallel=parallel, packing=packing)
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
-    norm_D = copy_to_tp(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
+    norm_D = tp_weight(params["mlp_norm"], tp) if sequence_parallel else params["mlp_norm"]
     # the router, the permutation and the shared expert read the normed tokens: "layernorm" recomputes the
     # norm alone (its output stays kept by them)
     h_TD = part(cfg.recompute, "layernorm", rms_norm)(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # t = b*S+s

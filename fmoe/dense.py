@@ -16,7 +16,7 @@ from fmoe._checks import positive
 from fmoe.init import ones, scaled_normal
 from fmoe.ops import linear_pair, rms_norm, swiglu_linear
 from fmoe.parallel.context import LOCAL, ParallelContext
-from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence, tp_weight
 from fmoe.recompute import recomputed
 
 
@@ -53,7 +53,7 @@ def swiglu_mlp(p: dict[str, torch.Tensor], x_TD: torch.Tensor, eps: float = 1e-6
         return x_TD + swiglu_linear(*pair, p["w_down"])
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
     h_TD = (recomputed(rms_norm) if recompute_norm else rms_norm)(
-        x_TD, copy_to_tp(p["norm"], tp) if sequence_parallel else p["norm"], eps)
+        x_TD, tp_weight(p["norm"], tp) if sequence_parallel else p["norm"], eps)
     h_TD = gather_sequence(h_TD, tp) if sequence_parallel else copy_to_tp(h_TD, tp)
     part_TD = swiglu_linear(*linear_pair(h_TD, p["w_gate"], p["w_up"]), p["w_down"])
     # the ffn shards' partial sums

@@ -38,7 +38,7 @@ from fmoe.dispatch.sync import as_exchange
 from fmoe.experts import init_experts, init_shared
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.parallel.collectives import CommGroup
-from fmoe.parallel.tensor import copy_to_tp
+from fmoe.parallel.tensor import tp_weight
 from fmoe.remat_policy import expert_policy, overloaded
 from fmoe.router import init_router, route
 from fmoe.seams import check_routing, experts_of, router_of
@@ -199,7 +199,7 @@ def plan_route(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig,
                              "rank routes its own tokens and the balancing losses need the group's "
                              "statistics, which only fmoe.router.route reduces (its shard=)")
     if tp is not None:  # the replicated router weight: its gradient summed over the group
-        router_params = {k: copy_to_tp(v, tp, op="tp.router") for k, v in router_params.items()}
+        router_params = {k: tp_weight(v, tp, op="tp.router") for k, v in router_params.items()}
     if router is route:
         r = route(router_params, x_TD, cfg, state, seq_len, check=False, shard=shard)
     else:

@@ -41,7 +41,7 @@ from fmoe.init import ones, scaled_normal
 from fmoe.ops import document_mask, linear, rms_norm, rope, sdpa
 from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
-from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence
+from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence, tp_weight
 from fmoe.recompute import part
 
 
@@ -164,7 +164,7 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
 
     def mine(name: str) -> torch.Tensor:
         # replicated weights used on this rank's positions only (SP): their gradient summed over the group
-        return copy_to_tp(params[name], tp) if sequence_parallel else params[name]
+        return tp_weight(params[name], tp) if sequence_parallel else params[name]
 
     w_q_a = mine("w_q_a") if cfg.q_lora_rank else None
     ckv_BSC, kr_BSr, q_lat = part(rc, "layernorm", _down)(x_BSD, mine("attn_norm"), eps, C, mine("w_kv_a"),

@@ -47,6 +47,7 @@ from fmoe.parallel.tensor import (
     copy_to_tp,
     gather_sequence,
     reduce_from_tp,
+    tp_weight,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -89,7 +90,7 @@ def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor
         logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
         return cross_entropy(logits_TV, targets_BS.reshape(B * S))
     # under SP the norm sees this rank's positions only: its scale's gradient is summed over the group
-    h_BSD = rms_norm(h_BSD, copy_to_tp(norm_D, tp) if sequence_parallel else norm_D, cfg.norm_eps)
+    h_BSD = rms_norm(h_BSD, tp_weight(norm_D, tp) if sequence_parallel else norm_D, cfg.norm_eps)
     h_BSD = gather_sequence(h_BSD, tp) if sequence_parallel else copy_to_tp(h_BSD, tp)
     logits_TV = linear(h_BSD.flatten(0, 1), head_DV)
     return vocab_parallel_cross_entropy(logits_TV, targets_BS.flatten(), tp, cfg.vocab_size)
@@ -107,7 +108,7 @@ def mtp_input(mtp: dict[str, Any], table_VD: torch.Tensor, h_BSD: torch.Tensor, 
     targets_BS = local_positions(targets_BS, parallel)
 
     def shared(w: torch.Tensor) -> torch.Tensor:  # under SP used on this rank's positions: grads summed
-        return copy_to_tp(w, tp) if sequence_parallel else w
+        return tp_weight(w, tp) if sequence_parallel else w
 
     hn_BSD = rms_norm(h_BSD, shared(mtp["hidden_norm"]), cfg.norm_eps)
     ids_BS = targets_BS.clamp(min=0)
@@ -269,7 +270,7 @@ def _shared_phase(moe_path: tuple[str, ...], parallel: ParallelContext) -> Phase
     tp = parallel.tp
 
     def shared(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        weights = p["shared"] if tp is None else {k: copy_to_tp(v, tp, op="tp.shared")
+        weights = p["shared"] if tp is None else {k: tp_weight(v, tp, op="tp.shared")
                                                   for k, v in p["shared"].items()}
         return {"shared_TD": block.shared_expert(weights, acts)}, meta
 

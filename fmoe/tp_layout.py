@@ -181,3 +181,18 @@ def tp_split_axis(where: tuple[str | int, ...]) -> int | None:
         return VOCAB_SPLITS[names]
     rel = block_path(where)
     return SPLITS[rel][0] if rel in SPLITS else None
+
+
+def tp_partial(where: tuple[str | int, ...], sequence_parallel: bool) -> bool:
+    """True when the GPT leaf at `where` is a replicated weight whose use leaves each tensor-parallel rank
+    a partial gradient (`fmoe.parallel.tensor.tp_weight`: summed over the group in every backward, or
+    once per step): the router and the shared expert of an MoE layer (each rank routes its share of the
+    tokens), the q / k norms (each rank's heads), and under sequence parallelism every other replicated
+    weight (each rank's positions). Not the routed experts (TP extends EP: each rank's own)."""
+    rel = block_path(where)
+    if rel is not None:
+        if rel[:2] == ("moe", "experts"):
+            return False
+        if rel[:2] in (("moe", "router"), ("moe", "shared")) or rel in (("q_norm",), ("k_norm",)):
+            return True
+    return sequence_parallel and tp_split_axis(where) is None

@@ -47,7 +47,8 @@ _COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_int
 @dataclass(frozen=True)
 class CommOp:
     """One op a rank issued. `comm`: the global ranks of its group; `peer`: the global peer of a P2P op
-    (None for a collective); `sig`: what must agree with its match (tag, shape, dtype; the call's name)."""
+    (None for a collective); `sig`: what must agree with its match (tag, shape, dtype; the call's name,
+    its tensor's dtype and, for all_reduce / broadcast / reduce, shape)."""
 
     rank: int
     index: int
@@ -70,6 +71,16 @@ def _comm_of(group: Any) -> tuple[int, ...]:
 def _sig(args: tuple, kwargs: dict) -> tuple:
     t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     return () if t is None else (tuple(t.shape), str(t.dtype))
+
+
+# collectives whose tensor has one shape on every rank (the others: one dtype)
+_SAME_SHAPE = ("all_reduce", "broadcast", "reduce")
+
+
+def _coll_sig(name: str, args: tuple, kwargs: dict) -> tuple:
+    """What a collective's tensor must agree on across ranks: the dtype, and the shape where it is one."""
+    sig = _sig(args, kwargs)
+    return sig if name in _SAME_SHAPE or not sig else (sig[1],)
 
 
 class _Work:
@@ -107,7 +118,8 @@ def recording() -> Iterator[list[tuple[str, CommOp]]]:
                 op = CommOp(rank, len(log), kind, _comm_of(group), int(peer), int(kwargs.get("tag", 0)),
                             _sig(args, kwargs))
             else:
-                op = CommOp(rank, len(log), "coll", _comm_of(group), None, 0, (name,))
+                op = CommOp(rank, len(log), "coll", _comm_of(group), None, 0,
+                            (name, *_coll_sig(name, args, kwargs)))
             log.append(("issue", op))
             _local.inside = True
             try:

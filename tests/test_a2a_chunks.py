@@ -43,6 +43,7 @@ from fmoe.parallel.context import ParallelContext
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.schedule.ir import Overlap
 from fmoe.schedule.options import ExecOptions
+from fmoe.sync_count import count_syncs
 
 
 def _plans(counts: list[list[list[int]]]) -> list[RowPlan]:
@@ -74,6 +75,10 @@ def test_row_chunks_are_whole_all_to_alls_that_partition_the_rows(counts: list) 
     layout = [[(p, q, lx, i) for q in range(P) for lx in range(L) for i in range(counts[p][q][lx])]
               for p in range(P)]
     layout = [[(*r, k) for k, r in enumerate(rows)] for rows in layout]
+    with count_syncs() as c:  # host ints in, one upload out (a non-blocking one on a device)
+        for p in range(P):
+            row_chunks(plans[p], 2, torch.device("cpu"))
+    assert c.total == 0, c.by_caller()
     got: list[list[tuple]] = [[] for _ in range(P)]  # rows each rank's experts see, over both chunks
     for c in range(2):
         chunks = [row_chunks(plans[p], 2, torch.device("cpu"))[c] for p in range(P)]

@@ -6,6 +6,8 @@ Legend: N rows, K inner dim, F output features, E groups.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from dist_utils import spawn
@@ -81,15 +83,17 @@ def _flatten_mesh_rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
-    flat = _compat.flatten_mesh(mesh["a", "b"], "ab")
+    flat = _compat.flatten_mesh(mesh["a", "b"], "ab", _compat.group_options("cpu", timedelta(seconds=7)))
     t = torch.ones(2)
     dist.all_reduce(t, group=flat.get_group())
-    return {"names": flat.mesh_dim_names, "size": flat.size(), "ndim": flat.ndim, "sum": t.tolist()}
+    timeout = flat.get_group()._get_backend(torch.device("cpu")).options._timeout
+    return {"names": flat.mesh_dim_names, "size": flat.size(), "ndim": flat.ndim, "sum": t.tolist(),
+            "timeout_s": timeout.total_seconds()}
 
 
-def test_flatten_mesh_on_a_world_1_gloo_group() -> None:
+def test_flatten_mesh_with_group_options_on_a_world_1_gloo_group() -> None:
     (r,) = spawn(_flatten_mesh_rank, 1, timeout_s=90, pg_timeout_s=20)
-    assert r.value == {"names": ("ab",), "size": 1, "ndim": 1, "sum": [1.0, 1.0]}
+    assert r.value == {"names": ("ab",), "size": 1, "ndim": 1, "sum": [1.0, 1.0], "timeout_s": 7.0}
 
 
 def _abort_rank(rank: int, world: int) -> dict:
@@ -188,3 +192,11 @@ def test_function_skips_signature_binding_and_still_works_under_torch_func(monke
     monkeypatch.undo()
     assert torch.equal(_Scale.apply(x.detach()), x.detach() * 2)  # a default filled in: torch's own apply
     assert torch.equal(_Scale.apply(x.detach(), factor=4.0), x.detach() * 4)
+
+
+def test_grouped_mm_syncs_only_on_cuda_outside_its_own_kernel(monkeypatch) -> None:
+    assert not _compat.grouped_mm_syncs(torch.float32, torch.device("cpu"))  # the host is the device
+    assert _compat.grouped_mm_syncs(torch.float32, torch.device("cuda", 0))  # the fallback: offs.cpu()
+    for major, syncs in ((9, False), (10, False), (8, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert _compat.grouped_mm_syncs(torch.bfloat16, torch.device("cuda", 0)) == syncs, major

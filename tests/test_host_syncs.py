@@ -162,9 +162,9 @@ def test_expert_parallel_one_sync_forward_none_backward(device) -> None:
     for r in spawn(_ep_rank, 2, device, timeout_s=180):
         for name, got in r.value.items():
             assert (got["forward"], got["dx"], got["dw"]) == (1, 0, 0), (r.rank, name, got)
-            # the one sync: the dispatcher's plan reads its split sizes in one .tolist()
+            # the one sync: the dispatcher's plan reads its split sizes in one read (fmoe.parallel.host_read)
             (where,) = got["where"]["forward"]
-            assert where.startswith(f"tolist at parallel/{name.split()[0]}.py:"), (r.rank, name, got)
+            assert where.startswith("tolist at parallel/host_read.py:"), (r.rank, name, got)
 
 
 # ---- determinism (issue 29, item 10) ----------------------------------------------------------------
@@ -234,3 +234,117 @@ def test_embedding_and_loss_range_checks_do_not_sync_on_a_device(monkeypatch) ->
     with pytest.raises(RuntimeError, match="targets must lie in"):
         cross_entropy(torch.randn(2, 3), torch.tensor([0, 3]))
     assert cross_entropy(torch.randn(2, 3), torch.tensor([0, -100]), ignore_index=-100).isfinite()
+
+
+# ---- the split sizes' read on a device: a side stream, not the compute stream (issue 45, C6) ------------
+
+class _StreamModel:
+    """The streams of a device, modelled on CPU: which stream is current, what waits for what. A
+    `torch.Stream` is a context manager making it current; `order_stream` (c10d's work.wait()) makes the
+    current stream wait for the exchange; an event's `synchronize` blocks the host on its stream."""
+
+    def __init__(self):
+        self.current, self.log = "compute", []
+        model = self
+
+        class Event:
+            def __init__(self, stream: str):
+                self.stream = stream
+
+            def synchronize(self) -> None:
+                model.log.append(("host waits", self.stream))
+
+        class Side:
+            def __enter__(self):
+                model.current = "side"
+
+            def __exit__(self, *exc):
+                model.current = "compute"
+
+            def record_event(self):
+                return Event("side")
+
+        self.side = Side()
+        self.Event = Event
+
+
+def _dispatcher_plan_under_the_stream_model(monkeypatch, kind: str) -> tuple[list, dict]:
+    import torch.distributed as dist
+
+    import fmoe.parallel.host_read as hr
+    from fmoe.parallel import AllGatherDispatcher, AllToAllDispatcher, CommGroup
+    from fmoe.parallel.async_comm import CommHandle
+
+    model = _StreamModel()
+    monkeypatch.setattr(hr, "on_host", lambda device: False)
+    monkeypatch.setattr(hr, "side_stream", lambda device: model.side)
+    monkeypatch.setattr(hr, "pinned_like", torch.empty_like)
+    order = CommHandle.order_stream
+
+    def ordered(self):
+        model.log.append(("waits the exchange", model.current))
+        order(self)
+
+    monkeypatch.setattr(CommHandle, "order_stream", ordered)
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):  # a read of a device tensor: the host waits for the stream it was made on
+        model.log.append(("host reads", model.current))
+        return real_tolist(self)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = CommGroup(dist.group.WORLD)
+        d = AllToAllDispatcher(comm, 4) if kind == "alltoall" else AllGatherDispatcher(comm, 4)
+        counts_E = torch.tensor([2, 0, 3, 1])
+        d.start_plan_rows(counts_E, 6).wait() if kind == "alltoall" else d._agree_once(counts_E)
+        model.log.clear()  # a first plan (the all-gather's agreement reads on the host once)
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        with count_syncs() as c:
+            plan = d.start_plan_rows(counts_E, 6).wait()
+        monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+        return model.log, {"counts_L": list(plan.counts_L.host), "syncs": c.by_caller()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_split_sizes_are_read_from_a_side_stream_after_the_count_exchange(monkeypatch, kind) -> None:
+    log, got = _dispatcher_plan_under_the_stream_model(monkeypatch, kind)
+    # the side stream waits for the count exchange, the sizes are made and copied there, the host waits
+    # for that stream's event, then reads host memory; the compute stream is never waited on
+    assert log == [("waits the exchange", "side"), ("host waits", "side"), ("host reads", "compute")], log
+    assert got["counts_L"] == [2, 0, 3, 1]
+    (where,) = got["syncs"]  # the one read: of the pinned host copy
+    assert where.startswith("tolist at parallel/host_read.py:"), got
+
+
+# ---- fp32 and bf16 through torch._grouped_mm on CUDA (issue 45, C5) --------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_automatic_backend_never_takes_a_grouped_mm_that_syncs_per_product(monkeypatch, dtype) -> None:
+    """torch._grouped_mm on CUDA (sm90) modelled on CPU tensors: its own kernel for bf16, and for every other
+    dtype its fallback, which copies the offsets to the host at every call (`offs.cpu()`, counted). The
+    automatic choice must not take that path: the block's fp32 forward then reads the counts once (the loop
+    backend, one read for all its products), not once per product (9 with grouped_mm), and bf16 none."""
+    real = gl.grouped_mm
+
+    def cuda_grouped_mm(a, b, *, offs):  # sm90's: a host read of the offsets outside bf16
+        if a.dtype != torch.bfloat16:
+            offs.cpu()
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(gl, "HOST_READS_FREE", ())  # the accelerator path
+    monkeypatch.setattr(gl, "grouped_mm", cuda_grouped_mm)
+    monkeypatch.setattr(gl, "grouped_mm_syncs", lambda dt, device: dt != torch.bfloat16,  # sm90 CUDA's rule
+                        raising=False)
+    gl._backend_for.cache_clear()
+    try:
+        cfg, params, x = _tiny()
+        params = torch.utils._pytree.tree_map(lambda t: t.to(dtype), params)
+        block_syncs(params, x.to(dtype), cfg)
+        got = block_syncs(params, x.to(dtype), cfg)
+    finally:
+        gl._backend_for.cache_clear()
+    most = 1 if dtype == torch.float32 else 0
+    assert got["forward"] <= most and got["dx"] == got["dw"] == 0, got

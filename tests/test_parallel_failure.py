@@ -89,3 +89,43 @@ def test_rank_hangs_others_time_out():
     assert "Ranks 1 failed to pass monitoredBarrier" in err, err  # gloo names the missing rank
     # rank 1 sleeps 12 s: rank 0 stopped at its 5 s barrier timeout, not when rank 1 woke up
     assert results[0].value["seconds"] < 11.0, results[0].value
+
+
+LAYOUT_TIMEOUT_S = 3.0
+LATE_S = 9.0  # how late the stalled rank joins: past the layout's timeout plus slack
+
+
+def _stalled_subgroup_peer(rank: int, world: int) -> dict:
+    from datetime import timedelta
+
+    from fmoe.parallel import ParallelLayout, Topology
+
+    # the world waits 60 s (spawn's pg_timeout_s), the layout's groups LAYOUT_TIMEOUT_S
+    layout = ParallelLayout(pp=2, dp=2, topology=Topology(world, world),
+                            timeout=timedelta(seconds=LAYOUT_TIMEOUT_S))
+    backend = {n: layout.group(n)._get_backend(torch.device("cpu")) for n in ("pp", "dp", "tp", "expert")}
+    timeouts = {n: b.options._timeout.total_seconds() for n, b in backend.items()}
+    pp = layout.group("pp")  # ranks {0, 2} and {1, 3}
+    if rank == 0:
+        time.sleep(LATE_S)  # stalled: reaches the collective long after its peer gave up
+    t0 = time.perf_counter()
+    try:
+        torch.distributed.all_reduce(torch.ones(2), group=pp)
+    except RuntimeError as e:
+        return {"timeouts": timeouts, "error": str(e).splitlines()[0], "seconds": time.perf_counter() - t0}
+    return {"timeouts": timeouts, "error": None, "seconds": time.perf_counter() - t0}
+
+
+def test_a_stalled_peer_in_a_subgroup_is_reported_within_the_layouts_timeout() -> None:
+    """Issue 45, C2: the layout's groups took torch's default timeout (30 min on gloo, 10 on NCCL), not
+    --timeout; rank 2 waited for its stalled pp peer until it came."""
+    results = spawn(_stalled_subgroup_peer, 4, timeout_s=60, pg_timeout_s=60, check=False)
+    by_rank = {r.rank: r.value for r in results}
+    for rank in (1, 3):  # their pp group is whole: it works
+        assert by_rank[rank]["error"] is None, by_rank[rank]
+    for value in by_rank.values():
+        if value is not None:
+            assert value["timeouts"] == {n: LAYOUT_TIMEOUT_S for n in ("pp", "dp", "tp", "expert")}, value
+    waited = by_rank[2]
+    assert waited["error"] is not None, f"rank 2's all-reduce waited {waited['seconds']:.1f} s for rank 0"
+    assert waited["seconds"] < LAYOUT_TIMEOUT_S + 4, waited

@@ -130,7 +130,7 @@ def test_planner_tp_bytes_equal_the_runtimes_counters(counted: list, kind: str, 
     cfg = _cfg(attn, kind == "gpt")
     kinds = GPT_KINDS if kind == "gpt" else (kind,)
     colls = sum((tp_collectives(_spec(cfg), k, B * S, sequence_parallel=sequence_parallel,
-                                qk_norm=cfg.qk_norm) for k in kinds), ())
+                                qk_norm=cfg.qk_norm, weight_sums="microbatch") for k in kinds), ())
     want = tp_bytes(colls, TP)
     for r in counted:
         got = r.value[(kind, attn, sequence_parallel)]

@@ -178,3 +178,58 @@ def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp
     assert any(op.kind == "coll" and op.comm == tp_pair for _, op in logs[0])  # the TP collectives ran
     assert replay(logs, "nccl") == []
     assert replay(logs, "device") == []
+
+
+# ---- replicated weights' gradients summed once per step (issue 45) --------------------------------------
+
+STEP_M = 2  # microbatches of the step
+
+def _per_step_rank(rank: int, world: int, S: int) -> dict:
+    """tp 2 over STEP_M microbatches, with and without sequence parallelism: each microbatch's gradient taken
+    with the replicated weights' sums deferred (weight_grads_per_step), the microbatches' summed, then the
+    partial ones summed over tp once (`sum_tp_partials` over the leaves `tp_partial` names)."""
+    from fmoe.parallel.counters import CommCounters
+    from fmoe.parallel.tensor import sum_tp_partials
+    from fmoe.tp_layout import tp_partial
+
+    cfg = _cfg(True)
+    params, ids, targets = _data(cfg, S, B=STEP_M)
+    mine = _mine(params, cfg, rank, world)
+    out = {}
+    for sp in (False, True):
+        counters = CommCounters()
+        comm = CommGroup(torch.distributed.group.WORLD, counters=counters, weight_grads_per_step=True)
+        par = ParallelContext(tp=comm, sequence_parallel=sp, dispatcher=AllToAllDispatcher(comm, E))
+        total = None
+        for mb in range(STEP_M):
+            g = _one(cfg, mine, ids[mb:mb + 1], targets[mb:mb + 1], parallel=par)["grads"]
+            total = g if total is None else torch.utils._pytree.tree_map(torch.add, total, g)
+        leaves, _ = tree_flatten_with_path(total)
+        where = [tuple(k.key if hasattr(k, "key") else k.idx for k in p) for p, _ in leaves]
+        sum_tp_partials([v for w, (_, v) in zip(where, leaves) if tp_partial(w, sp)], comm)
+        calls = dict(counters.calls)
+        weights = ("tp.weight.bwd", "tp.router.bwd", "tp.shared.bwd")  # tp_weight's sums in the backward
+        out[sp] = {"grads": torch.utils._pytree.tree_map(lambda v: (tuple(v.shape), v.flatten().tolist()),
+                                                         total),
+                   "weight_sums": calls.get("tp.weight_grads", 0),
+                   "in_backward": {k: n for k, n in calls.items() if k in weights}}
+    return out
+
+
+def test_replicated_weight_gradients_summed_once_per_step_equal_one_process() -> None:
+    """The router, shared expert, q / k norms (and under SP every replicated weight: norms, MTP's w_proj)
+    keep partial gradients through STEP_M microbatches' backward, with no all-reduce there, and one flat sum
+    over tp per step makes every gradient the one-process run's sum over the microbatches."""
+    S, world = 4, 2
+    cfg = _cfg(True)
+    params, ids, targets = _data(cfg, S, B=STEP_M)
+    want = None
+    for mb in range(STEP_M):
+        g = _one(cfg, params, ids[mb:mb + 1], targets[mb:mb + 1])["grads"]
+        want = g if want is None else torch.utils._pytree.tree_map(torch.add, want, g)
+    for rank, r in enumerate(spawn(_per_step_rank, world, S, timeout_s=150)):
+        for sp, got in r.value.items():
+            assert got["weight_sums"] == 1 and got["in_backward"] == {}, (rank, sp, got["in_backward"])
+            grads = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]),
+                                                 got["grads"], is_leaf=_is_packed)
+            assert_close(grads, _mine(want, cfg, rank, world), msg=f"rank {rank} sp {sp}")

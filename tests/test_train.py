@@ -92,6 +92,17 @@ def test_layouts_agree_with_the_one_process_run(tmp_path: Path) -> None:
             assert have["expert_load"] == want["expert_load"], (name, want["step"])
 
 
+def test_a_pipeline_rank_of_dense_layers_only_trains_like_one_process(tmp_path: Path) -> None:
+    """pp 3 over 6 layers, the first 4 dense: rank 1 holds two dense layers, neither the embedding nor the
+    head, and makes no loss (issue 45, C1: it all-reduced a meta tensor and gloo aborted at step 1)."""
+    flags = ("--num-layers", "6", "--first-k-dense", "4", "--steps", "3", "--dtype", "float64")
+    ref = _train(tmp_path, "ref", "--pp", "1", "--ep", "1", *flags)
+    got = _train(tmp_path, "pp3", "--pp", "3", "--ep", "1", "--schedule", "1f1b", *flags)
+    for want, have in zip(ref, got, strict=True):
+        for key in ("loss", "main_loss", "balance_loss", "grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), (want["step"], key)
+
+
 def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_layouts(tmp_path: Path) -> None:
     """--tp 2, with MTP: pp 2 x tp 2 under DualPipeV with fb overlap against the one-process run (the same
     losses, norms and loads, step by step); its step-2 checkpoint (split weights saved as DTensors) resumed

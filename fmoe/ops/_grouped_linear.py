@@ -11,7 +11,9 @@ Backends (`available_backends(dtype, device)` lists those usable):
 - "loop": a python loop over experts with slicing; works for every dtype (float64 included).
 - "npu": `torch_npu.npu_grouped_matmul` (only when torch_npu imports and x lives on an npu device).
 `backend=None` picks npu on npu devices, else grouped_mm when it supports the dtype, device and
-shapes, else loop.
+shapes and runs without a host sync there (`fmoe._compat.grouped_mm_syncs`: on CUDA bf16 on sm90 /
+sm100 only; fp32 would read its offsets on the host at every product), else loop (one read of the
+counts per layer, shared by its products).
 
 Host syncs: none on an accelerator with "grouped_mm" or "npu": the counts stay on the device, and the
 grouped GEMM's offsets are their cumulative sum made there (`Counts`). The host ints are read (one
@@ -43,6 +45,7 @@ from fmoe._compat import (
     assume_constant,
     functorch_active,
     grouped_mm,
+    grouped_mm_syncs,
     needs_grad,
     under_vmap,
 )
@@ -304,7 +307,8 @@ def _backend_choice(dtype: torch.dtype, device: torch.device, D: int, F: int, ba
     if backend is None:
         if "npu" in avail:
             return "npu"
-        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, dtype):
+        syncs = grouped_mm_syncs(dtype, device)  # per product: the loop's one read per layer is fewer
+        if "grouped_mm" in avail and _aligned_for_grouped_mm(D, F, dtype) and not syncs:
             return "grouped_mm"
         return "loop"
     if backend not in BACKENDS:

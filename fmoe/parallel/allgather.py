@@ -24,6 +24,7 @@ blocking all-gather, once).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from fmoe.dispatch.exchange import Chain, RowExchange, RowPlan, traffic_op
 from fmoe.dispatch.sync import SyncRows
 from fmoe.ops import Counts
 from fmoe.parallel.collectives import CommGroup, all_gather_async, all_gather_counts, reduce_scatter_async
+from fmoe.parallel.host_read import read_ints
 from fmoe.parallel.rows import TokenLevelMixin
 from fmoe.parallel.tp_extends_ep import experts_per_rank
 
@@ -68,11 +70,18 @@ def check_agreement(rows_PH: list[list[int]], names: tuple[str, ...]) -> None:
                              f"{_by_rank(values)}")
 
 
-def gather_sizes(counts_PE: torch.Tensor, rank: int, L: int) -> tuple[int, tuple[int, ...]]:
+def gather_sizes(counts_PE: torch.Tensor, rank: int, L: int,
+                 after: Sequence[Any] | None = None) -> tuple[int, tuple[int, ...]]:
     """Return (r_max, counts_L): the most rows any rank holds (the padded rows per rank) and the rows per
-    local expert of `rank`, as host ints read in one host sync (the one of the layer's forward)."""
+    local expert of `rank`, as host ints read in one host sync (the one of the layer's forward). `after`:
+    the counts' all-gather handles (on a device the read waits for them alone, from a side stream:
+    fmoe/parallel/host_read.py); None: `.tolist()` on the current stream."""
     P = counts_PE.shape[0]
-    sizes = torch.cat([counts_PE.sum(1), counts_PE[:, rank * L:(rank + 1) * L].sum(0)]).tolist()
+
+    def flat() -> torch.Tensor:
+        return torch.cat([counts_PE.sum(1), counts_PE[:, rank * L:(rank + 1) * L].sum(0)])
+
+    sizes = flat().tolist() if after is None else read_ints(flat, counts_PE.device, after)
     return max(sizes[:P], default=0), tuple(sizes[P:])
 
 
@@ -126,7 +135,7 @@ class AllGatherDispatcher(TokenLevelMixin, SyncRows, RowExchange):
 
         def plan(counts_PE: torch.Tensor) -> tuple[RowPlan, list]:
             counts_PE = counts_PE.reshape(comm.size, -1)
-            r_max, counts_L = gather_sizes(counts_PE, comm.rank, L)  # the host sync
+            r_max, counts_L = gather_sizes(counts_PE, comm.rank, L, [h])  # the host sync
             idx_M, counts_L_dev = gather_index(counts_PE, comm.rank, L, r_max, sum(counts_L))
             return RowPlan(counts_L=Counts(counts_L, counts_L_dev), route=GatherRoute(idx_M, r_max, rows)), []
 

@@ -9,12 +9,14 @@ The route is written once, as issue / wait exchanges (fmoe/dispatch/exchange.py)
 `combine` are the synchronous adapter over them (fmoe/dispatch/sync.py).
 
 Host synchronisation (explicit): the plan waits the count exchange, and the split sizes and the rows per
-local expert are read to the host in one `.tolist()` per dispatch; the exchanges and their transposes
-reuse them and do not synchronise.
+local expert are read to the host in one read per dispatch (on a device from a side stream after the
+count exchange, not from the compute stream: fmoe/parallel/host_read.py); the exchanges, their
+transposes and `row_chunks` reuse them and do not synchronise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from fmoe.dispatch.exchange import Chain, RowExchange, RowPlan, unchanged
 from fmoe.dispatch.sync import SyncRows
 from fmoe.ops import Counts
 from fmoe.parallel.collectives import CommGroup
+from fmoe.parallel.host_read import read_ints, upload_ints
 from fmoe.parallel.phased import a2a_each
 from fmoe.parallel.rows import TokenLevelMixin, chunk_transpose_index
 from fmoe.parallel.tp_extends_ep import experts_per_rank
@@ -31,13 +34,19 @@ from fmoe.parallel.tp_extends_ep import experts_per_rank
 HostMatrix = tuple[tuple[int, ...], ...]
 
 
-def split_sizes(counts_PL: torch.Tensor,
-                recv_PL: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...], HostMatrix]:
+def split_sizes(counts_PL: torch.Tensor, recv_PL: torch.Tensor, after: Sequence[Any] | None = None,
+                ) -> tuple[list[int], list[int], tuple[int, ...], HostMatrix]:
     """Return (send_P, recv_P, counts_L, recv_PL): rows to / from each rank, rows per local expert and
-    rows from each rank per local expert, read to the host in one `.tolist()` (the one host sync of a
-    layer's forward)."""
+    rows from each rank per local expert, read to the host at once (the one host sync of a layer's
+    forward). `after`: the handles of the count exchange that made recv_PL: on a device the read then
+    waits for them alone, on a side stream (fmoe/parallel/host_read.py), not for the compute stream;
+    None: `.tolist()` on the current stream."""
     P, L = recv_PL.shape
-    sizes = torch.cat([counts_PL.sum(1), recv_PL.sum(1), recv_PL.sum(0), recv_PL.reshape(-1)]).tolist()
+
+    def flat() -> torch.Tensor:
+        return torch.cat([counts_PL.sum(1), recv_PL.sum(1), recv_PL.sum(0), recv_PL.reshape(-1)])
+
+    sizes = flat().tolist() if after is None else read_ints(flat, recv_PL.device, after)
     matrix = tuple(tuple(sizes[2 * P + L + p * L:2 * P + L + (p + 1) * L]) for p in range(P))
     return sizes[:P], sizes[P:2 * P], tuple(sizes[2 * P:2 * P + L]), matrix
 
@@ -62,17 +71,17 @@ def row_chunks(plan: RowPlan, n: int, device: torch.device) -> tuple[RowChunk, .
     k (c+1) / n) of each block of k rows this rank sends to a peer, and receives the same share of each
     block a peer sends it, so each chunk is a whole all-to-all of its own and the experts can start on
     chunk 0 while chunk 1 travels. Routing, capacity and the balancing losses are the whole microbatch's:
-    only the movement is split. Host ints only (no sync: the plan's count exchange read them)."""
+    only the movement is split. Host ints only (no sync: the plan's count exchange read them), put on
+    the device in one non-blocking copy (`upload_ints`)."""
     if plan.send_P is None or plan.recv_P is None or plan.recv_PL is None:
         raise ValueError("row chunks need an all-to-all plan (send_P, recv_P and recv_PL)")
     starts = [0]
     for k in plan.send_P:
         starts.append(starts[-1] + k)
-    out = []
+    host, spans = [], []  # every chunk's rows_R and recv_PL, in one buffer: one upload
     for c in range(n):
         sends = [_bounds(k, c, n) for k in plan.send_P]
-        rows_R = torch.cat([torch.arange(s + lo, s + hi, dtype=torch.int64)
-                            for s, (lo, hi) in zip(starts, sends)])
+        rows = [r for s, (lo, hi) in zip(starts, sends) for r in range(s + lo, s + hi)]
         recv_PL = []
         for k, row in zip(plan.recv_P, plan.recv_PL):  # a peer's block is sorted by local expert
             lo, hi = _bounds(k, c, n)
@@ -81,14 +90,19 @@ def row_chunks(plan: RowPlan, n: int, device: torch.device) -> tuple[RowChunk, .
                 kept.append(max(0, min(hi, begin + count) - max(lo, begin)))
                 begin += count
             recv_PL.append(tuple(kept))
+        spans.append((len(host), len(rows), sends, tuple(recv_PL)))
+        host += rows + [k for row in recv_PL for k in row]
+    dev = upload_ints(host, device)
+    out = []
+    for at, num, sends, recv_PL in spans:
         recv_P = [sum(r) for r in recv_PL]
         counts_L = tuple(sum(col) for col in zip(*recv_PL))
-        recv_PL_dev = torch.tensor(recv_PL, dtype=torch.int64, device=device)
-        idx_M = chunk_transpose_index(recv_PL_dev, sum(recv_P)).to(device)
+        recv_PL_dev = dev[at + num:at + num + len(recv_PL) * len(counts_L)].view(len(recv_PL), len(counts_L))
+        idx_M = chunk_transpose_index(recv_PL_dev, sum(recv_P))
         sub = RowPlan(counts_L=Counts(counts_L, recv_PL_dev.sum(0)), idx_M=idx_M,
                       inverse_M=torch.argsort(idx_M),
-                      send_P=[hi - lo for lo, hi in sends], recv_P=recv_P, recv_PL=tuple(recv_PL))
-        out.append(RowChunk(sub, rows_R.to(device), starts[-1]))
+                      send_P=[hi - lo for lo, hi in sends], recv_P=recv_P, recv_PL=recv_PL)
+        out.append(RowChunk(sub, dev[at:at + num], starts[-1]))
     return tuple(out)
 
 
@@ -111,7 +125,7 @@ class AllToAllDispatcher(TokenLevelMixin, SyncRows, RowExchange):
 
         def plan(got: dict) -> tuple[RowPlan, list]:
             recv_PL = got["counts"]
-            send_P, recv_P, counts_L, recv_host = split_sizes(counts_PL, recv_PL)  # the host sync
+            send_P, recv_P, counts_L, recv_host = split_sizes(counts_PL, recv_PL, handles)  # the host sync
             # permute-2: (source, local expert) -> (local expert, source)
             idx_M = chunk_transpose_index(recv_PL, sum(recv_P))
             return RowPlan(counts_L=Counts(counts_L, recv_PL.sum(0)), idx_M=idx_M,

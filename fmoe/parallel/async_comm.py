@@ -98,6 +98,21 @@ class CommHandle:
         if self._counters is not None:
             self._counters.add_wait(self.op, time.perf_counter() - t0)
 
+    def order_stream(self) -> None:
+        """On a device, makes the current stream wait for the collectives' end (c10d's `work.wait()`: no
+        host block; the handle stays unwaited: `wait()` still orders the stream that reads the results);
+        on CPU the same as `wait()`. For a side stream that reads what the collectives brought
+        (fmoe/parallel/host_read.py)."""
+        if not self.on_device:
+            self.wait()
+            return
+        try:
+            with disable_functorch():
+                for w in self._works:
+                    w.wait()
+        except Exception as e:
+            raise describe_failure(self.op, self.ranks, e) from e
+
     def __del__(self) -> None:
         # Dropped without wait() on a device: queue the current stream after the works (no host block)
         # before the kept buffers go back to the allocator. On CPU gloo keeps its own buffers alive.

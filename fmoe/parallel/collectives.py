@@ -49,12 +49,15 @@ class CommGroup:
     fmoe/parallel/async_comm.py says why a device wait takes none).
 
     Explicit object, no module state. `topology` None counts every transfer as intra-node.
+    `weight_grads_per_step` (a tensor-parallel group's): replicated weights read through
+    `fmoe.parallel.tensor.tp_weight` keep partial gradients, for the caller to sum once per step.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, topology: Topology | None = None,
                  counters: CommCounters | None = None, link_model: LinkModel | None = None,
-                 timeout: timedelta | None = None):
+                 timeout: timedelta | None = None, weight_grads_per_step: bool = False):
         self.group = group
+        self.weight_grads_per_step = weight_grads_per_step
         self.topology = topology
         self.counters = counters
         self.link_model = link_model

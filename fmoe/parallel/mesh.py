@@ -14,12 +14,13 @@ parallelism (cp) splits each sequence over its ranks: they read the same data an
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fmoe._compat import flatten_mesh
+from fmoe._compat import flatten_mesh, group_options
 from fmoe.parallel.agreement import agree
 from fmoe.parallel.topology import Topology, check_layout
 
@@ -41,13 +42,18 @@ class ParallelLayout:
     AgreementError naming the ranks that disagree, instead of building mismatched groups. Give
     `params` here only when every rank holds the same shapes (no pipeline split; else agree per stage,
     e.g. `agree(layout.group("expert"), params=p)`).
+
+    `timeout`: how long an op of any of its groups may wait for a peer before the group fails it (gloo
+    raises; NCCL's watchdog aborts). None: torch's default for each new group (30 minutes on gloo, 10 on
+    NCCL), not the world's. Give the world's (`init_process_group(timeout=)`): groups spanning the whole
+    world are the default group itself.
     """
 
     DIMS = ("pp", "cp", "dp", "ep_inter", "ep_intra", "tp")
 
     def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                  topology: Topology | None = None, device_type: str = "cpu",
-                 agree_on: Mapping[str, Any] | None = None):
+                 agree_on: Mapping[str, Any] | None = None, timeout: timedelta | None = None):
         ws = dist.get_world_size()
         dp = dp if dp is not None else ws // (tp * ep * pp * cp)
         self.tp, self.ep, self.pp, self.dp, self.cp = tp, ep, pp, dp, cp
@@ -62,19 +68,33 @@ class ParallelLayout:
         ep_intra = check_layout(ws, tp=tp, ep=ep, pp=pp, dp=dp, cp=cp,
                                 ranks_per_node=self.topology.ranks_per_node)
         shape = (pp, cp, dp, ep // ep_intra, ep_intra, tp)
-        self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS)
+        # every group smaller than the world is created with `timeout`; a group of the whole world is the
+        # default group itself (torch reuses it only when given no options), which has the world's
+        options = None if timeout is None else group_options(device_type, timeout)
+
+        def opts(size: int) -> Any:
+            return options if size < ws else None
+
+        override = {d: o for d, n in zip(self.DIMS, shape, strict=True) if (o := opts(n)) is not None}
+        self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS,
+                                                 backend_override=override or None)
+
+        def flat(dims: tuple[str, ...], name: str) -> DeviceMesh:
+            sub = self.mesh[dims]
+            return flatten_mesh(sub, name, opts(sub.size()))
+
         self._meshes: dict[str, DeviceMesh] = {
             "pp": self.mesh["pp"], "dp": self.mesh["dp"], "tp": self.mesh["tp"],
-            "ep": flatten_mesh(self.mesh["ep_inter", "ep_intra"], "ep"),
-            "expert": flatten_mesh(self.mesh["ep_inter", "ep_intra", "tp"], "expert"),
-            "expert_intra": flatten_mesh(self.mesh["ep_intra", "tp"], "expert_intra"),
+            "ep": flat(("ep_inter", "ep_intra"), "ep"),
+            "expert": flat(("ep_inter", "ep_intra", "tp"), "expert"),
+            "expert_intra": flat(("ep_intra", "tp"), "expert_intra"),
             "expert_inter": self.mesh["ep_inter"],
-            "data": flatten_mesh(self.mesh["dp", "ep_inter", "ep_intra"], "data"),
+            "data": flat(("dp", "ep_inter", "ep_intra"), "data"),
         }
         self._meshes["cp"] = self.mesh["cp"]
         if cp > 1:  # every rank builds these (a collective), only when they differ from data / dp
-            self._meshes["data_cp"] = flatten_mesh(self.mesh["cp", "dp", "ep_inter", "ep_intra"], "data_cp")
-            self._meshes["dp_cp"] = flatten_mesh(self.mesh["cp", "dp"], "dp_cp")
+            self._meshes["data_cp"] = flat(("cp", "dp", "ep_inter", "ep_intra"), "data_cp")
+            self._meshes["dp_cp"] = flat(("cp", "dp"), "dp_cp")
         else:
             self._meshes["data_cp"], self._meshes["dp_cp"] = self._meshes["data"], self._meshes["dp"]
 

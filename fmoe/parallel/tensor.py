@@ -67,6 +67,34 @@ def copy_to_tp(x: torch.Tensor, comm: CommGroup, *, op: str = "tp.copy") -> torc
     return _CopyToTP.apply(x, comm, op)
 
 
+def tp_weight(w: torch.Tensor, comm: CommGroup, *, op: str = "tp.weight") -> torch.Tensor:
+    """Returns replicated weight `w` (the same on every rank of the group) as read by a use that leaves
+    each rank a partial gradient (its tokens, positions or heads only: the router, the shared expert, the
+    q / k norms, and under sequence parallelism every replicated weight): `copy_to_tp`, its gradient
+    summed over the group in every backward, unless `comm.weight_grads_per_step`; then `w` itself, its
+    gradient left partial for the step to sum once over all microbatches (`sum_tp_partials`, the leaves
+    `fmoe.tp_layout.tp_partial` names), as Megatron does: one all-reduce per step instead of one per
+    weight per microbatch."""
+    if getattr(comm, "weight_grads_per_step", False):
+        return w
+    return copy_to_tp(w, comm, op=op)
+
+
+def sum_tp_partials(grads: list[torch.Tensor], comm: CommGroup, *, op: str = "tp.weight_grads") -> None:
+    """Sums, in place over the group, the partial gradients `grads` of replicated weights read through
+    `tp_weight` with `comm.weight_grads_per_step` (each rank's over all its microbatches): one flat
+    all-reduce per dtype; returns None."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in same]), comm, op=op)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def reduce_from_tp(x: torch.Tensor, comm: CommGroup, *, op: str = "tp.reduce") -> torch.Tensor:
     """Returns the sum over the group of the partial results `x`, leaving a TP region: all-reduce
     forward, the (replicated) gradient passed back unchanged. Megatron's g."""

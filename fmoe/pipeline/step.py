@@ -208,10 +208,11 @@ def gpt_stage_turns(cfg: GPTConfig, s: Schedule, chunks: tuple[ChunkSpec, ...],
 
 def _step_loss(result: StepResult, params: dict[str, Any]) -> torch.Tensor:
     """This rank's part of the step loss, a new tensor to all-reduce over the pipeline group. A rank whose
-    stages add no loss contributes a zero made here, on the params' device and in the loss dtype of the
-    ranks that have one (the executor's empty sum is not to be trusted for either: NCCL / HCCL reduce
-    device tensors only, and every rank must reduce the same dtype)."""
+    stages add no loss contributes a zero made here, on the executor's device (that of the rank's own
+    stage params) and in the loss dtype of the ranks that have one (every rank must reduce the same
+    dtype). The embedding's table gives the dtype only: on a rank that holds neither the embedding nor
+    the head it is a meta tensor, which gloo reduces as 0 bytes and NCCL / HCCL refuse."""
     if result.losses:
         return result.loss.clone()
     table = params["embed"]["table"]  # every rank's params hold the whole tree's top-level leaves
-    return torch.zeros((), dtype=torch.promote_types(table.dtype, torch.float32), device=table.device)
+    return torch.zeros((), dtype=torch.promote_types(table.dtype, torch.float32), device=result.loss.device)

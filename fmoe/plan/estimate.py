@@ -244,11 +244,22 @@ def _tp_comm_s(ctx: Context, lay: L.Layout, kind: str) -> tuple[float, float]:
     tp, c = lay.tp, ctx.cluster
     if tp == 1:
         return 0.0, 0.0
-    out = {"F": 0.0, "B": 0.0}
+    out = {"F": 0.0, "B": 0.0, "S": 0.0}
     for coll in tp_collectives(ctx.model, kind, lay.micro_batch * ctx.model.seq):
         steps = 2 * (tp - 1) if coll.kind == "all_reduce" else tp - 1
         out[coll.phase] += _collective_s(c, coll.sent(tp), True, steps)
     return out["F"], out["B"]
+
+
+def _tp_sums_s(ctx: Context, lay: L.Layout, kind: str) -> float:
+    """Seconds of one layer's replicated-weight gradient sums over tp, once per step at the step's end
+    (phase "S" of `layer_costs.tp_collectives`; fmoe.parallel.tensor.sum_tp_partials)."""
+    tp = lay.tp
+    if tp == 1:
+        return 0.0
+    colls = tp_collectives(ctx.model, kind, lay.micro_batch * ctx.model.seq)
+    return sum(_collective_s(ctx.cluster, coll.sent(tp), True, 2 * (tp - 1)) for coll in colls
+               if coll.phase == "S")
 
 
 def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
@@ -416,6 +427,8 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         tuple[int, int, bool, str | None], tuple[float, ...]
     ] = {}  # most chunks are alike: price each kind once
     start = 0
+    chunk_tp_sums: list[float] = []
+    sums_memo: dict[tuple[int, int, bool, str | None], float] = {}
     for k, n in enumerate(layers_C):
         n_dense = max(0, min(n, model.dense_layers - start))
         start += n
@@ -432,6 +445,11 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
                 (ph_emb, emb),
                 ends.get(key[3]),
             )
+        if key not in sums_memo:  # the chunk's replicated-weight gradient sums over tp, once per step
+            kinds = [(dense_blk.kind, key[0]), (moe_blk.kind, key[1]), (emb.kind, int(key[2]))]
+            kinds += [(ends[key[3]][1].kind, 1)] if key[3] else []
+            sums_memo[key] = sum(q * _tp_sums_s(ctx, lay, kind) for kind, q in kinds if q)
+        chunk_tp_sums.append(sums_memo[key])
         f, i, w, n_moe, dp_, ep_, act, wb, b_ = memo[key]
         # the executor's own work per stage and microbatch, whatever its layers, in the backward
         i, b_ = i + c.stage_overhead_s, b_ + c.stage_overhead_s
@@ -455,8 +473,10 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     rank_dense = [0.0] * pp
     rank_exp = [0.0] * pp
     rank_layers = [0] * pp  # blocks, embedding and head held: what step_overhead_s is counted per
+    rank_tp_sums = [0.0] * pp
     for stage, k in enumerate(stage_chunk):
         r = s_full.placement.stage_rank[stage]
+        rank_tp_sums[r] += chunk_tp_sums[k]
         rank_dense[r] += chunk_dense_p[k] / lay.tp
         rank_exp[r] += chunk_exp_p[k] / (lay.ep * lay.tp)
         rank_layers[r] += layers_C[k] + (k == 0) + (k in end_of)
@@ -503,7 +523,9 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         nbytes = 2 * (group - 1) / group * params * 4
         return _collective_s(c, nbytes, intra, 2 * (group - 1))
 
-    dp_s = [reduce_s(rank_dense[r], lay.data_ranks) + reduce_s(rank_exp[r], lay.dp) for r in range(pp)]
+    # with the tensor-parallel sums of the replicated weights' partial gradients, also once per step
+    dp_s = [reduce_s(rank_dense[r], lay.data_ranks) + reduce_s(rank_exp[r], lay.dp) + rank_tp_sums[r]
+            for r in range(pp)]
     opt_bytes = 28 + (6 if mixed else 0)
     opt_s = [
         opt_bytes * (rank_dense[r] / dense_shard + rank_exp[r] / exp_shard) / c.hbm_bytes_per_s

@@ -210,13 +210,18 @@ def _leave(nbytes: int, sp: bool) -> tuple[Collective, ...]:
     return (Collective("tp.reduce", "all_reduce", "F", nbytes),)
 
 
-def _grad_sums(op: str, elems: tuple[int, ...], b: int) -> tuple[Collective, ...]:
-    """Replicated weights of these sizes entering through copy_to_tp: each one's gradient all-reduced in
-    the backward, every microbatch."""
+def _grad_sums(op: str, elems: tuple[int, ...], b: int, per_step: bool) -> tuple[Collective, ...]:
+    """Replicated weights of these sizes read through `tp_weight` (their gradients partial per rank):
+    `per_step` (what `fmoe train` runs) their fp32 gradients summed once per step, phase "S" (one flat
+    all-reduce at the step's end: `sum_tp_partials`); else each one's gradient all-reduced in the backward
+    of every microbatch, in the compute dtype."""
+    if per_step:
+        return tuple(Collective("tp.weight_grads", "all_reduce", "S", n * FP32_BYTES) for n in elems if n)
     return tuple(Collective(op, "all_reduce", "B", n * b) for n in elems if n)
 
 
-def _attention_collectives(m: ModelSpec, T: int, sp: bool, qk_norm: bool) -> tuple[Collective, ...]:
+def _attention_collectives(m: ModelSpec, T: int, sp: bool, qk_norm: bool,
+                           per_step: bool) -> tuple[Collective, ...]:
     """fmoe.block.self_attention's collectives: GQA's, or MLA's (fmoe.mla.mla: the latents, concatenated,
     enter the TP region in one collective; under SP the down projections and latent norms run before it on
     the rank's positions, so their gradients are summed)."""
@@ -230,14 +235,14 @@ def _attention_collectives(m: ModelSpec, T: int, sp: bool, qk_norm: bool) -> tup
         entry = _enter("tp.sp_gather", T * (q + kv) * b, sp)  # concatenated: one collective moves both
         # under SP the replicated down-projections and latent norms see the rank's positions only
         norms = (h, h * m.q_lora_rank, m.q_lora_rank, h * kv, m.kv_lora_rank) if sp else ()
-    return entry + _leave(T * h * b, sp) + _grad_sums("tp.copy.bwd", norms, b)
+    return entry + _leave(T * h * b, sp) + _grad_sums("tp.weight.bwd", norms, b, per_step)
 
 
-def _loss_collectives(m: ModelSpec, T: int, sp: bool) -> tuple[Collective, ...]:
+def _loss_collectives(m: ModelSpec, T: int, sp: bool, per_step: bool) -> tuple[Collective, ...]:
     """fmoe.phases.logits_loss's: the norm, the gather into the vocab-parallel head, the cross-entropy's
     max, normaliser and target logit (fp32 [T] each)."""
     h, b = m.hidden, DTYPE_BYTES[m.dtype]
-    out = _grad_sums("tp.copy.bwd", (h,) if sp else (), b) + _enter("tp.sp_gather", T * h * b, sp)
+    out = _grad_sums("tp.weight.bwd", (h,) if sp else (), b, per_step) + _enter("tp.sp_gather", T * h * b, sp)
     return out + (Collective("tp.ce_max", "all_reduce", "F", T * FP32_BYTES),
                   Collective("tp.reduce", "all_reduce", "F", T * FP32_BYTES),
                   Collective("tp.reduce", "all_reduce", "F", T * FP32_BYTES))
@@ -245,33 +250,39 @@ def _loss_collectives(m: ModelSpec, T: int, sp: bool) -> tuple[Collective, ...]:
 
 @functools.lru_cache(maxsize=1024)
 def tp_collectives(m: ModelSpec, kind: str, T: int, *, sequence_parallel: bool = True,
-                   qk_norm: bool = False) -> tuple[Collective, ...]:
+                   qk_norm: bool = False, weight_sums: str = "step") -> tuple[Collective, ...]:
     """Returns the tensor-parallel collectives one layer of `kind` ("dense", "moe", "embed", "head")
     issues for a microbatch of T tokens (the tp group's), forward and backward, as the runtime does
     (fmoe.block, fmoe.dense.swiglu_mlp, fmoe.phases; the MoE block with TP extending EP). `qk_norm`: GQA
-    with per-head q / k norms (ModelSpec does not say; the planner passes False).
+    with per-head q / k norms (ModelSpec does not say; the planner passes False). `weight_sums`: "step"
+    (`fmoe train`'s) the replicated weights' partial gradients summed once per step (phase "S", fp32),
+    "microbatch" in every microbatch's backward (phase "B"; a CommGroup without weight_grads_per_step).
 
     Not here: the balancing losses' statistics (cfg.moe's aux / seq_aux / z losses each add an
     all-reduce of at most B x E floats, a choice ModelSpec does not carry)."""
     h, b, sp = m.hidden, DTYPE_BYTES[m.dtype], sequence_parallel
+    if weight_sums not in ("step", "microbatch"):
+        raise ValueError(f"weight_sums must be 'step' or 'microbatch', got {weight_sums!r}")
+    per_step = weight_sums == "step"
     if kind == "embed":  # vocab-parallel: the shards' partial rows summed (scattered over positions)
         return _leave(T * h * b, sp)
     if kind == "head":  # the loss, and each MTP module's input, MoE block and loss (all under SP too)
-        mtp_in = _leave(T * h * b, sp) + _grad_sums("tp.copy.bwd", (h, h, 2 * h * h) if sp else (), b)
-        block = tp_collectives(m, "moe", T, sequence_parallel=sp, qk_norm=qk_norm)
-        mtp = mtp_in + block + _loss_collectives(m, T, sp)
-        return _loss_collectives(m, T, sp) + mtp * m.mtp
-    out = _attention_collectives(m, T, sp, qk_norm)
+        mtp_in = _leave(T * h * b, sp) + _grad_sums("tp.weight.bwd", (h, h, 2 * h * h) if sp else (), b,
+                                                    per_step)
+        block = tp_collectives(m, "moe", T, sequence_parallel=sp, qk_norm=qk_norm, weight_sums=weight_sums)
+        mtp = mtp_in + block + _loss_collectives(m, T, sp, per_step)
+        return _loss_collectives(m, T, sp, per_step) + mtp * m.mtp
+    out = _attention_collectives(m, T, sp, qk_norm, per_step)
     if kind == "dense":  # the SwiGLU: its norm, column- then row-parallel
-        return out + _grad_sums("tp.copy.bwd", (h if sp else 0,), b) + _enter(
+        return out + _grad_sums("tp.weight.bwd", (h if sp else 0,), b, per_step) + _enter(
             "tp.sp_gather", T * h * b, sp) + _leave(T * h * b, sp)
     # MoE, TP extending EP: each rank routes its own tokens (under SP its positions, else split_tokens'
     # share, joined back after the combine), so no collective wraps the experts; the router and the
     # shared expert are replicated and their gradients summed, the load counts are the group's
-    out += _grad_sums("tp.copy.bwd", (h if sp else 0,), b)
+    out += _grad_sums("tp.weight.bwd", (h if sp else 0,), b, per_step)
     out += (Collective("tp.router_stats", "all_reduce", "F", m.routed_experts * INT64_BYTES),)
-    out += _grad_sums("tp.router.bwd", (h * m.routed_experts,), b)
-    out += _grad_sums("tp.shared.bwd", (3 * h * m.shared_experts * m.expert_ffn,), b)
+    out += _grad_sums("tp.router.bwd", (h * m.routed_experts,), b, per_step)
+    out += _grad_sums("tp.shared.bwd", (3 * h * m.shared_experts * m.expert_ffn,), b, per_step)
     if not sp:  # split_tokens' backward and join_tokens' forward: all-gathers of [T, D]
         out += (Collective("tp.tokens", "all_gather", "B", T * h * b),
                 Collective("tp.tokens", "all_gather", "F", T * h * b))

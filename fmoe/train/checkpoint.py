@@ -168,8 +168,11 @@ def state_items(leaves: list[Leaf], params: dict[str, torch.Tensor], opt: Any,
 
 def save(directory: str | Path, step: int, items: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Writes a checkpoint of step `step` from every rank's `items` (collective: every rank calls it);
-    returns its final directory. Tensors are copied to contiguous memory first, so views save only their
-    own elements. CheckpointError on every rank when rank 0 refuses the directory or a write fails."""
+    returns its final directory. The live tensors go to DCP as they are: its writer stages them to the
+    host one at a time (a device tensor copied to host memory, a host view cloned to its own elements:
+    torch/distributed/checkpoint/filesystem.py's loaders), so a save allocates no device copy of the
+    weights or the AdamW state (a whole copy was 12 bytes per parameter at the peak). CheckpointError
+    on every rank when rank 0 refuses the directory or a write fails."""
     root = Path(directory)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
@@ -185,7 +188,7 @@ def save(directory: str | Path, step: int, items: dict[str, torch.Tensor], meta:
             problem = str(exc)
     _collectively(problem)
     try:
-        dcp.save({k: v.detach().clone().contiguous() for k, v in items.items()}, checkpoint_id=str(partial))
+        dcp.save({k: v.detach() for k, v in items.items()}, checkpoint_id=str(partial))
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -336,19 +339,20 @@ def verify(checkpoint: str | Path) -> None:
 
 def load(checkpoint: str | Path, items: dict[str, torch.Tensor], verified: bool = False) -> None:
     """Reads the checkpoint into `items` (from `state_items`: the live tensors), in place (collective),
-    after `verify` unless the caller did (`verified`). Raises CheckpointError (one line) when it is
-    damaged or unsafe, or lacks a key this rank needs."""
+    after `verify` unless the caller did (`verified`). DCP reads each tensor into host memory and copies
+    it into its target, one at a time: no device copy of the weights or the AdamW state is made. A load
+    that fails may leave `items` partly written; the caller stops on its error. Raises CheckpointError
+    (one line) when it is damaged or unsafe, or lacks a key this rank needs."""
     if not verified:
         verify(checkpoint)
-    fresh = {k: torch.empty_like(v) for k, v in items.items()}
+    # the RNG state is set through torch, not written in place: read into a host tensor of its own
+    fresh = {k: torch.empty_like(v) if k.startswith("rng/") else v for k, v in items.items()}
     try:
         dcp.load(fresh, storage_reader=SafeFileSystemReader(str(checkpoint)))
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:  # DCP wraps per-rank failures in a BaseException; say what was being read
         raise CheckpointError(f"loading {checkpoint}: {_one_line(exc)}") from exc
-    for k, v in items.items():
+    for k in items:
         if k.startswith("rng/"):
             torch.set_rng_state(fresh[k])
-        else:
-            v.copy_(fresh[k])

@@ -153,7 +153,7 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
     layout = None
     if size > 1:
         layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, cp=tc.cp,
-                                topology=Topology(size, rpn), device_type=device.type)
+                                topology=Topology(size, rpn), device_type=device.type, timeout=timeout)
     return World(rank, size, layout, device)
 
 

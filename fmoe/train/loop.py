@@ -44,6 +44,7 @@ from fmoe.parallel.capacity_agreement import CapacityAgreement
 from fmoe.parallel.context import ParallelContext
 from fmoe.parallel.link_model import parse_link_model
 from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.parallel.tensor import sum_tp_partials
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.cut import ChunkSpec, cut_gpt, holders
 from fmoe.precision import accumulate, cast_to_compute, unscale_
@@ -51,6 +52,7 @@ from fmoe.schedule.compute_model import ComputeModel, table_from_events
 from fmoe.schedule.ir import B, W, ops_of
 from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.verify import verify
+from fmoe.tp_layout import tp_partial
 from fmoe.train import checkpoint
 from fmoe.train.config import ACCUMULATE, TrainConfig
 from fmoe.train.data import Dataset, microbatches
@@ -147,11 +149,16 @@ class Trainer:
         # how the model is laid over ranks, and the stage programs, built once per run: each step pairs
         # them with its params and state
         self.parallel = ParallelContext(
-            tp=CommGroup(layout.group("tp"), timeout=self.timeout) if tc.tp > 1 else None,
+            # replicated weights' partial gradients summed once per step (`_sum_tp_partials`), not in
+            # every microbatch's backward
+            tp=CommGroup(layout.group("tp"), timeout=self.timeout, weight_grads_per_step=True)
+            if tc.tp > 1 else None,
             sequence_parallel=tc.sequence_parallel,
             dispatcher=self._dispatcher() if tc.ep * tc.tp > 1 else None,
             cp=CommGroup(layout.group("cp"), timeout=self.timeout) if tc.cp > 1 else None,
             cp_comm_type=tc.cp_comm_type)
+        self.tp_partials = [lf.key for lf in self.leaves
+                            if tc.tp > 1 and tp_partial(lf.where, tc.sequence_parallel)]
         self.program = None if self.accumulate else gpt_program(
             cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
             overlap=LayerOverlap.of_chunks(tc.a2a_chunks, tc.pair_overlap))
@@ -245,6 +252,8 @@ class Trainer:
         # The routing statistics are the forward's, valid whether or not the backward overflowed.
         self.state = update_gpt_state(self.cfg, self.state, loads, check=not self._checked)
         self.reducer.finish(grads)
+        if self.tp_partials:  # the replicated weights' partial gradients, summed over tp once per step
+            sum_tp_partials([grads[k] for k in self.tp_partials], self.parallel.tp)
         used_scale = self._unscale(grads)
         norm = global_grad_norm(self.leaves, grads, self.world_group)
         # fp16: the norm is summed over every rank, so it is non-finite on all of them as soon as one
