@@ -36,15 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
 
 from fmoe._checks import json_object
 from fmoe.tp_layout import tp_split_axis
 from fmoe.train import checksums
 from fmoe.train.checksums import CHECKSUMS
 from fmoe.train.run_errors import CheckpointError as CheckpointError  # where callers have found it
-from fmoe.train.safe_metadata import SafeFileSystemReader, read_metadata
 from fmoe.train.shards import Leaf
 
 META = "meta.json"
@@ -129,12 +126,23 @@ def _named(leaves: list[Leaf], tensors: dict[str, torch.Tensor],
     return out
 
 
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported on first use: with DTensor it costs every rank 0.7 s of
+    start-up, and most runs never save."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def _global(lf: Leaf, t: torch.Tensor, tp_mesh: Any) -> Any:
     """`t` itself, or for a leaf split over the tensor-parallel ranks the DTensor of the shards (its local
     tensor `t`, so a load writes into it)."""
     axis = None if tp_mesh is None else tp_split_axis(lf.where)
     if axis is None:
         return t
+    # imported here, as DCP (`_dcp`): together they cost every rank 0.7 s of start-up
+    from torch.distributed.tensor import DTensor, Shard
+
     return DTensor.from_local(t, tp_mesh, [Shard(axis)], run_check=False)
 
 
@@ -188,7 +196,7 @@ def save(directory: str | Path, step: int, items: dict[str, torch.Tensor], meta:
             problem = str(exc)
     _collectively(problem)
     try:
-        dcp.save({k: v.detach() for k, v in items.items()}, checkpoint_id=str(partial))
+        _dcp().save({k: v.detach() for k, v in items.items()}, checkpoint_id=str(partial))
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -303,6 +311,8 @@ def check_data(meta: dict[str, Any], identity: dict[str, Any], checkpoint: str |
 
 def has_key(checkpoint: str | Path, key: str) -> bool:
     """Whether the checkpoint holds `key` (from its `.metadata`, through the restricted unpickler)."""
+    from fmoe.train.safe_metadata import read_metadata
+
     return key in read_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
 
 
@@ -322,6 +332,8 @@ def verify(checkpoint: str | Path) -> None:
             warnings.warn(f"{root} has no checksums ({CHECKSUMS}; written before fmoe recorded them): "
                           "loading it unverified", stacklevel=2)
         if problem is None:
+            from fmoe.train.safe_metadata import read_metadata
+
             storage = getattr(read_metadata(root / ".metadata"), "storage_data", None)
             if not isinstance(storage, dict):
                 raise CheckpointError(f"{root}/.metadata lists no shards")
@@ -348,7 +360,9 @@ def load(checkpoint: str | Path, items: dict[str, torch.Tensor], verified: bool 
     # the RNG state is set through torch, not written in place: read into a host tensor of its own
     fresh = {k: torch.empty_like(v) if k.startswith("rng/") else v for k, v in items.items()}
     try:
-        dcp.load(fresh, storage_reader=SafeFileSystemReader(str(checkpoint)))
+        from fmoe.train.safe_metadata import SafeFileSystemReader
+
+        _dcp().load(fresh, storage_reader=SafeFileSystemReader(str(checkpoint)))
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as exc:  # DCP wraps per-rank failures in a BaseException; say what was being read
