@@ -25,7 +25,9 @@ Contract:
   it on the wire cannot go yet, then at the latest at its Send action; receives up to `recv_ahead`
   compute actions before their consumer (a gradient's once its own forward gave the shapes, and any
   that stand before a ready send) but never past an op before them on the wire, and waited just before
-  use; sends are waited at the end of the step. Adjacent stages on one rank (the turn of a V) hand
+  use. A send is waited, and its buffer dropped, as soon as it completed: when its work says so (NCCL,
+  HCCL), at the latest when a later message on the wire arrives from its peer (which posted its receive
+  before sending that one); what is left at the end of the step is waited there. Adjacent stages on one rank (the turn of a V) hand
   over in memory. Every message has its own buffer, on the stage's device: nothing is reused while a
   deferred dw could still read it.
 - Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
@@ -125,11 +127,13 @@ class _Posted(NamedTuple):
 
 
 class _Sent(NamedTuple):
-    """A send in flight: its work, the buffer kept alive until it is waited, what it sends (for errors)."""
+    """A send in flight: its work, the buffer kept alive until it is waited, what it sends (for errors),
+    its message's index on the rank's wire."""
 
     work: Any
     buf: torch.Tensor
     what: str
+    at: int
 
 
 class _Held(NamedTuple):
@@ -344,7 +348,9 @@ class _Executor:
         self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
         self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
         self.sent: set[Dep] = set()  # messages sent before their Send action (the moment they existed)
-        self.sends: list[_Sent] = []
+        # sends in flight per peer, in wire order: each is released (waited, its buffer dropped) once it
+        # completed, at the latest when a later message from its peer arrived (`_release_sends`)
+        self.sends: dict[int, list[_Sent]] = {}
         self.trace = options.trace
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
@@ -392,9 +398,10 @@ class _Executor:
                 _drain(self.op(a.f))
                 _drain(self.op(a.b, paired=True))
             self.step = ""
-        for work, _, what in self.sends:
-            self._wait_work(work, what)
-        self.sends.clear()
+            if self.sends:
+                self._reap_sends()
+        for peer in list(self.sends):
+            self._release_sends(peer, len(self.plan.wire))
         if self.wire:
             left = [str(a) for a in reversed(self.wire)]
             raise ScheduleError(f"rank {self.rank}: P2P ops {left} never ran")
@@ -762,6 +769,7 @@ class _Executor:
             self._wait_work(w, what)
         if self.compute_model is not None:  # gloo tells no completion time: the wait's end bounds it
             self.compute_model.waited(time.perf_counter())
+        self._release_sends(peer, self.plan.wire_at[dep])
         if self.trace:
             msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
             self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
@@ -802,10 +810,34 @@ class _Executor:
             what = f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"
             with self._peer_failure(what):
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
-            self.sends.append(_Sent(work, buf, what))
+            self.sends.setdefault(a.peer, []).append(_Sent(work, buf, what, self.plan.wire_at[dep]))
         if self.trace:
             self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
                         stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
+
+    def _release_sends(self, peer: int, before: int) -> None:
+        """Waits the sends to pipeline rank `peer` that come before wire index `before` and drops their
+        buffers. Called when the message at `before` from `peer` arrived: the peer issued its receives in
+        wire order, so it posted theirs before it sent that one, and they completed or are completing
+        (with gloo's transport thread); on NCCL / HCCL one stream runs a pair's messages in issue order,
+        so they have completed. A send's buffer is held no longer than that (not to the end of the step:
+        up to 2 m [B, S, D] per rank)."""
+        mine = self.sends.get(peer)
+        while mine and mine[0].at < before:
+            work, _, what, _ = mine.pop(0)
+            self._wait_work(work, what)
+        if not mine:
+            self.sends.pop(peer, None)
+
+    def _reap_sends(self) -> None:
+        """Releases every send whose work reports it completed (NCCL / HCCL do, from an event; a gloo
+        send reports it only once waited, and waits for `_release_sends`)."""
+        for peer, mine in list(self.sends.items()):
+            while mine and mine[0].work.is_completed():
+                work, _, what, _ = mine.pop(0)
+                self._wait_work(work, what)
+            if not mine:
+                del self.sends[peer]
 
     def _post_recv(self, a: Recv) -> None:
         """Asks for the receive of `a` early: it goes out as soon as the wire order lets it (every P2P op
