@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import statistics
 import time
@@ -53,10 +54,6 @@ def _actions(s: S.Schedule, rank: int) -> int:
     return sum(len(ops_of(a)) for a in s.ranks[rank])
 
 
-def _compute_s(events: list) -> float:
-    return summarize(events).busy
-
-
 def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = P.model_config(args)
@@ -64,7 +61,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     state = init_gpt_state(cfg)
     data = P.batches(cfg, args)
     options = ExecOptions(compute_model=ComputeModel({}, default=0.0))
-    fmoe, torch_runs, actions = {}, {}, {}
+    # untraced: no timeline (ExecOptions.trace; a revision without the option always traces)
+    untraced = (dataclasses.replace(options, trace=False)
+                if "trace" in {f.name for f in dataclasses.fields(ExecOptions)} else None)
+    fmoe, bare, torch_runs, actions = {}, {}, {}, {}
     for name in args.schedules:
         s = S.build(name, world, args.microbatches)
         chunks = _ranks.even_chunks(cfg, len(set(s.placement.layer_chunk)))
@@ -73,6 +73,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         fmoe[name] = (lambda program=program, shared=shared:
                       gpt_pipeline_step(program, params, state, data, shared=shared, options=options,
                                         check=False))
+        if untraced is not None:
+            bare[name] = (lambda program=program, shared=shared:
+                          gpt_pipeline_step(program, params, state, data, shared=shared, options=untraced,
+                                            check=False))
         actions[name] = _actions(s, rank)
     if args.profile:
         return _profile(rank, fmoe[args.profile], args)
@@ -81,7 +85,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             if after in fmoe:
                 v = P._torch_variant(cfg, cls_name, per_rank, args.microbatches, rank, params, data)
                 torch_runs[after] = v
-    out: dict[str, Any] = {name: {"fmoe": [], "torch": [], "compute": []} for name in fmoe}
+    out: dict[str, Any] = {name: {"fmoe": [], "torch": [], "gap": [], "bare": []} for name in fmoe}
     out["_actions"] = actions
 
     def timed(fn) -> tuple[float, Any]:
@@ -92,18 +96,22 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     for name in fmoe:  # warm-up
         timed(fmoe[name])
+        if name in bare:
+            timed(bare[name])
         if name in torch_runs:
             P._reset(torch_runs[name])
             timed(torch_runs[name].run)
     for k in range(args.reps):
         for name in fmoe:
-            order = ["fmoe", "torch"] if k % 2 == 0 else ["torch", "fmoe"]
+            order = ["fmoe", "bare", "torch"] if k % 2 == 0 else ["torch", "bare", "fmoe"]
             for who in order:
                 if who == "fmoe":
                     dt, step = timed(fmoe[name])
                     out[name]["fmoe"].append(dt)
-                    out[name]["compute"].append(_compute_s(step.result.events))
-                elif name in torch_runs:
+                    out[name]["gap"].append(summarize(step.result.events).gap)
+                elif who == "bare" and name in bare:
+                    out[name]["bare"].append(timed(bare[name])[0])
+                elif who == "torch" and name in torch_runs:
                     P._reset(torch_runs[name])
                     dt, _ = timed(torch_runs[name].run)
                     out[name]["torch"].append(dt)
@@ -175,21 +183,23 @@ def _report_profile(args: argparse.Namespace, results: list[dict]) -> None:
 
 
 def _report(args: argparse.Namespace, results: list[dict]) -> None:
-    print(f"{'schedule':22} {'rank':>4} {'actions':>7} {'fmoe us/act':>11} {'torch us/act':>12} "
-          f"{'phase us/act':>12} {'fmoe/torch':>10} {'paired':>7}")
+    print(f"host microseconds per action (median over {args.reps} rounds); paired: median of the rounds' "
+          "ratios; gap: the executor's own time between timeline events")
+    print(f"{'schedule':20} {'rank':>4} {'acts':>4} {'fmoe':>7} {'untraced':>8} {'torch':>7} {'gap':>6} "
+          f"{'fmoe/torch':>10} {'untraced/torch':>14}")
     for name in args.schedules:
         for rank, got in enumerate(results):
             n = got["_actions"][name]
-            f, t, c = got[name]["fmoe"], got[name]["torch"], got[name]["compute"]
-            fm = statistics.median(f) / n
-            own = statistics.median(x - y for x, y in zip(f, c)) / n
-            if t:
-                tm = statistics.median(t) / n
-                paired = statistics.median(a / b for a, b in zip(f, t))
-                tail = f"{1e6 * tm:12.1f} {1e6 * own:12.1f} {fm / tm:10.3f} {paired:7.3f}"
-            else:
-                tail = f"{'-':>12} {1e6 * own:12.1f} {'-':>10} {'-':>7}"
-            print(f"{name:22} {rank:4d} {n:7d} {1e6 * fm:11.1f} {tail}")
+            f, u, t, g = (got[name][k] for k in ("fmoe", "bare", "torch", "gap"))
+
+            def us(xs: list[float], n: int = n) -> str:
+                return f"{1e6 * statistics.median(xs) / n:.0f}" if xs else "-"
+
+            def paired(xs: list[float], t: list[float] = t) -> str:
+                return f"{statistics.median(a / b for a, b in zip(xs, t)):.3f}" if xs and t else "-"
+
+            print(f"{name:20} {rank:4d} {n:4d} {us(f):>7} {us(u):>8} {us(t):>7} {us(g):>6} {paired(f):>10} "
+                  f"{paired(u):>14}")
 
 
 def main(argv: list[str] | None = None) -> int:
