@@ -8,12 +8,15 @@ at a size whose compute is next to nothing (D 8, 4 layers of 4 experts, S 4, one
 microbatch, 8 microbatches), so a step's time is what the runtimes do around the compute: fmoe's executor
 under a compute model that gives every phase zero seconds (schedule.compute_model, default 0: its clock
 bookkeeping is part of the cost, as in every modelled run), torch's schedule runtime as it is.
-Per schedule and rank: step = wall time of one step (both ranks started by a barrier); per action = step /
-the rank's compute actions (F, I, W, B of one stage and microbatch; an F&B pair counts 2), the same count
-for both runtimes (the benchmark checks that torch's multi-stage lists equal fmoe's). Rounds alternate the
-two runtimes and reverse their order every other round; medians over rounds, and the paired ratio (the
-median of each round's fmoe / torch). `phase` = fmoe's per action time less its compute events (the time
-spent inside the phases' own functions as the timeline measures them): the executor's own share.
+Per schedule and rank, per action (F, I, W, B of one stage and microbatch; an F&B pair counts 2; the same
+count for both runtimes, whose multi-stage lists the pipeline benchmark checks equal): the CPU time of
+the rank's main thread during one step (time.thread_time: the host work itself, which the other
+processes of a shared machine do not add to, unlike wall time) and the wall time (both ranks started by
+a barrier). fmoe runs traced (the timeline, as `fmoe train` records it) and untraced (ExecOptions(trace=
+False); a revision without the option prints "-"). Rounds alternate the runtimes and reverse their order
+every other round; medians over rounds, and the paired ratio (the median of each round's fmoe / torch,
+CPU). `gap` = the traced executor's time between its timeline events (summarize(...).gap: its own
+bookkeeping, and any descheduling on a loaded machine).
 
 --profile SCHEDULE: cProfile of --reps steps of one fmoe schedule on each rank, grouped by what the
 executor decides (docs/pipeline.md, "The host budget"): the rows it spends most in.
@@ -85,14 +88,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             if after in fmoe:
                 v = P._torch_variant(cfg, cls_name, per_rank, args.microbatches, rank, params, data)
                 torch_runs[after] = v
-    out: dict[str, Any] = {name: {"fmoe": [], "torch": [], "gap": [], "bare": []} for name in fmoe}
+    out: dict[str, Any] = {name: {k: [] for k in ("fmoe", "bare", "torch", "fmoe wall", "bare wall",
+                                                  "torch wall", "gap")} for name in fmoe}
     out["_actions"] = actions
 
-    def timed(fn) -> tuple[float, Any]:
+    def timed(fn) -> tuple[float, float, Any]:
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         got = fn()
-        return time.perf_counter() - t, got
+        return time.perf_counter() - t, time.thread_time() - c, got
 
     for name in fmoe:  # warm-up
         timed(fmoe[name])
@@ -103,18 +107,19 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             timed(torch_runs[name].run)
     for k in range(args.reps):
         for name in fmoe:
-            order = ["fmoe", "bare", "torch"] if k % 2 == 0 else ["torch", "bare", "fmoe"]
-            for who in order:
-                if who == "fmoe":
-                    dt, step = timed(fmoe[name])
-                    out[name]["fmoe"].append(dt)
-                    out[name]["gap"].append(summarize(step.result.events).gap)
-                elif who == "bare" and name in bare:
-                    out[name]["bare"].append(timed(bare[name])[0])
-                elif who == "torch" and name in torch_runs:
+            for who in ["fmoe", "bare", "torch"] if k % 2 == 0 else ["torch", "bare", "fmoe"]:
+                if who == "torch" and name in torch_runs:
                     P._reset(torch_runs[name])
-                    dt, _ = timed(torch_runs[name].run)
-                    out[name]["torch"].append(dt)
+                    wall, cpu, _ = timed(torch_runs[name].run)
+                elif who == "bare" and name in bare:
+                    wall, cpu, _ = timed(bare[name])
+                elif who == "fmoe":
+                    wall, cpu, step = timed(fmoe[name])
+                    out[name]["gap"].append(summarize(step.result.events).gap)
+                else:
+                    continue
+                out[name][who].append(cpu)
+                out[name][who + " wall"].append(wall)
     return out
 
 
@@ -148,7 +153,7 @@ def _group_of(fn: str, where: list[str]) -> str:
 def _profile(rank: int, step, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(2):
         step()
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.thread_time)  # CPU time: what load on the machine does not add to
     dist.barrier()
     t = time.perf_counter()
     prof.enable()
@@ -183,14 +188,17 @@ def _report_profile(args: argparse.Namespace, results: list[dict]) -> None:
 
 
 def _report(args: argparse.Namespace, results: list[dict]) -> None:
-    print(f"host microseconds per action (median over {args.reps} rounds); paired: median of the rounds' "
-          "ratios; gap: the executor's own time between timeline events")
-    print(f"{'schedule':20} {'rank':>4} {'acts':>4} {'fmoe':>7} {'untraced':>8} {'torch':>7} {'gap':>6} "
-          f"{'fmoe/torch':>10} {'untraced/torch':>14}")
+    print(f"host microseconds per action, median over {args.reps} rounds: CPU time of the rank's main thread "
+          "(what load on the machine does not add to), and wall time; paired: median of the rounds' ratios "
+          "(CPU); gap: the traced executor's wall time between its timeline events")
+    print(f"{'':25} {'---------- CPU ----------':>25} {'--------- wall ---------':>25}")
+    print(f"{'schedule':20} {'rank':>4} {'fmoe':>8} {'untraced':>8} {'torch':>8} {'fmoe':>8} {'untraced':>8} "
+          f"{'torch':>8} {'gap':>6} {'fmoe/torch':>10} {'untraced/torch':>14}")
     for name in args.schedules:
         for rank, got in enumerate(results):
             n = got["_actions"][name]
-            f, u, t, g = (got[name][k] for k in ("fmoe", "bare", "torch", "gap"))
+            row = got[name]
+            t = row["torch"]
 
             def us(xs: list[float], n: int = n) -> str:
                 return f"{1e6 * statistics.median(xs) / n:.0f}" if xs else "-"
@@ -198,8 +206,10 @@ def _report(args: argparse.Namespace, results: list[dict]) -> None:
             def paired(xs: list[float], t: list[float] = t) -> str:
                 return f"{statistics.median(a / b for a, b in zip(xs, t)):.3f}" if xs and t else "-"
 
-            print(f"{name:20} {rank:4d} {n:4d} {us(f):>7} {us(u):>8} {us(t):>7} {us(g):>6} {paired(f):>10} "
-                  f"{paired(u):>14}")
+            keys = ("fmoe", "bare", "torch", "fmoe wall", "bare wall", "torch wall", "gap")
+            cols = [us(row[k]) for k in keys]
+            print(f"{name:20} {rank:4d} " + " ".join(f"{c:>8}" for c in cols[:6]) + f" {cols[6]:>6} "
+                  f"{paired(row['fmoe']):>10} {paired(row['bare']):>14}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     _ranks.add_model_arguments(p)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--profile", choices=S.registry.NAMES, help="cProfile one fmoe schedule instead")
+    p.add_argument("--profile", choices=S.registry.NAMES, help="cProfile (CPU) one schedule")
     p.add_argument("--top", type=int, default=30, help="--profile: rows printed per rank")
     p.add_argument("--only", nargs="+", choices=S.registry.NAMES, metavar="SCHEDULE")
     args = p.parse_args(argv)
