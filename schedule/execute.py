@@ -759,7 +759,7 @@ class _Executor:
             return {}
         if dep in self.local:  # the producer ran on this rank (the turn of a V)
             return self.local.pop(dep)
-        peer = self.plan.peer[dep]
+        peer = self.s.placement.stage_rank[dep.stage]
         if dep not in self.posted:
             self._issue_through(Recv(dep.kind.value, dep.stage, dep.mb, peer), spec)
         works, bufs, t_post = self.posted.pop(dep)

@@ -9,7 +9,8 @@ What the executor would otherwise work out op by op in every step: which Dep eac
 gives to another stage (deps.needs / produces), at which compute action each receive is asked for
 (`recv_ahead` compute actions before its consumer), which (stage, mb) have a B for their backward, and
 each message's place on the rank's wire (a send may be released once a later message from its peer
-arrived: `release_before`). The step walks the plan; the data (shapes, tensors) stays in the step.
+arrived, execute.py's `_release_sends`). The step walks the plan; the data (shapes, tensors) stays in
+the step.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ class RankPlan:
     actions: the rank's list (with comms); wire: its P2P ops in wire order; recv_before: compute action
     index -> the receives asked for right before it; backward_is_b: (stage, mb) whose backward is a B;
     takes / gives: (F | I, stage, mb) -> the Dep that op receives from / hands to another stage (None:
-    none); wire_at: Dep -> its message's index in `wire`; peer: Dep -> the pipeline rank at the other
-    end of its message."""
+    none); wire_at: Dep -> its message's index in `wire`."""
 
     rank: int
     actions: tuple
@@ -40,7 +40,6 @@ class RankPlan:
     takes: dict[OpKey, Dep | None]
     gives: dict[OpKey, Dep | None]
     wire_at: dict[Dep, int]
-    peer: dict[Dep, int]
 
 
 def rank_plan(full: Schedule, wire: tuple[Send | Recv, ...], rank: int, recv_ahead: int) -> RankPlan:
@@ -70,5 +69,4 @@ def rank_plan(full: Schedule, wire: tuple[Send | Recv, ...], rank: int, recv_ahe
                 gives[(key, op.stage, op.mb)] = next((d for d in produces(full, probe) if d.kind is kind),
                                                      None)
     return RankPlan(rank, actions, wire, {k: tuple(v) for k, v in recv_before.items()},
-                    frozenset(backward_is_b), takes, gives, {carried(m): k for k, m in enumerate(wire)},
-                    {carried(m): m.peer for m in wire})
+                    frozenset(backward_is_b), takes, gives, {carried(m): k for k, m in enumerate(wire)})
