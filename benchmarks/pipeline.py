@@ -38,7 +38,9 @@ Order: one warm-up step of every variant, then --reps rounds running every varia
 starting --rotate units later (medians); a unit is a torch schedule with the fmoe schedules it is compared
 with, run back to back, in reverse order every other round. fmoe / torch is printed twice: the ratio of
 the medians, and "paired", the median over rounds of the ratio of the two steps of one unit (seconds
-apart, so a drift of the machine's speed between rounds cancels). A control, a second instance of torch's
+apart, so a drift of the machine's speed between rounds cancels); "cpu" is the same ratio for the CPU time
+of the ranks' main threads during the two steps (the host work of each, which other processes on a loaded
+machine add to far less than to wall time). A control, a second instance of torch's
 Schedule1F1B run in that schedule's unit, prints both ratios of two identical steps: how far apart this
 machine puts the same work in the same run, the resolution of every other ratio.
 Peak memory comes from a second pair of processes in the same run (glibc malloc set to mmap every block
@@ -372,7 +374,8 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     variants = build_variants(cfg, args, rank, params, state, data)
     out: dict[str, Any] = {"p2p": _p2p_one_way(args, rank), "loss": {}, "grad_diff": {}, "peak_acts": {},
                            "order": {v.name: v.order for v in variants if not v.fmoe},
-                           "wall": {v.name: [] for v in variants}, "timeline": {v.name: [] for v in variants}}
+                           "wall": {v.name: [] for v in variants}, "cpu": {v.name: [] for v in variants},
+                           "timeline": {v.name: [] for v in variants}}
     last_fmoe = None  # the fmoe step right before (a torch variant follows its fmoe pair)
     for v in variants:  # warm-up; its losses and gradients are the first step's
         _reset(v)
@@ -396,9 +399,10 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         for v in [v for u in units[k:] + units[:k] for v in (u if rep % 2 == 0 else u[::-1])]:
             _reset(v)
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             res = v.run()
             out["wall"][v.name].append(time.perf_counter() - t)
+            out["cpu"][v.name].append(time.thread_time() - c)
             if v.fmoe:
                 out["timeline"][v.name].append(timeline_stats(res.result.events))
             del res
@@ -524,6 +528,16 @@ def _paired(timing: list[dict], name: str, other: str) -> float:
     return statistics.median(step(name, k) / step(other, k) for k in range(len(timing[0]["wall"][name])))
 
 
+def _paired_cpu(timing: list[dict], name: str, other: str) -> float:
+    """Median over repetitions of `name`'s CPU time / `other`'s in the same repetition (the main threads'
+    CPU seconds during the step, summed over the ranks): the host work of the two steps, which the other
+    processes of a loaded machine add to far less than to wall time (a rank that waits uses none)."""
+    def cpu(who: str, k: int) -> float:
+        return sum(t["cpu"][who][k] for t in timing)
+
+    return statistics.median(cpu(name, k) / cpu(other, k) for k in range(len(timing[0]["cpu"][name])))
+
+
 def _ms(x: float) -> str:
     return f"{1e3 * x:.0f}"
 
@@ -570,9 +584,10 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
         print("fmoe vs torch.distributed.pipelining on the same model and weights (torch: nn.Modules, tape "
               "autograd);\norder: the torch schedule's compute actions equal fmoe's, rank by rank; |dloss|: "
               "first step; grad: max relative gradient difference;\nfmoe/torch: the medians' ratio; paired: "
-              "the median over rounds of the ratio of the two steps run back to back")
+              "the median over rounds of the ratio of the two steps run back to back; cpu: the same for "
+              "the ranks' CPU time (host work)")
         print(f"{'fmoe':<20} {'torch':<30} {'order':>5} {'fmoe ms':>7} {'torch ms':>8} {'spread':>6} "
-              f"{'fmoe/torch':>10} {'paired':>6}  "
+              f"{'fmoe/torch':>10} {'paired':>6} {'cpu':>6}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
         ran = [(n, c) for n, c in PAIRS if n in args.schedules and TORCH[c][0] in args.schedules]
@@ -585,14 +600,16 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             tw = _wall(timing, tn)
             print(f"{name:<20} {cls_name:<30} {'-' if same is None else 'same' if same else 'diff':>5} "
                   f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
-                  f"{by[name]['wall'] / tw:>10.3f} {_paired(timing, name, tn):>6.3f}  "
+                  f"{by[name]['wall'] / tw:>10.3f} {_paired(timing, name, tn):>6.3f} "
+                  f"{_paired_cpu(timing, name, tn):>6.3f}  "
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
         if CONTROL in timing[0]["wall"]:
             print(f"control: {CONTROL_OF[6:]} against a second instance of itself (same weights, run next to "
                   f"it): medians' ratio {_wall(timing, CONTROL) / _wall(timing, CONTROL_OF):.3f}, paired "
-                  f"{_paired(timing, CONTROL, CONTROL_OF):.3f} (the resolution of this run's ratios)")
+                  f"{_paired(timing, CONTROL, CONTROL_OF):.3f}, cpu "
+                  f"{_paired_cpu(timing, CONTROL, CONTROL_OF):.3f} (the resolution of this run's ratios)")
         first = args.schedules[0]
         print(f"first-step loss {by[first]['loss']:.6f} (fmoe {first})")
     print(f"total {seconds:.0f} s (both passes)")

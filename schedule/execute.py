@@ -25,9 +25,11 @@ Contract:
   it on the wire cannot go yet, then at the latest at its Send action; receives up to `recv_ahead`
   compute actions before their consumer (a gradient's once its own forward gave the shapes, and any
   that stand before a ready send) but never past an op before them on the wire, and waited just before
-  use; sends are waited at the end of the step. Adjacent stages on one rank (the turn of a V) hand
-  over in memory. Every message has its own buffer, on the stage's device: nothing is reused while a
-  deferred dw could still read it.
+  use. A send is waited, and its buffer dropped, as soon as it completed: when its work says so (NCCL,
+  HCCL), at the latest when a later message on the wire arrives from its peer (which posted its receive
+  before sending that one); what is left at the end of the step is waited there. Adjacent stages on one
+  rank (the turn of a V) hand over in memory. Every message has its own buffer, on the stage's device:
+  nothing is reused while a deferred dw could still read it.
 - Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
 - A measured timeline: compute phases on the compute lane, exchanges (issue to completion) on the comm
   lane, and every wait as its own compute-lane event.
@@ -48,11 +50,12 @@ import torch.distributed as dist
 
 from fmoe._work import wait_work
 from fmoe.schedule.comms import forward_first_by_turns
-from fmoe.schedule.deps import Dep, Kind, carried, needs, produces
+from fmoe.schedule.deps import Dep, Kind, carried
 from fmoe.schedule.fuse import fuse_adjacent_iw
 from fmoe.schedule.group import check_group
-from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send, ops_of
+from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send
 from fmoe.schedule.options import DEFAULTS, ExecOptions
+from fmoe.schedule.rank_plan import RankPlan, rank_plan
 from fmoe.schedule.timeline import TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
@@ -124,11 +127,13 @@ class _Posted(NamedTuple):
 
 
 class _Sent(NamedTuple):
-    """A send in flight: its work, the buffer kept alive until it is waited, what it sends (for errors)."""
+    """A send in flight: its work, the buffer kept alive until it is waited, what it sends (for errors),
+    its message's index on the rank's wire."""
 
     work: Any
     buf: torch.Tensor
     what: str
+    at: int
 
 
 class _Held(NamedTuple):
@@ -233,15 +238,20 @@ def execute(s: Schedule, rank: int, programs: Mapping[int, StageProgram], data: 
     from then on the gradients of the params only that stage reads on this rank no longer change, so a
     caller may start reducing them while the rest of the schedule runs. `around_op(op)`: a context
     manager entered around each op that runs alone (not an Overlap pair's), e.g. to count what that op
-    does (fmoe.sync_count.phased_block_syncs)."""
+    does (fmoe.sync_count.phased_block_syncs). `trace` (default on): record the measured timeline
+    (`StepResult.events`); off, the step makes no event (and no name for one): what it saves is
+    benchmarks/host_overhead.py's "trace records" row.
+    Everything that depends on the schedule alone (which Dep each op takes and gives, where each receive
+    is asked for, each message's place on the wire: schedule/rank_plan.py) is decided on the first step
+    of a (schedule, rank, options) and kept with its verification; each step walks that plan."""
     check_programs(s, rank, programs)
     check_group(s, rank, group)
     if stage_turns is not None:
         _check_turns(s, rank, programs, stage_turns)
     turns_key = None if stage_turns is None else tuple(sorted(stage_turns.items()))
-    full, wire = _verified(s, options.fuse_iw, options.overlap, turns_key)
+    plan = _plan(s, rank, options, turns_key)
     return _Executor(s, rank, programs, data, group, options, on_stage_done,
-                     options.device or _device_of(programs), around_op).run(full.ranks[rank], wire[rank])
+                     options.device or _device_of(programs), around_op).run(plan)
 
 
 def _device_of(programs: Mapping[int, StageProgram]) -> torch.device:
@@ -280,24 +290,35 @@ def _check_turns(s: Schedule, rank: int, programs: Mapping[int, StageProgram],
 # training loop runs one Schedule value every step, and verifying it (a dependency replay of every rank's
 # list) costs as much as the executor's own bookkeeping of a step on small shapes. Schedules are frozen, so
 # a verification stays valid; the entry holds its schedule, so the id cannot be reused while it is cached.
-_VERIFIED: dict[tuple, tuple[Schedule, Schedule, tuple]] = {}
+# The rank's plan (rank_plan.py) is kept with them: every decision that depends on the schedule alone.
+_VERIFIED: dict[tuple, tuple[Schedule, Schedule, tuple, dict[tuple[int, int], RankPlan]]] = {}
 _VERIFIED_MAX = 16
 
 
 def _verified(s: Schedule, fuse_iw: bool, overlap: bool, turns: tuple[tuple[int, int], ...] | None
-              ) -> tuple[Schedule, tuple[tuple[Send | Recv, ...], ...]]:
+              ) -> tuple[Schedule, tuple[tuple[Send | Recv, ...], ...], dict[tuple[int, int], RankPlan]]:
     key = (id(s), fuse_iw, overlap, turns)
     hit = _VERIFIED.get(key)
     if hit is not None and hit[0] is s:
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
     full = verify(s, forward_first_by_turns(None if turns is None else dict(turns), overlap))
     if fuse_iw:
         full = fuse_adjacent_iw(full)
     wire = wire_order(full)  # of the lists as they run: fusing moves no Send, but the replay says so
     if len(_VERIFIED) >= _VERIFIED_MAX:
         _VERIFIED.pop(next(iter(_VERIFIED)))
-    _VERIFIED[key] = (s, full, wire)
-    return full, wire
+    _VERIFIED[key] = (s, full, wire, {})
+    return full, wire, _VERIFIED[key][3]
+
+
+def _plan(s: Schedule, rank: int, options: ExecOptions, turns: tuple[tuple[int, int], ...] | None
+          ) -> RankPlan:
+    """Returns rank `rank`'s RankPlan of `s` under `options`, made on the first step that asks for it."""
+    full, wire, plans = _verified(s, options.fuse_iw, options.overlap, turns)
+    got = plans.get((rank, options.recv_ahead))
+    if got is None:
+        got = plans[(rank, options.recv_ahead)] = rank_plan(full, wire[rank], rank, options.recv_ahead)
+    return got
 
 
 class _Executor:
@@ -327,7 +348,10 @@ class _Executor:
         self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
         self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
         self.sent: set[Dep] = set()  # messages sent before their Send action (the moment they existed)
-        self.sends: list[_Sent] = []
+        # sends in flight per peer, in wire order: each is released (waited, its buffer dropped) once it
+        # completed, at the latest when a later message from its peer arrived (`_release_sends`)
+        self.sends: dict[int, list[_Sent]] = {}
+        self.trace = options.trace
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated
@@ -347,17 +371,12 @@ class _Executor:
 
     # ---- driver ---------------------------------------------------------------------------------------
 
-    def run(self, actions: tuple, wire: tuple[Send | Recv, ...]) -> StepResult:
-        self.wire = list(reversed(wire))  # popped from the end
-        self.backward_is_b = {(o.stage, o.mb) for a in actions for o in ops_of(a) if o.kind == B}
-        compute_at = [k for k, a in enumerate(actions) if ops_of(a)]
-        recv_before: dict[int, list[Recv]] = {}
-        for k, a in enumerate(actions):
-            if isinstance(a, Recv):
-                consumer = next(c for c in compute_at if c > k)
-                post = compute_at[max(0, compute_at.index(consumer) - self.recv_ahead)]
-                recv_before.setdefault(min(post, consumer), []).append(a)
-        for k, a in enumerate(actions):
+    def run(self, plan: RankPlan) -> StepResult:
+        self.plan = plan
+        self.wire = list(reversed(plan.wire))  # popped from the end
+        self.backward_is_b = plan.backward_is_b
+        recv_before = plan.recv_before
+        for k, a in enumerate(plan.actions):
             for r in recv_before.get(k, ()):
                 self._post_recv(r)
             if isinstance(a, Send):
@@ -379,9 +398,10 @@ class _Executor:
                 _drain(self.op(a.f))
                 _drain(self.op(a.b, paired=True))
             self.step = ""
-        for work, _, what in self.sends:
-            self._wait_work(work, what)
-        self.sends.clear()
+            if self.sends and self.device.type != "cpu":  # a gloo send says it completed only once waited
+                self._reap_sends()
+        for peer in list(self.sends):
+            self._release_sends(peer, len(self.plan.wire))
         if self.wire:
             left = [str(a) for a in reversed(self.wire)]
             raise ScheduleError(f"rank {self.rank}: P2P ops {left} never ran")
@@ -415,7 +435,7 @@ class _Executor:
 
     def _forward(self, stage: int, mb: int, paired: bool = False) -> Iterator[None]:
         prog = self.programs[stage]
-        acts = self._take_boundary(Op(F, stage, mb), Kind.ACT)
+        acts = self._take_boundary((F, stage, mb))
         meta = dict(self.data(mb))
         defer = self._defers(stage, mb)
         rec = _Record(defer=defer)
@@ -458,7 +478,7 @@ class _Executor:
                     rec.phases.append(PhaseRecord(ph, layer.name, side=side, meta=meta))
         if held is not None:
             acts, meta = self._wait_held(held, acts, meta, rec)
-        if not self._give_boundary(Op(F, stage, mb), Kind.ACT, acts) and acts:
+        if not self._give_boundary((F, stage, mb), acts) and acts:
             raise ScheduleError(f"stage {stage} ends microbatch {mb}'s path but leaves acts "
                                 f"{sorted(acts)} that no loss consumes")
         rec.out_spec = {k: (v.shape, v.dtype) for k, v in acts.items()}
@@ -565,7 +585,7 @@ class _Executor:
         rec = self.records.pop((stage, mb), None)
         if rec is None:
             raise ScheduleError(f"rank {self.rank}: backward of stage {stage} mb {mb} before its forward")
-        ct = self._take_boundary(Op(I, stage, mb), Kind.GRAD, rec.out_spec)
+        ct = self._take_boundary((I, stage, mb), rec.out_spec)
         queue: list[DwPass] = []
         kind = "B" if weights else "I"
         # side phases whose backward has not run yet (index in rec.phases -> record), and the input
@@ -640,7 +660,7 @@ class _Executor:
                             ct[name] = g if name not in ct else ct[name] + g
         if held is not None:
             ct = self._wait_held_transpose(held, ct)
-        if self._give_boundary(Op(I, stage, mb), Kind.GRAD, ct):
+        if self._give_boundary((I, stage, mb), ct):
             self._pump()  # the gradient goes out now, before any dw and before the paired op's rest
         self.deferred[(stage, mb)] = queue
         self.queued.add(1)
@@ -730,36 +750,39 @@ class _Executor:
         w = 0 if dep.kind is Kind.ACT else 1
         return ((w * self.s.placement.num_stages + dep.stage) * self.s.m + dep.mb) * _MAX_KEYS + k
 
-    def _take_boundary(self, op: Op, kind: Kind, spec: Mapping[str, tuple] | None = None) -> Acts:
-        """Returns what `op` needs from another stage (its `kind` Dep: ACT for F, GRAD for a backward), or
-        {} when it needs none (the start of a path for F, the loss stage for I)."""
-        dep = next((d for d in needs(self.s, op) if d.kind is kind), None)
+    def _take_boundary(self, key: tuple[str, int, int], spec: Mapping[str, tuple] | None = None) -> Acts:
+        """Returns what op `key` ((F, stage, mb), or (I, stage, mb) for a backward) needs from another
+        stage (an ACT for F, a GRAD for a backward), or {} when it needs none (the start of a path for F,
+        the loss stage for I)."""
+        dep = self.plan.takes[key]
         if dep is None:
             return {}
         if dep in self.local:  # the producer ran on this rank (the turn of a V)
             return self.local.pop(dep)
+        peer = self.s.placement.stage_rank[dep.stage]
         if dep not in self.posted:
-            peer = self.s.placement.stage_rank[dep.stage]
             self._issue_through(Recv(dep.kind.value, dep.stage, dep.mb, peer), spec)
         works, bufs, t_post = self.posted.pop(dep)
         t = self._now()
-        what = f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank " \
-               f"{self.s.placement.stage_rank[dep.stage]}"
+        what = f"receive of {dep.kind.value} s{dep.stage} mb{dep.mb} from pipeline rank {peer}"
         for w in works:
             self._wait_work(w, what)
         if self.compute_model is not None:  # gloo tells no completion time: the wait's end bounds it
             self.compute_model.waited(time.perf_counter())
-        msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
-        self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
-                    kind="wait p2p", **msg)
-        self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post,
-                    kind="p2p recv", peer=self.s.placement.stage_rank[dep.stage], **msg)
+        self._release_sends(peer, self.plan.wire_at[dep])
+        if self.trace:
+            msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
+            self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
+                        kind="wait p2p", **msg)
+            self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post,
+                        kind="p2p recv", peer=peer, **msg)
         return bufs
 
-    def _give_boundary(self, op: Op, kind: Kind, acts: Acts) -> bool:
-        """Keeps `acts`, what `op` produced for another stage, until its consumer on this rank takes it or
-        the schedule's Send issues it; returns False when `op` produces no such Dep (the path ends)."""
-        dep = next((d for d in produces(self.s, op) if d.kind is kind), None)
+    def _give_boundary(self, key: tuple[str, int, int], acts: Acts) -> bool:
+        """Keeps `acts`, what op `key` ((F | I, stage, mb)) produced for another stage, until its consumer on
+        this rank takes it or the schedule's Send issues it; returns False when the op produces no such Dep
+        (the path ends)."""
+        dep = self.plan.gives[key]
         if dep is None:
             return False
         self.local[dep] = acts
@@ -787,9 +810,34 @@ class _Executor:
             what = f"send of {a.what} s{a.stage} mb{a.mb} to pipeline rank {a.peer}"
             with self._peer_failure(what):
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
-            self.sends.append(_Sent(work, buf, what))
-        self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
-                    stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
+            self.sends.setdefault(a.peer, []).append(_Sent(work, buf, what, self.plan.wire_at[dep]))
+        if self.trace:
+            self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
+                        stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
+
+    def _release_sends(self, peer: int, before: int) -> None:
+        """Waits the sends to pipeline rank `peer` that come before wire index `before` and drops their
+        buffers. Called when the message at `before` from `peer` arrived: the peer issued its receives in
+        wire order, so it posted theirs before it sent that one, and they completed or are completing
+        (with gloo's transport thread); on NCCL / HCCL one stream runs a pair's messages in issue order,
+        so they have completed. A send's buffer is held no longer than that (not to the end of the step:
+        up to 2 m [B, S, D] per rank)."""
+        mine = self.sends.get(peer)
+        while mine and mine[0].at < before:
+            work, _, what, _ = mine.pop(0)
+            self._wait_work(work, what)
+        if not mine:
+            self.sends.pop(peer, None)
+
+    def _reap_sends(self) -> None:
+        """Releases every send whose work reports it completed (NCCL / HCCL do, from an event; a gloo
+        send reports it only once waited, and waits for `_release_sends`)."""
+        for peer, mine in list(self.sends.items()):
+            while mine and mine[0].work.is_completed():
+                work, _, what, _ = mine.pop(0)
+                self._wait_work(work, what)
+            if not mine:
+                del self.sends[peer]
 
     def _post_recv(self, a: Recv) -> None:
         """Asks for the receive of `a` early: it goes out as soon as the wire order lets it (every P2P op
@@ -892,8 +940,9 @@ class _Executor:
         compute model (if any) has held it to its modelled duration."""
         if self.compute_model is not None:
             self.compute_model(kind, phase, stage, layer, mb, self.t0 + start)
-        self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start, kind=kind, stage=stage,
-                    microbatch=mb, layer=layer, phase=phase)
+        if self.trace:
+            self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start, kind=kind,
+                        stage=stage, microbatch=mb, layer=layer, phase=phase)
 
     def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None,
                **typed: Any) -> None:
@@ -912,6 +961,8 @@ class _Executor:
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
         if self.compute_model is not None:  # what the next phase needs arrived then, not before
             self.compute_model.waited(self.t0 + end)
+        if not self.trace:
+            return
         label = f"{phase}-{direction} s{stage} {layer} mb{mb}"
         typed = {"stage": stage, "microbatch": mb, "layer": layer, "phase": phase, "direction": direction}
         self._event("comm", f"a2a {label}", "a2a", issued, end, kind="a2a", **typed)

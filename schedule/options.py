@@ -26,7 +26,8 @@ class ExecOptions:
     actions a receive is posted before its consumer; `grad_dtype` the dtype weight gradients are summed in
     over microbatches; `loss_scale` the backward's seed factor (fp16 loss scaling); `fuse_iw` run an I
     whose W comes next as one B; `compute_model` hold each compute phase to a modelled duration (None:
-    off); `device` where receive buffers and loss sums live (None: the stages' parameters')."""
+    off); `device` where receive buffers and loss sums live (None: the stages' parameters'); `trace` record
+    the step's timeline (StepResult.events; False: none, and none of its cost)."""
 
     overlap: bool = True
     engine: str = "autograd"
@@ -37,6 +38,7 @@ class ExecOptions:
     fuse_iw: bool = True
     compute_model: Any = None
     device: torch.device | None = None
+    trace: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
