@@ -120,6 +120,105 @@ def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S
         assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")
 
 
+def _cfg_of(attn: str) -> GPTConfig:
+    """The cases' model: GQA (H 2, G 2, qk-norm) or MLA (head dim 4, RoPE part 2, value dim 3, latents 5
+    and 6), each with a dense block, an MoE block and MTP."""
+    if attn == "gqa":
+        return _gpt_cfg(True, 2)
+    return dataclasses.replace(_gpt_cfg(True, 2), qk_norm=False, head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+                               kv_lora_rank=5, q_lora_rank=6, n_kv_heads=None)
+
+
+# (attention, tp, sequence parallel, cp ranks, cp form, expert group) on 4 ranks (cp-major, tp-minor):
+# the expert group "tp" is the tp pair (TP extends EP; experts replicated over cp), "all" every rank: the
+# expert group laid over the context (and tensor) ranks, as Megatron carves EP from dp x cp
+CASES = {"gqa_tp2_sp_p2p": ("gqa", 2, True, 2, "p2p", "tp"),
+         "mla_tp2_all_gather_ep_over_cp": ("mla", 2, False, 2, "all_gather", "all"),
+         "mla_cp4_p2p_ep_over_cp": ("mla", 1, False, 4, "p2p", "all")}
+
+
+def _held(tree: dict, cfg: GPTConfig, tp_rank: int, tp_size: int, expert_rank: int, local: int) -> dict:
+    """A rank's part of a GPT tree: its tp shard and its `local` experts (expert_rank's)."""
+    from fmoe.tp_layout import shard_gpt
+
+    out = shard_gpt(tree, cfg, tp_rank, tp_size) if tp_size > 1 else dict(tree)
+
+    def experts(block: dict) -> dict:
+        whole = block["moe"]["experts"]
+        mine = {k: v[expert_rank * local:(expert_rank + 1) * local] for k, v in whole.items()}
+        return {**block, "moe": {**block["moe"], "experts": mine}}
+
+    out["layers"] = [experts(b) if "moe" in b else b for b in out["layers"]]
+    out["mtp"] = {**out["mtp"], "block": experts(out["mtp"]["block"])}
+    return out
+
+
+def _ranks_of(case: str, rank: int) -> tuple[int, int, int, int]:
+    """(tp rank, tp size, expert rank, experts per rank) of world rank `rank` (of 4) in `case`."""
+    _, tp, _, _, _, group = CASES[case]
+    tp_rank = rank % tp
+    return (tp_rank, tp, tp_rank, E_CASES // tp) if group == "tp" else (tp_rank, tp, rank, E_CASES // 4)
+
+
+E_CASES = 4  # experts (_gpt_cfg's)
+S_CASES = 16
+
+
+def _cases_rank(rank: int, world: int) -> dict:
+    """Every case of CASES on this rank: its loss parts, and its gradients summed over its cp group (the
+    experts' only where the expert group does not span the cp ranks: there each rank's are whole)."""
+    from fmoe.parallel.alltoall import AllToAllDispatcher
+
+    dist = torch.distributed
+    everyone = CommGroup(dist.group.WORLD)
+    # every rank builds every group, in one order
+    tp_pairs = [CommGroup(dist.new_group([0, 1])), CommGroup(dist.new_group([2, 3]))]
+    cp_pairs = [CommGroup(dist.new_group([0, 2])), CommGroup(dist.new_group([1, 3]))]
+    out = {}
+    for case, (attn, tp_size, sp, cp_size, kind, group) in CASES.items():
+        cfg = _cfg_of(attn)
+        tp = tp_pairs[rank // 2] if tp_size > 1 else None
+        cp = cp_pairs[rank % 2] if cp_size == 2 else everyone
+        tp_rank, _, expert_rank, local = _ranks_of(case, rank)
+        experts = tp if group == "tp" else everyone
+        par = ParallelContext(tp=tp, sequence_parallel=sp, cp=cp, cp_comm_type=kind,
+                              dispatcher=AllToAllDispatcher(experts, E_CASES))
+        params, ids, targets = _gpt_data(cfg, S_CASES)
+        got = _gpt_parts(cfg, _held(params, cfg, tp_rank, tp_size, expert_rank, local), ids, targets, par)
+        grads = {}
+        for path, g in tree_flatten_with_path(got.pop("grads"))[0]:
+            name = keystr(path)
+            if "['experts']" not in name or group == "tp":  # each cp rank: its positions' part
+                dist.all_reduce(g, group=cp.group)
+            grads[name] = (tuple(g.shape), g.flatten().tolist())
+        out[case] = {"parts": {k: float(v) if v.dim() == 0 else v.tolist() for k, v in got.items()},
+                     "grads": grads}
+    return out
+
+
+def test_cp_with_tp_sp_mla_and_ep_over_cp_equals_one_process() -> None:
+    """On 4 gloo ranks, fp64, each against the one-process model (loss parts, the next expert bias and
+    every gradient, cut as the rank holds them): GQA under cp 2 x tp 2 with sequence parallelism (ring)
+    and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 (all-gather form) with one
+    expert group over all 4 ranks, and under cp 4 (ring) with the expert group the cp group. Dense and MoE
+    blocks, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
+    runs = spawn(_cases_rank, 4, timeout_s=240)
+    for case, (attn, *_rest) in CASES.items():
+        cfg = _cfg_of(attn)
+        want = _gpt_parts(cfg, *_gpt_data(cfg, S_CASES))
+        for rank, r in enumerate(runs):
+            got = r.value[case]
+            for k in ("loss", "main", "balance", "mtp", "bias"):
+                assert_close(torch.tensor(got["parts"][k], dtype=DT), want[k].to(DT), dtype=DT,
+                             msg=f"{case} rank {rank} {k}")
+            held = {keystr(p): v for p, v in tree_flatten_with_path(
+                _held(want["grads"], cfg, *_ranks_of(case, rank)))[0]}
+            assert sorted(got["grads"]) == sorted(held), case
+            for path, (shape, values) in got["grads"].items():
+                assert_close(torch.tensor(values, dtype=DT).reshape(shape), held[path], dtype=DT,
+                             msg=f"{case} rank {rank} {path}")
+
+
 M = 4  # microbatches
 
 

@@ -6,7 +6,8 @@
 
 Legend (the package's, docs/moe.md): B sequences, S the whole sequence's positions, N cp ranks,
 C = S / 2N positions per chunk, s = S / N this rank's positions (two chunks), t a key block's positions,
-H query heads, G key/value heads, d head dim.
+H query heads, G key/value heads, d the query / key head dim, e the value head dim (d for GQA; MLA's
+values have their own width, its queries and keys a RoPE part, rotated by the caller: `rotated=True`).
 
 Causal load balancing (Megatron-core, Transformer Engine): the sequence is cut into 2N chunks and rank r
 holds chunks r and 2N-1-r, so under the causal mask every rank has as many (query, key) pairs to attend.
@@ -158,7 +159,7 @@ def _heads_first(x_BtGd: torch.Tensor, H: int) -> torch.Tensor:
 
 def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommGroup) -> torch.Tensor:
     """Ring attention of this rank's queries (its two chunks, in order) over every rank's keys and values
-    (kv: k and v side by side on the last axis, already rotated)."""
+    (kv: k, d wide, and v side by side on the last axis, already rotated)."""
     H, N = q_BHsd.shape[1], cp.size
     C = S // (2 * N)
     mine = chunks_of(cp.rank, N)
@@ -169,7 +170,7 @@ def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommG
     for i in range(N):
         nxt, box = ring_shift_async(cur, cp) if i < N - 1 else (None, None)  # travels while this block runs
         theirs = chunks_of((cp.rank - i) % N, N)
-        k_BHtd, v_BHtd = (_heads_first(t, H) for t in cur.split(d, dim=-1))
+        k_BHtd, v_BHtd = (_heads_first(t, H) for t in cur.split([d, cur.shape[-1] - d], dim=-1))
         k_chunks, v_chunks = k_BHtd.split(C, dim=2), v_BHtd.split(C, dim=2)
         for a, qc in enumerate(mine):
             for b, kc in enumerate(theirs):
@@ -190,16 +191,19 @@ def _gathered(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, pos_s
     kv_sBGe = all_gather(kv_BsGe.transpose(0, 1), cp, op="cp.all_gather")  # ranks' blocks in rank order
     kv_BtGe = kv_sBGe.transpose(0, 1)
     pos_t = torch.cat([cp_positions(S, j, cp.size, pos_s.device) for j in range(cp.size)])
-    k_BHtd, v_BHtd = (_heads_first(t, H) for t in kv_BtGe.split(d, dim=-1))
+    k_BHtd, v_BHtd = (_heads_first(t, H) for t in kv_BtGe.split([d, kv_BtGe.shape[-1] - d], dim=-1))
     return _block(q_BHsd, k_BHtd, v_BHtd, pos_t.unsqueeze(0) <= pos_s.unsqueeze(1))[0]
 
 
 def cp_attention(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tensor, positions_s: torch.Tensor,
-                 cp: CommGroup, *, rope_theta: float = 10000.0, kind: str = "p2p") -> torch.Tensor:
-    """Returns o_BsHd: causal grouped-query attention of this rank's queries over the whole sequence split
+                 cp: CommGroup, *, rope_theta: float = 10000.0, kind: str = "p2p",
+                 rotated: bool = False) -> torch.Tensor:
+    """Returns o_BsHe: causal grouped-query attention of this rank's queries over the whole sequence split
     over the cp group (module docstring), RoPE at the true `positions_s` (this rank's `cp_positions`);
-    q [B, s, H, d], k and v [B, s, G, d] with G dividing H. Output has q's shape and dtype; equal to
-    `fmoe.ops.attention` on the whole sequence at these positions."""
+    q [B, s, H, d], k [B, s, G, d], v [B, s, G, e] with G dividing H (e = d for GQA; MLA's values have
+    their own width), scores scaled by 1 / sqrt(d). `rotated`: q and k come with RoPE already applied at
+    `positions_s` (MLA rotates a part of each head, fmoe/mla.py), so none is applied here. Output
+    [B, s, H, e] in q's dtype; equal to `fmoe.ops.attention` on the whole sequence at these positions."""
     if kind not in KINDS:
         raise ValueError(f"context-parallel attention: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     B, s, H, d = q_BsHd.shape
@@ -209,8 +213,10 @@ def cp_attention(q_BsHd: torch.Tensor, k_BsGd: torch.Tensor, v_BsGd: torch.Tenso
                          f"got {tuple(positions_s.shape)}")
     check_split(S, cp.size)
     ct = compute_dtype(q_BsHd.dtype)
-    q_BHsd = rope(q_BsHd, positions_s, rope_theta).to(ct).transpose(1, 2)
-    kv_BsGe = torch.cat([rope(k_BsGd, positions_s, rope_theta), v_BsGd], dim=-1).to(ct)
+    if not rotated:
+        q_BsHd, k_BsGd = rope(q_BsHd, positions_s, rope_theta), rope(k_BsGd, positions_s, rope_theta)
+    q_BHsd = q_BsHd.to(ct).transpose(1, 2)
+    kv_BsGe = torch.cat([k_BsGd, v_BsGd], dim=-1).to(ct)
     if kind == "p2p":
         o_BHsd = _ring(q_BHsd, kv_BsGe, d, S, cp)
     else:
