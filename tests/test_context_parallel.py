@@ -291,9 +291,9 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank()
 
 def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_other_cp_sizes(tmp_path) -> None:
     """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
-    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, and at ep 2 x
-    cp 2, each equal to the uninterrupted run. Parameters are replicated over cp, so a checkpoint is the same
-    at any size."""
+    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, at ep 2 x cp 2
+    and at tp 2 (sequence parallel) x cp 2, each equal to the uninterrupted run. Parameters are replicated
+    over cp, so a checkpoint is the same at any size."""
     from test_train import _train
 
     # fp64, as tests/test_train.py's layouts: the ring sums a softmax in another order, and in fp32 that
@@ -309,8 +309,11 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
     # with expert parallelism: each cp rank's tokens go to the experts of its own ep group
     ep2_cp2 = _train(tmp_path, "cp2->ep2_cp2", *steps, "--ep", "2", "--context-parallel-size", "2",
                      "--load", step2)  # the later --ep wins
+    # with tensor and sequence parallelism: the heads over tp, a cp rank's positions split over its tp pair
+    tp2_cp2 = _train(tmp_path, "cp2->tp2_sp_cp2", *steps, "--tp", "2", "--sequence-parallel",
+                     "--context-parallel-size", "2", "--load", step2)
     for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:]),
-                            ("cp2->ep2_cp2", ep2_cp2, ref[2:])):
+                            ("cp2->ep2_cp2", ep2_cp2, ref[2:]), ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:])):
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
@@ -324,6 +327,10 @@ def test_fmoe_train_refuses_what_cp_cannot_run_before_launch() -> None:
     base = {"pp": 1, "ep": 1, "context_parallel_size": 2}
     assert TrainConfig(**base).problem() is None
     assert "--seq-length (62) must divide by 4" in TrainConfig(**base, seq_length=62).problem()
-    assert "with --tp > 1 is not built yet" in TrainConfig(**base, tp=2).problem()
+    assert TrainConfig(**base, tp=2, sequence_parallel=True, seq_length=64).problem() is None
+    assert TrainConfig(**base, multi_latent_attention=True).problem() is None
+    assert "--seq-length / --context-parallel-size (6) must be divisible by --tp (4)" in TrainConfig(
+        **base, tp=4, num_experts=8, sequence_parallel=True, seq_length=12).problem()
+    assert "with --attention is not built yet" in TrainConfig(**base, attention="m:f").problem()
     bad = TrainConfig(**base, cp_comm_type="a2a").problem()
     assert "--cp-comm-type must be one of p2p, all_gather" in bad
