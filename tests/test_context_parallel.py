@@ -34,42 +34,63 @@ def test_positions_balance_the_causal_work_and_cover_the_sequence() -> None:
         check_split(6, 2)
 
 
-def _qkv(B: int, S: int, H: int, G: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _qkv(B: int, S: int, H: int, G: int, d: int, e: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, S, n, d, generator=g, dtype=DT) for n in (H, G, G))
+    return tuple(torch.randn(B, S, n, w, generator=g, dtype=DT) for n, w in ((H, d), (G, d), (G, e)))
 
 
-def _cp_rank(rank: int, world: int, kind: str, shape: tuple[int, ...]) -> dict:
-    B, S, H, G, d = shape
+def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """The oracle on the whole sequence: `fmoe.ops.attention` (RoPE at 0 .. S-1), or for q and k that come
+    rotated (values of their own width, as MLA's) torch's causal sdpa with nothing rotated."""
+    if not rotated:
+        return attention(q, k, v, rope_theta=100.0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+
+
+# per world size: (form, (B, S, H, G, d, e, rotated)); GQA (G < H), one position per chunk, MLA's shapes
+ATTN_CASES = {2: [(kind, shape) for kind in ("p2p", "all_gather") for shape in (
+                      (2, 8, 4, 2, 4, 4, False), (1, 4, 1, 1, 2, 2, False), (1, 8, 2, 2, 4, 3, True))],
+              4: [(kind, shape) for kind in ("p2p", "all_gather")
+                  for shape in ((1, 16, 2, 2, 4, 4, False), (2, 8, 2, 1, 6, 3, True))]}
+
+
+def _cp_rank(rank: int, world: int) -> list:
     comm = CommGroup(torch.distributed.group.WORLD)
-    q, k, v = _qkv(B, S, H, G, d, 0)
-    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
-    pos = cp_positions(S, rank, world)
-    mine = [take_positions(t, pos).requires_grad_(True) for t in (q, k, v)]
-    o = cp_attention(*mine, pos, comm, rope_theta=100.0, kind=kind)
-    (o * take_positions(ct, pos)).sum().backward()
-    full = [torch.zeros_like(t).index_copy(1, pos, m.grad) for t, m in zip((q, k, v), mine)]
-    for t in full:  # each rank holds the gradient its queries gave every key: the sum is the whole's
-        torch.distributed.all_reduce(t)
-    # plain lists: a tensor would cross to the parent by a shared file descriptor, gone once the rank exits
-    return {"o": torch.zeros(B, S, H, d, dtype=DT).index_copy(1, pos, o.detach()).tolist(),
-            "grads": [t.tolist() for t in full]}
+    out = []
+    for kind, (B, S, H, G, d, e, rotated) in ATTN_CASES[world]:
+        q, k, v = _qkv(B, S, H, G, d, e, 0)
+        ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
+        pos = cp_positions(S, rank, world)
+        mine = [take_positions(t, pos).requires_grad_(True) for t in (q, k, v)]
+        o = cp_attention(*mine, pos, comm, rope_theta=100.0, kind=kind, rotated=rotated)
+        (o * take_positions(ct, pos)).sum().backward()
+        full = [torch.zeros_like(t).index_copy(1, pos, m.grad) for t, m in zip((q, k, v), mine)]
+        for t in full:  # each rank holds the gradient its queries gave every key: the sum is the whole's
+            torch.distributed.all_reduce(t)
+        # plain lists: a tensor would cross to the parent by a shared file descriptor, gone once the rank
+        # exits
+        out.append({"o": torch.zeros(B, S, H, e, dtype=DT).index_copy(1, pos, o.detach()).tolist(),
+                    "grads": [t.tolist() for t in full]})
+    return out
 
 
-@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
-@pytest.mark.parametrize("world, shape", [(2, (2, 8, 4, 2, 4)), (4, (1, 16, 2, 2, 4)), (2, (1, 4, 1, 1, 2))])
-def test_cp_attention_equals_one_process(kind: str, world: int, shape: tuple[int, ...]) -> None:
-    B, S, H, G, d = shape
-    q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, 0))
-    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
-    o = attention(q, k, v, rope_theta=100.0)
-    want = torch.autograd.grad((o * ct).sum(), (q, k, v))
-    got = [r.value for r in spawn(_cp_rank, world, kind, shape)]
-    o_sum = sum(torch.tensor(r["o"], dtype=DT) for r in got)  # each rank filled its positions
-    assert_close(o_sum, o.detach(), dtype=DT)
-    for r in got:
-        for a, b in zip(r["grads"], want):
-            assert_close(torch.tensor(a, dtype=DT), b, dtype=DT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_equals_one_process(world: int) -> None:
+    """Both forms, GQA, one position per chunk, and q, k given rotated with values of their own width
+    (MLA's), in one spawned run per world size."""
+    runs = [r.value for r in spawn(_cp_rank, world)]
+    for i, (kind, (B, S, H, G, d, e, rotated)) in enumerate(ATTN_CASES[world]):
+        q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, e, 0))
+        ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
+        o = _whole(q, k, v, rotated)
+        want = torch.autograd.grad((o * ct).sum(), (q, k, v))
+        got, case = [r[i] for r in runs], f"{kind} {B, S, H, G, d, e, rotated}"
+        o_sum = sum(torch.tensor(r["o"], dtype=DT) for r in got)  # each rank filled its positions
+        assert_close(o_sum, o.detach(), dtype=DT, msg=case)
+        for r in got:
+            for a, b in zip(r["grads"], want):
+                assert_close(torch.tensor(a, dtype=DT), b, dtype=DT, msg=case)
 
 
 # ---- the GPT under context parallelism -------------------------------------------------------------------
