@@ -38,8 +38,10 @@ def plan(
     vpps: tuple[int, ...] = (2, 4),
     capacity_factors: tuple[float | None, ...] = (None,),
     zero1: bool = True,
+    cps: tuple[int, ...] | None = None,
 ) -> PlanResult:
-    """Returns the PlanResult of searching every layout for `ctx`. Raises PlanError when none can run."""
+    """Returns the PlanResult of searching every layout for `ctx` (`cps`: the context-parallel sizes, None:
+    `layout.cp_sizes`, more than 1 only for long sequences). Raises PlanError when none can run."""
     rejected: list[tuple[L.Layout, str]] = []
     quick: list[Prediction] = []
     for lay, why_not in L.candidates(
@@ -51,6 +53,7 @@ def plan(
         vpps=vpps,
         capacity_factors=capacity_factors,
         zero1=zero1,
+        cps=cps,
     ):
         if why_not is not None:
             rejected.append((lay, why_not))
@@ -186,7 +189,7 @@ def explain(p: Prediction) -> str:
 def parse_label(text: str) -> dict[str, object]:
     """Returns the Layout fields a label like "tp8 pp16 ep4 vpp2 dp12 mb1" names (for --explain)."""
     out: dict[str, object] = {}
-    keys = {"tp": "tp", "pp": "pp", "ep": "ep", "vpp": "vpp", "dp": "dp", "mb": "micro_batch"}
+    keys = {"tp": "tp", "pp": "pp", "ep": "ep", "vpp": "vpp", "dp": "dp", "cp": "cp", "mb": "micro_batch"}
     for word in text.replace(",", " ").split():
         for prefix in sorted(keys, key=len, reverse=True):
             if word.startswith(prefix) and word[len(prefix) :].isdigit():
