@@ -1,6 +1,6 @@
 """The planner's context parallelism (fmoe/plan: layout, estimate, train_flags): offered where the sequence
 is long, priced as the runtime's ring runs (key / value blocks of seq / cp positions, N - 1 steps each way,
-the forward's behind one step's core each), activation memory per rank falling as 1 / cp, and every cp
+each behind one step's core or its backward), activation memory per rank falling as 1 / cp, and every cp
 layout it may rank one `fmoe train` accepts."""
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def test_ring_traffic_and_its_overlap_with_the_attention_core() -> None:
     ctx = E.Context(model, cluster, 8, 64)
     xfer = E._collective_s(cluster, E.ring_step_bytes(model, lay), True)
     long_core = 4 * 2 * xfer  # every step's block (1/4 of it) takes twice the transfer: hidden
-    assert E.ring_s(ctx, lay, long_core) == (0.0, 3 * xfer)  # the backward's shifts are synchronous
-    short_core = 4 * 0.5 * xfer  # half the transfer hidden per step
-    assert E.ring_s(ctx, lay, short_core) == pytest.approx((3 * 0.5 * xfer, 3 * xfer))
+    assert E.ring_s(ctx, lay, long_core) == (0.0, 0.0)
+    short_core = 4 * 0.25 * xfer  # a quarter of the transfer hidden per forward step, half per backward
+    assert E.ring_s(ctx, lay, short_core) == pytest.approx((3 * 0.75 * xfer, 3 * 0.5 * xfer))
     assert E.ring_s(ctx, dataclasses.replace(lay, cp=1), long_core) == (0.0, 0.0)
 
 

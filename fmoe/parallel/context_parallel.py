@@ -17,12 +17,16 @@ positions (a key block travels with its own rotation):
 - "p2p" (ring attention): N steps; at step i this rank holds the keys and values of rank r - i, sends
   them on to rank r + 1 while it attends to them, and merges each block's softmax into the running one
   by its log-sum-exp (the online softmax). Chunk pairs above the causal diagonal are skipped, the
-  diagonal ones masked, those below it attended whole. The backward is autograd's: each step's shift
-  transposes to the reverse shift, so a rank's keys receive every rank's gradient.
+  diagonal ones masked, those below it attended whole: every step computes two of its four chunk pairs
+  (the first step two half-masked and one whole), 1 / N of the rank's attention. One op (`_Ring`) with
+  flash attention's backward: each block's probabilities recomputed from the saved log-sum-exp (no
+  [s, t] scores kept; the N received blocks are), and each block's key / value gradient, summed as it
+  goes, passed one rank on after each step while the next step's blocks run, reaching its owner at the
+  last step: N - 1 shifts each way, each hidden behind a step's compute.
 - "all_gather": the group's keys and values gathered (backward: reduce-scattered), this rank's queries
-  attend to all of them under the mask of true positions. Simpler; S x d per rank in memory.
-Both are plain differentiable ops (fp32 softmax for half inputs); the [s, t] scores of a block are kept
-for the backward.
+  attend to all of them under the mask of true positions. Simpler, plain differentiable ops; S x d per
+  rank in memory, and the [s, S] scores kept for the backward.
+Both compute in fp32 for half inputs.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from fmoe.balance import TokenShard
 from fmoe.ops._attention import rope
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.parallel.async_comm import CommHandle
-from fmoe.parallel.collectives import CommGroup, _Box, _finish, all_gather
+from fmoe.parallel.collectives import CommGroup, all_gather
 from fmoe.parallel.tensor import reduce_from_tp
 
 KINDS = ("p2p", "all_gather")
@@ -105,28 +109,6 @@ def _shift(x: torch.Tensor, comm: CommGroup, op: str, back: bool) -> tuple[torch
                            not_before=not_before, counters=comm.counters, ranks=comm.global_ranks)
 
 
-class _Shift(Function):
-    @staticmethod
-    def forward(x, comm, op, back, box):
-        out, h = _shift(x, comm, op, back)
-        return _finish(out, h, box)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.comm, ctx.op, ctx.back, _ = inputs
-
-    @staticmethod
-    def backward(ctx, g):
-        return _Shift.apply(g, ctx.comm, ctx.op + ".bwd", not ctx.back, None), None, None, None, None
-
-
-def ring_shift_async(x: torch.Tensor, comm: CommGroup, *, op: str = "cp.ring") -> tuple[torch.Tensor, _Box]:
-    """Returns (what rank - 1 sent, a box whose `handle` to wait before reading it): `x` goes to rank + 1.
-    Differentiable: the gradient travels the other way (synchronously, in the backward)."""
-    box = _Box()
-    return _Shift.apply(x, comm, op, False, box), box
-
-
 # ---- attention blocks with their log-sum-exp --------------------------------------------------------
 
 def _block(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHtd: torch.Tensor,
@@ -157,31 +139,117 @@ def _heads_first(x_BtGd: torch.Tensor, H: int) -> torch.Tensor:
     return x_BGtd if G == H else x_BGtd.repeat_interleave(H // G, dim=1)
 
 
+def _pairs(rank: int, src: int, N: int) -> list[tuple[int, int, bool]]:
+    """The chunk pairs a ring step with rank `src`'s block computes, (a, b, diagonal): query chunk a of this
+    rank's two against key chunk b of src's two, those on or below the causal diagonal (the diagonal's
+    masked); above it every key is later than every query."""
+    mine, theirs = chunks_of(rank, N), chunks_of(src, N)
+    return [(a, b, kc == qc) for a, qc in enumerate(mine) for b, kc in enumerate(theirs) if kc <= qc]
+
+
+def _kv_heads(kv_BtGe: torch.Tensor, d: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_BHtd, v_BHte) of a key / value block (k, d wide, and v side by side on the last axis)."""
+    k_BtGd, v_BtGe = kv_BtGe.split([d, kv_BtGe.shape[-1] - d], dim=-1)
+    return _heads_first(k_BtGd, H), _heads_first(v_BtGe, H)
+
+
+def _kv_grad(dk_BHtd: torch.Tensor, dv_BHte: torch.Tensor, G: int) -> torch.Tensor:
+    """The gradient of a key / value block [B, t, G, d + e] from its H query heads' (each kv head's summed
+    over the H / G heads `_heads_first` repeated it for)."""
+    folded = [g.unflatten(1, (G, g.shape[1] // G)).sum(2).transpose(1, 2) for g in (dk_BHtd, dv_BHte)]
+    return torch.cat(folded, dim=-1)
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a + b
+
+
+def _chunks_or_zeros(grads: list[torch.Tensor | None], like: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A block's gradient from its two chunks' (zeros for a chunk no query of the step saw)."""
+    return torch.cat([g if g is not None else torch.zeros_like(x) for g, x in zip(grads, like)], dim=2)
+
+
+class _Ring(Function):
+    """Ring attention (module docstring) as one op over this rank's queries q_BHsd (its two chunks, in
+    order) and its key / value block kv_BsGe (k, d wide, and v side by side, already rotated). Forward:
+    the blocks go round the group, each merged into the running softmax while the next travels; returns
+    (o_BHse, lse_BHs, the N blocks it saw, stacked). Backward (flash attention's): each block's
+    probabilities recomputed from q, k and the saved log-sum-exp (no [s, t] scores kept between forward
+    and backward), the blocks taken in the order 1, .., N-1, 0, so that the gradient of rank j's block,
+    summed as it goes, travels one rank on after each step while the next step's blocks run, and reaches
+    rank j (the block's owner) for the last step: N - 1 shifts, each hidden behind a step."""
+
+    @staticmethod
+    def forward(q_BHsd, kv_BsGe, d, S, cp):
+        H, N = q_BHsd.shape[1], cp.size
+        C = S // (2 * N)
+        q_chunks = q_BHsd.split(C, dim=2)
+        outs: list[list] = [[None, None], [None, None]]  # per query chunk: (o, lse)
+        causal_CC = torch.ones(C, C, dtype=torch.bool, device=q_BHsd.device).tril()
+        blocks = [kv_BsGe]
+        for i in range(N):
+            # the next block travels while this one runs
+            nxt, handle = _shift(blocks[i], cp, "cp.ring", back=False) if i < N - 1 else (None, None)
+            k_BHtd, v_BHte = _kv_heads(blocks[i], d, H)
+            k_chunks, v_chunks = k_BHtd.split(C, dim=2), v_BHte.split(C, dim=2)
+            for a, b, diagonal in _pairs(cp.rank, (cp.rank - i) % N, N):
+                o_b, lse_b = _block(q_chunks[a], k_chunks[b], v_chunks[b], causal_CC if diagonal else None)
+                outs[a] = list(_merge(outs[a][0], outs[a][1], o_b, lse_b))
+            if handle is not None:
+                handle.wait()
+                blocks.append(nxt)
+        o_BHse = torch.cat([outs[0][0], outs[1][0]], dim=2)
+        lse_BHs = torch.cat([outs[0][1], outs[1][1]], dim=2)
+        return o_BHse, lse_BHs, torch.stack(blocks)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q_BHsd, _, ctx.d, ctx.S, ctx.cp = inputs
+        o_BHse, lse_BHs, blocks_NBsGe = output
+        ctx.save_for_backward(q_BHsd, o_BHse, lse_BHs, blocks_NBsGe)
+        ctx.mark_non_differentiable(lse_BHs, blocks_NBsGe)
+
+    @staticmethod
+    def backward(ctx, g_BHse, _g_lse, _g_blocks):
+        q_BHsd, o_BHse, lse_BHs, blocks_NBsGe = ctx.saved_tensors
+        d, cp = ctx.d, ctx.cp
+        H, N, G = q_BHsd.shape[1], cp.size, blocks_NBsGe.shape[3]
+        C = ctx.S // (2 * N)
+        scale = d ** -0.5
+        causal_CC = torch.ones(C, C, dtype=torch.bool, device=q_BHsd.device).tril()
+        delta_BHs = (g_BHse * o_BHse).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+        q_c, g_c, lse_c, delta_c = (t.split(C, dim=2) for t in (q_BHsd, g_BHse, lse_BHs, delta_BHs))
+        dq: list[torch.Tensor | None] = [None, None]
+        recv, handle, dkv_BsGe = None, None, None
+        for step, i in enumerate([*range(1, N), 0]):  # the block of rank - i; this rank's own last
+            k_BHtd, v_BHte = _kv_heads(blocks_NBsGe[i], d, H)
+            k_c, v_c = k_BHtd.split(C, dim=2), v_BHte.split(C, dim=2)
+            dk: list[torch.Tensor | None] = [None, None]
+            dv: list[torch.Tensor | None] = [None, None]
+            for a, b, diagonal in _pairs(cp.rank, (cp.rank - i) % N, N):
+                scores = q_c[a] @ k_c[b].transpose(-1, -2) * scale
+                if diagonal:
+                    scores = scores.masked_fill(~causal_CC, torch.finfo(scores.dtype).min / 4)
+                p = torch.exp(scores - lse_c[a].unsqueeze(-1))
+                dv[b] = _plus(dv[b], p.transpose(-1, -2) @ g_c[a])
+                ds = p * (g_c[a] @ v_c[b].transpose(-1, -2) - delta_c[a].unsqueeze(-1))
+                dq[a] = _plus(dq[a], ds @ k_c[b] * scale)
+                dk[b] = _plus(dk[b], ds.transpose(-1, -2) @ q_c[a] * scale)
+            mine = _kv_grad(_chunks_or_zeros(dk, k_c), _chunks_or_zeros(dv, v_c), G)
+            if handle is not None:  # what the earlier ranks gave this block, arrived while it ran
+                handle.wait()
+                mine = mine + recv
+            if step < N - 1:
+                recv, handle = _shift(mine, cp, "cp.ring.bwd", back=False)
+            else:
+                dkv_BsGe = mine
+        return torch.cat(dq, dim=2), dkv_BsGe, None, None, None
+
+
 def _ring(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, cp: CommGroup) -> torch.Tensor:
     """Ring attention of this rank's queries (its two chunks, in order) over every rank's keys and values
-    (kv: k, d wide, and v side by side on the last axis, already rotated)."""
-    H, N = q_BHsd.shape[1], cp.size
-    C = S // (2 * N)
-    mine = chunks_of(cp.rank, N)
-    q_chunks = q_BHsd.split(C, dim=2)
-    outs: list[list] = [[None, None], [None, None]]  # per query chunk: (o, lse)
-    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q_BHsd.device).tril()
-    cur = kv_BsGe
-    for i in range(N):
-        nxt, box = ring_shift_async(cur, cp) if i < N - 1 else (None, None)  # travels while this block runs
-        theirs = chunks_of((cp.rank - i) % N, N)
-        k_BHtd, v_BHtd = (_heads_first(t, H) for t in cur.split([d, cur.shape[-1] - d], dim=-1))
-        k_chunks, v_chunks = k_BHtd.split(C, dim=2), v_BHtd.split(C, dim=2)
-        for a, qc in enumerate(mine):
-            for b, kc in enumerate(theirs):
-                if kc > qc:  # above the causal diagonal: every key is later than every query
-                    continue
-                o_b, lse_b = _block(q_chunks[a], k_chunks[b], v_chunks[b], causal_CC if kc == qc else None)
-                outs[a] = list(_merge(outs[a][0], outs[a][1], o_b, lse_b))
-        if box is not None:
-            box.handle.wait()
-            cur = nxt
-    return torch.cat([outs[0][0], outs[1][0]], dim=2)
+    (kv: k, d wide, and v side by side on the last axis, already rotated): `_Ring`'s output."""
+    return _Ring.apply(q_BHsd, kv_BsGe, d, S, cp)[0]
 
 
 def _gathered(q_BHsd: torch.Tensor, kv_BsGe: torch.Tensor, d: int, S: int, pos_s: torch.Tensor,

@@ -21,9 +21,9 @@ figure above takes a rank's T = micro_batch x seq / N tokens (the causal load ba
 adds its ring (`ring_s`): N - 1 steps in the forward, each moving this rank's key / value block (its
 seq / N positions, `ring_step_bytes`) one rank on while one step's blocks of the core run (1 / N of it:
 every step computes two of the four chunk pairs, the first two half-masked and one whole), so a step
-waits max(0, transfer - core / N); the backward moves the blocks' gradients back the same N - 1 steps,
-synchronously in the runtime's autograd (`RING_BACKWARD_OVERLAPS`). Each rank keeps the N - 1 received
-blocks for the backward (memory).
+waits max(0, transfer - core / N); the backward passes the blocks' gradients round the same N - 1 steps,
+each behind one step's backward of the core (twice the forward's). Each rank keeps the N - 1 received
+blocks for the backward (memory), not the blocks' scores (the runtime recomputes them).
 """
 
 from __future__ import annotations
@@ -63,10 +63,6 @@ DEFAULT_MODES = ("pair", "none")  # fmoe.overlap.LayerOverlap()'s: the runtime's
 # then the all-to-all within the node); DeepSeek's kernels forward IB traffic over NVLink as it arrives.
 # benchmarks/plan_published.py sets this True to price the levels overlapped (the slower one's time)
 HIER_LEVELS_OVERLAP = False
-# whether the ring's backward shifts hide behind the backward's blocks of the attention core (True: the
-# forward's rule, one step's core each); fmoe's ring is differentiated by autograd, whose reverse shifts
-# run one after another between the blocks' backward: False
-RING_BACKWARD_OVERLAPS = False
 
 
 @dataclass(frozen=True)
@@ -243,14 +239,15 @@ def ring_step_bytes(m: ModelSpec, lay: L.Layout) -> float:
 def ring_s(ctx: Context, lay: L.Layout, attn_f: float) -> tuple[float, float]:
     """Seconds one attention layer's ring leaves exposed (forward, backward dx pass) for one microbatch,
     given its core's forward `attn_f` seconds on this rank (module docstring): N - 1 transfers of
-    `ring_step_bytes` each way, the forward's each behind one step's 1 / N of the core. The runtime lays
-    the cp ranks outside dp, ep and tp (fmoe.parallel.mesh): on one node while tp x ep x dp x cp fits it."""
+    `ring_step_bytes` each way, each behind one step's 1 / N of the core (forward) or of its backward. The
+    runtime lays the cp ranks outside dp, ep and tp (fmoe.parallel.mesh): on one node while
+    tp x ep x dp x cp fits it."""
     N = lay.cp
     if N == 1:
         return 0.0, 0.0
     xfer = _collective_s(ctx.cluster, ring_step_bytes(ctx.model, lay), lay.world // lay.pp <= ctx.rpn)
     fwd = (N - 1) * max(0.0, xfer - attn_f / N)
-    bwd = (N - 1) * (max(0.0, xfer - 2 * attn_f / N) if RING_BACKWARD_OVERLAPS else xfer)
+    bwd = (N - 1) * max(0.0, xfer - 2 * attn_f / N)
     return fwd, bwd
 
 
