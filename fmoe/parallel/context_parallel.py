@@ -123,6 +123,21 @@ def _block(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHtd: torch.Tensor,
     return torch.exp(scores - lse.unsqueeze(-1)) @ v_BHtd, lse
 
 
+def _block_grads(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHte: torch.Tensor, g_BHse: torch.Tensor,
+                 lse_BHs: torch.Tensor, delta_BHs: torch.Tensor,
+                 mask_st: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv) of one block of `_block` given the output's gradient g and the whole row's
+    log-sum-exp and rowsum(g * o) (delta): the block's probabilities recomputed from them (flash
+    attention's backward), so no [s, t] scores are kept from the forward."""
+    scale = q_BHsd.shape[-1] ** -0.5
+    scores = q_BHsd @ k_BHtd.transpose(-1, -2) * scale
+    if mask_st is not None:
+        scores = scores.masked_fill(~mask_st, torch.finfo(scores.dtype).min / 4)
+    p = torch.exp(scores - lse_BHs.unsqueeze(-1))
+    ds = p * (g_BHse @ v_BHte.transpose(-1, -2) - delta_BHs.unsqueeze(-1))
+    return ds @ k_BHtd * scale, ds.transpose(-1, -2) @ q_BHsd * scale, p.transpose(-1, -2) @ g_BHse
+
+
 def _merge(o: torch.Tensor | None, lse: torch.Tensor | None, o_b: torch.Tensor,
            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The online softmax's step: two blocks' outputs weighed by their shares of the joint normaliser."""
@@ -215,7 +230,6 @@ class _Ring(Function):
         d, cp = ctx.d, ctx.cp
         H, N, G = q_BHsd.shape[1], cp.size, blocks_NBsGe.shape[3]
         C = ctx.S // (2 * N)
-        scale = d ** -0.5
         causal_CC = torch.ones(C, C, dtype=torch.bool, device=q_BHsd.device).tril()
         delta_BHs = (g_BHse * o_BHse).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         q_c, g_c, lse_c, delta_c = (t.split(C, dim=2) for t in (q_BHsd, g_BHse, lse_BHs, delta_BHs))
@@ -227,14 +241,9 @@ class _Ring(Function):
             dk: list[torch.Tensor | None] = [None, None]
             dv: list[torch.Tensor | None] = [None, None]
             for a, b, diagonal in _pairs(cp.rank, (cp.rank - i) % N, N):
-                scores = q_c[a] @ k_c[b].transpose(-1, -2) * scale
-                if diagonal:
-                    scores = scores.masked_fill(~causal_CC, torch.finfo(scores.dtype).min / 4)
-                p = torch.exp(scores - lse_c[a].unsqueeze(-1))
-                dv[b] = _plus(dv[b], p.transpose(-1, -2) @ g_c[a])
-                ds = p * (g_c[a] @ v_c[b].transpose(-1, -2) - delta_c[a].unsqueeze(-1))
-                dq[a] = _plus(dq[a], ds @ k_c[b] * scale)
-                dk[b] = _plus(dk[b], ds.transpose(-1, -2) @ q_c[a] * scale)
+                dq_a, dk_b, dv_b = _block_grads(q_c[a], k_c[b], v_c[b], g_c[a], lse_c[a], delta_c[a],
+                                                causal_CC if diagonal else None)
+                dq[a], dk[b], dv[b] = _plus(dq[a], dq_a), _plus(dk[b], dk_b), _plus(dv[b], dv_b)
             mine = _kv_grad(_chunks_or_zeros(dk, k_c), _chunks_or_zeros(dv, v_c), G)
             if handle is not None:  # what the earlier ranks gave this block, arrived while it ran
                 handle.wait()
