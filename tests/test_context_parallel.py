@@ -13,7 +13,7 @@ from dist_utils import spawn
 from test_tensor_parallel_gpt import _data as _gpt_data  # params, ids, targets (one ignored)
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt_state
-from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from fmoe._compat import keystr, tree_flatten_with_path
 from fmoe.ops import attention
 from fmoe.parallel import CommGroup, ParallelContext
 from fmoe.parallel.context_parallel import check_split, cp_attention, cp_positions, take_positions
@@ -115,47 +115,25 @@ def _gpt_parts(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.T
     return {**parts, "grads": grads}
 
 
-def _gpt_rank(rank: int, world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> dict:
-    cfg = _gpt_cfg(mtp, kv_heads)
-    params, ids, targets = _gpt_data(cfg, S)
-    par = ParallelContext(cp=CommGroup(torch.distributed.group.WORLD), cp_comm_type=kind)
-    got = _gpt_parts(cfg, params, ids, targets, par)
-    for g in tree_flatten(got["grads"])[0]:  # each rank: its positions' part
-        torch.distributed.all_reduce(g)
-    return [(tuple(v.shape), v.flatten().tolist()) for v in tree_flatten(got)[0]]  # leaves, as lists
-
-
-@pytest.mark.parametrize("world, mtp, kv_heads, S, kind",
-                         [(2, True, 1, 8, "p2p"), (2, False, 2, 4, "all_gather"), (4, True, 2, 8, "p2p")])
-def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> None:
-    """Loss parts, the next expert bias (the whole sequence's load) and every gradient (summed over the cp
-    ranks, as a data-parallel reduction over dp x cp sums them) equal one process's, fp64: dense and MoE
-    blocks, GQA, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
-    cfg = _gpt_cfg(mtp, kv_heads)
-    want = _gpt_parts(cfg, *_gpt_data(cfg, S))
-    leaves, spec = tree_flatten(want)
-    for r in spawn(_gpt_rank, world, mtp, kv_heads, S, kind):
-        got = tree_unflatten([torch.tensor(v, dtype=DT).reshape(shape) for shape, v in r.value], spec)
-        for k in ("loss", "main", "balance", "mtp", "bias"):
-            assert_close(got[k], want[k].to(DT), dtype=DT, msg=k)
-        assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")
-
-
 def _cfg_of(attn: str) -> GPTConfig:
-    """The cases' model: GQA (H 2, G 2, qk-norm) or MLA (head dim 4, RoPE part 2, value dim 3, latents 5
-    and 6), each with a dense block, an MoE block and MTP."""
-    if attn == "gqa":
-        return _gpt_cfg(True, 2)
+    """The cases' models, each with a dense block and an MoE block: "gqa" (H 2, G 2, qk-norm, MTP),
+    "gqa_kv1" (G 1), "gqa_no_mtp", or "mla" (head dim 4, RoPE part 2, value dim 3, latents 5 and 6, MTP)."""
+    if attn != "mla":
+        return _gpt_cfg(attn != "gqa_no_mtp", 1 if attn == "gqa_kv1" else 2)
     return dataclasses.replace(_gpt_cfg(True, 2), qk_norm=False, head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
                                kv_lora_rank=5, q_lora_rank=6, n_kv_heads=None)
 
 
-# (attention, tp, sequence parallel, cp ranks, cp form, expert group) on 4 ranks (cp-major, tp-minor):
-# the expert group "tp" is the tp pair (TP extends EP; experts replicated over cp), "all" every rank: the
-# expert group laid over the context (and tensor) ranks, as Megatron carves EP from dp x cp
-CASES = {"gqa_tp2_sp_p2p": ("gqa", 2, True, 2, "p2p", "tp"),
-         "mla_tp2_all_gather_ep_over_cp": ("mla", 2, False, 2, "all_gather", "all"),
-         "mla_cp4_p2p_ep_over_cp": ("mla", 1, False, 4, "p2p", "all")}
+# (model, tp, sequence parallel, cp ranks, cp form, expert group, S) on 4 ranks (cp-major, tp-minor): the
+# expert group "local" is every expert on each rank (replicated over cp), "tp" the tp pair (TP extends EP;
+# replicated over cp), "all" every rank: the expert group laid over the context (and tensor) ranks, as
+# Megatron carves EP from dp x cp. S 4 at cp 2: one position per chunk.
+CASES = {"gqa_kv1_cp2_p2p": ("gqa_kv1", 1, False, 2, "p2p", "local", 8),
+         "gqa_no_mtp_cp2_all_gather": ("gqa_no_mtp", 1, False, 2, "all_gather", "local", 4),
+         "gqa_cp4_p2p": ("gqa", 1, False, 4, "p2p", "local", 8),
+         "gqa_tp2_sp_p2p": ("gqa", 2, True, 2, "p2p", "tp", 16),
+         "mla_tp2_all_gather_ep_over_cp": ("mla", 2, False, 2, "all_gather", "all", 16),
+         "mla_cp4_p2p_ep_over_cp": ("mla", 1, False, 4, "p2p", "all", 16)}
 
 
 def _held(tree: dict, cfg: GPTConfig, tp_rank: int, tp_size: int, expert_rank: int, local: int) -> dict:
@@ -170,19 +148,20 @@ def _held(tree: dict, cfg: GPTConfig, tp_rank: int, tp_size: int, expert_rank: i
         return {**block, "moe": {**block["moe"], "experts": mine}}
 
     out["layers"] = [experts(b) if "moe" in b else b for b in out["layers"]]
-    out["mtp"] = {**out["mtp"], "block": experts(out["mtp"]["block"])}
+    if "mtp" in out:
+        out["mtp"] = {**out["mtp"], "block": experts(out["mtp"]["block"])}
     return out
 
 
 def _ranks_of(case: str, rank: int) -> tuple[int, int, int, int]:
     """(tp rank, tp size, expert rank, experts per rank) of world rank `rank` (of 4) in `case`."""
-    _, tp, _, _, _, group = CASES[case]
+    _, tp, _, _, _, group, _ = CASES[case]
     tp_rank = rank % tp
-    return (tp_rank, tp, tp_rank, E_CASES // tp) if group == "tp" else (tp_rank, tp, rank, E_CASES // 4)
+    experts = {"local": (0, E_CASES), "tp": (tp_rank, E_CASES // tp), "all": (rank, E_CASES // 4)}[group]
+    return (tp_rank, tp, *experts)
 
 
 E_CASES = 4  # experts (_gpt_cfg's)
-S_CASES = 16
 
 
 def _cases_rank(rank: int, world: int) -> dict:
@@ -196,20 +175,20 @@ def _cases_rank(rank: int, world: int) -> dict:
     tp_pairs = [CommGroup(dist.new_group([0, 1])), CommGroup(dist.new_group([2, 3]))]
     cp_pairs = [CommGroup(dist.new_group([0, 2])), CommGroup(dist.new_group([1, 3]))]
     out = {}
-    for case, (attn, tp_size, sp, cp_size, kind, group) in CASES.items():
+    for case, (attn, tp_size, sp, cp_size, kind, group, S) in CASES.items():
         cfg = _cfg_of(attn)
         tp = tp_pairs[rank // 2] if tp_size > 1 else None
         cp = cp_pairs[rank % 2] if cp_size == 2 else everyone
         tp_rank, _, expert_rank, local = _ranks_of(case, rank)
-        experts = tp if group == "tp" else everyone
+        experts = {"local": None, "tp": tp, "all": everyone}[group]
         par = ParallelContext(tp=tp, sequence_parallel=sp, cp=cp, cp_comm_type=kind,
-                              dispatcher=AllToAllDispatcher(experts, E_CASES))
-        params, ids, targets = _gpt_data(cfg, S_CASES)
+                              dispatcher=None if experts is None else AllToAllDispatcher(experts, E_CASES))
+        params, ids, targets = _gpt_data(cfg, S)
         got = _gpt_parts(cfg, _held(params, cfg, tp_rank, tp_size, expert_rank, local), ids, targets, par)
         grads = {}
         for path, g in tree_flatten_with_path(got.pop("grads"))[0]:
             name = keystr(path)
-            if "['experts']" not in name or group == "tp":  # each cp rank: its positions' part
+            if "['experts']" not in name or group != "all":  # each cp rank: its positions' part
                 dist.all_reduce(g, group=cp.group)
             grads[name] = (tuple(g.shape), g.flatten().tolist())
         out[case] = {"parts": {k: float(v) if v.dim() == 0 else v.tolist() for k, v in got.items()},
@@ -217,16 +196,17 @@ def _cases_rank(rank: int, world: int) -> dict:
     return out
 
 
-def test_cp_with_tp_sp_mla_and_ep_over_cp_equals_one_process() -> None:
-    """On 4 gloo ranks, fp64, each against the one-process model (loss parts, the next expert bias and
-    every gradient, cut as the rank holds them): GQA under cp 2 x tp 2 with sequence parallelism (ring)
-    and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 (all-gather form) with one
-    expert group over all 4 ranks, and under cp 4 (ring) with the expert group the cp group. Dense and MoE
-    blocks, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
-    runs = spawn(_cases_rank, 4, timeout_s=240)
-    for case, (attn, *_rest) in CASES.items():
+def test_gpt_under_cp_equals_one_process() -> None:
+    """On 4 gloo ranks, fp64, each case of CASES against the one-process model (loss parts, the next expert
+    bias and every gradient, cut as the rank holds them and summed over the cp ranks, as a data-parallel
+    reduction over dp x cp sums them): cp 2 and 4 in both forms, GQA with G < H; cp 2 x tp 2 with sequence
+    parallelism and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 with one expert
+    group over all 4 ranks, and under cp 4 with the expert group the cp group. Dense and MoE blocks, MTP
+    across the chunks' boundaries, aux, sequence-wise aux and z losses."""
+    runs = spawn(_cases_rank, 4, timeout_s=300)
+    for case, (attn, *_rest, S) in CASES.items():
         cfg = _cfg_of(attn)
-        want = _gpt_parts(cfg, *_gpt_data(cfg, S_CASES))
+        want = _gpt_parts(cfg, *_gpt_data(cfg, S))
         for rank, r in enumerate(runs):
             got = r.value[case]
             for k in ("loss", "main", "balance", "mtp", "bias"):
