@@ -6,10 +6,11 @@ transfers hidden behind the attention compute, and the step time of the ring aga
 
 Three parts, each on spawned gloo ranks (one cp group), fp32, one sequence of S tokens:
 - memory: one forward + backward of the small preset's GPT (`gpt_loss` under torch.func.grad: embedding,
-  8 blocks of GQA attention and MoE, head) at cp 1, 2, 4 (the ring); per rank the peak of tracked tensor
-  memory above what it held before (torch.profiler's memory events, `tracked_peak_bytes`: exact and
-  independent of the machine's load), less the gradients (as large at every cp: the weights are
-  replicated) = the activations' peak. The ratio to cp 1 should be about 1 / cp.
+  8 blocks of GQA attention and MoE, head) at cp 1, 2, 4 (the ring), each on fresh ranks; per rank the
+  rise of the RSS high-water mark over the step (Linux VmHWM reset through /proc/self/clear_refs, glibc
+  returning every freed block of 64 KiB or more at once: benchmarks/memory.py's measure), less the
+  gradients (as large at every cp: the weights are replicated) = the activations' peak. The ratio to
+  cp 1 should be about 1 / cp.
 - hidden: the ring of one attention layer of the small preset (q [1, S/N, 8, 16], k and v 4 kv heads),
   forward + backward, under the compute and link models: every block of the attention core takes its
   FLOPs' time at a modelled rate (it runs, then sleeps out the rest, as schedule/compute_model.py makes a
@@ -37,7 +38,6 @@ from fmoe.parallel import CommGroup, LinkModel, ParallelContext
 from fmoe.parallel.context_parallel import cp_attention, cp_positions
 from fmoe.parallel.counters import CommCounters
 from fmoe.train.config import TrainConfig
-from fmoe.transforms.testing import tracked_peak_bytes
 
 
 def _model(seq: int):
@@ -61,12 +61,12 @@ def _parallel(world: int, kind: str) -> ParallelContext:
 
 def _memory_rank(rank: int, world: int, seq: int) -> dict:
     torch.set_num_threads(1)
+    return_freed_memory()  # the rise then counts what the step holds, whatever earlier work left
     cfg, params, ids, targets = _model(seq)
     par = _parallel(world, "p2p")
-    _gpt_step(cfg, params, ids, targets, par)  # warm-up
-    grads, peak = tracked_peak_bytes(lambda: _gpt_step(cfg, params, ids, targets, par))
+    grads, _, rise = measure_rss(lambda: _gpt_step(cfg, params, ids, targets, par))
     grad_bytes = sum(g.numel() * g.element_size() for g in torch.utils._pytree.tree_leaves(grads))
-    return {"peak": peak, "grads": grad_bytes}
+    return {"peak": rise * 2**20, "grads": grad_bytes}
 
 
 def _cpu_block_s(C: int, H: int, d: int) -> float:
@@ -200,7 +200,7 @@ def main() -> None:
             base = base or acts
             peak, grads = max(r["peak"] for r in got) / 2**20, got[0]["grads"] / 2**20
             print(f"memory cp {cp}: activation peak per rank {acts / 2**20:8.1f} MiB (max over ranks; "
-                  f"tracked peak {peak:.1f} MiB less {grads:.1f} MiB of gradients), {acts / base:.3f} x cp 1 "
+                  f"RSS rise {peak:.1f} MiB less {grads:.1f} MiB of gradients), {acts / base:.3f} x cp 1 "
                   f"(1 / cp = {1 / cp:.3f})")
     if "hidden" in parts:
         for cp in (c for c in cps if c > 1):
