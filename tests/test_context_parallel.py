@@ -56,6 +56,10 @@ ATTN_CASES = {2: [(kind, shape) for kind in ("p2p", "all_gather") for shape in (
 
 
 def _cp_rank(rank: int, world: int) -> list:
+    from fmoe.parallel import context_parallel
+
+    context_parallel.ROW_TILE = 1  # the ring's blocks a query row at a time (chunks of 1 and 2 rows here;
+    # the GPT tests run whole blocks: one tile)
     comm = CommGroup(torch.distributed.group.WORLD)
     out = []
     for kind, (B, S, H, G, d, e, rotated) in ATTN_CASES[world]:

@@ -138,6 +138,32 @@ def _block_grads(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHte: torch.Tenso
     return ds @ k_BHtd * scale, ds.transpose(-1, -2) @ q_BHsd * scale, p.transpose(-1, -2) @ g_BHse
 
 
+ROW_TILE = 512  # query rows a ring block computes at once: transient scores [H, 512, C], not [H, C, C]
+
+
+def _tiled_block(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHte: torch.Tensor,
+                 mask_st: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_block` over ROW_TILE query rows at a time (each row's softmax is its own: the same result)."""
+    rows = [slice(r, r + ROW_TILE) for r in range(0, q_BHsd.shape[2], ROW_TILE)]
+    tiles = [_block(q_BHsd[:, :, t], k_BHtd, v_BHte, None if mask_st is None else mask_st[t]) for t in rows]
+    return torch.cat([o for o, _ in tiles], dim=2), torch.cat([lse for _, lse in tiles], dim=2)
+
+
+def _tiled_block_grads(q_BHsd: torch.Tensor, k_BHtd: torch.Tensor, v_BHte: torch.Tensor,
+                       g_BHse: torch.Tensor, lse_BHs: torch.Tensor, delta_BHs: torch.Tensor,
+                       mask_st: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_block_grads` over ROW_TILE query rows at a time: dq tile by tile, dk and dv summed over them."""
+    dq, dk, dv = [], None, None
+    for r in range(0, q_BHsd.shape[2], ROW_TILE):
+        rows = slice(r, r + ROW_TILE)
+        dq_t, dk_t, dv_t = _block_grads(q_BHsd[:, :, rows], k_BHtd, v_BHte, g_BHse[:, :, rows],
+                                        lse_BHs[:, :, rows], delta_BHs[:, :, rows],
+                                        None if mask_st is None else mask_st[rows])
+        dq.append(dq_t)
+        dk, dv = _plus(dk, dk_t), _plus(dv, dv_t)
+    return torch.cat(dq, dim=2), dk, dv
+
+
 def _merge(o: torch.Tensor | None, lse: torch.Tensor | None, o_b: torch.Tensor,
            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The online softmax's step: two blocks' outputs weighed by their shares of the joint normaliser."""
@@ -208,7 +234,8 @@ class _Ring(Function):
             k_BHtd, v_BHte = _kv_heads(blocks[i], d, H)
             k_chunks, v_chunks = k_BHtd.split(C, dim=2), v_BHte.split(C, dim=2)
             for a, b, diagonal in _pairs(cp.rank, (cp.rank - i) % N, N):
-                o_b, lse_b = _block(q_chunks[a], k_chunks[b], v_chunks[b], causal_CC if diagonal else None)
+                mask = causal_CC if diagonal else None
+                o_b, lse_b = _tiled_block(q_chunks[a], k_chunks[b], v_chunks[b], mask)
                 outs[a] = list(_merge(outs[a][0], outs[a][1], o_b, lse_b))
             if handle is not None:
                 handle.wait()
@@ -226,6 +253,13 @@ class _Ring(Function):
 
     @staticmethod
     def backward(ctx, g_BHse, _g_lse, _g_blocks):
+        # first order only: under torch.func.grad (create_graph) a recorded backward would keep every
+        # block's probabilities alive until the transform returns
+        with torch.no_grad():
+            return _Ring._backward(ctx, g_BHse)
+
+    @staticmethod
+    def _backward(ctx, g_BHse):
         q_BHsd, o_BHse, lse_BHs, blocks_NBsGe = ctx.saved_tensors
         d, cp = ctx.d, ctx.cp
         H, N, G = q_BHsd.shape[1], cp.size, blocks_NBsGe.shape[3]
@@ -241,8 +275,8 @@ class _Ring(Function):
             dk: list[torch.Tensor | None] = [None, None]
             dv: list[torch.Tensor | None] = [None, None]
             for a, b, diagonal in _pairs(cp.rank, (cp.rank - i) % N, N):
-                dq_a, dk_b, dv_b = _block_grads(q_c[a], k_c[b], v_c[b], g_c[a], lse_c[a], delta_c[a],
-                                                causal_CC if diagonal else None)
+                dq_a, dk_b, dv_b = _tiled_block_grads(q_c[a], k_c[b], v_c[b], g_c[a], lse_c[a], delta_c[a],
+                                                      causal_CC if diagonal else None)
                 dq[a], dk[b], dv[b] = _plus(dq[a], dq_a), _plus(dk[b], dk_b), _plus(dv[b], dv_b)
             mine = _kv_grad(_chunks_or_zeros(dk, k_c), _chunks_or_zeros(dv, v_c), G)
             if handle is not None:  # what the earlier ranks gave this block, arrived while it ran
