@@ -84,8 +84,12 @@ def attention_paths(cfg: GPTConfig) -> tuple[tuple[str, ...], ...]:
 
 def token_shard(parallel: ParallelContext, B: int, S: int, device: torch.device) -> TokenShard:
     """Returns the `TokenShard` of this rank's tokens of the tp group's B sequences: with sequence
-    parallelism its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens."""
-    tp = parallel.tp
+    parallelism its S positions of each (of the group's P*S), else rows p*T/P .. of the T = B*S tokens.
+    Under context parallelism the group's sequences are themselves one cp rank's positions: the statistics
+    are summed over the cp group too (the whole sequence's; without tp, `cp_token_shard`)."""
+    tp, cp, N = parallel.tp, parallel.cp, parallel.cp_size
+    if tp is None:
+        return cp_token_shard(cp, B, S, device)
     if parallel.sequence_parallel:
         seq_ids_T = torch.arange(B, device=device).repeat_interleave(S)
         B_all, S_all = B, S * tp.size
@@ -93,8 +97,15 @@ def token_shard(parallel: ParallelContext, B: int, S: int, device: torch.device)
         n = B * S // tp.size
         seq_ids_T = torch.arange(tp.rank * n, (tp.rank + 1) * n, device=device) // S
         B_all, S_all = B, S
-    return TokenShard(total=partial(reduce_from_tp, comm=tp, op="tp.router_stats"), seq_ids_T=seq_ids_T,
-                      num_tokens=B_all * S_all, num_seqs=B_all, seq_len=S_all)
+    over_tp = partial(reduce_from_tp, comm=tp, op="tp.router_stats")
+    total = over_tp if cp is None else partial(_over_tp_then_cp, over_tp, cp)
+    return TokenShard(total=total, seq_ids_T=seq_ids_T, num_tokens=B_all * S_all * N, num_seqs=B_all,
+                      seq_len=S_all * N)
+
+
+def _over_tp_then_cp(over_tp: Any, cp: Any, x: torch.Tensor) -> torch.Tensor:
+    """A statistic summed over the tp group, then over the cp group (each gradient passed back unchanged)."""
+    return reduce_from_tp(over_tp(x), cp, op="cp.router_stats")
 
 
 def init_attention(cfg: GPTConfig, generator: torch.Generator | None = None,
@@ -148,8 +159,6 @@ def self_attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, 
             check_tp(cfg, P, dense=False)
             check_shard(params, cfg, P, attention_paths(cfg))
     if cfg.mla:
-        if parallel.cp is not None:
-            raise ValueError("context parallelism with multi-head latent attention is not built yet")
         return mla(params, x_BSD, cfg, parallel=parallel, packing=packing)
     H, G = cfg.n_heads // P, cfg.n_kv_heads // P
     # "layernorm" (fmoe/recompute.py) recomputes the norm alone: the q, k, v projections read its output
@@ -254,12 +263,9 @@ def attention(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig,
     h_TD = part(cfg.recompute, "layernorm", rms_norm)(r_BSD, norm_D, cfg.norm_eps).flatten(0, 1)  # t = b*S+s
     seq_len = x_BSD.shape[1] or None  # S = 0: no tokens (T = 0), no sequence to split
     shard = None
-    if parallel.cp is not None:  # this rank's positions of every sequence: the statistics are the group's
+    if tp is not None or parallel.cp is not None:  # a share of the tokens: the statistics are the group's
         B, S = r_BSD.shape[:2]
-        shard, seq_len = cp_token_shard(parallel.cp, B, S, h_TD.device), None
-    if tp is not None:
-        B, S = r_BSD.shape[:2]
-        if not sequence_parallel:
+        if tp is not None and not sequence_parallel:
             h_TD = split_tokens(h_TD, tp)  # this rank's tokens
         shard, seq_len = token_shard(parallel, B, S, h_TD.device), None
     acts = {"residual_BSD": r_BSD, "normed_TD": h_TD}

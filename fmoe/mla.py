@@ -41,6 +41,7 @@ from fmoe.init import ones, scaled_normal
 from fmoe.ops import document_mask, linear, rms_norm, rope, sdpa
 from fmoe.packing import Packing
 from fmoe.parallel.context import LOCAL, ParallelContext
+from fmoe.parallel.context_parallel import cp_attention, take_positions
 from fmoe.parallel.tensor import copy_to_tp, gather_sequence, reduce_from_tp, scatter_sequence, tp_weight
 from fmoe.recompute import part
 
@@ -119,8 +120,9 @@ def _qkv(q_lat: torch.Tensor, ckv_BSC: torch.Tensor, kr_BSr: torch.Tensor, w_q: 
          w_kv_b: torch.Tensor, q_norm: torch.Tensor | None, kv_norm: torch.Tensor | None, eps: float,
          cfg: GPTConfig, positions_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Returns (q_BSHk, k_BSHk, v_BSHe) of the latents: the up projections (w_q_b or w_q, w_kv_b; the
-    latent norms first when their scales are given), RoPE on q's rotary part and on the shared key (at
-    `positions_BS`, default 0..S-1)."""
+    latent norms first when their scales are given), RoPE on q's rotary part and on the shared key, at
+    `positions_BS` ([B, S] or [S]; None: 0 .. S-1; under context parallelism this rank's true positions,
+    with documents their restarting ones)."""
     d, r, e = cfg.head_dim, cfg.qk_rope_head_dim, cfg.o_head_dim
     q_BSHk = _up(q_lat, q_norm, eps, w_q).unflatten(-1, (-1, d + r))
     kv_BSHde = _up(ckv_BSC, kv_norm, eps, w_kv_b).unflatten(-1, (-1, d + e))
@@ -156,11 +158,19 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
     Selective recompute (fmoe/recompute.py): "layernorm" runs the attention norm with the down projections
     under remat (`_down`), and each latent norm alone; "mla_up_proj" runs the latents' way to the attention
     output (`_attend`: the latent norms when no TP collective separates them, up projections, RoPE,
-    attention core) under remat, so the normed latents and q, k, v are not kept; it includes "core_attn"."""
+    attention core) under remat, so the normed latents and q, k, v are not kept; it includes "core_attn".
+
+    `parallel.cp`: x is this rank's positions of the sequence (fmoe.parallel.context_parallel; under
+    sequence parallelism too, 1/P of them); RoPE at their true positions, and the attention core over
+    every cp rank's keys and values (`cp_attention`, the rotary parts rotated here). Neither "mla_up_proj"
+    nor "core_attn" recompute runs under it: they would replay the ring's messages."""
     C, eps, rc = cfg.kv_lora_rank, cfg.norm_eps, cfg.recompute
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     packing = packing or Packing()
     docs = (packing.positions_BS, packing.segments_BS)
+    if parallel.cp is not None and (rc.module("mla_up_proj") or rc.module("core_attn")):
+        raise ValueError("context parallelism: recomputing mla_up_proj or core_attn would replay the ring's "
+                         "messages; recompute other parts")
 
     def mine(name: str) -> torch.Tensor:
         # replicated weights used on this rank's positions only (SP): their gradient summed over the group
@@ -184,6 +194,12 @@ def mla(params: dict[str, Any], x_BSD: torch.Tensor, cfg: GPTConfig, *,
     if rc.module("mla_up_proj"):  # it includes the attention core: "core_attn" adds nothing
         o_BSHe = part(rc, "mla_up_proj", _attend)(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, q_norm, kv_norm, eps,
                                                   cfg, *docs)
+    elif parallel.cp is not None:  # this rank's positions of the sequence, against every rank's keys
+        positions_s = parallel.positions(q_lat.shape[1] * parallel.cp_size, q_lat.device)
+        rot = positions_s if docs[0] is None else take_positions(docs[0], positions_s)
+        qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, None, None, eps, cfg, rot)
+        o_BSHe = cp_attention(*qkv, positions_s, parallel.cp, kind=parallel.cp_comm_type, rotated=True,
+                              segments_BS=docs[1])
     else:
         qkv = _qkv(q_lat, ckv_BSC, kr_BSr, w_q, w_kv_b, None, None, eps, cfg, docs[0])
         o_BSHe = part(rc, "core_attn", latent_attention)(*qkv, docs[1])  # fmoe/recompute.py

@@ -24,6 +24,7 @@ facts in meta["stats"], so the MoE state can be updated once per step (fmoe.laye
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -84,7 +85,9 @@ def logits_loss(h_BSD: torch.Tensor, norm_D: torch.Tensor, head_DV: torch.Tensor
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
     if parallel.cp is not None:
         targets_BS = local_positions(targets_BS, parallel)
-        return _cp_mean(logits_loss(h_BSD, norm_D, head_DV, targets_BS, cfg), targets_BS, parallel)
+        # this rank's mean (over its positions; with tp the group's, vocab-parallel), then the whole's
+        mean = logits_loss(h_BSD, norm_D, head_DV, targets_BS, cfg, dataclasses.replace(parallel, cp=None))
+        return _cp_mean(mean, targets_BS, parallel)
     if tp is None:
         B, S, D = h_BSD.shape
         logits_TV = linear(rms_norm(h_BSD, norm_D, cfg.norm_eps).reshape(B * S, D), head_DV)
@@ -135,10 +138,10 @@ def embed_layer(cfg: GPTConfig | None = None, parallel: ParallelContext = LOCAL)
     tp, sequence_parallel = parallel.tp, parallel.sequence_parallel
 
     def fn(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        if tp is None:  # under context parallelism this rank's positions of the whole sequence's ids
-            ids_BS = local_positions(meta["ids_BS"], parallel)
+        ids_BS = local_positions(meta["ids_BS"], parallel)  # under context parallelism this rank's positions
+        if tp is None:
             return {**acts, H: embedding(ids_BS, p["embed"]["table"])}, meta
-        return {**acts, H: vocab_parallel_embedding(meta["ids_BS"], p["embed"]["table"], tp, cfg.vocab_size,
+        return {**acts, H: vocab_parallel_embedding(ids_BS, p["embed"]["table"], tp, cfg.vocab_size,
                                                     sequence_parallel=sequence_parallel)}, meta
 
     return Layer("embed", (Phase("embed", "compute", fn=fn, param_paths=(("embed", "table"),)),))

@@ -13,7 +13,7 @@ from dist_utils import spawn
 from test_tensor_parallel_gpt import _data as _gpt_data  # params, ids, targets (one ignored)
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt_state
-from fmoe._compat import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from fmoe._compat import keystr, tree_flatten_with_path
 from fmoe.ops import attention
 from fmoe.parallel import CommGroup, ParallelContext
 from fmoe.parallel.context_parallel import check_split, cp_attention, cp_positions, take_positions
@@ -34,42 +34,67 @@ def test_positions_balance_the_causal_work_and_cover_the_sequence() -> None:
         check_split(6, 2)
 
 
-def _qkv(B: int, S: int, H: int, G: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _qkv(B: int, S: int, H: int, G: int, d: int, e: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, S, n, d, generator=g, dtype=DT) for n in (H, G, G))
+    return tuple(torch.randn(B, S, n, w, generator=g, dtype=DT) for n, w in ((H, d), (G, d), (G, e)))
 
 
-def _cp_rank(rank: int, world: int, kind: str, shape: tuple[int, ...]) -> dict:
-    B, S, H, G, d = shape
+def _whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """The oracle on the whole sequence: `fmoe.ops.attention` (RoPE at 0 .. S-1), or for q and k that come
+    rotated (values of their own width, as MLA's) torch's causal sdpa with nothing rotated."""
+    if not rotated:
+        return attention(q, k, v, rope_theta=100.0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+
+
+# per world size: (form, (B, S, H, G, d, e, rotated)); GQA (G < H), one position per chunk, MLA's shapes
+ATTN_CASES = {2: [(kind, shape) for kind in ("p2p", "all_gather") for shape in (
+                      (2, 8, 4, 2, 4, 4, False), (1, 4, 1, 1, 2, 2, False), (1, 8, 2, 2, 4, 3, True))],
+              4: [(kind, shape) for kind in ("p2p", "all_gather")
+                  for shape in ((1, 16, 2, 2, 4, 4, False), (2, 8, 2, 1, 6, 3, True))]}
+
+
+def _cp_rank(rank: int, world: int) -> list:
+    from fmoe.parallel import context_parallel
+
+    context_parallel.ROW_TILE = 1  # the ring's blocks a query row at a time (chunks of 1 and 2 rows here;
+    # the GPT tests run whole blocks: one tile)
     comm = CommGroup(torch.distributed.group.WORLD)
-    q, k, v = _qkv(B, S, H, G, d, 0)
-    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
-    pos = cp_positions(S, rank, world)
-    mine = [take_positions(t, pos).requires_grad_(True) for t in (q, k, v)]
-    o = cp_attention(*mine, pos, comm, rope_theta=100.0, kind=kind)
-    (o * take_positions(ct, pos)).sum().backward()
-    full = [torch.zeros_like(t).index_copy(1, pos, m.grad) for t, m in zip((q, k, v), mine)]
-    for t in full:  # each rank holds the gradient its queries gave every key: the sum is the whole's
-        torch.distributed.all_reduce(t)
-    # plain lists: a tensor would cross to the parent by a shared file descriptor, gone once the rank exits
-    return {"o": torch.zeros(B, S, H, d, dtype=DT).index_copy(1, pos, o.detach()).tolist(),
-            "grads": [t.tolist() for t in full]}
+    out = []
+    for kind, (B, S, H, G, d, e, rotated) in ATTN_CASES[world]:
+        q, k, v = _qkv(B, S, H, G, d, e, 0)
+        ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
+        pos = cp_positions(S, rank, world)
+        mine = [take_positions(t, pos).requires_grad_(True) for t in (q, k, v)]
+        o = cp_attention(*mine, pos, comm, rope_theta=100.0, kind=kind, rotated=rotated)
+        (o * take_positions(ct, pos)).sum().backward()
+        full = [torch.zeros_like(t).index_copy(1, pos, m.grad) for t, m in zip((q, k, v), mine)]
+        for t in full:  # each rank holds the gradient its queries gave every key: the sum is the whole's
+            torch.distributed.all_reduce(t)
+        # plain lists: a tensor would cross to the parent by a shared file descriptor, gone once the rank
+        # exits
+        out.append({"o": torch.zeros(B, S, H, e, dtype=DT).index_copy(1, pos, o.detach()).tolist(),
+                    "grads": [t.tolist() for t in full]})
+    return out
 
 
-@pytest.mark.parametrize("kind", ["p2p", "all_gather"])
-@pytest.mark.parametrize("world, shape", [(2, (2, 8, 4, 2, 4)), (4, (1, 16, 2, 2, 4)), (2, (1, 4, 1, 1, 2))])
-def test_cp_attention_equals_one_process(kind: str, world: int, shape: tuple[int, ...]) -> None:
-    B, S, H, G, d = shape
-    q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, 0))
-    ct = torch.randn(B, S, H, d, generator=torch.Generator().manual_seed(1), dtype=DT)
-    o = attention(q, k, v, rope_theta=100.0)
-    want = torch.autograd.grad((o * ct).sum(), (q, k, v))
-    got = [r.value for r in spawn(_cp_rank, world, kind, shape)]
-    o_sum = sum(torch.tensor(r["o"], dtype=DT) for r in got)  # each rank filled its positions
-    assert_close(o_sum, o.detach(), dtype=DT)
-    for r in got:
-        for a, b in zip(r["grads"], want):
-            assert_close(torch.tensor(a, dtype=DT), b, dtype=DT)
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_equals_one_process(world: int) -> None:
+    """Both forms, GQA, one position per chunk, and q, k given rotated with values of their own width
+    (MLA's), in one spawned run per world size."""
+    runs = [r.value for r in spawn(_cp_rank, world)]
+    for i, (kind, (B, S, H, G, d, e, rotated)) in enumerate(ATTN_CASES[world]):
+        q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, e, 0))
+        ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
+        o = _whole(q, k, v, rotated)
+        want = torch.autograd.grad((o * ct).sum(), (q, k, v))
+        got, case = [r[i] for r in runs], f"{kind} {B, S, H, G, d, e, rotated}"
+        o_sum = sum(torch.tensor(r["o"], dtype=DT) for r in got)  # each rank filled its positions
+        assert_close(o_sum, o.detach(), dtype=DT, msg=case)
+        for r in got:
+            for a, b in zip(r["grads"], want):
+                assert_close(torch.tensor(a, dtype=DT), b, dtype=DT, msg=case)
 
 
 # ---- the GPT under context parallelism -------------------------------------------------------------------
@@ -94,30 +119,109 @@ def _gpt_parts(cfg: GPTConfig, params: dict, ids: torch.Tensor, targets: torch.T
     return {**parts, "grads": grads}
 
 
-def _gpt_rank(rank: int, world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> dict:
-    cfg = _gpt_cfg(mtp, kv_heads)
-    params, ids, targets = _gpt_data(cfg, S)
-    par = ParallelContext(cp=CommGroup(torch.distributed.group.WORLD), cp_comm_type=kind)
-    got = _gpt_parts(cfg, params, ids, targets, par)
-    for g in tree_flatten(got["grads"])[0]:  # each rank: its positions' part
-        torch.distributed.all_reduce(g)
-    return [(tuple(v.shape), v.flatten().tolist()) for v in tree_flatten(got)[0]]  # leaves, as lists
+def _cfg_of(attn: str) -> GPTConfig:
+    """The cases' models, each with a dense block and an MoE block: "gqa" (H 2, G 2, qk-norm, MTP),
+    "gqa_kv1" (G 1), "gqa_no_mtp", or "mla" (head dim 4, RoPE part 2, value dim 3, latents 5 and 6, MTP)."""
+    if attn != "mla":
+        return _gpt_cfg(attn != "gqa_no_mtp", 1 if attn == "gqa_kv1" else 2)
+    return dataclasses.replace(_gpt_cfg(True, 2), qk_norm=False, head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+                               kv_lora_rank=5, q_lora_rank=6, n_kv_heads=None)
 
 
-@pytest.mark.parametrize("world, mtp, kv_heads, S, kind",
-                         [(2, True, 1, 8, "p2p"), (2, False, 2, 4, "all_gather"), (4, True, 2, 8, "p2p")])
-def test_gpt_under_cp_equals_one_process(world: int, mtp: bool, kv_heads: int, S: int, kind: str) -> None:
-    """Loss parts, the next expert bias (the whole sequence's load) and every gradient (summed over the cp
-    ranks, as a data-parallel reduction over dp x cp sums them) equal one process's, fp64: dense and MoE
-    blocks, GQA, MTP across the chunks' boundaries, aux, sequence-wise aux and z losses."""
-    cfg = _gpt_cfg(mtp, kv_heads)
-    want = _gpt_parts(cfg, *_gpt_data(cfg, S))
-    leaves, spec = tree_flatten(want)
-    for r in spawn(_gpt_rank, world, mtp, kv_heads, S, kind):
-        got = tree_unflatten([torch.tensor(v, dtype=DT).reshape(shape) for shape, v in r.value], spec)
-        for k in ("loss", "main", "balance", "mtp", "bias"):
-            assert_close(got[k], want[k].to(DT), dtype=DT, msg=k)
-        assert_close(got["grads"], want["grads"], dtype=DT, msg="grads")
+# (model, tp, sequence parallel, cp ranks, cp form, expert group, S) on 4 ranks (cp-major, tp-minor): the
+# expert group "local" is every expert on each rank (replicated over cp), "tp" the tp pair (TP extends EP;
+# replicated over cp), "all" every rank: the expert group laid over the context (and tensor) ranks, as
+# Megatron carves EP from dp x cp. S 4 at cp 2: one position per chunk.
+CASES = {"gqa_kv1_cp2_p2p": ("gqa_kv1", 1, False, 2, "p2p", "local", 8),
+         "gqa_no_mtp_cp2_all_gather": ("gqa_no_mtp", 1, False, 2, "all_gather", "local", 4),
+         "gqa_cp4_p2p": ("gqa", 1, False, 4, "p2p", "local", 8),
+         "gqa_tp2_sp_p2p": ("gqa", 2, True, 2, "p2p", "tp", 16),
+         "mla_tp2_all_gather_ep_over_cp": ("mla", 2, False, 2, "all_gather", "all", 16),
+         "mla_cp4_p2p_ep_over_cp": ("mla", 1, False, 4, "p2p", "all", 16)}
+
+
+def _held(tree: dict, cfg: GPTConfig, tp_rank: int, tp_size: int, expert_rank: int, local: int) -> dict:
+    """A rank's part of a GPT tree: its tp shard and its `local` experts (expert_rank's)."""
+    from fmoe.tp_layout import shard_gpt
+
+    out = shard_gpt(tree, cfg, tp_rank, tp_size) if tp_size > 1 else dict(tree)
+
+    def experts(block: dict) -> dict:
+        whole = block["moe"]["experts"]
+        mine = {k: v[expert_rank * local:(expert_rank + 1) * local] for k, v in whole.items()}
+        return {**block, "moe": {**block["moe"], "experts": mine}}
+
+    out["layers"] = [experts(b) if "moe" in b else b for b in out["layers"]]
+    if "mtp" in out:
+        out["mtp"] = {**out["mtp"], "block": experts(out["mtp"]["block"])}
+    return out
+
+
+def _ranks_of(case: str, rank: int) -> tuple[int, int, int, int]:
+    """(tp rank, tp size, expert rank, experts per rank) of world rank `rank` (of 4) in `case`."""
+    _, tp, _, _, _, group, _ = CASES[case]
+    tp_rank = rank % tp
+    experts = {"local": (0, E_CASES), "tp": (tp_rank, E_CASES // tp), "all": (rank, E_CASES // 4)}[group]
+    return (tp_rank, tp, *experts)
+
+
+E_CASES = 4  # experts (_gpt_cfg's)
+
+
+def _cases_rank(rank: int, world: int) -> dict:
+    """Every case of CASES on this rank: its loss parts, and its gradients summed over its cp group (the
+    experts' only where the expert group does not span the cp ranks: there each rank's are whole)."""
+    from fmoe.parallel.alltoall import AllToAllDispatcher
+
+    dist = torch.distributed
+    everyone = CommGroup(dist.group.WORLD)
+    # every rank builds every group, in one order
+    tp_pairs = [CommGroup(dist.new_group([0, 1])), CommGroup(dist.new_group([2, 3]))]
+    cp_pairs = [CommGroup(dist.new_group([0, 2])), CommGroup(dist.new_group([1, 3]))]
+    out = {}
+    for case, (attn, tp_size, sp, cp_size, kind, group, S) in CASES.items():
+        cfg = _cfg_of(attn)
+        tp = tp_pairs[rank // 2] if tp_size > 1 else None
+        cp = cp_pairs[rank % 2] if cp_size == 2 else everyone
+        tp_rank, _, expert_rank, local = _ranks_of(case, rank)
+        experts = {"local": None, "tp": tp, "all": everyone}[group]
+        par = ParallelContext(tp=tp, sequence_parallel=sp, cp=cp, cp_comm_type=kind,
+                              dispatcher=None if experts is None else AllToAllDispatcher(experts, E_CASES))
+        params, ids, targets = _gpt_data(cfg, S)
+        got = _gpt_parts(cfg, _held(params, cfg, tp_rank, tp_size, expert_rank, local), ids, targets, par)
+        grads = {}
+        for path, g in tree_flatten_with_path(got.pop("grads"))[0]:
+            name = keystr(path)
+            if "['experts']" not in name or group != "all":  # each cp rank: its positions' part
+                dist.all_reduce(g, group=cp.group)
+            grads[name] = (tuple(g.shape), g.flatten().tolist())
+        out[case] = {"parts": {k: float(v) if v.dim() == 0 else v.tolist() for k, v in got.items()},
+                     "grads": grads}
+    return out
+
+
+def test_gpt_under_cp_equals_one_process() -> None:
+    """On 4 gloo ranks, fp64, each case of CASES against the one-process model (loss parts, the next expert
+    bias and every gradient, cut as the rank holds them and summed over the cp ranks, as a data-parallel
+    reduction over dp x cp sums them): cp 2 and 4 in both forms, GQA with G < H; cp 2 x tp 2 with sequence
+    parallelism and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 with one expert
+    group over all 4 ranks, and under cp 4 with the expert group the cp group. Dense and MoE blocks, MTP
+    across the chunks' boundaries, aux, sequence-wise aux and z losses."""
+    runs = spawn(_cases_rank, 4, timeout_s=300)
+    for case, (attn, *_rest, S) in CASES.items():
+        cfg = _cfg_of(attn)
+        want = _gpt_parts(cfg, *_gpt_data(cfg, S))
+        for rank, r in enumerate(runs):
+            got = r.value[case]
+            for k in ("loss", "main", "balance", "mtp", "bias"):
+                assert_close(torch.tensor(got["parts"][k], dtype=DT), want[k].to(DT), dtype=DT,
+                             msg=f"{case} rank {rank} {k}")
+            held = {keystr(p): v for p, v in tree_flatten_with_path(
+                _held(want["grads"], cfg, *_ranks_of(case, rank)))[0]}
+            assert sorted(got["grads"]) == sorted(held), case
+            for path, (shape, values) in got["grads"].items():
+                assert_close(torch.tensor(values, dtype=DT).reshape(shape), held[path], dtype=DT,
+                             msg=f"{case} rank {rank} {path}")
 
 
 M = 4  # microbatches
@@ -192,9 +296,9 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank()
 
 def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_other_cp_sizes(tmp_path) -> None:
     """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
-    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, and at ep 2 x
-    cp 2, each equal to the uninterrupted run. Parameters are replicated over cp, so a checkpoint is the same
-    at any size."""
+    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, at ep 2 x cp 2
+    and at tp 2 (sequence parallel) x cp 2, each equal to the uninterrupted run. Parameters are replicated
+    over cp, so a checkpoint is the same at any size."""
     from test_train import _train
 
     # fp64, as tests/test_train.py's layouts: the ring sums a softmax in another order, and in fp32 that
@@ -210,8 +314,11 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
     # with expert parallelism: each cp rank's tokens go to the experts of its own ep group
     ep2_cp2 = _train(tmp_path, "cp2->ep2_cp2", *steps, "--ep", "2", "--context-parallel-size", "2",
                      "--load", step2)  # the later --ep wins
+    # with tensor and sequence parallelism: the heads over tp, a cp rank's positions split over its tp pair
+    tp2_cp2 = _train(tmp_path, "cp2->tp2_sp_cp2", *steps, "--tp", "2", "--sequence-parallel",
+                     "--context-parallel-size", "2", "--load", step2)
     for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:]),
-                            ("cp2->ep2_cp2", ep2_cp2, ref[2:])):
+                            ("cp2->ep2_cp2", ep2_cp2, ref[2:]), ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:])):
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
@@ -225,6 +332,10 @@ def test_fmoe_train_refuses_what_cp_cannot_run_before_launch() -> None:
     base = {"pp": 1, "ep": 1, "context_parallel_size": 2}
     assert TrainConfig(**base).problem() is None
     assert "--seq-length (62) must divide by 4" in TrainConfig(**base, seq_length=62).problem()
-    assert "with --tp > 1 is not built yet" in TrainConfig(**base, tp=2).problem()
+    assert TrainConfig(**base, tp=2, sequence_parallel=True, seq_length=64).problem() is None
+    assert TrainConfig(**base, multi_latent_attention=True).problem() is None
+    assert "--seq-length / --context-parallel-size (6) must be divisible by --tp (4)" in TrainConfig(
+        **base, tp=4, num_experts=8, sequence_parallel=True, seq_length=12).problem()
+    assert "with --attention is not built yet" in TrainConfig(**base, attention="m:f").problem()
     bad = TrainConfig(**base, cp_comm_type="a2a").problem()
     assert "--cp-comm-type must be one of p2p, all_gather" in bad

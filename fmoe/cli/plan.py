@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--micro-batches", default="1,2,4", help="micro batch sizes to search")
     parser.add_argument("--vpp", default="2,4", help="chunks per rank to search for interleaved schedules")
+    parser.add_argument("--cp", default=None,
+                        help="context-parallel sizes to search, e.g. 1,2,4 (default: 1, and for sequences of "
+                             "16k or more the sizes leaving each rank 4k positions or more)")
     parser.add_argument(
         "--capacity-factors",
         default="none",
@@ -228,6 +231,7 @@ def _run(args: argparse.Namespace) -> int:
         vpps=_ints(args.vpp, "--vpp"),
         capacity_factors=_caps(args.capacity_factors),
         zero1=not args.no_zero1,
+        cps=None if args.cp is None else _ints(args.cp, "--cp"),
         progress=_searching,
     )
     seconds = time.perf_counter() - t0
@@ -316,8 +320,8 @@ def _layout(ctx: E.Context, fields: dict[str, object]) -> L.Layout:
     devices); PlanError naming the rule it breaks."""
     fields = {"vpp": 1, "micro_batch": 1, "overlap": True, "schedule": "1f1b", **fields}
     if "dp" not in fields:
-        sizes = [int(fields.get(k, 1)) for k in ("tp", "pp", "ep")]  # type: ignore[call-overload]
-        fields["dp"] = ctx.devices // (sizes[0] * sizes[1] * sizes[2])
+        sizes = [int(fields.get(k, 1)) for k in ("tp", "pp", "ep", "cp")]  # type: ignore[call-overload]
+        fields["dp"] = ctx.devices // (sizes[0] * sizes[1] * sizes[2] * sizes[3])
     base = L.Layout(tp=1, pp=1, ep=1, dp=1, vpp=1, schedule="1f1b", overlap=True, micro_batch=1)
     lay = replace(base, **fields)
     why_not = L.problem(ctx.model, ctx.cluster, ctx.devices, lay, ctx.global_batch)
@@ -327,13 +331,15 @@ def _layout(ctx: E.Context, fields: dict[str, object]) -> L.Layout:
 
 
 def train_command(preset: str, layout: L.Layout, global_batch: int, cluster: ClusterSpec,
-                  overlap_modes: tuple[str, str] = ("pair", "none")) -> str:
+                  overlap_modes: tuple[str, str] = ("pair", "none"), seq_length: int | None = None) -> str:
     """Returns the `fmoe train` command line of `train_overrides` on model preset `preset` (flags that
-    differ from TrainConfig's defaults only)."""
+    differ from TrainConfig's defaults only; `seq_length` where it differs from the preset's)."""
     defaults = TrainConfig()
+    if seq_length == TrainConfig.from_sources(preset=preset).seq_length:
+        seq_length = None
     parts = ["fmoe train", f"--preset {preset}"]
-    for name, value in train_overrides(layout, global_batch, cluster, overlap_modes).items():
-        if getattr(defaults, name) == value:
+    for name, value in train_overrides(layout, global_batch, cluster, overlap_modes, seq_length).items():
+        if getattr(defaults, name) == value and name != "seq_length":
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -351,7 +357,7 @@ def _print_train_command(model: str, best: E.Prediction, ctx: E.Context) -> None
         return
     try:
         print("train it: " + train_command(model, best.layout, ctx.global_batch, ctx.cluster,
-                                           best.overlap_modes))
+                                           best.overlap_modes, ctx.model.seq))
     except PlanError as exc:  # a layout the runtime does not run (the planner should not rank it)
         print(f"train it: not with fmoe train: {exc}")
 
@@ -370,7 +376,8 @@ def _explain(ctx: E.Context, args: argparse.Namespace, result: Q.PlanResult) -> 
         base = {"vpp": 1, "micro_batch": 1, "dp": None, "overlap": True, "schedule": args.schedule}
         fields = {**base, **want}
         if fields["dp"] is None:
-            fields["dp"] = ctx.devices // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("ep", 1))
+            fields["dp"] = ctx.devices // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("ep", 1)
+                                           * fields.get("cp", 1))
         if fields["schedule"] is None:
             fields["schedule"] = "1f1b"
         lay = replace(

@@ -9,7 +9,11 @@ exchange an MoE layer's rows travel through (None: `LocalDispatcher`, every expe
 tensor parallelism its group is the ep x tp expert group, TP extending EP); `cp`: the context-parallel
 group, over which each sequence is split (fmoe/parallel/context_parallel.py: rank r holds chunks r and
 2N-1-r of 2N; the hidden state is this rank's positions [B, S/N, D], token ids and targets stay whole),
-`cp_comm_type` its attention's form ("p2p" ring, or "all_gather"; Megatron's --cp-comm-type). The model's
+`cp_comm_type` its attention's form ("p2p" ring, or "all_gather"; Megatron's --cp-comm-type). With both
+`cp` and `tp` the sequence is split over cp and the heads over tp (the cp group: the ranks of one tp index);
+with sequence parallelism too, each tp rank holds 1/P of its cp rank's positions. The dispatcher's group
+may span cp ranks (the expert group laid over data x context ranks, as Megatron carves EP): each rank
+routes its own positions and sends them to whichever rank holds the expert. The model's
 functions take the record whole and read what they need, so a new axis joins here and nowhere else.
 """
 
@@ -40,9 +44,6 @@ class ParallelContext:
             raise ValueError("sequence parallelism needs a tensor-parallel group (tp=)")
         if self.cp_comm_type not in KINDS:
             raise ValueError(f"cp_comm_type must be one of {', '.join(KINDS)}, got {self.cp_comm_type!r}")
-        if self.cp is not None and self.tp is not None:
-            raise ValueError("context parallelism with tensor parallelism is not built yet: give one of cp "
-                             "and tp")
 
     @property
     def cp_size(self) -> int:

@@ -82,17 +82,22 @@ class GPTProgram:
                        dtype: torch.dtype = torch.float32) -> dict[int, StageProgram]:
         """Returns {stage: StageProgram} for this rank's stages over `params` (the whole tree; each stage
         holds the subtrees it reads, shared, not copied). `micro_batch` = (B, S) sizes the hidden state
-        that crosses stages ([B, S, D] of `dtype`, S / tp positions under sequence parallelism)."""
+        that crosses stages ([B, S, D] of `dtype`, S / cp positions under context parallelism, of which
+        1 / tp under sequence parallelism)."""
         B, S = micro_batch
         if self.cfg.mtp and S < 2:
             raise ValueError(f"MTP needs sequences of at least 2 tokens, got S={S}")
         tp, cp = self.parallel.tp, self.parallel.cp
-        if self.parallel.sequence_parallel and S % tp.size:
-            raise ValueError(f"sequence parallelism over {tp.size} ranks: {S} positions do not split evenly")
         if cp is not None:
             check_split(S, cp.size)
-        # the hidden state's positions on this rank: its sequence-parallel or context-parallel share
-        S_here = S // tp.size if self.parallel.sequence_parallel else S // self.parallel.cp_size
+        # the hidden state's positions on this rank: its cp rank's share, which sequence parallelism splits
+        S_here = S // self.parallel.cp_size
+        if self.parallel.sequence_parallel:
+            if S_here % tp.size:
+                whose = "" if cp is None else " (one cp rank's)"
+                raise ValueError(f"sequence parallelism over {tp.size} ranks: {S_here} positions{whose} "
+                                 "do not split evenly")
+            S_here //= tp.size
         out = {}
         for stage, layers in self.layers.items():
             first = self.chunks[self.schedule.placement.layer_chunk[stage]].first

@@ -1,8 +1,9 @@
 """Predict one layout: per-stage F / I / W times, communication, memory per device; the step composed by
 `fmoe.schedule.simulate` so bubbles and overlap come from the schedule itself.
 
-Legend: T tokens of one microbatch (micro_batch x seq), m microbatches per rank and step, S stages,
-P ranks of a group. Times in seconds, memory in bytes (GiB in the Prediction).
+Legend: T tokens of one microbatch on one rank (micro_batch x seq / cp), m microbatches per rank and step,
+S stages, P ranks of a group, N = cp context-parallel ranks. Times in seconds, memory in bytes (GiB in the
+Prediction).
 
 Time of one layer and phase (one rank, one microbatch): GEMM FLOPs / (peak x gemm efficiency), the
 efficiency falling for small GEMMs (ClusterSpec.gemm_half_dim); attention core / (peak x attn_eff); the
@@ -13,6 +14,16 @@ all-to-all (dispatch + combine, bytes per link class from fmoe.parallel.traffic,
 formulas) goes to the simulator as `a2a`, so fb overlap hides it where the schedule pairs F and B. P2P
 between stages, the data-parallel gradient reduce (issued when a rank's last backward ends) and the
 optimizer step (memory bound) complete the step.
+
+Context parallelism (fmoe.parallel.context_parallel, the ring form `fmoe train` runs): every per-rank
+figure above takes a rank's T = micro_batch x seq / N tokens (the causal load balancing gives each rank
+1 / N of the attention core too), gradients are summed over the data x cp ranks, and each attention layer
+adds its ring (`ring_s`): N - 1 steps in the forward, each moving this rank's key / value block (its
+seq / N positions, `ring_step_bytes`) one rank on while one step's blocks of the core run (1 / N of it:
+every step computes two of the four chunk pairs, the first two half-masked and one whole), so a step
+waits max(0, transfer - core / N); the backward passes the blocks' gradients round the same N - 1 steps,
+each behind one step's backward of the core (twice the forward's). Each rank keeps the N - 1 received
+blocks for the backward (memory), not the blocks' scores (the runtime recomputes them).
 """
 
 from __future__ import annotations
@@ -89,6 +100,7 @@ class Prediction:
             "ep": lay.ep,
             "vpp": lay.vpp,
             "dp": lay.dp,
+            "cp": lay.cp,
             "data_parallel": lay.data_ranks,
             "schedule": lay.schedule,
             "overlap": lay.overlap,
@@ -164,6 +176,7 @@ class _Phases:
     recompute: float  # extra I time recompute costs
     tp_comm: float  # TP collectives of F and I together
     b: float  # I and W run as one B (its host cost may differ from a split I + W)
+    ring: float = 0.0  # the context-parallel ring's exposed waits of F and I together (in tp_comm too)
 
 
 def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
@@ -171,7 +184,7 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     model's FP8 groups run at the cluster's FP8 peak (the compute dtype's where it has none); recompute
     adds the forward of what it recomputes (all of F under full, else its parts') to the backward."""
     m, c, tp = ctx.model, ctx.cluster, lay.tp
-    T = lay.micro_batch * m.seq
+    T = rank_tokens(m, lay)
     peak = c.flops(m.dtype)
     peak8 = c.gemm_flops(m.dtype, True)
     fp8_dense, _ = fp8_flops(m, cost.kind)
@@ -181,6 +194,8 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
     expert = _expert_s(ctx, lay, cost)
     tp_f, tp_b = _tp_comm_s(ctx, lay, cost.kind)
     oh = c.host_s(cost.kind, T / tp, lay.expert_group > 1)  # sequence parallel: T / tp tokens per rank
+    ring_f, ring_b = ring_s(ctx, lay, attn) if cost.kind in ("dense", "moe") else (0.0, 0.0)
+    tp_f, tp_b = tp_f + ring_f, tp_b + ring_b  # the ring's waits are communication, as the TP collectives
     f = dense + attn + expert + tp_f + oh
     i_compute, w_compute = dense + 2 * attn + expert + tp_b, dense + expert
     i = i_compute + c.i_overhead_ratio * oh
@@ -204,7 +219,36 @@ def _layer_phases(ctx: Context, lay: L.Layout, cost: LayerCost) -> _Phases:
             extra += attn * core / cost.attn_flops if cost.attn_flops else 0.0
     b_ratio = c.i_overhead_ratio + c.w_overhead_ratio if c.b_overhead_ratio is None else c.b_overhead_ratio
     b = i_compute + w_compute + b_ratio * oh
-    return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra)
+    return _Phases(f, i + extra, w, extra, tp_f + tp_b, b + extra, ring_f + ring_b)
+
+
+def rank_tokens(m: ModelSpec, lay: L.Layout) -> float:
+    """Tokens of one microbatch on one rank before tensor parallelism: micro_batch x seq / cp."""
+    return lay.micro_batch * m.seq / lay.cp
+
+
+def ring_step_bytes(m: ModelSpec, lay: L.Layout) -> float:
+    """Bytes one ring step moves from each rank, of one attention layer and microbatch: its keys and values
+    (GQA: 2 x kv_heads x head_dim per position; MLA: the H heads' keys, head_dim + qk_rope_dim wide, and
+    values, v_head_dim) of its seq / cp positions, its heads' 1 / tp, in the core's compute dtype (fp32
+    for bf16 runs, fmoe.ops._dtypes.compute_dtype: the runtime rotates and sends them in it)."""
+    width = m.heads * (m.head_dim + m.qk_rope_dim + m.v_head_dim) if m.mla else 2 * m.kv_heads * m.head_dim
+    return rank_tokens(m, lay) * width / lay.tp * 4
+
+
+def ring_s(ctx: Context, lay: L.Layout, attn_f: float) -> tuple[float, float]:
+    """Seconds one attention layer's ring leaves exposed (forward, backward dx pass) for one microbatch,
+    given its core's forward `attn_f` seconds on this rank (module docstring): N - 1 transfers of
+    `ring_step_bytes` each way, each behind one step's 1 / N of the core (forward) or of its backward. The
+    runtime lays the cp ranks outside dp, ep and tp (fmoe.parallel.mesh): on one node while
+    tp x ep x dp x cp fits it."""
+    N = lay.cp
+    if N == 1:
+        return 0.0, 0.0
+    xfer = _collective_s(ctx.cluster, ring_step_bytes(ctx.model, lay), lay.world // lay.pp <= ctx.rpn)
+    fwd = (N - 1) * max(0.0, xfer - attn_f / N)
+    bwd = (N - 1) * max(0.0, xfer - 2 * attn_f / N)
+    return fwd, bwd
 
 
 def _expert_s(ctx: Context, lay: L.Layout, cost: LayerCost, chunks: int = 1) -> float:
@@ -213,7 +257,7 @@ def _expert_s(ctx: Context, lay: L.Layout, cost: LayerCost, chunks: int = 1) -> 
     if not cost.expert_flops:
         return 0.0
     m, c = ctx.model, ctx.cluster
-    T = lay.micro_batch * m.seq
+    T = rank_tokens(m, lay)
     _, fp8_expert = fp8_flops(m, cost.kind)
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
     # TP extends EP: each rank dispatches its own T / tp tokens to whole experts
@@ -245,7 +289,7 @@ def _tp_comm_s(ctx: Context, lay: L.Layout, kind: str) -> tuple[float, float]:
     if tp == 1:
         return 0.0, 0.0
     out = {"F": 0.0, "B": 0.0, "S": 0.0}
-    for coll in tp_collectives(ctx.model, kind, lay.micro_batch * ctx.model.seq):
+    for coll in tp_collectives(ctx.model, kind, rank_tokens(ctx.model, lay)):
         steps = 2 * (tp - 1) if coll.kind == "all_reduce" else tp - 1
         out[coll.phase] += _collective_s(c, coll.sent(tp), True, steps)
     return out["F"], out["B"]
@@ -275,7 +319,7 @@ def _a2a_s(ctx: Context, lay: L.Layout) -> tuple[float, dict[str, float]]:
     P = lay.expert_group
     if P == 1:
         return 0.0, {"intra": 0.0, "inter": 0.0}
-    T = lay.micro_batch * m.seq
+    T = rank_tokens(m, lay)
     group_per_node = min(P, ctx.rpn)
     nodes = P // group_per_node
     tokens = T // lay.tp  # sequence parallel: each tp rank dispatches its own share
@@ -420,7 +464,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
     chunk_f, chunk_i, chunk_w, chunk_moe, chunk_dense_p, chunk_exp_p, chunk_act, chunk_wb, chunk_b = (
         [] for _ in range(9)
     )
-    T = lay.micro_batch * model.seq
+    T = rank_tokens(model, lay)
     b = DTYPE_BYTES[model.dtype]
     load = lay.capacity_factor if lay.capacity_factor is not None else ctx.imbalance
     memo: dict[
@@ -523,8 +567,10 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         nbytes = 2 * (group - 1) / group * params * 4
         return _collective_s(c, nbytes, intra, 2 * (group - 1))
 
-    # with the tensor-parallel sums of the replicated weights' partial gradients, also once per step
-    dp_s = [reduce_s(rank_dense[r], lay.data_ranks) + reduce_s(rank_exp[r], lay.dp) + rank_tp_sums[r]
+    # summed over the cp ranks too (each holds its positions' part of every gradient), with the
+    # tensor-parallel sums of the replicated weights' partial gradients, also once per step
+    dp_s = [reduce_s(rank_dense[r], lay.data_ranks * lay.cp) + reduce_s(rank_exp[r], lay.dp * lay.cp)
+            + rank_tp_sums[r]
             for r in range(pp)]
     opt_bytes = 28 + (6 if mixed else 0)
     opt_s = [
@@ -599,6 +645,7 @@ def evaluate(ctx: Context, lay: L.Layout, simulate: bool = True, memory_first: b
         "w_chunk_max": max(chunk_w),
         "recompute_per_layer": ph_moe.recompute,
         "tp_comm_per_layer": ph_moe.tp_comm,
+        "cp_ring_per_layer": ph_moe.ring,
         **tried,  # the step under each overlap choice priced
     }
     cut = _cut(ctx, lay, S.stages.cost_placement(s_full.placement))
@@ -654,6 +701,8 @@ def _chunk(
                     keep -= (load if part == "moe" else 1.0) * freed
             keep = max(keep, b * model.hidden if lc.kind in ("dense", "moe") else 0.0)
         act += q * keep * T / lay.tp
+        if lc.kind in ("dense", "moe"):  # the ring's received key / value blocks, kept for the backward
+            act += q * (lay.cp - 1) * ring_step_bytes(model, lay)
         wb += q * min(lc.w_bytes, keep) * T / lay.tp
     return (
         sum(p.f * q for p, _, q in parts),
@@ -671,7 +720,7 @@ def _chunk(
 def _attn_share(ph: _Phases, ctx: Context, lay: L.Layout, moe_blk: LayerCost) -> float:
     """Share of a MoE layer's F that is attention (what fb overlap hides the combine behind)."""
     m, c = ctx.model, ctx.cluster
-    T = lay.micro_batch * m.seq
+    T = rank_tokens(m, lay)
     peak = c.flops(m.dtype)
     attn_proj = T * (
         moe_blk.dense_flops - 2 * m.routed_experts * m.hidden - m.shared_experts * 6 * m.hidden * m.expert_ffn
@@ -772,9 +821,12 @@ def timeline(pred: Prediction) -> S.Report:
 
 def fastest_fitting(ctx: Context, lay: L.Layout, simulate: bool = True) -> Prediction:
     """Returns the Prediction of `lay` with the lightest recompute that fits (`ctx.recompute`, or none,
-    adaptive, the other parts the runtime recomputes selectively, full: `layout.recompute_ladder`), or the
-    heaviest one (not fitting, with its reason) when none does."""
+    adaptive, the other parts the runtime recomputes selectively, full: `layout.recompute_ladder`; under
+    context parallelism without the parts it refuses there), or the heaviest one (not fitting, with its
+    reason) when none does."""
     ladder = ctx.recompute or L.recompute_ladder(ctx.model)
+    if lay.cp > 1:  # the parts the runtime does not recompute under context parallelism
+        ladder = tuple(rc for rc in ladder if not set(L.recompute_parts(rc) or ()) & set(L.CP_REFUSED_PARTS))
     for rc in ladder[:-1]:
         pred = evaluate(ctx, replace(lay, recompute=rc), simulate, memory_first=True)
         if pred.fits:

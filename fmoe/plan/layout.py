@@ -1,9 +1,9 @@
 """A candidate layout (`Layout`), the rules it must satisfy, and the enumeration of every candidate.
 
 Legend: tp tensor parallel, pp pipeline ranks, ep expert parallel, dp data-parallel replicas beyond ep
-(world = tp x ep x pp x dp, the runtime's convention: expert parallelism is carved out of data
-parallelism, so dp x ep ranks read different data), vpp model chunks per pipeline rank, m microbatches
-per rank and step.
+(world = tp x ep x pp x dp x cp, the runtime's convention: expert parallelism is carved out of data
+parallelism, so dp x ep ranks read different data), cp context parallel (the ranks that split each
+sequence: they read the same data), vpp model chunks per pipeline rank, m microbatches per rank and step.
 
 The rules are the runtime's own: `fmoe.parallel.topology.check_layout` (sizes, expert group against nodes),
 `fmoe.parallel.tp_extends_ep.experts_per_rank` (experts divisible by the expert group), the schedule
@@ -37,6 +37,13 @@ RECOMPUTE = ("none", "adaptive", "full")
 # experts ("moe"), priced as recomputed in every layer (the load-aware choice recomputes the overloaded
 # ones). The runtime has no RMSNorm or MLA up-projection part (what DeepSeek-V3 recomputes): not offered.
 PART_SEP = "+"
+# context parallelism is offered where the sequence is long (Megatron's long-context runs: 16k and more),
+# at sizes that leave each rank at least CP_MIN_POSITIONS positions: below that a ring step's attention
+# block is too small to hide its key / value transfer
+LONG_SEQ = 16384
+CP_MIN_POSITIONS = 4096
+# recompute parts the runtime refuses under context parallelism (their recompute would replay the ring)
+CP_REFUSED_PARTS = ("core_attn", "mla_up_proj")
 
 
 def recompute_parts(choice: str) -> tuple[str, ...] | None:
@@ -72,7 +79,8 @@ def recompute_ladder(model: ModelSpec) -> tuple[str, ...]:
 class Layout:
     """One point of the search: sizes, schedule, fb overlap, microbatch size, recompute, TP-extends-EP
     (False, TP splitting each expert, is a reason under tp > 1: the runtime has no such path), hierarchical
-    dispatch, capacity factor (None = dropless), ZeRO-1 (Adam state sharded)."""
+    dispatch, capacity factor (None = dropless), ZeRO-1 (Adam state sharded), context-parallel ranks (each
+    sequence split over cp ranks, the ring form: fmoe.parallel.context_parallel)."""
 
     tp: int
     pp: int
@@ -87,11 +95,12 @@ class Layout:
     hierarchical: bool = False
     capacity_factor: float | None = None
     zero1: bool = True
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        """tp x ep x pp x dp devices."""
-        return self.tp * self.ep * self.pp * self.dp
+        """tp x ep x pp x dp x cp devices."""
+        return self.tp * self.ep * self.pp * self.dp * self.cp
 
     @property
     def data_ranks(self) -> int:
@@ -115,6 +124,7 @@ class Layout:
             f"ep{self.ep}",
             f"vpp{self.vpp}",
             f"dp{self.dp}",
+            *([f"cp{self.cp}"] if self.cp > 1 else []),
             f"mb{self.micro_batch}",
         ]
         if self.tp > 1 and not self.tp_extends_ep:
@@ -163,6 +173,7 @@ def problem(
             ep=layout.ep,
             pp=layout.pp,
             dp=layout.dp,
+            cp=layout.cp,
             ranks_per_node=min(cluster.devices_per_node, devices),
         )
         experts_per_rank(model.routed_experts, layout.tp if layout.tp_extends_ep else 1, layout.ep)
@@ -170,6 +181,11 @@ def problem(
         return str(exc)
     if layout.tp > 1 and model.heads % layout.tp:
         return f"tp {layout.tp} does not divide {model.heads} attention heads"
+    if layout.cp > 1 and model.seq % (2 * layout.cp):
+        return f"cp {layout.cp} cuts a sequence into {2 * layout.cp} equal chunks: seq {model.seq} does not"
+    if layout.tp > 1 and (model.seq // layout.cp) % layout.tp:  # sequence parallelism within a cp rank
+        per_rank = model.seq // layout.cp
+        return f"tp {layout.tp} (sequence parallel) does not split {per_rank} positions per cp rank"
     if layout.tp > 1 and not layout.tp_extends_ep:
         # the runtime's MoE block under TP always extends EP (fmoe.block.attention): none splits the experts
         return "tp-splits-experts: the runtime has no MoE block whose tp ranks split each expert's weights"
@@ -181,6 +197,9 @@ def problem(
     if recompute_parts(layout.recompute) is None:
         return (f"recompute must be one of {', '.join(RECOMPUTE)} or parts of {', '.join(MODULES)} joined "
                 f"by '{PART_SEP}', got {layout.recompute!r}")
+    refused = [p for p in recompute_parts(layout.recompute) if p in CP_REFUSED_PARTS]
+    if layout.cp > 1 and refused:
+        return f"cp {layout.cp}: fmoe train does not recompute {', '.join(refused)} under context parallelism"
     m = layout.microbatches(global_batch)
     try:
         s = build_schedule(layout.schedule, layout.pp, rule_microbatches(m, layout.pp), max(layout.vpp, 1))
@@ -195,6 +214,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_sizes(model: ModelSpec, devices: int) -> tuple[int, ...]:
+    """The context-parallel sizes the search offers: 1, and where the sequence is long (LONG_SEQ or more)
+    each size of the devices that cuts it into 2 x cp equal chunks leaving CP_MIN_POSITIONS per rank."""
+    if model.seq < LONG_SEQ:
+        return (1,)
+    return tuple(c for c in _divisors(devices)
+                 if c == 1 or (model.seq % (2 * c) == 0 and model.seq // c >= CP_MIN_POSITIONS))
+
+
 def candidates(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -205,9 +233,11 @@ def candidates(
     vpps: tuple[int, ...] = (2, 4),
     capacity_factors: tuple[float | None, ...] = (None,),
     zero1: bool = True,
+    cps: tuple[int, ...] | None = None,
 ) -> Iterator[tuple[Layout, str | None]]:
     """Yields every (layout, problem or None) of the search space, recompute "none" only (the evaluator
-    picks the cheapest recompute that fits). Raises PlanError for a request no layout can meet."""
+    picks the cheapest recompute that fits). `cps`: the context-parallel sizes to search (None:
+    `cp_sizes`). Raises PlanError for a request no layout can meet."""
     rpn = cluster.devices_per_node
     if devices < 1 or (devices > rpn and devices % rpn):
         raise PlanError(
@@ -217,10 +247,14 @@ def candidates(
         raise PlanError("the model has no routed experts")
     if global_batch < 1:
         raise PlanError(f"--global-batch must be >= 1, got {global_batch}")
-    for tp, pp, ep in itertools.product(_divisors(min(rpn, devices)), _divisors(devices), _divisors(devices)):
-        if devices % (tp * pp * ep) or pp > model.layers or ep > model.routed_experts:
+    cps = cp_sizes(model, devices) if cps is None else cps
+    if any(c < 1 or devices % c for c in cps):
+        raise PlanError(f"--cp sizes must divide --devices {devices}, got {', '.join(map(str, cps))}")
+    for cp, tp, pp, ep in itertools.product(cps, _divisors(min(rpn, devices)), _divisors(devices),
+                                            _divisors(devices)):
+        if devices % (tp * pp * ep * cp) or pp > model.layers or ep > model.routed_experts:
             continue
-        dp = devices // (tp * pp * ep)
+        dp = devices // (tp * pp * ep * cp)
         for mb, cap in itertools.product(micro_batches, capacity_factors):
             group = ep * tp  # TP extends EP, the runtime's only MoE block under TP
             spans_nodes = group > min(rpn, devices)
@@ -233,5 +267,5 @@ def candidates(
                             continue  # that is plain 1f1b
                         if overlap and group == 1:
                             continue  # no all-to-all leaves the device: nothing to hide, same as off
-                        lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", True, hier, cap, zero1)
+                        lay = Layout(tp, pp, ep, dp, v, name, overlap, mb, "none", True, hier, cap, zero1, cp)
                         yield lay, problem(model, cluster, devices, lay, global_batch)

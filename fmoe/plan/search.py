@@ -43,9 +43,11 @@ def plan(
     vpps: tuple[int, ...] = (2, 4),
     capacity_factors: tuple[float | None, ...] = (None,),
     zero1: bool = True,
+    cps: tuple[int, ...] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> PlanResult:
-    """Returns the PlanResult of searching every layout for `ctx`. Raises PlanError when none can run.
+    """Returns the PlanResult of searching every layout for `ctx` (`cps`: the context-parallel sizes, None:
+    `layout.cp_sizes`, more than 1 only for long sequences). Raises PlanError when none can run.
     `progress(what, done, total)`: every SCREEN_REPORT layouts screened ("screening", tried, 0), after the
     screening ("screened", layouts that fit, all tried) and as each of the best is simulated ("simulated",
     k, of how many)."""
@@ -60,6 +62,7 @@ def plan(
         vpps=vpps,
         capacity_factors=capacity_factors,
         zero1=zero1,
+        cps=cps,
     ):
         if progress is not None and (len(rejected) + len(quick)) % SCREEN_REPORT == SCREEN_REPORT - 1:
             progress("screening", len(rejected) + len(quick) + 1, 0)
@@ -211,7 +214,7 @@ def explain(p: Prediction) -> str:
 def parse_label(text: str) -> dict[str, object]:
     """Returns the Layout fields a label like "tp8 pp16 ep4 vpp2 dp12 mb1" names (for --explain)."""
     out: dict[str, object] = {}
-    keys = {"tp": "tp", "pp": "pp", "ep": "ep", "vpp": "vpp", "dp": "dp", "mb": "micro_batch"}
+    keys = {"tp": "tp", "pp": "pp", "ep": "ep", "vpp": "vpp", "dp": "dp", "cp": "cp", "mb": "micro_batch"}
     for word in text.replace(",", " ").split():
         for prefix in sorted(keys, key=len, reverse=True):
             if word.startswith(prefix) and word[len(prefix) :].isdigit():

@@ -33,12 +33,14 @@ def _recompute(choice: str) -> dict[str, Any]:
 
 
 def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec,
-                    overlap_modes: tuple[str, str] = ("pair", "none")) -> dict[str, Any]:
+                    overlap_modes: tuple[str, str] = ("pair", "none"),
+                    seq_length: int | None = None) -> dict[str, Any]:
     """Returns the TrainConfig fields (field -> value) that run `layout` at `global_batch` sequences per
     step on `cluster`'s nodes: sizes, schedule and its chunks, fb overlap and how the MoE layers hide
     their all-to-all (`overlap_modes`, the planner's choice: in a pair, alone; fmoe.overlap), microbatch,
-    recompute, the dispatcher, capacity, ZeRO-1 and sequence parallelism. PlanError for what the runtime
-    cannot run (tp splitting the experts' ffn instead of extending EP)."""
+    recompute, the dispatcher, capacity, ZeRO-1, sequence parallelism and context parallelism (the ring).
+    `seq_length`: the planned sequence length, when it is not the preset's. PlanError for what the
+    runtime cannot run (tp splitting the experts' ffn instead of extending EP)."""
     if layout.tp > 1 and not layout.tp_extends_ep:
         raise PlanError(f"{layout.label()}: fmoe train runs tensor parallelism extending expert parallelism "
                         "only (the tp ranks hold whole experts), not tp splitting each expert's ffn")
@@ -54,6 +56,10 @@ def train_overrides(layout: Layout, global_batch: int, cluster: ClusterSpec,
         "use_distributed_optimizer": layout.zero1,
         **_recompute(layout.recompute),
     }
+    if seq_length is not None:
+        out["seq_length"] = seq_length
+    if layout.cp > 1:  # the ring form, the one the planner prices
+        out.update(context_parallel_size=layout.cp, cp_comm_type="p2p")
     if layout.schedule in ("interleaved", "interleaved+extra"):  # the schedules that take a vpp
         out["num_virtual_stages_per_pipeline_rank"] = layout.vpp
     return out

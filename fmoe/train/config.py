@@ -589,8 +589,8 @@ class TrainConfig:
         check_layout(self.world_size, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, cp=self.cp,
                      ranks_per_node=rpn)
         self._check_routing()
-        self._check_tp()
         self._check_cp()
+        self._check_tp()
         for name in ("router", "experts", "attention"):  # the flag named, before the model names its field
             check_seam(f"--{name}", getattr(self, name))
         self._check_recompute()
@@ -671,14 +671,17 @@ class TrainConfig:
         if self.vocab_size % self.tp:
             raise ValueError(f"--vocab-size ({self.vocab_size}) must be divisible by --tp ({self.tp}) "
                              "(vocab-parallel embedding and head)")
-        tokens = self.micro_batch_size * self.seq_length
+        # under context parallelism a tp group holds one cp rank's positions (checked to split first)
+        seq, seq_flag = self.seq_length // self.cp, "--seq-length" if self.cp == 1 else (
+            "--seq-length / --context-parallel-size")
+        tokens = self.micro_batch_size * seq
         if self.sequence_parallel:
-            if self.seq_length % self.tp:
-                raise ValueError(f"--sequence-parallel: --seq-length ({self.seq_length}) must be divisible "
-                                 f"by --tp ({self.tp})")
+            if seq % self.tp:
+                raise ValueError(f"--sequence-parallel: {seq_flag} ({seq}) must be divisible by --tp "
+                                 f"({self.tp})")
         elif tokens % self.tp:
             raise ValueError(f"--tp {self.tp}: each tp rank routes 1/{self.tp} of a microbatch's tokens: "
-                             f"--micro-batch-size x --seq-length ({tokens}) must divide by it")
+                             f"--micro-batch-size x {seq_flag} ({tokens}) must divide by it")
         if self.router is not None:
             raise ValueError("--tp > 1 needs the built-in router: its balancing losses take the tp group's "
                              "statistics, which a --router function does not reduce")
@@ -697,10 +700,10 @@ class TrainConfig:
             raise ValueError(f"--context-parallel-size {self.cp} cuts each sequence into {2 * self.cp} "
                              f"equal chunks (causal load balancing): --seq-length ({self.seq_length}) must "
                              f"divide by {2 * self.cp}")
-        refused = {"--tp > 1": self.tp > 1, "--multi-latent-attention": self.model().mla,
-                   "--attention": self.attention is not None, "--router": self.router is not None,
+        refused = {"--attention": self.attention is not None, "--router": self.router is not None,
                    "--moe-dynamic-capacity-window": bool(self.moe_dynamic_capacity_window),
-                   "core_attn recompute": self.recompute_choice().module("core_attn")}
+                   "core_attn recompute": self.recompute_choice().module("core_attn"),
+                   "mla_up_proj recompute": self.recompute_choice().module("mla_up_proj")}
         for flag, given in refused.items():
             if given:
                 raise ValueError(f"--context-parallel-size {self.cp} with {flag} is not built yet")
