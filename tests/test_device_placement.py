@@ -105,9 +105,10 @@ class _NoShare:
 
 
 def test_a_pipeline_rank_without_a_loss_all_reduces_a_zero_on_its_device(monkeypatch) -> None:
-    """A rank whose stages add no loss gets the executor's empty sum (today `torch.zeros(())`, made without
-    a device: schedule/execute.py). The step must all-reduce a zero on the params' device and in the
-    loss's dtype (the loss rank's is float64 here), or NCCL rejects it / the ranks' dtypes differ."""
+    """A rank whose stages add no loss gets the executor's empty sum (a zero on the executor's device:
+    schedule/execute.py). The step must all-reduce a zero on that device and in the loss's dtype (the loss
+    rank's is float64 here), or NCCL rejects it / the ranks' dtypes differ; not one made from the
+    embedding table, a meta tensor on a rank that holds neither the embedding nor the head (issue 45, C1)."""
     cfg = _cfg()
     s = S.build("1f1b", 2, 2)
     params = init_gpt(cfg, torch.Generator().manual_seed(0), torch.float64)
@@ -115,7 +116,7 @@ def test_a_pipeline_rank_without_a_loss_all_reduces_a_zero_on_its_device(monkeyp
     reduced = []
 
     def fake_execute(*args, **kwargs):  # what execute returns on a rank without a loss
-        return StepResult(sum({}.values(), torch.zeros(())), {}, {}, [], [], 0, 0)
+        return StepResult(sum({}.values(), torch.zeros((), device="cpu")), {}, {}, [], [], 0, 0)
 
     def all_reduce(t, group=None):
         reduced.append(t)

@@ -338,13 +338,13 @@ def test_the_automatic_backend_never_takes_a_grouped_mm_that_syncs_per_product(m
     monkeypatch.setattr(gl, "grouped_mm", cuda_grouped_mm)
     monkeypatch.setattr(gl, "grouped_mm_syncs", lambda dt, device: dt != torch.bfloat16,  # sm90 CUDA's rule
                         raising=False)
-    gl._backend_for.cache_clear()
+    gl._backend_choice.cache_clear()
     try:
         cfg, params, x = _tiny()
         params = torch.utils._pytree.tree_map(lambda t: t.to(dtype), params)
         block_syncs(params, x.to(dtype), cfg)
         got = block_syncs(params, x.to(dtype), cfg)
     finally:
-        gl._backend_for.cache_clear()
+        gl._backend_choice.cache_clear()
     most = 1 if dtype == torch.float32 else 0
     assert got["forward"] <= most and got["dx"] == got["dw"] == 0, got

@@ -45,8 +45,10 @@ def _numbers(metrics: list[dict]) -> list[tuple]:
 
 
 def _cmd(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", "--markov-sequences",
-            str(MARKOV_SEQUENCES), *flags]
+    # the Markov corpus's size, where the run reads it (a data source of its own refuses the flag)
+    own_data = any(f.split("=")[0] in ("--data-path", "--data") for f in flags)
+    markov = [] if own_data else ["--markov-sequences", str(MARKOV_SEQUENCES)]
+    return [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", *markov, *flags]
 
 
 def _train(tmp: Path, name: str, *flags: str) -> list[dict]:

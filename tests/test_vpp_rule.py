@@ -34,8 +34,10 @@ def test_plan_explain_refuses_a_vpp_its_schedule_cannot_run(capsys: pytest.Captu
     args = ["plan", "--model", "tiny", "--cluster", "local", "--devices", "2", "--global-batch", "32",
             "--timeline", "", "--explain", "tp1 pp2 ep1 vpp4 dp1 mb4"]
     assert main([*args, "--schedule", "zb_h1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "zb_h1 holds 1 model chunk per rank, not vpp 4" in err[0], err
+    err = capsys.readouterr().err.strip().splitlines()  # the search's progress lines, then the error
+    errors = [line for line in err if "error:" in line]
+    assert len(errors) == 1 and errors[0] == err[-1], err
+    assert "zb_h1 holds 1 model chunk per rank, not vpp 4" in err[-1], err
     args[-1] = "tp1 pp2 ep1 vpp2 dp1 mb4"  # the tiny model's 4 layers fill 2 ranks x 2 chunks
     assert main([*args, "--schedule", "interleaved"]) == 0
     assert "schedule interleaved (vpp 2)" in capsys.readouterr().out
