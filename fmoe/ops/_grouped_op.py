@@ -115,6 +115,13 @@ def _(info, in_dims, x_MD, g_MF, offs_E, kernel):
 # a trace of torch.func.grad (torch.compile) hands the forward the grad-tracking tensors, and the op must
 # not record anything itself (under no_grad instead, that trace loses the weight's gradient).
 
+def _save_operands(ctx, inputs, output):
+    """Both Functions' setup_context: their two operands and the offsets saved, the kernel kept."""
+    a, b, offs_E, kernel = inputs
+    ctx.save_for_backward(a, b, offs_E)
+    ctx.kernel = kernel
+
+
 class _Product(torch.autograd.Function):
     generate_vmap_rule = True
 
@@ -122,11 +129,7 @@ class _Product(torch.autograd.Function):
     def forward(x_MD, w_EDF, offs_E, kernel):
         return grouped_mm(x_MD.detach(), w_EDF.detach(), offs_E, kernel)  # this Function is its autograd
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x_MD, w_EDF, offs_E, kernel = inputs
-        ctx.save_for_backward(x_MD, w_EDF, offs_E)
-        ctx.kernel = kernel
+    setup_context = staticmethod(_save_operands)
 
     @staticmethod
     def backward(ctx, g_MF):
@@ -144,11 +147,7 @@ class _ProductDw(torch.autograd.Function):
     def forward(x_MD, g_MF, offs_E, kernel):
         return grouped_mm_dw(x_MD.detach(), g_MF.detach(), offs_E, kernel)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x_MD, g_MF, offs_E, kernel = inputs
-        ctx.save_for_backward(x_MD, g_MF, offs_E)
-        ctx.kernel = kernel
+    setup_context = staticmethod(_save_operands)
 
     @staticmethod
     def backward(ctx, gw_EDF):
