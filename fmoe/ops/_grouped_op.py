@@ -84,12 +84,16 @@ def _folded_offsets(offs_BE: torch.Tensor, M: int) -> torch.Tensor:
     return (offs_BE + shift_B1).reshape(-1)
 
 
+def _operands(info, in_dims, a, b, offs_E) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, a, b, offs_BE): both ops' operands and offsets, the mapped dim first (expanded if unmapped)."""
+    B = info.batch_size
+    a_dim, b_dim, offs_dim, _ = in_dims
+    return B, _batched(a, a_dim, B), _batched(b, b_dim, B), _batched(offs_E, offs_dim, B)
+
+
 @grouped_mm.register_vmap
 def _(info, in_dims, x_MD, w_EDF, offs_E, kernel):
-    B = info.batch_size
-    x_dim, w_dim, offs_dim, _ = in_dims
-    x_BMD, w_BEDF = _batched(x_MD, x_dim, B), _batched(w_EDF, w_dim, B)
-    offs_BE = _batched(offs_E, offs_dim, B)
+    B, x_BMD, w_BEDF, offs_BE = _operands(info, in_dims, x_MD, w_EDF, offs_E)
     M = x_BMD.shape[1]
     y = grouped_mm(x_BMD.reshape(B * M, -1), w_BEDF.reshape(-1, *w_BEDF.shape[2:]),
                    _folded_offsets(offs_BE, M), kernel)
@@ -98,10 +102,7 @@ def _(info, in_dims, x_MD, w_EDF, offs_E, kernel):
 
 @grouped_mm_dw.register_vmap
 def _(info, in_dims, x_MD, g_MF, offs_E, kernel):
-    B = info.batch_size
-    x_dim, g_dim, offs_dim, _ = in_dims
-    x_BMD, g_BMF = _batched(x_MD, x_dim, B), _batched(g_MF, g_dim, B)
-    offs_BE = _batched(offs_E, offs_dim, B)
+    B, x_BMD, g_BMF, offs_BE = _operands(info, in_dims, x_MD, g_MF, offs_E)
     M = x_BMD.shape[1]
     dw = grouped_mm_dw(x_BMD.reshape(B * M, -1), g_BMF.reshape(B * M, -1), _folded_offsets(offs_BE, M),
                        kernel)
