@@ -29,5 +29,6 @@ def test_the_quick_run_with_the_compute_model(tmp_path) -> None:
     assert doc["otherData"]["compute_model"].startswith("on")
     line = next(ln for ln in text.splitlines() if "from the trace alone" in ln)
     for part in line.split(": ", 1)[1].split(", "):  # "pair 78.1% / 78.1%": the events' = the trace's
-        own, back = part.split()[1], part.split()[3]
-        assert own == back, line
+        own, back = (float(part.split()[i].rstrip("%")) for i in (1, 3))
+        # the trace keeps whole microseconds, so a share may round across a last digit (84.5 / 84.4)
+        assert abs(own - back) <= 0.15, line
