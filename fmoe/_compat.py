@@ -42,6 +42,14 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `under_vmap`: `torch._C._functorch.get_interpreter_stack()` and `TransformType.Vmap`, telling whether a
   `torch.func.vmap` is active. Used by transforms/split_vjp.py, which refuses to run under vmap.
 
+- `trace_joint`, `guard_code`, `guards_hold`, `real_values`: `make_fx` (torch.fx.experimental.proxy_tensor)
+  over fake tensors of a `FakeTensorMode` with a `ShapeEnv` (dim 0 of chosen inputs symbolic, through
+  `StatelessSymbolicContext` / `DimDynamic`), the shape env's guards as one expression
+  (`produce_guards_expression` / `evaluate_guards_expression`), and the contexts that step outside a trace
+  (`unset_fake_temporarily`, `disable_proxy_modes_tracing`). Used by transforms/compiled.py, which traces
+  a function's forward and backward as one graph to cut it into forward, dx and dw. `is_tracing` says
+  whether such a trace (or torch.compile) is running: no host read of a tensor's values then.
+
 This module imports only torch (it is a leaf, so fmoe.transforms may import it); distributed modules are
 imported on first use.
 """
@@ -225,15 +233,16 @@ def assume_constant(fn: Callable[..., T]) -> Callable[..., T]:
 
 
 def trace_safe_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """`functools.lru_cache(maxsize)` that torch.compile traces past: while compiling, the wrapped function
-    runs uncached (dynamo would trace the cache wrapper's body anyway, and warns that it may be silently
-    wrong); eager calls hit the cache. The wrapper keeps `cache_clear` / `cache_info`."""
+    """`functools.lru_cache(maxsize)` that torch.compile traces past: while compiling (or `trace_joint`
+    traces), the wrapped function runs uncached (dynamo would trace the cache wrapper's body anyway, and
+    warns that it may be silently wrong; a trace's results are fake); eager calls hit the cache. The
+    wrapper keeps `cache_clear` / `cache_info`."""
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         cached = functools.lru_cache(maxsize=maxsize)(fn)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> T:
-            if torch.compiler.is_compiling():
+            if is_tracing():  # a traced call's results are fake tensors: never cached
                 return fn(*args, **kwargs)
             return cached(*args, **kwargs)
 
@@ -278,3 +287,70 @@ def _custom_function_call() -> Any:
     from torch._functorch.autograd_function import custom_function_call
 
     return custom_function_call
+
+
+# ---- graph traces from fake tensors (transforms/compiled.py) ------------------------------------------
+
+_TRACING_GRAPH = [0]  # > 0 while trace_joint runs its function
+
+
+def is_tracing() -> bool:
+    """True while torch.compile traces or `trace_joint` runs: the tensors have no values to read then."""
+    return _TRACING_GRAPH[0] > 0 or torch.compiler.is_compiling()
+
+
+def real_values() -> contextlib.AbstractContextManager[Any]:
+    """A context whose block runs on real tensors while `trace_joint` traces (a kernel probe on real
+    zeros, not recorded in the graph); a no-op otherwise."""
+    if _TRACING_GRAPH[0] == 0:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(disable_proxy_modes_tracing())
+    return stack
+
+
+def trace_joint(fn: Callable[..., Any], inputs: list[Any], dynamic: list[tuple[int, ...]],
+                more: Callable[[list[Any]], list[Any]]) -> tuple[Any, list[Any]]:
+    """Traces `fn(*inputs, *more(fakes))` into an aten-level `torch.fx.GraphModule` over fake copies of
+    `inputs` (tensors; the dims listed in `dynamic[i]` of input i symbolic unless their size is 0 or 1, the
+    rest static). `more(fakes)` runs in the fake mode first and returns further inputs, whose sizes may be
+    expressions of the inputs' (the cotangents of outputs). Returns (graph module, the fakes of `inputs`,
+    for `guard_code`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+        sizes = [DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC for i in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    fakes = [fake(t, d) for t, d in zip(inputs, dynamic)]
+    _TRACING_GRAPH[0] += 1
+    try:
+        with mode:
+            gm = make_fx(fn, tracing_mode="fake")(*fakes, *more(fakes))
+    finally:
+        _TRACING_GRAPH[0] -= 1
+    return gm, fakes
+
+
+def guard_code(fakes: list[Any]) -> str | None:
+    """The conditions (one Python expression, or None when there are none) under which a graph traced
+    by `trace_joint` over `fakes` holds: static sizes, and what the trace assumed of the symbolic ones."""
+    shape_env = fakes[0].fake_mode.shape_env if fakes else None
+    if shape_env is None:
+        return None
+    return shape_env.produce_guards_expression(fakes, ignore_static=False)
+
+
+def guards_hold(fakes: list[Any], code: str | None, inputs: list[Any]) -> bool:
+    """Whether real `inputs` meet `code` (`guard_code` of `fakes`)."""
+    if code is None:
+        return True
+    return bool(fakes[0].fake_mode.shape_env.evaluate_guards_expression(code, inputs))

@@ -61,6 +61,7 @@ from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
 from fmoe.transforms.program import Acts, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
+from fmoe.transforms.split_vjp import DxFn
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
 # (kind F/B/I/W, phase, stage, layer, mb, started perf_counter) -> returns at the phase's modelled end
@@ -330,6 +331,7 @@ class _Executor:
         self.around_op = around_op or (lambda op: contextlib.nullcontext())
         self.group, self.recv_ahead, self.timeout = group, options.recv_ahead, options.timeout
         self.overlap, self.engine, self.device = options.overlap, options.engine, device
+        self.compiled = options.compiled
         self.compute_model = compute_model = options.compute_model
         self.on_stage_done = on_stage_done
         self.grad_dtype = options.grad_dtype
@@ -514,20 +516,19 @@ class _Executor:
         paths = [q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
                  for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
         loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
-        stats: list[tuple[str, str, Any]] = []
         hooks = _ForwardHooks(self, stage, mb)
 
-        def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
+        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, tuple[Meta, list]]:
             it = iter(p)
-            ran = run_phases(prog.layers, lambda ph: tuple(next(it) for _ in ph.param_paths), a, meta, hooks)
-            stats.extend(ran.stats)
-            return {**ran.acts, **ran.losses}, ran.meta
+            ran = run_phases(prog.layers, lambda ph: tuple(next(it) for _ in ph.param_paths), a, m,
+                             None if self.compiled is not None else hooks)  # a compiled stage has no phases
+            return {**ran.acts, **ran.losses}, (ran.meta, ran.stats)
 
-        out, vjp_dx, _ = split_vjp(fn, self._params_at(prog, tuple(paths)), acts, has_aux=True,
-                                   engine=self.engine, defer=defer)
+        out, vjp_dx, (_, stats) = self._split(("stage", stage), fn, self._params_at(prog, tuple(paths)),
+                                              acts, meta, defer)
         # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
         # AccumulateGrad does, instead of a pass over every gradient afterwards
-        rec.sums_in_dx = not defer and self.engine == "autograd"
+        rec.sums_in_dx = not defer and (self.engine == "autograd" or self.compiled is not None)
         names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
         whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
         rec.phases.append(PhaseRecord(whole, names, vjp_dx=vjp_dx,
@@ -541,28 +542,27 @@ class _Executor:
                     stage: int, mb: int) -> Side:
         """Runs side phase `ph` forward (`_side_forward`) and records it on the timeline."""
         ts = self._now()
-        side = self._side_forward(prog, ph, layer, acts, meta, defer)
+        side = self._side_forward(prog, ph, layer, acts, meta, defer, stage)
         self._computed("F", ph.name, stage, layer, mb, ts)
         return side
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
-                      defer: bool) -> Side:
+                      defer: bool, stage: int) -> Side:
         """Runs side phase `ph` on the pre-exchange `acts` under split_vjp; returns its Side."""
         params = self._params_at(prog, ph.param_paths)
-        out, vjp_dx, _ = split_vjp(lambda p, a: ph.run(p, a, meta), params, acts, has_aux=True,
-                                   engine=self.engine, defer=defer)
+        out, vjp_dx, _ = self._split(("side", stage, layer, ph.name), ph.run, params, acts, meta, defer)
         return Side(out, vjp_dx, {k: (v.shape, v.dtype, v.device) for k, v in out.items()})
 
     def _compute_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,
                          stage: int, mb: int, rec: _Record, defer: bool) -> tuple[Acts, Meta]:
         params = self._params_at(prog, ph.param_paths)
 
-        def fn(p: tuple, a: Acts) -> tuple[Acts, Meta]:
-            out, meta_out = ph.run(p, a, meta)
+        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, Meta]:
+            out, meta_out = ph.run(p, a, m)
             _check_floating(out, stage, layer, ph.name)
             return out, meta_out
 
-        out, vjp_dx, meta_out = split_vjp(fn, params, acts, has_aux=True, engine=self.engine, defer=defer)
+        out, vjp_dx, meta_out = self._split(("phase", stage, layer, ph.name), fn, params, acts, meta, defer)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
         rec.phases.append(PhaseRecord(ph, layer, vjp_dx=vjp_dx, spec=spec))
         stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
@@ -575,6 +575,15 @@ class _Executor:
             else:
                 passed[k] = v
         return passed, meta_out
+
+    def _split(self, key: tuple[Any, ...], fn: Callable[[Any, Acts, Meta], tuple[Acts, Any]], params: Any,
+               acts: Acts, meta: Meta, defer: bool) -> tuple[Acts, DxFn, Any]:
+        """`fn(params, acts, meta)` with its backward split (out, vjp_dx, aux): under split_vjp, or as the
+        three compiled graphs of phase `key` (options.compiled, traced once per run)."""
+        if self.compiled is None:
+            return split_vjp(lambda p, a: fn(p, a, meta), params, acts, has_aux=True, engine=self.engine,
+                             defer=defer)
+        return self.compiled.split(key, fn)(params, acts, consts=(meta,), defer=defer)
 
     def _add_loss(self, name: str, v: torch.Tensor) -> None:
         """Adds microbatch loss `v` (scalar) into the step's mean loss `name`."""

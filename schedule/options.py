@@ -27,7 +27,9 @@ class ExecOptions:
     over microbatches; `loss_scale` the backward's seed factor (fp16 loss scaling); `fuse_iw` run an I
     whose W comes next as one B; `compute_model` hold each compute phase to a modelled duration (None:
     off); `device` where receive buffers and loss sums live (None: the stages' parameters'); `trace` record
-    the step's timeline (StepResult.events; False: none, and none of its cost)."""
+    the step's timeline (StepResult.events; False: none, and none of its cost); `compiled` run every compute
+    phase as three compiled graphs, forward, dx and dw (fmoe.transforms.compiled.CompiledPhases, made once
+    per run so that each phase is traced once; None: split_vjp, eagerly)."""
 
     overlap: bool = True
     engine: str = "autograd"
@@ -39,6 +41,7 @@ class ExecOptions:
     compute_model: Any = None
     device: torch.device | None = None
     trace: bool = True
+    compiled: Any = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):

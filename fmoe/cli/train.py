@@ -81,7 +81,10 @@ HELP = {
                      "one line per pipeline rank (--pp), its microbatches the batch flags' per rank and step",
     "dualpipev_dw_detach": "DualPipeV's cooldown splits B into I and W",
     "overlap": "fb overlap of F&B pairs (default on)",
-    "fuse_iw": "run an I whose W comes next as one B (default on)", "dispatcher": ", ".join(DISPATCHERS),
+    "fuse_iw": "run an I whose W comes next as one B (default on)",
+    "compile": "torch.compile every phase of the pipeline as three graphs, forward, dx and dw, with explicit "
+               "residuals (inductor; torchtitan's flag): its time is printed after the run",
+    "dispatcher": ", ".join(DISPATCHERS),
     "a2a_chunks": "2: a forward without an F&B pair (warmup, cooldown) moves each MoE layer's all-to-all in "
                   "two row chunks, each travelling while the other's experts run (--dispatcher alltoall)",
     "pair_overlap": "how an F&B pair hides each MoE layer's all-to-all: pair (the other microbatch's "

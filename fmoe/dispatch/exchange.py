@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from fmoe.transforms.pytree import pytree_dataclass
+
 if TYPE_CHECKING:
     from fmoe.config import MoEConfig
 
@@ -72,6 +74,7 @@ def takes_tokens(cfg: MoEConfig) -> bool:
     return cfg.capacity_factor is None and not cfg.dynamic_capacity_window and not cfg.probs_in_expert
 
 
+@pytree_dataclass
 @dataclass(frozen=True)
 class RowPlan:
     """Split sizes and indices of one layer's exchange. counts_L: rows per local expert after permute-2
@@ -85,6 +88,12 @@ class RowPlan:
     recv_P: list[int] | None = None  # all-to-all: rows from each rank
     recv_PL: tuple[tuple[int, ...], ...] | None = None  # all-to-all: rows from each rank per local expert
     route: Any = None  # a two-stage exchange's route (all-gather, hierarchical)
+
+    def traced_view(self) -> RowPlan:
+        """This plan as a compiled phase sees it (transforms/compiled.py): the host split sizes, which vary
+        from microbatch to microbatch and which only exchanges read, dropped; the counts' device form."""
+        counts = self.counts_L.traced_view() if hasattr(self.counts_L, "traced_view") else self.counts_L
+        return RowPlan(counts, self.idx_M, self.inverse_M, route=self.route)
 
     def to_experts(self, x_MD: torch.Tensor) -> torch.Tensor:
         """Returns received rows [M, ...] regrouped by local expert (permute-2; differentiable)."""

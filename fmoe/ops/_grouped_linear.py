@@ -46,7 +46,9 @@ from fmoe._compat import (
     functorch_active,
     grouped_mm,
     grouped_mm_syncs,
+    is_tracing,
     needs_grad,
+    real_values,
     under_vmap,
 )
 from fmoe.ops import _grouped_op
@@ -145,6 +147,11 @@ class Counts:
     def __len__(self) -> int:
         return len(self.host) if self.host is not None else self.dev_E.shape[0]
 
+    def traced_view(self) -> Counts:
+        """These counts as a compiled phase sees them (transforms/compiled.py): the device form only, where
+        there is one (the host ints vary from call to call, and a trace reads none)."""
+        return self if self.dev_E is None else Counts(None, self.dev_E)
+
     def _dev_offs_E(self) -> torch.Tensor:
         # Made once per Counts and kept (the forward and both backward products share it); a plain
         # attribute, not functools.cached_property, whose lock (Python 3.11) torch.compile cannot trace.
@@ -187,7 +194,7 @@ def _npu_call(x: torch.Tensor, w: torch.Tensor, counts: Counts, split_item: int,
 def traced() -> bool:
     """True under torch.func.vmap or while torch.compile traces: no host read of the counts then (vmap's
     tensors have no data, compile's are fake), the products go through the library ops (_grouped_op.py)."""
-    return torch.compiler.is_compiling() or under_vmap()
+    return is_tracing() or under_vmap()
 
 
 def _fwd(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts: Counts, backend: str) -> torch.Tensor:
@@ -296,8 +303,10 @@ def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None
 @assume_constant
 def _backend_for(dtype: torch.dtype, device: torch.device, D: int, F: int, backend: str | None) -> str:
     """The backend for one (dtype, device, D, F, request). torch.compile calls it eagerly and keeps the
-    answer as a constant (it probes kernels on real tensors, and its cache is not for tracing)."""
-    return _backend_choice(dtype, device, D, F, backend)
+    answer as a constant (it probes kernels on real tensors, and its cache is not for tracing); a
+    `transforms.compiled` trace asks it outside the trace, on real tensors."""
+    with real_values():
+        return _backend_choice(dtype, device, D, F, backend)
 
 
 @functools.lru_cache(maxsize=64)

@@ -207,6 +207,7 @@ class TrainConfig:
     dualpipev_dw_detach: bool = False
     overlap: bool = True
     fuse_iw: bool = True
+    compile: bool = False
     a2a_chunks: int = 1
     pair_overlap: str = "pair"
     dispatcher: str = "alltoall"
@@ -549,6 +550,10 @@ class TrainConfig:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
+        if self.compile and self.schedule_name == ACCUMULATE:
+            raise ValueError("--compile compiles the pipeline executor's phases (forward, dx and dw graphs); "
+                             "pp 1 x ep 1 runs without it ('accumulate'): pass --schedule 1f1b to run "
+                             "through the executor, or drop --compile")
         if self.a2a_chunks not in (1, 2):
             raise ValueError(f"--a2a-chunks must be 1 or 2, got {self.a2a_chunks}")
         if self.a2a_chunks == 2 and self.dispatcher != "alltoall":

@@ -243,7 +243,18 @@ def _train(tc: TrainConfig, world: World) -> str | None:
                                  if reporter.earlier else None)
         if drawn is None:
             summary += "\n  (no loss-curve PNG: matplotlib is not installed; pip install 'fmoe[viz]')"
-    return summary + "".join(f"\n  {line}" for line in _written(tc))
+    return summary + _compiled_line(trainer) + "".join(f"\n  {line}" for line in _written(tc))
+
+
+def _compiled_line(trainer: Trainer) -> str:
+    """--compile: what compiling the phases took on rank 0 (traces, seconds, traces after step 2)."""
+    c = trainer.compiled
+    if c is None:
+        return ""
+    by_step = trainer.compiles_by_step
+    late = by_step[-1] - by_step[min(1, len(by_step) - 1)] if by_step else 0
+    return (f"\n  compiled: {len(c)} phases, {c.compiles} traces (forward, dx and dw graphs each) in "
+            f"{c.seconds:.1f} s; traces after step 2: {late}")
 
 
 def _started_from(tc: TrainConfig, start: str, step: int) -> str:

@@ -63,6 +63,7 @@ from fmoe.train.overflow import check_fp16_step
 from fmoe.train.prefetch import Prefetcher
 from fmoe.train.shards import GradientReducer, Leaf, get, global_grad_norm, rank_leaves
 from fmoe.train.splits import train_dataset, valid_dataset
+from fmoe.transforms.compiled import CompiledPhases
 
 # a MoE state leaf (fmoe/gpt_state.py) -> the flag that makes a run keep it
 MOE_STATE_FLAGS = {"expert_bias_E": "--moe-router-bias-update-rate",
@@ -162,8 +163,12 @@ class Trainer:
         self.program = None if self.accumulate else gpt_program(
             cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
             overlap=LayerOverlap.of_chunks(tc.a2a_chunks, tc.pair_overlap))
+        # --compile: every phase traced once per run into forward, dx and dw graphs (transforms/compiled.py)
+        self.compiled = CompiledPhases() if tc.compile else None
+        self.compiles_by_step: list[int] = []  # traces made by the end of each step (--compile)
         self.options = ExecOptions(overlap=tc.overlap, timeout=self.timeout, fuse_iw=tc.fuse_iw,
-                                   grad_dtype=self.policy.grad_dtype if self.policy.mixed else None)
+                                   grad_dtype=self.policy.grad_dtype if self.policy.mixed else None,
+                                   compiled=self.compiled)
         # dynamic capacity: the expert group pads to one agreed capacity (seed 002; fmoe/capacity.py)
         self.capacity_agreement = None
         if cfg.moe.dynamic_capacity_window and tc.ep > 1:
@@ -370,6 +375,8 @@ class Trainer:
                                 shared=self.shared, options=options, on_stage_done=self._stage_done,
                                 check=not self._checked, packings=[self.packing(ids) for ids, _ in batches])
         self.last_result = out.result
+        if self.compiled is not None:
+            self.compiles_by_step.append(self.compiled.compiles)
         if self.tc.compute_model and self.compute_model is None:
             self.compute_model = self._build_compute_model(out.result.events)
         found = {lf.key: _lookup(out.grads, lf.where) for lf in self.leaves}
