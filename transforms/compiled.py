@@ -184,7 +184,7 @@ class CompiledSplit:
                               for s in graphs.aux_skeleton], graphs.aux_spec)
         residuals = flat[graphs.n_out + graphs.n_aux:]
         del flat
-        out_meta = [(o.shape, o.dtype) for o in flatten(out)[0]]
+        out_meta = [(o.shape, o.dtype, o.device) for o in flatten(out)[0]]
         return out, _Backward(graphs, residuals, out_meta, p_leaves, p_spec, a_leaves, a_spec, defer).dx, aux
 
     def _trace(self, p_leaves: list[Any], p_spec: Any, a_leaves: list[Any], a_spec: Any,
@@ -368,7 +368,8 @@ def _added(into: Sequence[Any] | None, grads: list[torch.Tensor | None]) -> list
 class _Backward:
     """The dx and dw passes of one call (each once), holding its residuals until they are used."""
 
-    def __init__(self, graphs: _Graphs, residuals: list[Any], out_meta: list[tuple[torch.Size, torch.dtype]],
+    def __init__(self, graphs: _Graphs, residuals: list[Any],
+                 out_meta: list[tuple[torch.Size, torch.dtype, torch.device]],
                  p_leaves: list[Any], p_spec: Any, a_leaves: list[Any], a_spec: Any, defer: bool):
         self.graphs, self.residuals, self.out_meta, self.defer = graphs, residuals, out_meta, defer
         self.p_meta = [(t.shape, t.dtype, t.device) if _is_diff(t) else None for t in p_leaves]
@@ -383,13 +384,13 @@ class _Backward:
         if ct_spec != g.out_spec:
             raise ValueError(f"compiled_split: the cotangent's structure differs from the output's: "
                              f"{ct_spec}")
-        for k, (c, (shape, dtype)) in enumerate(zip(ct_leaves, self.out_meta)):
+        for k, (c, (shape, dtype, _)) in enumerate(zip(ct_leaves, self.out_meta)):
             if c is not None and (c.shape != shape or c.dtype != dtype):
                 raise ValueError(f"compiled_split: cotangent leaf {k} is {tuple(c.shape)} {c.dtype}, the "
                                  f"output is {tuple(shape)} {dtype}")
         self.dx_once.claim()
-        cts = [torch.zeros(shape, dtype=dtype) if c is None else c.detach()
-               for c, (shape, dtype) in zip(ct_leaves, self.out_meta)]
+        cts = [torch.zeros(shape, dtype=dtype, device=device) if c is None else c.detach()
+               for c, (shape, dtype, device) in zip(ct_leaves, self.out_meta)]
         res = self.residuals
         with torch.no_grad():
             flat = list(g.dx(*[res[k] if s == "res" else cts[k] for s, k in g.dx_from]))

@@ -48,6 +48,9 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 # Megatron's --moe-router-load-balancing-type: what --moe-aux-loss-coeff weighs (the batch's load-balancing
 # loss, DeepSeek-V3's sequence-wise one, or nothing)
 BALANCING = ("aux_loss", "seq_aux_loss", "none")
+# torch.compile's backends --compile offers: inductor generates kernels; aot_eager runs the same three
+# graphs through aten, op by op (to tell a compiler problem from a graph one, as torchtitan's backend option)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
 
 
@@ -92,7 +95,9 @@ class TrainConfig:
     "accumulate" otherwise), schedule_file (a schedule written out in its printed form instead of a named
     one: fmoe.schedule.load_schedule; read and verified before launch, its rank lines must be pp, its
     microbatches `microbatches`, its chunks per rank the vpp given), dualpipev_dw_detach, overlap, fuse_iw
-    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), a2a_chunks (1, or 2: a
+    (an I whose W comes next runs as one B; fmoe.schedule.fuse_adjacent_iw), compile / compile_backend
+    (every executor phase as three torch.compile'd graphs, forward, dx and dw: transforms/compiled.py;
+    not with "accumulate"), a2a_chunks (1, or 2: a
     forward with no F&B pair moves each MoE layer's all-to-all in two row chunks that travel while the
     other chunk's experts run, so it hides its combine too; all-to-all dispatcher only), pair_overlap
     (how an F&B pair hides each MoE layer's all-to-all, fmoe.overlap: "pair", the other microbatch's
@@ -208,6 +213,7 @@ class TrainConfig:
     overlap: bool = True
     fuse_iw: bool = True
     compile: bool = False
+    compile_backend: str = "inductor"
     a2a_chunks: int = 1
     pair_overlap: str = "pair"
     dispatcher: str = "alltoall"
@@ -550,6 +556,9 @@ class TrainConfig:
             raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"--dispatcher must be one of {', '.join(DISPATCHERS)}, got {self.dispatcher!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"--compile-backend must be one of {', '.join(COMPILE_BACKENDS)}, got "
+                             f"{self.compile_backend!r}")
         if self.compile and self.schedule_name == ACCUMULATE:
             raise ValueError("--compile compiles the pipeline executor's phases (forward, dx and dw graphs); "
                              "pp 1 x ep 1 runs without it ('accumulate'): pass --schedule 1f1b to run "

@@ -164,7 +164,7 @@ class Trainer:
             cfg, self.schedule, self.pp_rank, chunks=self.chunks, parallel=self.parallel,
             overlap=LayerOverlap.of_chunks(tc.a2a_chunks, tc.pair_overlap))
         # --compile: every phase traced once per run into forward, dx and dw graphs (transforms/compiled.py)
-        self.compiled = CompiledPhases() if tc.compile else None
+        self.compiled = CompiledPhases(tc.compile_backend) if tc.compile else None
         self.compiles_by_step: list[int] = []  # traces made by the end of each step (--compile)
         self.options = ExecOptions(overlap=tc.overlap, timeout=self.timeout, fuse_iw=tc.fuse_iw,
                                    grad_dtype=self.policy.grad_dtype if self.policy.mixed else None,
