@@ -1,0 +1,103 @@
+"""`fmoe train --compile`: every executor phase as three compiled graphs (transforms/compiled.py).
+
+Oracles: the eager run of the same layout (the `make run` one: pp 2 x ep 2, DualPipeV with fb overlap),
+step by step, and its NCCL-rules replay (tests/nccl_rules.py): compiling the compute phases must change
+neither the numbers nor a single message the ranks issue.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from device_trap import default_device_trap
+from nccl_rules import recording, replay
+from test_train import RUN_TIMEOUT_S, _cmd
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fmoe import init_gpt_state
+from fmoe.gpt_init import init_gpt_shard
+from fmoe.init import init_seed
+from fmoe.parallel.shared_grads import SharedGrads
+from fmoe.pipeline import gpt_pipeline_step, gpt_program
+from fmoe.pipeline.cut import cut_gpt, holders
+from fmoe.schedule.options import ExecOptions
+from fmoe.train.config import TrainConfig
+from fmoe.transforms.compiled import CompiledPhases
+
+STEPS = 20
+
+
+def _run(tmp: Path, name: str, *flags: str) -> tuple[list[dict], str]:
+    metrics = tmp / f"{name}.jsonl"
+    done = subprocess.run(_cmd("--metrics", str(metrics), "--steps", str(STEPS), *flags), cwd=tmp,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr[-4000:]}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()], done.stdout
+
+
+def test_compiled_phases_train_as_eager_on_the_make_run_layout(tmp_path: Path) -> None:
+    eager, _ = _run(tmp_path, "eager")
+    compiled, out = _run(tmp_path, "compiled", "--compile", "--compile-backend", "aot_eager")
+    assert [m["step"] for m in compiled] == list(range(1, STEPS + 1))
+    for want, have in zip(eager, compiled, strict=True):
+        for key in ("loss", "main_loss", "balance_loss", "grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (want["step"], key)
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("compiled:"))
+    assert line.rstrip().endswith("traces after step 2: 0"), line  # no trace after step 2
+
+
+def test_compile_is_refused_where_no_executor_runs(tmp_path: Path) -> None:
+    done = subprocess.run(_cmd("--pp", "1", "--ep", "1", "--compile", "--steps", "1"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--compile compiles the pipeline executor's phases" in done.stderr
+    assert "--schedule 1f1b" in done.stderr
+
+
+S_ = 8
+
+
+def _rank_log(tc: TrainConfig, rank: int, compiled: CompiledPhases | None) -> list:
+    """Pipeline rank `rank`'s step of `tc` alone over the fake group under the device trap; returns what it
+    issued to c10d."""
+    cfg, s = tc.model(), tc.pipeline_schedule()
+    chunks = cut_gpt(cfg, s.placement, seq=S_)
+    paths = [p for st in s.placement.stages_of(rank)
+             for p in chunks[s.placement.layer_chunk[st]].param_paths(cfg)]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=s.pp)
+    try:
+        params = init_gpt_shard(cfg, init_seed(torch.Generator().manual_seed(0)), torch.float32, holds=paths,
+                                device="cpu")
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, cfg.vocab_size, (1, S_), generator=g),) * 2 for _ in range(s.m)]
+        program = gpt_program(cfg, s, rank, chunks=chunks)
+        shared = SharedGrads(holders(cfg, s.placement, chunks), dist.group.WORLD)
+        with default_device_trap(), recording() as log:
+            gpt_pipeline_step(program, params, init_gpt_state(cfg), batches, group=dist.group.WORLD,
+                              shared=shared, options=ExecOptions(compiled=compiled))
+        return log
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_phases_issue_the_same_messages_and_replay_clean_under_nccl_rules() -> None:
+    tc = TrainConfig.from_sources("tiny", None, {
+        "schedule": "dualpipev", "pp": 2, "ep": 1, "dp": 1, "num_layers": 4, "first_k_dense": 1,
+        "mtp": True, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": S_,
+        "hidden_size": 16, "ffn_hidden_size": 16, "moe_ffn_hidden_size": 8, "num_attention_heads": 2,
+        "num_experts": 4, "vocab_size": 32})
+    eager = {rank: _rank_log(tc, rank, None) for rank in range(2)}
+    compiled = {rank: _rank_log(tc, rank, CompiledPhases("eager")) for rank in range(2)}
+    assert replay(compiled) == []
+
+    def messages(log: list) -> list:
+        return [(name, op.kind, op.comm, op.peer, op.tag, op.sig) for name, op in log]
+
+    for rank in range(2):
+        assert messages(compiled[rank]) == messages(eager[rank]), rank
