@@ -289,6 +289,10 @@ def _steps(tc: TrainConfig, trainer: Trainer, reporter: Reporter, backends: LogB
     reporter and log backends, the trace step's trace, the checkpoints."""
     while trainer.step_done < tc.steps:
         metrics = trainer.step()
+        if lead and trainer.compiled is not None and metrics["step"] == 2:
+            c = trainer.compiled  # --compile: the phases were traced and compiled in the first steps
+            print(f"fmoe train: compiled {len(c)} phases ({c.compiles} traces of forward, dx and dw graphs) "
+                  f"in {c.seconds:.1f} s", flush=True)
         if eval_due(tc, trainer.step_done):
             metrics.update(evaluate(trainer))  # collective: every rank evaluates
         if lead:
