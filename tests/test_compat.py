@@ -200,3 +200,26 @@ def test_grouped_mm_syncs_only_on_cuda_outside_its_own_kernel(monkeypatch) -> No
     for major, syncs in ((9, False), (10, False), (8, True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
         assert _compat.grouped_mm_syncs(torch.bfloat16, torch.device("cuda", 0)) == syncs, major
+
+
+def test_trace_joint_traces_fake_tensors_with_the_dims_asked_symbolic_and_its_guards_hold() -> None:
+    seen: list[bool] = []
+
+    def fn(x_NK, w_KF, extra_N):
+        seen.append(_compat.is_tracing())
+        with _compat.real_values():  # a probe on real tensors, not in the graph
+            seen.append(type(torch.ones(2)) is torch.Tensor)  # real, not a FakeTensor
+        return ((x_NK @ w_KF).relu() * extra_N[:, None],)
+
+    x_NK, w_KF = torch.randn(5, 3), torch.randn(3, 4)
+    gm, fakes = _compat.trace_joint(fn, [x_NK, w_KF], [(0,), ()], lambda f: [torch.empty(f[0].shape[0])])
+    assert seen[0] and seen[1] and not _compat.is_tracing()
+    ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.mm.default" in ops and "aten.ones.default" not in ops  # the probe left no node
+    for n in (5, 9):  # one graph for any row count: dim 0 symbolic
+        x, e = torch.randn(n, 3), torch.randn(n)
+        (got,) = gm(x, w_KF, e)
+        torch.testing.assert_close(got, (x @ w_KF).relu() * e[:, None])
+    code = _compat.guard_code(fakes)
+    assert _compat.guards_hold(fakes, code, [torch.randn(9, 3), w_KF])
+    assert not _compat.guards_hold(fakes, code, [torch.randn(9, 3), torch.randn(3, 6)])  # w's F is static

@@ -289,7 +289,7 @@ def _steps(tc: TrainConfig, trainer: Trainer, reporter: Reporter, backends: LogB
     reporter and log backends, the trace step's trace, the checkpoints."""
     while trainer.step_done < tc.steps:
         metrics = trainer.step()
-        if lead and trainer.compiled is not None and metrics["step"] == 2:
+        if lead and trainer.compiled is not None and len(trainer.compiles_by_step) == 2:
             c = trainer.compiled  # --compile: the phases were traced and compiled in the first steps
             print(f"fmoe train: compiled {len(c)} phases ({c.compiles} traces of forward, dx and dw graphs) "
                   f"in {c.seconds:.1f} s", flush=True)
