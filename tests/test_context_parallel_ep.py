@@ -1,11 +1,12 @@
 """The expert group carved from the data x context ranks in `fmoe train` (--expert-model-parallel-size,
-Megatron's layout): the process groups against Megatron's rank arithmetic written out here, `fmoe train`
-at cp 2 x ep 2 against the one-process run step by step, its checkpoints read at other layouts, and the
-layouts it cannot run refused before launch."""
+Megatron's layout): the process groups against Megatron's rank arithmetic written out here, and the
+layouts it cannot run refused before launch. `fmoe train` at dp 2 x cp 2 with ep 2 carved from them
+against the one-process run, and its checkpoint read in one process: tests/test_context_parallel.py."""
 
 from __future__ import annotations
 
 import pytest
+from dist_utils import spawn
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -62,30 +63,6 @@ def test_the_carved_layouts_groups_are_megatrons(sizes: tuple[int, ...]) -> None
             dist.destroy_process_group()
 
 
-def test_fmoe_train_with_the_expert_group_over_cp_equals_one_process_and_its_checkpoints_load_anywhere(
-        tmp_path) -> None:
-    """`fmoe train --context-parallel-size 2 --expert-model-parallel-size 2` (2 ranks: the cp pair shares
-    the experts) against the one-process run step by step (losses, gradient norm, expert loads); its step-2
-    checkpoint resumed in one process, and the one-process run's read at dp 2 x cp 2 with ep 2 (experts
-    reduced over the dp pair, ZeRO-1 over it), each equal to the uninterrupted run."""
-    from test_train import _train
-
-    steps = ("--mtp", "--pp", "1", "--steps", "3", "--dtype", "float64")  # fp64: see test_context_parallel
-    ref = _train(tmp_path, "ref", *steps, "--ep", "1", "--save", str(tmp_path / "r"), "--save-interval", "2")
-    carved = ("--context-parallel-size", "2", "--expert-model-parallel-size", "2")
-    cp2_ep2 = _train(tmp_path, "cp2_ep2", *steps, *carved, "--save", str(tmp_path / "c"), "--save-interval", "2")
-    cp1 = _train(tmp_path, "cp2_ep2->cp1", *steps, "--ep", "1", "--load", str(tmp_path / "c" / "step_00000002"))
-    dp2 = _train(tmp_path, "cp1->dp2_cp2_ep2", *steps, *carved, "--dp", "2", "--use-distributed-optimizer",
-                 "--load", str(tmp_path / "r" / "step_00000002"))
-    for name, got, want in (("cp2_ep2", cp2_ep2, ref), ("cp2_ep2->cp1", cp1, ref[2:]),
-                            ("cp1->dp2_cp2_ep2", dp2, ref[2:])):
-        assert [m["step"] for m in got] == [m["step"] for m in want], name
-        for w, h in zip(want, got, strict=True):
-            for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
-                assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
-            assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
-
-
 def test_fmoe_train_refuses_a_carved_expert_group_that_does_not_fit_before_launch() -> None:
     base = {"pp": 1, "context_parallel_size": 2}
     assert TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 2}).problem() is None
@@ -101,3 +78,97 @@ def test_fmoe_train_refuses_a_carved_expert_group_that_does_not_fit_before_launc
     # experts split over the carved group as over any: whole experts per rank
     assert "--num-experts (6) must be divisible by --ep (4)" in TrainConfig.from_sources(
         overrides={**base, "expert_model_parallel_size": 4, "dp": 2, "num_experts": 6}).problem()
+
+
+# ---- pp 2 x dp 2 x cp 2 on 8 ranks, the expert group the cp pair ------------------------------------------
+
+M = 4  # microbatches per data rank (DualPipeV's least at pp 2)
+S_8 = 8  # positions per sequence: 4 chunks of 2 at cp 2
+
+
+def _model_and_batches() -> tuple:
+    """The 8-rank test's model (a dense and three MoE layers, MTP; 4 experts), its weights, and the global
+    batch: 2 data ranks x M microbatches of one sequence each."""
+    import dataclasses
+
+    from test_context_parallel import _gpt_cfg
+    from test_tensor_parallel_gpt import _data
+
+    cfg = dataclasses.replace(_gpt_cfg(True, 1), n_layers=4)
+    params, ids, targets = _data(cfg, S_8, B=2 * M)
+    return cfg, params, list(zip(ids.chunk(2 * M), targets.chunk(2 * M)))
+
+
+def _pp_dp_cp_ep_rank(rank: int, world: int) -> dict:
+    """A DualPipeV step with fb overlap on pp 2 x dp 2 x cp 2, the expert group (ep 2) carved from the dp x
+    cp ranks as Megatron does (here the cp pair), recorded (tests/nccl_rules.py); then the gradients
+    reduced as `fmoe train` reduces them: dense over dp x cp, experts over their replicas (the dp pair),
+    each divided by the data ranks."""
+    import torch
+    from nccl_rules import recording
+    from test_context_parallel import _held
+
+    from fmoe import init_gpt_state
+    from fmoe import schedule as sched
+    from fmoe._compat import keystr, tree_flatten_with_path
+    from fmoe.parallel import CommGroup, ParallelContext
+    from fmoe.parallel.alltoall import AllToAllDispatcher
+    from fmoe.pipeline import gpt_pipeline_step, gpt_program
+    from fmoe.schedule.options import ExecOptions
+
+    layout = ParallelLayout(pp=2, dp=2, cp=2, ep=2, ep_over_cp=True, topology=Topology(world, world))
+    cfg, params, batches = _model_and_batches()
+    E = cfg.moe.num_experts
+    d, expert_rank = layout.local_rank("data"), layout.local_rank("expert")
+    parallel = ParallelContext(cp=CommGroup(layout.group("cp")),
+                               dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E))
+    pp_group = layout.group("pp")
+    with recording() as log:
+        program = gpt_program(cfg, sched.build("dualpipev", 2, M), dist.get_rank(pp_group), parallel=parallel)
+        step = gpt_pipeline_step(program, _held(params, cfg, 0, 1, expert_rank, E // 2), init_gpt_state(cfg),
+                                 batches[d * M:(d + 1) * M], group=pp_group, options=ExecOptions(overlap=True))
+    grads = {}
+    for path, g in tree_flatten_with_path(step.grads)[0]:
+        if g is None:
+            continue
+        name = keystr(path)
+        dist.all_reduce(g, group=layout.group("dp_cp" if "['experts']" in name else "data_cp"))
+        grads[name] = (tuple(g.shape), (g / 2).flatten().tolist())
+    return {"log": log, "loss": float(step.loss), "data_rank": d, "expert_rank": expert_rank, "grads": grads}
+
+
+def test_pp2_dp2_cp2_with_the_expert_group_over_cp_equals_one_process() -> None:
+    """8 gloo ranks, fp64: pp 2 (DualPipeV, fb overlap, MTP) x dp 2 x cp 2 with ep 2 carved from dp x cp
+    (each cp pair shares the experts, the ring's shifts and the all-to-alls inside the attention and MoE
+    phases of paired microbatches): each rank's loss the one-process mean over its data rank's microbatches,
+    every gradient it holds the one-process gradient of the mean over all of them; and the step's
+    communicators ordered alike on every rank under NCCL's rules and the one-queue-per-device model."""
+    import torch
+    from nccl_rules import replay
+    from test_context_parallel import _held
+
+    from fmoe import gpt_loss, init_gpt_state
+    from fmoe._compat import keystr, tree_flatten_with_path
+    from fmoe.transforms.testing import assert_close
+
+    cfg, params, batches = _model_and_batches()
+    state = init_gpt_state(cfg)
+
+    def mean_loss(p: dict, part: list) -> torch.Tensor:
+        return sum(gpt_loss(p, i, t, cfg, state)[0] for i, t in part) / len(part)
+
+    whole = torch.func.grad(lambda p: mean_loss(p, batches))(params)
+    runs = spawn(_pp_dp_cp_ep_rank, 8, timeout_s=300)
+    for rank, r in enumerate(runs):
+        got = r.value
+        d = got["data_rank"]
+        assert got["loss"] == pytest.approx(float(mean_loss(params, batches[d * M:(d + 1) * M])), rel=1e-10)
+        want = {keystr(p): v for p, v in tree_flatten_with_path(
+            _held(whole, cfg, 0, 1, got["expert_rank"], cfg.moe.num_experts // 2))[0]}
+        assert any("['experts']" in k for k in got["grads"]), rank  # every pipeline rank holds experts
+        for path, (shape, values) in got["grads"].items():
+            assert_close(torch.tensor(values, dtype=torch.float64).reshape(shape), want[path],
+                         msg=f"rank {rank} {path}")
+    logs = {r.rank: r.value["log"] for r in runs}
+    assert replay(logs, "nccl") == []
+    assert replay(logs, "device") == []
