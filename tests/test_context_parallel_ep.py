@@ -6,9 +6,9 @@ against the one-process run, and its checkpoint read in one process: tests/test_
 from __future__ import annotations
 
 import pytest
-from dist_utils import spawn
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from dist_utils import spawn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fmoe.parallel import ParallelLayout, Topology
@@ -66,15 +66,17 @@ def test_the_carved_layouts_groups_are_megatrons(sizes: tuple[int, ...]) -> None
 def test_fmoe_train_refuses_a_carved_expert_group_that_does_not_fit_before_launch() -> None:
     base = {"pp": 1, "context_parallel_size": 2}
     assert TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 2}).problem() is None
-    assert TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 4, "dp": 2}).world_size == 4
+    four = TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 4, "dp": 2})
+    assert (four.problem(), four.world_size, four.data_ranks, four.expert_replicas) == (None, 4, 2, 1)
     bad = TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 4}).problem()
     assert "--expert-model-parallel-size (4) must divide --dp x --context-parallel-size (1 x 2 = 2)" in bad
     with pytest.raises(ValueError, match=r"--ep \(1\) and --expert-model-parallel-size \(2\) disagree"):
         TrainConfig.from_sources(overrides={**base, "ep": 1, "expert_model_parallel_size": 2})
     assert "leave --ep (2) at it" in TrainConfig(**base, expert_model_parallel_size=4, dp=2).problem()
     assert "must be a positive integer" in TrainConfig(**base, expert_model_parallel_size=0, ep=0).problem()
-    assert "x --context-parallel-size 2 = 2 (the --expert-model-parallel-size 2 ranks carved" in TrainConfig.from_sources(
-        overrides={**base, "expert_model_parallel_size": 2}).problem(world_size=4)
+    carved = TrainConfig.from_sources(overrides={**base, "expert_model_parallel_size": 2})
+    torchrun = carved.problem(world_size=4)
+    assert "x --context-parallel-size 2 = 2 (the --expert-model-parallel-size 2 ranks carved" in torchrun
     # experts split over the carved group as over any: whole experts per rank
     assert "--num-experts (6) must be divisible by --ep (4)" in TrainConfig.from_sources(
         overrides={**base, "expert_model_parallel_size": 4, "dp": 2, "num_experts": 6}).problem()
@@ -104,7 +106,6 @@ def _pp_dp_cp_ep_rank(rank: int, world: int) -> dict:
     cp ranks as Megatron does (here the cp pair), recorded (tests/nccl_rules.py); then the gradients
     reduced as `fmoe train` reduces them: dense over dp x cp, experts over their replicas (the dp pair),
     each divided by the data ranks."""
-    import torch
     from nccl_rules import recording
     from test_context_parallel import _held
 
@@ -125,8 +126,9 @@ def _pp_dp_cp_ep_rank(rank: int, world: int) -> dict:
     pp_group = layout.group("pp")
     with recording() as log:
         program = gpt_program(cfg, sched.build("dualpipev", 2, M), dist.get_rank(pp_group), parallel=parallel)
-        step = gpt_pipeline_step(program, _held(params, cfg, 0, 1, expert_rank, E // 2), init_gpt_state(cfg),
-                                 batches[d * M:(d + 1) * M], group=pp_group, options=ExecOptions(overlap=True))
+        mine = _held(params, cfg, 0, 1, expert_rank, E // 2)
+        step = gpt_pipeline_step(program, mine, init_gpt_state(cfg), batches[d * M:(d + 1) * M],
+                                 group=pp_group, options=ExecOptions(overlap=True))
     grads = {}
     for path, g in tree_flatten_with_path(step.grads)[0]:
         if g is None:

@@ -69,7 +69,8 @@ HELP = {
     "moe_adaptive_recompute_activation_scale": "the adaptive recompute's threshold (default 2.0)",
     "seq_length": "tokens per sequence",
     "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
-    "pp": "pipeline ranks", "ep": "expert-parallel ranks, beside the data and context ranks (data ranks: dp x ep)",
+    "pp": "pipeline ranks",
+    "ep": "expert-parallel ranks, beside the data and context ranks (data ranks: dp x ep)",
     "dp": "data-parallel replicas (with --expert-model-parallel-size: the ranks reading different data)",
     "expert_model_parallel_size": "Megatron's EP: the expert group carved from the data x context ranks "
                                   "(world pp x dp x tp x cp; it divides dp x cp, the cp ranks of a sequence "

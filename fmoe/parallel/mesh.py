@@ -92,7 +92,8 @@ class ParallelLayout:
 
         def mesh_of(dims: tuple[str, ...], shape: tuple[int, ...]) -> DeviceMesh:
             override = {d: o for d, n in zip(dims, shape, strict=True) if (o := opts(n)) is not None}
-            return init_device_mesh(device_type, shape, mesh_dim_names=dims, backend_override=override or None)
+            return init_device_mesh(device_type, shape, mesh_dim_names=dims,
+                                    backend_override=override or None)
 
         def flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
             sub = mesh[dims]
@@ -102,7 +103,8 @@ class ParallelLayout:
             self.mesh = mesh_of(self.CARVED_DIMS, (pp, dp, cp, tp))
             shape = (pp, dp * cp // ep, ep // ep_intra, ep_intra, tp)
             # the same ranks in the same order, factored (edp, ep) instead of (dp, cp)
-            experts = DeviceMesh(device_type, torch.arange(ws).reshape(shape), mesh_dim_names=self.EXPERT_DIMS,
+            experts = DeviceMesh(device_type, torch.arange(ws).reshape(shape),
+                                 mesh_dim_names=self.EXPERT_DIMS,
                                  backend_override=tuple((None, opts(n)) for n in shape))
             expert_replicas = experts["edp"]
             self._meshes: dict[str, DeviceMesh] = {
@@ -111,7 +113,8 @@ class ParallelLayout:
         else:
             self.mesh = mesh_of(self.DIMS, (pp, cp, dp, ep // ep_intra, ep_intra, tp))
             experts = self.mesh
-            self._meshes = {"dp": self.mesh["dp"], "data": flat(self.mesh, ("dp", "ep_inter", "ep_intra"), "data")}
+            self._meshes = {"dp": self.mesh["dp"],
+                            "data": flat(self.mesh, ("dp", "ep_inter", "ep_intra"), "data")}
             if cp > 1:  # every rank builds these (a collective), only when they differ from data / dp
                 self._meshes["data_cp"] = flat(self.mesh, ("cp", "dp", "ep_inter", "ep_intra"), "data_cp")
                 self._meshes["dp_cp"] = flat(self.mesh, ("cp", "dp"), "dp_cp")

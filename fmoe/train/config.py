@@ -297,9 +297,9 @@ class TrainConfig:
         carved = given.get("expert_model_parallel_size")
         if carved is not None:  # Megatron's flag: its ep, carved from the data x context ranks
             if given.get("ep", carved) != carved:
-                raise ValueError(f"--ep ({given['ep']}) and --expert-model-parallel-size ({carved}) disagree: "
-                                 "give --expert-model-parallel-size alone for the expert group carved from the "
-                                 "data x context ranks, or --ep alone for one beside them")
+                raise ValueError(f"--ep ({given['ep']}) and --expert-model-parallel-size ({carved}) "
+                                 "disagree: give --expert-model-parallel-size alone for the expert group "
+                                 "carved from the data x context ranks, or --ep alone for one beside them")
             values["ep"] = carved
         return cls.build(values)
 
@@ -543,7 +543,8 @@ class TrainConfig:
         if modifier is not None:
             raise ValueError(modifier)
         for name in ("pp", "ep", "dp", "tp", "context_parallel_size", "steps", "seq_length",
-                     "micro_batch_size", "global_batch_size", "markov_sequences", "expert_model_parallel_size"):
+                     "micro_batch_size", "global_batch_size", "markov_sequences",
+                     "expert_model_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         for name in ("save_interval", "lr_warmup_iters", "eval_interval", "log_interval"):
@@ -728,8 +729,8 @@ class TrainConfig:
         if carved is None:
             return
         if carved != self.ep:  # TrainConfig built directly (from_sources sets ep from it)
-            raise ValueError(f"--expert-model-parallel-size ({carved}) is the expert group's size: leave --ep "
-                             f"({self.ep}) at it or unset")
+            raise ValueError(f"--expert-model-parallel-size ({carved}) is the expert group's size: leave "
+                             f"--ep ({self.ep}) at it or unset")
         if (self.dp * self.cp) % carved:
             raise ValueError(f"--expert-model-parallel-size ({carved}) must divide --dp x "
                              f"--context-parallel-size ({self.dp} x {self.cp} = {self.dp * self.cp}): the "

@@ -101,6 +101,7 @@ class Trainer:
         self.expert_rank = layout.local_rank("expert") if layout else 0  # in ep x tp (TP extends EP)
         self.data_rank = layout.local_rank("data") if layout else 0
         self.cp_rank = layout.local_rank("cp") if layout else 0
+        self.expert_replica = layout.local_rank("dp_cp") if layout else 0  # of the ranks holding its experts
         self.pp_group = layout.group("pp") if layout and tc.pp > 1 else None
         self.data_group = layout.group("data") if layout and tc.data_ranks > 1 else None
         # the ranks an expert's AdamW state may be sharded over: its replicas of this cp rank (all of them
@@ -139,7 +140,7 @@ class Trainer:
         self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
                                               ep_rank=self.expert_rank, num_local_experts=L,
                                               counts_dense=self.data_rank == 0 and self.cp_rank == 0,
-                                              counts_expert=(layout.local_rank("dp_cp") if layout else 0) == 0,
+                                              counts_expert=self.expert_replica == 0,
                                               tp_rank=self.tp_rank)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         # the MoE sites this rank holds (fmoe.outline), in their checkpoint keys' order
