@@ -82,15 +82,18 @@ def test_fmoe_train_refuses_a_carved_expert_group_that_does_not_fit_before_launc
         overrides={**base, "expert_model_parallel_size": 4, "dp": 2, "num_experts": 6}).problem()
 
 
-# ---- pp 2 x dp 2 x cp 2 on 8 ranks, the expert group the cp pair ------------------------------------------
+# ---- pp 2 with ep 2 carved from dp x cp on 8 ranks ------------------------------------------------------
 
 M = 4  # microbatches per data rank (DualPipeV's least at pp 2)
-S_8 = 8  # positions per sequence: 4 chunks of 2 at cp 2
+S_8 = 8  # positions per sequence: 4 chunks of 2 at cp 2, 8 of 1 at cp 4
+# (dp, cp) at pp 2 and ep 2: the expert group each cp pair (experts summed over the dp pair), and two
+# consecutive ranks of a cp 4 group (experts summed over the other pair of the same cp group)
+LAYOUTS_8 = ((2, 2), (1, 4))
 
 
 def _model_and_batches() -> tuple:
-    """The 8-rank test's model (a dense and three MoE layers, MTP; 4 experts), its weights, and the global
-    batch: 2 data ranks x M microbatches of one sequence each."""
+    """The 8-rank test's model (a dense and three MoE layers, MTP; 4 experts), its weights, and up to 2
+    data ranks x M microbatches of one sequence each."""
     import dataclasses
 
     from test_context_parallel import _gpt_cfg
@@ -101,11 +104,11 @@ def _model_and_batches() -> tuple:
     return cfg, params, list(zip(ids.chunk(2 * M), targets.chunk(2 * M)))
 
 
-def _pp_dp_cp_ep_rank(rank: int, world: int) -> dict:
-    """A DualPipeV step with fb overlap on pp 2 x dp 2 x cp 2, the expert group (ep 2) carved from the dp x
-    cp ranks as Megatron does (here the cp pair), recorded (tests/nccl_rules.py); then the gradients
-    reduced as `fmoe train` reduces them: dense over dp x cp, experts over their replicas (the dp pair),
-    each divided by the data ranks."""
+def _pp_ep_over_cp_rank(rank: int, world: int) -> dict:
+    """For each (dp, cp) of LAYOUTS_8: a DualPipeV step with fb overlap on pp 2 x dp x cp, the expert group
+    (ep 2) carved from the dp x cp ranks as Megatron does, recorded (tests/nccl_rules.py); then the
+    gradients reduced as `fmoe train` reduces them: dense over dp x cp, experts over their replicas, each
+    divided by the data ranks."""
     from nccl_rules import recording
     from test_context_parallel import _held
 
@@ -117,33 +120,38 @@ def _pp_dp_cp_ep_rank(rank: int, world: int) -> dict:
     from fmoe.pipeline import gpt_pipeline_step, gpt_program
     from fmoe.schedule.options import ExecOptions
 
-    layout = ParallelLayout(pp=2, dp=2, cp=2, ep=2, ep_over_cp=True, topology=Topology(world, world))
     cfg, params, batches = _model_and_batches()
     E = cfg.moe.num_experts
-    d, expert_rank = layout.local_rank("data"), layout.local_rank("expert")
-    parallel = ParallelContext(cp=CommGroup(layout.group("cp")),
-                               dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E))
-    pp_group = layout.group("pp")
-    with recording() as log:
-        program = gpt_program(cfg, sched.build("dualpipev", 2, M), dist.get_rank(pp_group), parallel=parallel)
-        mine = _held(params, cfg, 0, 1, expert_rank, E // 2)
-        step = gpt_pipeline_step(program, mine, init_gpt_state(cfg), batches[d * M:(d + 1) * M],
-                                 group=pp_group, options=ExecOptions(overlap=True))
-    grads = {}
-    for path, g in tree_flatten_with_path(step.grads)[0]:
-        if g is None:
-            continue
-        name = keystr(path)
-        dist.all_reduce(g, group=layout.group("dp_cp" if "['experts']" in name else "data_cp"))
-        grads[name] = (tuple(g.shape), (g / 2).flatten().tolist())
-    return {"log": log, "loss": float(step.loss), "data_rank": d, "expert_rank": expert_rank, "grads": grads}
+    out = []
+    for dp, cp in LAYOUTS_8:
+        layout = ParallelLayout(pp=2, dp=dp, cp=cp, ep=2, ep_over_cp=True, topology=Topology(world, world))
+        d, expert_rank = layout.local_rank("data"), layout.local_rank("expert")
+        parallel = ParallelContext(cp=CommGroup(layout.group("cp")),
+                                   dispatcher=AllToAllDispatcher(CommGroup(layout.group("expert")), E))
+        pp_group = layout.group("pp")
+        with recording() as log:
+            program = gpt_program(cfg, sched.build("dualpipev", 2, M), dist.get_rank(pp_group),
+                                  parallel=parallel)
+            mine = _held(params, cfg, 0, 1, expert_rank, E // 2)
+            step = gpt_pipeline_step(program, mine, init_gpt_state(cfg), batches[d * M:(d + 1) * M],
+                                     group=pp_group, options=ExecOptions(overlap=True))
+        grads = {}
+        for path, g in tree_flatten_with_path(step.grads)[0]:
+            if g is None:
+                continue
+            name = keystr(path)
+            dist.all_reduce(g, group=layout.group("dp_cp" if "['experts']" in name else "data_cp"))
+            grads[name] = (tuple(g.shape), (g / dp).flatten().tolist())
+        out.append({"log": log, "loss": float(step.loss), "data_rank": d, "expert_rank": expert_rank,
+                    "grads": grads})
+    return out
 
 
-def test_pp2_dp2_cp2_with_the_expert_group_over_cp_equals_one_process() -> None:
-    """8 gloo ranks, fp64: pp 2 (DualPipeV, fb overlap, MTP) x dp 2 x cp 2 with ep 2 carved from dp x cp
-    (each cp pair shares the experts, the ring's shifts and the all-to-alls inside the attention and MoE
-    phases of paired microbatches): each rank's loss the one-process mean over its data rank's microbatches,
-    every gradient it holds the one-process gradient of the mean over all of them; and the step's
+def test_a_pipeline_with_the_expert_group_over_cp_equals_one_process() -> None:
+    """8 gloo ranks, fp64, one spawn: pp 2 (DualPipeV, fb overlap, MTP) x dp 2 x cp 2 and pp 2 x cp 4, each
+    with ep 2 carved from dp x cp (the ring's shifts and the all-to-alls inside the attention and MoE phases
+    of paired microbatches): each rank's loss the one-process mean over its data rank's microbatches,
+    every gradient it holds the one-process gradient of the mean over all of them; and each step's
     communicators ordered alike on every rank under NCCL's rules and the one-queue-per-device model."""
     import torch
     from nccl_rules import replay
@@ -159,18 +167,21 @@ def test_pp2_dp2_cp2_with_the_expert_group_over_cp_equals_one_process() -> None:
     def mean_loss(p: dict, part: list) -> torch.Tensor:
         return sum(gpt_loss(p, i, t, cfg, state)[0] for i, t in part) / len(part)
 
-    whole = torch.func.grad(lambda p: mean_loss(p, batches))(params)
-    runs = spawn(_pp_dp_cp_ep_rank, 8, timeout_s=300)
-    for rank, r in enumerate(runs):
-        got = r.value
-        d = got["data_rank"]
-        assert got["loss"] == pytest.approx(float(mean_loss(params, batches[d * M:(d + 1) * M])), rel=1e-10)
-        want = {keystr(p): v for p, v in tree_flatten_with_path(
-            _held(whole, cfg, 0, 1, got["expert_rank"], cfg.moe.num_experts // 2))[0]}
-        assert any("['experts']" in k for k in got["grads"]), rank  # every pipeline rank holds experts
-        for path, (shape, values) in got["grads"].items():
-            assert_close(torch.tensor(values, dtype=torch.float64).reshape(shape), want[path],
-                         msg=f"rank {rank} {path}")
-    logs = {r.rank: r.value["log"] for r in runs}
-    assert replay(logs, "nccl") == []
-    assert replay(logs, "device") == []
+    runs = spawn(_pp_ep_over_cp_rank, 8, timeout_s=300)
+    for case, (dp, cp) in enumerate(LAYOUTS_8):
+        used = batches[:dp * M]
+        whole = torch.func.grad(lambda p, used=used: mean_loss(p, used))(params)
+        for rank, r in enumerate(runs):
+            got, where = r.value[case], f"dp {dp} x cp {cp} rank {rank}"
+            d = got["data_rank"]
+            want_loss = float(mean_loss(params, used[d * M:(d + 1) * M]))
+            assert got["loss"] == pytest.approx(want_loss, rel=1e-10), where
+            want = {keystr(p): v for p, v in tree_flatten_with_path(
+                _held(whole, cfg, 0, 1, got["expert_rank"], cfg.moe.num_experts // 2))[0]}
+            assert any("['experts']" in k for k in got["grads"]), where  # every pipeline rank holds experts
+            for path, (shape, values) in got["grads"].items():
+                assert_close(torch.tensor(values, dtype=torch.float64).reshape(shape), want[path],
+                             msg=f"{where} {path}")
+        logs = {r.rank: r.value[case]["log"] for r in runs}
+        assert replay(logs, "nccl") == [], (dp, cp)
+        assert replay(logs, "device") == [], (dp, cp)
