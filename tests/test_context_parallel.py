@@ -296,9 +296,9 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank()
 
 def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_other_cp_sizes(tmp_path) -> None:
     """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
-    gradient norm, the expert loads); its step-2 checkpoint resumed at cp 4, at ep 2 x cp 2 and at tp 2
-    (sequence parallel) x cp 2, each equal to the uninterrupted run. Parameters are replicated over cp, so
-    a checkpoint is the same at any size. The expert group carved from the data x context ranks
+    gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, at ep 2 x cp 2
+    and at tp 2 (sequence parallel) x cp 2, each equal to the uninterrupted run. Parameters are replicated
+    over cp, so a checkpoint is the same at any size. The expert group carved from the data x context ranks
     (--expert-model-parallel-size 2, Megatron's layout) at dp 2 x cp 2: the cp pair shares the experts,
     their gradients summed over the dp pair, ZeRO-1 over it; equal to the one-process run too, and its
     step-2 checkpoint resumed in one process."""
@@ -311,6 +311,7 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
     cp2 = _train(tmp_path, "cp2", *steps, "--ep", "1", "--context-parallel-size", "2", "--save",
                  str(tmp_path / "c2"), "--save-interval", "2")
     step2 = str(tmp_path / "c2" / "step_00000002")
+    cp1 = _train(tmp_path, "cp2->cp1", *steps, "--ep", "1", "--load", step2)
     cp4 = _train(tmp_path, "cp2->cp4", *steps, "--ep", "1", "--context-parallel-size", "4", "--cp-comm-type",
                  "all_gather", "--load", step2)
     # with expert parallelism beside cp: each cp rank's tokens go to the experts of its own ep group
@@ -324,9 +325,9 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
                     str(tmp_path / "e2"), "--save-interval", "2")
     carved_cp1 = _train(tmp_path, "dp2_cp2_ep2->cp1", *steps, "--ep", "1", "--load",
                         str(tmp_path / "e2" / "step_00000002"))
-    for name, got, want in (("cp2", cp2, ref), ("cp2->cp4", cp4, ref[2:]), ("cp2->ep2_cp2", ep2_cp2, ref[2:]),
-                            ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:]), ("dp2_cp2_ep2", carved, ref),
-                            ("dp2_cp2_ep2->cp1", carved_cp1, ref[2:])):
+    for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:]),
+                            ("cp2->ep2_cp2", ep2_cp2, ref[2:]), ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:]),
+                            ("dp2_cp2_ep2", carved, ref), ("dp2_cp2_ep2->cp1", carved_cp1, ref[2:])):
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
