@@ -298,27 +298,36 @@ def test_fmoe_train_under_cp_equals_one_process_and_its_checkpoints_load_at_othe
     """`fmoe train --context-parallel-size 2` (MTP on) against the one-process run, step by step (losses, the
     gradient norm, the expert loads); its step-2 checkpoint resumed in one process, at cp 4, at ep 2 x cp 2
     and at tp 2 (sequence parallel) x cp 2, each equal to the uninterrupted run. Parameters are replicated
-    over cp, so a checkpoint is the same at any size."""
+    over cp, so a checkpoint is the same at any size. The expert group carved from the data x context ranks
+    (--expert-model-parallel-size 2, Megatron's layout) at dp 2 x cp 2: the cp pair shares the experts,
+    their gradients summed over the dp pair, ZeRO-1 over it; equal to the one-process run too, and its
+    step-2 checkpoint resumed in one process."""
     from test_train import _train
 
     # fp64, as tests/test_train.py's layouts: the ring sums a softmax in another order, and in fp32 that
     # rounding (3e-5 of the loss by step 2) can flip a token whose top-k scores nearly tie
-    steps = ("--mtp", "--pp", "1", "--ep", "1", "--steps", "4", "--dtype", "float64")
-    ref = _train(tmp_path, "ref", *steps)
-    cp2 = _train(tmp_path, "cp2", *steps, "--context-parallel-size", "2", "--save", str(tmp_path / "c2"),
-                 "--save-interval", "2")
+    steps = ("--mtp", "--pp", "1", "--steps", "4", "--dtype", "float64")
+    ref = _train(tmp_path, "ref", *steps, "--ep", "1")
+    cp2 = _train(tmp_path, "cp2", *steps, "--ep", "1", "--context-parallel-size", "2", "--save",
+                 str(tmp_path / "c2"), "--save-interval", "2")
     step2 = str(tmp_path / "c2" / "step_00000002")
-    cp1 = _train(tmp_path, "cp2->cp1", *steps, "--load", step2)
-    cp4 = _train(tmp_path, "cp2->cp4", *steps, "--context-parallel-size", "4", "--cp-comm-type", "all_gather",
-                 "--load", step2)
-    # with expert parallelism: each cp rank's tokens go to the experts of its own ep group
+    cp1 = _train(tmp_path, "cp2->cp1", *steps, "--ep", "1", "--load", step2)
+    cp4 = _train(tmp_path, "cp2->cp4", *steps, "--ep", "1", "--context-parallel-size", "4", "--cp-comm-type",
+                 "all_gather", "--load", step2)
+    # with expert parallelism beside cp: each cp rank's tokens go to the experts of its own ep group
     ep2_cp2 = _train(tmp_path, "cp2->ep2_cp2", *steps, "--ep", "2", "--context-parallel-size", "2",
-                     "--load", step2)  # the later --ep wins
+                     "--load", step2)
     # with tensor and sequence parallelism: the heads over tp, a cp rank's positions split over its tp pair
-    tp2_cp2 = _train(tmp_path, "cp2->tp2_sp_cp2", *steps, "--tp", "2", "--sequence-parallel",
+    tp2_cp2 = _train(tmp_path, "cp2->tp2_sp_cp2", *steps, "--ep", "1", "--tp", "2", "--sequence-parallel",
                      "--context-parallel-size", "2", "--load", step2)
+    carved = _train(tmp_path, "dp2_cp2_ep2", *steps, "--dp", "2", "--context-parallel-size", "2",
+                    "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--save",
+                    str(tmp_path / "e2"), "--save-interval", "2")
+    carved_cp1 = _train(tmp_path, "dp2_cp2_ep2->cp1", *steps, "--ep", "1", "--load",
+                        str(tmp_path / "e2" / "step_00000002"))
     for name, got, want in (("cp2", cp2, ref), ("cp2->cp1", cp1, ref[2:]), ("cp2->cp4", cp4, ref[2:]),
-                            ("cp2->ep2_cp2", ep2_cp2, ref[2:]), ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:])):
+                            ("cp2->ep2_cp2", ep2_cp2, ref[2:]), ("cp2->tp2_sp_cp2", tp2_cp2, ref[2:]),
+                            ("dp2_cp2_ep2", carved, ref), ("dp2_cp2_ep2->cp1", carved_cp1, ref[2:])):
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):

@@ -107,8 +107,8 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
         **layout, "steps": 1, "progress": False, "markov_sequences": 64, "global_batch_size": 8,
         "micro_batch_size": 1, "seq_length": 16, "keep_host_memory": False, "eval_interval": 1,
         "eval_iters": 1})
-    par = ParallelLayout(pp=layout["pp"], ep=layout["ep"], dp=layout["dp"], topology=Topology(world, world),
-                         device_type="cpu")
+    par = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, cp=tc.cp, ep_over_cp=tc.ep_over_cp,
+                         topology=Topology(world, world), device_type="cpu")
     trainer = Trainer(tc, World(rank, world, par, torch.device("cpu")))
     with recording() as log:
         trainer.step()
@@ -122,7 +122,12 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
     {"pp": 2, "ep": 1, "dp": 2, "schedule": "interleaved"},  # P2P beside the data-parallel reductions
     # adaptive pipe overlap: no layer pairs (each chunks its rows), so every pair runs forward first
     {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev", "pair_overlap": "self", "a2a_chunks": 2},
-], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved", "pp2-ep2-dualpipev-self-overlap"])
+    # the ring's shifts and the all-to-alls of an expert group carved from the cp pair inside the phases of
+    # paired microbatches, the reductions over dp x cp and the expert replicas after them
+    {"pp": 2, "dp": 1, "context_parallel_size": 2, "expert_model_parallel_size": 2, "schedule": "dualpipev",
+     "mtp": True},
+], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved", "pp2-ep2-dualpipev-self-overlap",
+        "pp2-cp2-ep2-over-cp-dualpipev-mtp"])
 def test_a_training_step_orders_its_communicators_alike_on_every_rank(layout: dict) -> None:
     results = spawn(_train_logs, 4, layout, timeout_s=240)
     for part in (0, 1):  # the training step, then an evaluation

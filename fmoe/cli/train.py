@@ -69,7 +69,12 @@ HELP = {
     "moe_adaptive_recompute_activation_scale": "the adaptive recompute's threshold (default 2.0)",
     "seq_length": "tokens per sequence",
     "micro_batch_size": "sequences per microbatch", "global_batch_size": "sequences per step, all ranks",
-    "pp": "pipeline ranks", "ep": "expert-parallel ranks", "dp": "data-parallel replicas",
+    "pp": "pipeline ranks",
+    "ep": "expert-parallel ranks, beside the data and context ranks (data ranks: dp x ep)",
+    "dp": "data-parallel replicas (with --expert-model-parallel-size: the ranks reading different data)",
+    "expert_model_parallel_size": "Megatron's EP: the expert group carved from the data x context ranks "
+                                  "(world pp x dp x tp x cp; it divides dp x cp, the cp ranks of a sequence "
+                                  "sharing the experts); instead of --ep",
     "tp": "tensor-parallel ranks (Megatron's --tensor-model-parallel-size; extends ep for the experts)",
     "sequence_parallel": "shard the sequence over the tp ranks outside the TP regions (needs --tp > 1)",
     "context_parallel_size": "context-parallel ranks: each sequence split over them, attention across the "

@@ -9,6 +9,12 @@ by name; rank arithmetic is left to the mesh. The expert group is ep x tp flatte
 (MISSION.md feature 21) the tp ranks own different experts instead of slices of the same ones. Context
 parallelism (cp) splits each sequence over its ranks: they read the same data and hold the same weights
 (experts too), so gradients are summed over `data_cp` (dense) and `dp_cp` (experts).
+
+`ep_over_cp` lays the expert group over the data x context ranks instead, as Megatron carves EP from
+dp x cp: two meshes over the same ranks, the dense one (pp, dp, cp, tp) with dp the ranks reading
+different data, and the expert one (pp, edp, ep_inter, ep_intra, tp) with edp = dp x cp / ep, the same
+rank order (cp faster than dp), so an expert group is ep consecutive cp ranks (spanning dp ranks when ep
+> cp) and the cp ranks share the experts instead of each holding them all.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -43,6 +50,11 @@ class ParallelLayout:
     `params` here only when every rank holds the same shapes (no pipeline split; else agree per stage,
     e.g. `agree(layout.group("expert"), params=p)`).
 
+    `ep_over_cp`: the expert group carved from the dp x cp ranks (Megatron's layout; the module's
+    docstring): world = pp x dp x cp x tp, `dp` the ranks reading different data, ep dividing dp x cp;
+    `data` is then those dp ranks, `data_cp` dp x cp, and `dp` = `dp_cp` the dp x cp / ep ranks holding
+    the same experts.
+
     `timeout`: how long an op of any of its groups may wait for a peer before the group fails it (gloo
     raises; NCCL's watchdog aborts). None: torch's default for each new group (30 minutes on gloo, 10 on
     NCCL), not the world's. Give the world's (`init_process_group(timeout=)`): groups spanning the whole
@@ -50,13 +62,17 @@ class ParallelLayout:
     """
 
     DIMS = ("pp", "cp", "dp", "ep_inter", "ep_intra", "tp")
+    CARVED_DIMS = ("pp", "dp", "cp", "tp")  # ep_over_cp: the dense mesh (cp faster than dp, as Megatron)
+    EXPERT_DIMS = ("pp", "edp", "ep_inter", "ep_intra", "tp")  # ep_over_cp: the expert mesh
 
     def __init__(self, *, tp: int = 1, ep: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
                  topology: Topology | None = None, device_type: str = "cpu",
-                 agree_on: Mapping[str, Any] | None = None, timeout: timedelta | None = None):
+                 agree_on: Mapping[str, Any] | None = None, timeout: timedelta | None = None,
+                 ep_over_cp: bool = False):
         ws = dist.get_world_size()
-        dp = dp if dp is not None else ws // (tp * ep * pp * cp)
+        dp = dp if dp is not None else ws // (tp * pp * cp * (1 if ep_over_cp else ep))
         self.tp, self.ep, self.pp, self.dp, self.cp = tp, ep, pp, dp, cp
+        self.ep_over_cp = ep_over_cp
         self.device_type = device_type
         if agree_on is not None:  # before any check or group, so that every rank fails the same way
             if "layout" in agree_on:
@@ -66,8 +82,7 @@ class ParallelLayout:
             agree(None, layout=self, **agree_on)
         self.topology = topology or Topology.from_env(ws)
         ep_intra = check_layout(ws, tp=tp, ep=ep, pp=pp, dp=dp, cp=cp,
-                                ranks_per_node=self.topology.ranks_per_node)
-        shape = (pp, cp, dp, ep // ep_intra, ep_intra, tp)
+                                ranks_per_node=self.topology.ranks_per_node, ep_over_cp=ep_over_cp)
         # every group smaller than the world is created with `timeout`; a group of the whole world is the
         # default group itself (torch reuses it only when given no options), which has the world's
         options = None if timeout is None else group_options(device_type, timeout)
@@ -75,32 +90,48 @@ class ParallelLayout:
         def opts(size: int) -> Any:
             return options if size < ws else None
 
-        override = {d: o for d, n in zip(self.DIMS, shape, strict=True) if (o := opts(n)) is not None}
-        self.mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=self.DIMS,
-                                                 backend_override=override or None)
+        def mesh_of(dims: tuple[str, ...], shape: tuple[int, ...]) -> DeviceMesh:
+            override = {d: o for d, n in zip(dims, shape, strict=True) if (o := opts(n)) is not None}
+            return init_device_mesh(device_type, shape, mesh_dim_names=dims,
+                                    backend_override=override or None)
 
-        def flat(dims: tuple[str, ...], name: str) -> DeviceMesh:
-            sub = self.mesh[dims]
+        def flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+            sub = mesh[dims]
             return flatten_mesh(sub, name, opts(sub.size()))
 
-        self._meshes: dict[str, DeviceMesh] = {
-            "pp": self.mesh["pp"], "dp": self.mesh["dp"], "tp": self.mesh["tp"],
-            "ep": flat(("ep_inter", "ep_intra"), "ep"),
-            "expert": flat(("ep_inter", "ep_intra", "tp"), "expert"),
-            "expert_intra": flat(("ep_intra", "tp"), "expert_intra"),
-            "expert_inter": self.mesh["ep_inter"],
-            "data": flat(("dp", "ep_inter", "ep_intra"), "data"),
-        }
-        self._meshes["cp"] = self.mesh["cp"]
-        if cp > 1:  # every rank builds these (a collective), only when they differ from data / dp
-            self._meshes["data_cp"] = flat(("cp", "dp", "ep_inter", "ep_intra"), "data_cp")
-            self._meshes["dp_cp"] = flat(("cp", "dp"), "dp_cp")
+        if ep_over_cp:
+            self.mesh = mesh_of(self.CARVED_DIMS, (pp, dp, cp, tp))
+            shape = (pp, dp * cp // ep, ep // ep_intra, ep_intra, tp)
+            # the same ranks in the same order, factored (edp, ep) instead of (dp, cp)
+            experts = DeviceMesh(device_type, torch.arange(ws).reshape(shape),
+                                 mesh_dim_names=self.EXPERT_DIMS,
+                                 backend_override=tuple((None, opts(n)) for n in shape))
+            expert_replicas = experts["edp"]
+            self._meshes: dict[str, DeviceMesh] = {
+                "data": self.mesh["dp"], "data_cp": flat(self.mesh, ("dp", "cp"), "data_cp"),
+                "dp": expert_replicas, "dp_cp": expert_replicas}
         else:
-            self._meshes["data_cp"], self._meshes["dp_cp"] = self._meshes["data"], self._meshes["dp"]
+            self.mesh = mesh_of(self.DIMS, (pp, cp, dp, ep // ep_intra, ep_intra, tp))
+            experts = self.mesh
+            self._meshes = {"dp": self.mesh["dp"],
+                            "data": flat(self.mesh, ("dp", "ep_inter", "ep_intra"), "data")}
+            if cp > 1:  # every rank builds these (a collective), only when they differ from data / dp
+                self._meshes["data_cp"] = flat(self.mesh, ("cp", "dp", "ep_inter", "ep_intra"), "data_cp")
+                self._meshes["dp_cp"] = flat(self.mesh, ("cp", "dp"), "dp_cp")
+            else:
+                self._meshes["data_cp"], self._meshes["dp_cp"] = self._meshes["data"], self._meshes["dp"]
+        self._meshes.update({
+            "pp": self.mesh["pp"], "tp": self.mesh["tp"], "cp": self.mesh["cp"],
+            "ep": flat(experts, ("ep_inter", "ep_intra"), "ep"),
+            "expert": flat(experts, ("ep_inter", "ep_intra", "tp"), "expert"),
+            "expert_intra": flat(experts, ("ep_intra", "tp"), "expert_intra"),
+            "expert_inter": experts["ep_inter"],
+        })
 
     def describe(self) -> dict[str, Any]:
         """Return what ranks must agree on (`fmoe.parallel.agree`): sizes, world size, topology, device."""
         return {"tp": self.tp, "ep": self.ep, "pp": self.pp, "dp": self.dp, "cp": self.cp,
+                "ep_over_cp": self.ep_over_cp,
                 "world_size": dist.get_world_size(), "topology": self.topology,
                 "device_type": self.device_type}
 

@@ -53,14 +53,23 @@ class Topology:
 
 
 def check_layout(world_size: int, *, tp: int, ep: int, pp: int, dp: int, ranks_per_node: int,
-                 cp: int = 1) -> int:
+                 cp: int = 1, ep_over_cp: bool = False) -> int:
     """Returns ep_intra, the expert-parallel ranks inside one node, after checking the layout rules that
-    need no process group: tp x ep x pp x dp x cp == world size, and the expert group (ep x tp consecutive
-    ranks) either fits a node evenly or spans whole nodes with tp inside a node. Raises ValueError."""
+    need no process group: tp x ep x pp x dp x cp == world size (`ep_over_cp`: tp x pp x dp x cp, with ep
+    dividing dp x cp, Megatron's expert group carved from the data x context ranks), and the expert group
+    (ep x tp consecutive ranks) either fits a node evenly or spans whole nodes with tp inside a node.
+    Raises ValueError."""
     if min(tp, ep, pp, dp, cp, ranks_per_node) < 1:
         raise ValueError(f"ParallelLayout: sizes must be positive, got tp {tp} ep {ep} pp {pp} dp {dp} "
                          f"cp {cp} ranks_per_node {ranks_per_node}")
-    if tp * ep * pp * dp * cp != world_size:
+    if ep_over_cp:
+        if (dp * cp) % ep:
+            raise ValueError(f"ParallelLayout: ep {ep} must divide dp {dp} x cp {cp} = {dp * cp} (the expert "
+                             f"group is carved from the data x context ranks)")
+        if tp * pp * dp * cp != world_size:
+            raise ValueError(f"ParallelLayout: tp {tp} x pp {pp} x dp {dp} x cp {cp} != world size "
+                             f"{world_size} (ep {ep} is carved from dp x cp)")
+    elif tp * ep * pp * dp * cp != world_size:
         raise ValueError(f"ParallelLayout: tp {tp} x ep {ep} x pp {pp} x dp {dp} x cp {cp} != world size "
                          f"{world_size}")
     Topology(world_size, ranks_per_node)  # ranks_per_node divides the world

@@ -202,6 +202,7 @@ class TrainConfig:
     # layout
     pp: int = 2
     ep: int = 2
+    expert_model_parallel_size: int | None = None
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
@@ -300,6 +301,13 @@ class TrainConfig:
         if given.get("tokenizer_type") not in (None, "NullTokenizer"):
             values.pop("vocab_size", None)  # the preset's: the tokenizer's is the default now (resolve_vocab)
         values.update(given)
+        carved = given.get("expert_model_parallel_size")
+        if carved is not None:  # Megatron's flag: its ep, carved from the data x context ranks
+            if given.get("ep", carved) != carved:
+                raise ValueError(f"--ep ({given['ep']}) and --expert-model-parallel-size ({carved}) "
+                                 "disagree: give --expert-model-parallel-size alone for the expert group "
+                                 "carved from the data x context ranks, or --ep alone for one beside them")
+            values["ep"] = carved
         return cls.build(values)
 
     @classmethod
@@ -415,14 +423,41 @@ class TrainConfig:
         return self.context_parallel_size
 
     @property
+    def ep_over_cp(self) -> bool:
+        """Whether the expert group is carved from the data x context ranks (--expert-model-parallel-size,
+        Megatron's layout: the cp ranks of a sequence share the experts) instead of standing beside them
+        (--ep: each cp rank holds all of its expert group's experts)."""
+        return self.expert_model_parallel_size is not None
+
+    @property
     def world_size(self) -> int:
-        """pp x ep x dp x tp x cp."""
-        return self.pp * self.ep * self.dp * self.tp * self.cp
+        """pp x ep x dp x tp x cp; pp x dp x tp x cp when the expert group is carved from dp x cp."""
+        return self.pp * self.dp * self.tp * self.cp * (1 if self.ep_over_cp else self.ep)
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that read different data: dp x ep (expert parallelism is carved out of data parallelism)."""
-        return self.dp * self.ep
+        """Ranks that read different data: dp x ep (expert parallelism is carved out of data parallelism);
+        dp when the expert group is carved from the data x context ranks."""
+        return self.dp if self.ep_over_cp else self.dp * self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, over which their gradients are summed: dp x cp, or dp x cp / ep
+        when the expert group is carved from them."""
+        return self.dp * self.cp // (self.ep if self.ep_over_cp else 1)
+
+    def layout_text(self) -> str:
+        """The world as the flags give it, e.g. "--pp 2 x --ep 2 x --dp 1 x --tp 1 = 4" (cp where > 1;
+        a carved expert group named after the product)."""
+        cp = f" x --context-parallel-size {self.cp}" if self.cp > 1 else ""
+        if self.ep_over_cp:
+            return (f"--pp {self.pp} x --dp {self.dp} x --tp {self.tp}{cp} = {self.world_size} (the "
+                    f"--expert-model-parallel-size {self.ep} ranks carved from dp x cp)")
+        return f"--pp {self.pp} x --ep {self.ep} x --dp {self.dp} x --tp {self.tp}{cp} = {self.world_size}"
+
+    def data_ranks_text(self) -> str:
+        """The data ranks as the flags give them: "dp (D) x ep (E)", or "dp (D)" under a carved ep."""
+        return f"dp ({self.dp})" if self.ep_over_cp else f"dp ({self.dp}) x ep ({self.ep})"
 
     @property
     def microbatches(self) -> int:
@@ -515,8 +550,9 @@ class TrainConfig:
         if modifier is not None:
             raise ValueError(modifier)
         for name in ("pp", "ep", "dp", "tp", "context_parallel_size", "steps", "seq_length",
-                     "micro_batch_size", "global_batch_size", "markov_sequences"):
-            if getattr(self, name) < 1:
+                     "micro_batch_size", "global_batch_size", "markov_sequences",
+                     "expert_model_parallel_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         for name in ("save_interval", "lr_warmup_iters", "eval_interval", "log_interval"):
             if getattr(self, name) < 0:
@@ -575,16 +611,14 @@ class TrainConfig:
                              f"alltoall, not {self.dispatcher}")
         self._check_data()
         if world_size is not None and world_size != self.world_size:
-            raise ValueError(f"the launcher gives {world_size} ranks but --pp {self.pp} x --ep {self.ep} x "
-                             f"--dp {self.dp} x --tp {self.tp} = {self.world_size}")
+            raise ValueError(f"the launcher gives {world_size} ranks but {self.layout_text()}")
         if self.num_experts % (self.ep * self.tp):
             raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by --ep ({self.ep}) x "
                              f"--tp ({self.tp}): tensor parallelism extends expert parallelism, each of the "
                              f"{self.ep * self.tp} ranks of an expert group holding whole experts")
         if self.global_batch_size % (self.micro_batch_size * self.data_ranks):
             raise ValueError(f"--global-batch-size ({self.global_batch_size}) must be a multiple of "
-                             f"--micro-batch-size ({self.micro_batch_size}) x dp ({self.dp}) x ep "
-                             f"({self.ep})")
+                             f"--micro-batch-size ({self.micro_batch_size}) x {self.data_ranks_text()}")
         if self.resume and self.load:
             raise ValueError("give --resume or --load, not both")
         if self.load and not Path(self.load).is_dir():
@@ -599,9 +633,10 @@ class TrainConfig:
         vpp = self.num_virtual_stages_per_pipeline_rank
         if vpp is not None and vpp < 1:
             raise ValueError(f"--num-virtual-stages-per-pipeline-rank must be a positive integer, got {vpp}")
+        self._check_carved()
         rpn = self.ranks_per_node or self.world_size
         check_layout(self.world_size, tp=self.tp, ep=self.ep, pp=self.pp, dp=self.dp, cp=self.cp,
-                     ranks_per_node=rpn)
+                     ranks_per_node=rpn, ep_over_cp=self.ep_over_cp)
         self._check_routing()
         self._check_cp()
         self._check_tp()
@@ -658,7 +693,7 @@ class TrainConfig:
         if s.m != self.microbatches:
             raise ValueError(f"{flag} runs {s.m} microbatches but the batch flags give {self.microbatches} "
                              f"per rank and step (--global-batch-size {self.global_batch_size} / "
-                             f"(--micro-batch-size {self.micro_batch_size} x dp {self.dp} x ep {self.ep}))")
+                             f"(--micro-batch-size {self.micro_batch_size} x {self.data_ranks_text()}))")
         try:
             S.verify(s)
         except S.ScheduleError as exc:
@@ -701,6 +736,19 @@ class TrainConfig:
                              "statistics, which a --router function does not reduce")
         if self.moe_dynamic_capacity_window:
             raise ValueError("--moe-dynamic-capacity-window under --tp > 1: the forecast would be per rank")
+
+    def _check_carved(self) -> None:
+        """--expert-model-parallel-size: the expert group carved from the data x context ranks."""
+        carved = self.expert_model_parallel_size
+        if carved is None:
+            return
+        if carved != self.ep:  # TrainConfig built directly (from_sources sets ep from it)
+            raise ValueError(f"--expert-model-parallel-size ({carved}) is the expert group's size: leave "
+                             f"--ep ({self.ep}) at it or unset")
+        if (self.dp * self.cp) % carved:
+            raise ValueError(f"--expert-model-parallel-size ({carved}) must divide --dp x "
+                             f"--context-parallel-size ({self.dp} x {self.cp} = {self.dp * self.cp}): the "
+                             "expert group is carved from the data x context ranks (Megatron's layout)")
 
     def _check_cp(self) -> None:
         """--context-parallel-size and --cp-comm-type, with what context parallelism cannot run yet."""

@@ -152,7 +152,7 @@ def _world(tc: TrainConfig, local_rank: int, init_method: str | None = None, ran
                            "backend": backend})
     layout = None
     if size > 1:
-        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, cp=tc.cp,
+        layout = ParallelLayout(pp=tc.pp, ep=tc.ep, dp=tc.dp, tp=tc.tp, cp=tc.cp, ep_over_cp=tc.ep_over_cp,
                                 topology=Topology(size, rpn), device_type=device.type, timeout=timeout)
     return World(rank, size, layout, device)
 
@@ -340,9 +340,12 @@ def _measured_imbalance(events_by_rank: list[list[TraceEvent]]) -> float:
 
 def _layout(tc: TrainConfig) -> str:
     """The banner's layout: pp x ep x dp always (pp 1 x ep 1 names the one-process path), tp where > 1,
-    "(sp)" after it when sequence parallelism shards the sequence over the tp ranks, cp where > 1."""
+    "(sp)" after it when sequence parallelism shards the sequence over the tp ranks, cp where > 1; an
+    expert group carved from dp x cp is named after them ("pp 1 x dp 1 x cp 2 (p2p), ep 2 of dp x cp")."""
     tp = f" x tp {tc.tp}{' (sp)' if tc.sequence_parallel else ''}" if tc.tp > 1 else ""
     cp = f" x cp {tc.cp} ({tc.cp_comm_type})" if tc.cp > 1 else ""
+    if tc.ep_over_cp:
+        return f"pp {tc.pp}{tp} x dp {tc.dp}{cp}, ep {tc.ep} of dp x cp"
     return f"pp {tc.pp}{tp} x ep {tc.ep} x dp {tc.dp}{cp}"
 
 
@@ -404,8 +407,7 @@ def launch(tc: TrainConfig) -> int:
         device_type = _device_type(tc)
         available = device_counts()[device_type] if device_type != "cpu" else tc.world_size
         if tc.world_size > available:
-            raise ValueError(f"--pp {tc.pp} x --ep {tc.ep} x --dp {tc.dp} x --tp {tc.tp} = {tc.world_size} "
-                             "ranks, one per "
+            raise ValueError(f"{tc.layout_text()} ranks, one per "
                              f"device, but this machine has {available} {device_type} devices (--device cpu "
                              "runs them on the CPU)")
     except ValueError as exc:

@@ -102,12 +102,15 @@ class Trainer:
         self.expert_rank = layout.local_rank("expert") if layout else 0  # in ep x tp (TP extends EP)
         self.data_rank = layout.local_rank("data") if layout else 0
         self.cp_rank = layout.local_rank("cp") if layout else 0
+        self.expert_replica = layout.local_rank("dp_cp") if layout else 0  # of the ranks holding its experts
         self.pp_group = layout.group("pp") if layout and tc.pp > 1 else None
         self.data_group = layout.group("data") if layout and tc.data_ranks > 1 else None
-        self.dp_group = layout.group("dp") if layout and tc.dp > 1 else None
+        # the ranks an expert's AdamW state may be sharded over: its replicas of this cp rank (all of them
+        # when the expert group is carved from dp x cp)
+        self.dp_group = layout.group("dp") if layout and layout.size("dp") > 1 else None
         # gradients are summed over the context-parallel ranks too (each holds its positions' part)
         self.data_cp_group = layout.group("data_cp") if layout and tc.data_ranks * tc.cp > 1 else None
-        self.dp_cp_group = layout.group("dp_cp") if layout and tc.dp * tc.cp > 1 else None
+        self.dp_cp_group = layout.group("dp_cp") if layout and tc.expert_replicas > 1 else None
         self.world_group = dist.group.WORLD if world.size > 1 else None
         self.timeout = timedelta(seconds=tc.timeout)
 
@@ -138,7 +141,7 @@ class Trainer:
         self.leaves: list[Leaf] = rank_leaves(self.params, cfg, paths, self.holders, pp_rank=self.pp_rank,
                                               ep_rank=self.expert_rank, num_local_experts=L,
                                               counts_dense=self.data_rank == 0 and self.cp_rank == 0,
-                                              counts_expert=self.dp_rank == 0 and self.cp_rank == 0,
+                                              counts_expert=self.expert_replica == 0,
                                               tp_rank=self.tp_rank)
         self.tensors = {lf.key: get(self.params, lf.where) for lf in self.leaves}
         # the MoE sites this rank holds (fmoe.outline), in their checkpoint keys' order
@@ -514,7 +517,8 @@ class Trainer:
         a checkpoint this run loaded, so the export needs no --arch and keeps that file's other fields."""
         meta = {"config": self.tc.as_dict(), "model": asdict(self.cfg), "world_size": self.world.size,
                 "layout": {"pp": self.tc.pp, "ep": self.tc.ep, "dp": self.tc.dp, "tp": self.tc.tp,
-                           "cp": self.tc.cp, "schedule": self.tc.schedule_name},
+                           "cp": self.tc.cp, "ep_over_cp": self.tc.ep_over_cp,
+                           "schedule": self.tc.schedule_name},
                 "data": data_identity(self.tc)}
         if self.tc.schedule_file is not None:  # what ran, printed (fmoe.schedule.load_schedule_text reads it)
             meta["layout"]["schedule_text"] = str(self.schedule)
@@ -537,8 +541,8 @@ class Trainer:
             checkpoint.check_data(meta, data_identity(self.tc), path)
         saved = meta.get("layout", {})
         same = meta.get("world_size") == self.world.size and all(
-            saved.get(k, 1 if k in ("tp", "cp") else None) == getattr(self.tc, k)
-            for k in ("pp", "ep", "dp", "tp", "cp"))
+            saved.get(k, {"tp": 1, "cp": 1, "ep_over_cp": False}.get(k)) == getattr(self.tc, k)
+            for k in ("pp", "ep", "dp", "tp", "cp", "ep_over_cp"))
         items = self._items(with_rng=same)
         fresh_scale = "train/loss_scale" in items and not checkpoint.has_key(path, "train/loss_scale")
         counted = checkpoint.has_key(path, "train/consumed_samples")
