@@ -27,6 +27,8 @@ import tarfile
 import tempfile
 import time
 
+from _procs import descendants, hwm_kib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = {"fmoe": "fmoe", "schedule": "fmoe/schedule", "transforms": "fmoe/transforms"}
 
@@ -49,28 +51,6 @@ def package_of(rev: str | None, into: str) -> str:
     return into
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
-        out.extend(kids)
-        todo.extend(kids)
-    return out
-
-
-def _hwm_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-    except (OSError, StopIteration):
-        return 0
-
-
 def run_job(package: str, flags: list[str], skip: int) -> tuple[float, float]:
     """Runs `fmoe train FLAGS` from `package`; returns (median step seconds after `skip` steps, the largest
     peak RSS of one process of the job in MiB)."""
@@ -82,8 +62,8 @@ def run_job(package: str, flags: list[str], skip: int) -> tuple[float, float]:
                                 stderr=subprocess.PIPE, text=True)
         peak: dict[int, int] = {}
         while proc.poll() is None:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                peak[pid] = max(peak.get(pid, 0), _hwm_kib(pid))
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                peak[pid] = max(peak.get(pid, 0), hwm_kib(pid))
             time.sleep(0.05)
         if proc.returncode != 0:
             raise RuntimeError(f"fmoe train from {package} failed: {proc.stderr.read()[-2000:]}")

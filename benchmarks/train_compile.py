@@ -6,7 +6,7 @@ DualPipeV with fb overlap), side by side.
 Each round runs the eager job and the compiled one (inductor) for `--steps` steps, the order alternating.
 Per run: the median tokens/s of the steps after `--warmup` (the first steps compile), the compile time
 `fmoe train` prints ("compiled: ... in X s": tracing the phases and compiling their forward, dx and dw
-graphs, rank 0), and the peak resident memory of the run's processes together (polled every 0.2 s). The
+graphs, rank 0), and the peak resident memory of the run's processes (each one's VmHWM, summed). The
 first compiled run starts from an empty inductor cache (TORCHINDUCTOR_CACHE_DIR, a fresh directory), the
 later ones reuse it: their compile time is the cached one. The losses of each compiled run are compared
 with the eager run's step by step (largest relative difference).
@@ -26,42 +26,22 @@ import threading
 import time
 from pathlib import Path
 
-
-def _descendants(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            continue
-        found += kids
-        stack += kids
-    return found
-
-
-def _rss_mib(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            line = next(ln for ln in f if ln.startswith("VmRSS:"))
-        return int(line.split()[1]) / 1024
-    except (OSError, StopIteration):
-        return 0.0
+from _procs import descendants, hwm_kib
 
 
 def run(tmp: Path, name: str, steps: int, compiled: bool, cache: Path) -> dict:
-    """One `fmoe train` run; returns its metrics lines, stdout and peak RSS (MiB, all its processes)."""
+    """One `fmoe train` run; returns its metrics lines, stdout and peak RSS (MiB, its processes' summed)."""
     metrics = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", "--steps", str(steps),
            "--metrics", str(metrics)] + (["--compile"] if compiled else [])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0.0]
+    peak: dict[int, int] = {}
 
     def poll() -> None:
         while proc.poll() is None:
-            peak[0] = max(peak[0], sum(_rss_mib(p) for p in [proc.pid, *_descendants(proc.pid)]))
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                peak[pid] = max(peak.get(pid, 0), hwm_kib(pid))
             time.sleep(0.2)
 
     watcher = threading.Thread(target=poll, daemon=True)
@@ -72,7 +52,8 @@ def run(tmp: Path, name: str, steps: int, compiled: bool, cache: Path) -> dict:
         raise SystemExit(f"{name} failed:\n{out}\n{err[-3000:]}")
     lines = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     got = re.search(r"compiled: .* in ([0-9.]+) s", out)
-    return {"metrics": lines, "compile_s": float(got.group(1)) if got else None, "peak_mib": peak[0],
+    return {"metrics": lines, "compile_s": float(got.group(1)) if got else None,
+            "peak_mib": sum(peak.values()) / 1024,
             "stdout": out}
 
 

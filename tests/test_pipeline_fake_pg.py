@@ -27,6 +27,7 @@ from fmoe.init import init_seed
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.cut import cut_gpt, holders
+from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.train.config import TrainConfig
 
 S_ = 8  # positions per sequence
@@ -47,9 +48,9 @@ CASES = [
 ]
 
 
-def _rank_log(tc: TrainConfig, rank: int) -> list:
-    """Runs pipeline rank `rank`'s step of `tc` alone over the fake group, under the device trap; returns
-    what it issued to c10d (nccl_rules.recording's log)."""
+def _rank_log(tc: TrainConfig, rank: int, options: ExecOptions = DEFAULTS) -> list:
+    """Runs pipeline rank `rank`'s step of `tc` alone over the fake group, under the device trap (with the
+    executor's `options`); returns what it issued to c10d (nccl_rules.recording's log)."""
     cfg, s = tc.model(), tc.pipeline_schedule()
     chunks = cut_gpt(cfg, s.placement, seq=S_)
     paths = [p for st in s.placement.stages_of(rank)
@@ -64,7 +65,8 @@ def _rank_log(tc: TrainConfig, rank: int) -> list:
         program = gpt_program(cfg, s, rank, chunks=chunks)
         shared = SharedGrads(holders(cfg, s.placement, chunks), dist.group.WORLD)
         with default_device_trap(), recording() as log:
-            out = gpt_pipeline_step(program, params, state, batches, group=dist.group.WORLD, shared=shared)
+            out = gpt_pipeline_step(program, params, state, batches, group=dist.group.WORLD, shared=shared,
+                                    options=options)
         assert out.loss.device == torch.device("cpu"), (rank, out.loss.device)
         return log
     finally:

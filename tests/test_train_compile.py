@@ -13,19 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-from device_trap import default_device_trap
-from nccl_rules import recording, replay
+from nccl_rules import replay
+from test_pipeline_fake_pg import _rank_log
 from test_train import RUN_TIMEOUT_S, _cmd
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from fmoe import init_gpt_state
-from fmoe.gpt_init import init_gpt_shard
-from fmoe.init import init_seed
-from fmoe.parallel.shared_grads import SharedGrads
-from fmoe.pipeline import gpt_pipeline_step, gpt_program
-from fmoe.pipeline.cut import cut_gpt, holders
 from fmoe.schedule.options import ExecOptions
 from fmoe.train.config import TrainConfig
 from fmoe.transforms.compiled import CompiledPhases
@@ -60,40 +52,14 @@ def test_compile_is_refused_where_no_executor_runs(tmp_path: Path) -> None:
     assert "--schedule 1f1b" in done.stderr
 
 
-S_ = 8
-
-
-def _rank_log(tc: TrainConfig, rank: int, compiled: CompiledPhases | None) -> list:
-    """Pipeline rank `rank`'s step of `tc` alone over the fake group under the device trap; returns what it
-    issued to c10d."""
-    cfg, s = tc.model(), tc.pipeline_schedule()
-    chunks = cut_gpt(cfg, s.placement, seq=S_)
-    paths = [p for st in s.placement.stages_of(rank)
-             for p in chunks[s.placement.layer_chunk[st]].param_paths(cfg)]
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=s.pp)
-    try:
-        params = init_gpt_shard(cfg, init_seed(torch.Generator().manual_seed(0)), torch.float32, holds=paths,
-                                device="cpu")
-        g = torch.Generator().manual_seed(1)
-        batches = [(torch.randint(0, cfg.vocab_size, (1, S_), generator=g),) * 2 for _ in range(s.m)]
-        program = gpt_program(cfg, s, rank, chunks=chunks)
-        shared = SharedGrads(holders(cfg, s.placement, chunks), dist.group.WORLD)
-        with default_device_trap(), recording() as log:
-            gpt_pipeline_step(program, params, init_gpt_state(cfg), batches, group=dist.group.WORLD,
-                              shared=shared, options=ExecOptions(compiled=compiled))
-        return log
-    finally:
-        dist.destroy_process_group()
-
-
 def test_compiled_phases_issue_the_same_messages_and_replay_clean_under_nccl_rules() -> None:
     tc = TrainConfig.from_sources("tiny", None, {
         "schedule": "dualpipev", "pp": 2, "ep": 1, "dp": 1, "num_layers": 4, "first_k_dense": 1,
-        "mtp": True, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": S_,
+        "mtp": True, "global_batch_size": 4, "micro_batch_size": 1, "seq_length": 8,
         "hidden_size": 16, "ffn_hidden_size": 16, "moe_ffn_hidden_size": 8, "num_attention_heads": 2,
         "num_experts": 4, "vocab_size": 32})
-    eager = {rank: _rank_log(tc, rank, None) for rank in range(2)}
-    compiled = {rank: _rank_log(tc, rank, CompiledPhases("eager")) for rank in range(2)}
+    eager = {rank: _rank_log(tc, rank) for rank in range(2)}
+    compiled = {rank: _rank_log(tc, rank, ExecOptions(compiled=CompiledPhases("eager"))) for rank in range(2)}
     assert replay(compiled) == []
 
     def messages(log: list) -> list:
