@@ -44,12 +44,14 @@ def test_compiled_phases_train_as_eager_on_the_make_run_layout(tmp_path: Path) -
     assert line.rstrip().endswith("traces after step 2: 0"), line  # no trace after step 2
 
 
-def test_compile_is_refused_where_no_executor_runs(tmp_path: Path) -> None:
-    done = subprocess.run(_cmd("--pp", "1", "--ep", "1", "--compile", "--steps", "1"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    assert "--compile compiles the pipeline executor's phases" in done.stderr
-    assert "--schedule 1f1b" in done.stderr
+@pytest.mark.parametrize("flags,says", [
+    (("--pp", "1", "--ep", "1"), "pass --schedule 1f1b to run through the executor"),  # no executor
+    (("--pp", "2", "--tp", "2"), "drop --compile, or run tp 1 and cp 1"),  # collectives inside phases
+], ids=["accumulate", "tp"])
+def test_compile_is_refused_before_launch_where_it_cannot_run(tmp_path: Path, flags, says) -> None:
+    done = subprocess.run(_cmd(*flags, "--compile", "--steps", "1"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
 
 
 def test_compiled_phases_issue_the_same_messages_and_replay_clean_under_nccl_rules() -> None:

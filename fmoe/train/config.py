@@ -599,6 +599,10 @@ class TrainConfig:
             raise ValueError("--compile compiles the pipeline executor's phases (forward, dx and dw graphs); "
                              "pp 1 x ep 1 runs without it ('accumulate'): pass --schedule 1f1b to run "
                              "through the executor, or drop --compile")
+        if self.compile and (self.tp > 1 or self.cp > 1):
+            raise ValueError("--compile traces each compute phase into graphs, and under --tp / "
+                             "--context-parallel-size their collectives run inside those phases, which the "
+                             "trace cannot hold: drop --compile, or run tp 1 and cp 1")
         if self.a2a_chunks not in (1, 2):
             raise ValueError(f"--a2a-chunks must be 1 or 2, got {self.a2a_chunks}")
         if self.a2a_chunks == 2 and self.dispatcher != "alltoall":
