@@ -105,6 +105,22 @@ def test_a_gpt_equals_grad_of_gpt_loss():
     assert_trees_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_each_cotangent_reaches_its_own_graph_input():
+    """Two outputs whose cotangents both reach the dx pass and one the dw pass too: each graph input must
+    be the cotangent it stands for (a cotangent the dw pass reads is not a dx output)."""
+    def f(p, x_TD):
+        return {"a": x_TD * 2, "b": x_TD @ p["w"]}, None
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 3, generator=g, dtype=torch.float64)}
+    x_TD = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    ct = {"a": torch.randn(4, 3, generator=g, dtype=torch.float64),
+          "b": torch.randn(4, 3, generator=g, dtype=torch.float64)}
+    got, want = both(f, params, (x_TD,), ct)
+    assert_trees_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[2][0], 2 * ct["a"] + ct["b"] @ params["w"].T)  # by hand
+
+
 def test_new_row_counts_trace_once_more_and_then_never():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=1e-2)
     params = init_moe(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)

@@ -36,6 +36,7 @@ Knows nothing of MoE or schedules; the executor uses it for its compute phases u
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -295,6 +296,12 @@ def _ancestors(targets: Sequence[Any]) -> set[fx.Node]:
     return seen
 
 
+def _with_items(group: set[fx.Node]) -> set[fx.Node]:
+    """`group` with the items taken from its multi-output nodes (a cut passes tensors, never a tuple)."""
+    return group | {u for n in group for u in n.users
+                    if u.op == "call_function" and u.target is operator.getitem}
+
+
 def _cut(gm: fx.GraphModule, n_in: int, n_fw_out: int, darg_idx: list[int], dparam_idx: list[int]) -> _Parts:
     """Cuts the joint graph `gm` (placeholders: n_in primal inputs, then the cotangents; outputs: n_fw_out
     forward outputs, then one gradient per differentiable leaf) into forward, dx and dw graphs. The forward
@@ -306,11 +313,11 @@ def _cut(gm: fx.GraphModule, n_in: int, n_fw_out: int, darg_idx: list[int], dpar
     outs = list(next(n for n in nodes if n.op == "output").args[0])
     fw_outs, grads = outs[:n_fw_out], outs[n_fw_out:]
     darg_outs, dparam_outs = [grads[k] for k in darg_idx], [grads[k] for k in dparam_idx]
-    fw_set = _ancestors(fw_outs) | set(primals)
+    fw_set = _with_items(_ancestors(fw_outs) | set(primals))
     if fw_set & set(cts):
         raise AssertionError("compiled_split: a forward output depends on a cotangent")
-    dx_set = _ancestors(darg_outs) - fw_set
-    dw_set = _ancestors(dparam_outs) - fw_set - dx_set
+    dx_set = _with_items(_ancestors(darg_outs) - fw_set - set(cts))
+    dw_set = _ancestors(dparam_outs) - fw_set - set(cts) - dx_set
 
     def used_by(group: set[fx.Node], outputs: list[Any], sources: set[fx.Node]) -> list[fx.Node]:
         """The nodes of `sources` that nodes of `group` read, or that `outputs` are, in graph order."""

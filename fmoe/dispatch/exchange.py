@@ -90,10 +90,11 @@ class RowPlan:
     route: Any = None  # a two-stage exchange's route (all-gather, hierarchical)
 
     def traced_view(self) -> RowPlan:
-        """This plan as a compiled phase sees it (transforms/compiled.py): the host split sizes, which vary
-        from microbatch to microbatch and which only exchanges read, dropped; the counts' device form."""
+        """This plan as a compiled phase sees it (transforms/compiled.py): what only exchanges read dropped
+        (the host split sizes, which vary from microbatch to microbatch, and a two-stage exchange's route);
+        the counts' device form."""
         counts = self.counts_L.traced_view() if hasattr(self.counts_L, "traced_view") else self.counts_L
-        return RowPlan(counts, self.idx_M, self.inverse_M, route=self.route)
+        return RowPlan(counts, self.idx_M, self.inverse_M)
 
     def to_experts(self, x_MD: torch.Tensor) -> torch.Tensor:
         """Returns received rows [M, ...] regrouped by local expert (permute-2; differentiable)."""
