@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 from _ranks import measure_rss, return_freed_memory
+from moe_layer import interleaved_medians
 from peers import _titan_grads_as_fmoe, _titan_import_error, _titan_moe, _titan_weights
 
 from fmoe import MoEConfig, init_moe, moe
@@ -149,18 +149,6 @@ def first_calls(steps: dict[str, Step]) -> tuple[dict[str, float], dict[str, flo
     return seconds, diffs
 
 
-def rotated_medians(steps: dict[str, Step], rounds: int) -> dict[str, float]:
-    """Median seconds per step over `rounds` rounds, each round starting one implementation later."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t)
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def peak_rss_of(name: str, shape: Shape) -> float:
     """MiB: a fresh process's RSS high-water mark over one step (after a warm-up) minus its RSS before."""
     cmd = [sys.executable, __file__, "--memory-of", name, "--shape", ",".join(map(str, shape))]
@@ -211,7 +199,7 @@ def main() -> None:
         print(f"{titan_missing}: no torchtitan rows (benchmarks/peers.py says how to install it)")
     steps = {n: build(n, shape) for n in names}
     first_s, diffs = first_calls(steps)
-    med = rotated_medians(steps, args.rounds)
+    med = interleaved_medians(steps, args.rounds, warm_up=False)  # first_calls ran each once
     mem = {} if args.no_memory else {n: peak_rss_of(n, shape) for n in steps}
     print(f"shape D,F,E,K,T = {shape}, fp32 inputs and parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.rounds} rotated rounds; diff: largest "
