@@ -17,9 +17,13 @@ SwiGLU experts, no shared expert, no balancing loss):
   dataclasses, `TokenChoiceTopKRouter` softmax with route_norm, `GroupedExperts`, `LocalTokenDispatcher`,
   load_balance_coeff None), stock, eager and under `torch.compile(fullgraph=True)`, `torch.autograd.grad`.
   Its GroupedExperts casts x and the fp32 expert weights to bf16 for `torch._grouped_mm` inside its
-  forward, so its expert GEMMs run in bf16 (router and combine fp32): it is not the same arithmetic as
-  fmoe's fp32 row, which the printed difference shows. torchtitan is not a dependency: where it does not
-  import, or its compiled form fails here, the script says so in one line and compares with what runs.
+  forward, so its expert GEMMs run in bf16 (router and combine fp32): not the same arithmetic as fmoe's
+  fp32 rows (the printed difference shows it; a CPU with avx512_bf16 runs them about twice as fast);
+- titan-fp32-eager / titan-fp32-compiled: the same module with its grouped GEMMs kept in fp32
+  (peers.py's patched GroupedExperts), the same arithmetic as fmoe's. Its compiled form fails in torch
+  2.13 (aten._grouped_mm's fake-tensor rule takes bf16 only).
+torchtitan is not a dependency: where it does not import, or a compiled form fails here, the script says
+so in one line and compares with what runs.
 
 First calls (compile included) are timed apart. Then `--rounds` rounds, each starting one implementation
 later (medians). Peak memory: each implementation in a fresh process, the RSS high-water mark of one step
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -47,7 +52,7 @@ Shape = tuple[int, int, int, int, int]
 Grads = dict[str, torch.Tensor]  # "x" and fmoe's weight paths ("experts.w_gate", ...)
 Step = Callable[[], tuple[torch.Tensor, Grads]]  # one forward + backward: (y_TD, gradients)
 FMOE = ("eager", "compiled", "compiled-split")
-TITAN = ("titan-eager", "titan-compiled")
+TITAN = ("titan-eager", "titan-compiled", "titan-fp32-eager", "titan-fp32-compiled")
 
 
 def make(shape: Shape, seed: int = 0) -> tuple[MoEConfig, dict, torch.Tensor, torch.Tensor]:
@@ -96,10 +101,11 @@ def split_step(cfg: MoEConfig, params: dict, x_TD: torch.Tensor, ct_TD: torch.Te
     return step
 
 
-def titan_step(cfg: MoEConfig, params: dict, x_TD: torch.Tensor, ct_TD: torch.Tensor, compiled: bool) -> Step:
-    """torchtitan's stock MoE holding the same weights (bf16 grouped GEMMs inside); `compiled`: under
-    torch.compile (inductor)."""
-    block = _titan_moe(cfg, params, fp32=False)
+def titan_step(cfg: MoEConfig, params: dict, x_TD: torch.Tensor, ct_TD: torch.Tensor, fp32: bool,
+               compiled: bool) -> Step:
+    """torchtitan's MoE holding the same weights: stock (bf16 grouped GEMMs inside), or `fp32` (patched);
+    `compiled`: under torch.compile (inductor)."""
+    block = _titan_moe(cfg, params, fp32=fp32)
     weights = _titan_weights(block)
     fn = torch.compile(block, fullgraph=True) if compiled else block
     x_1TD = x_TD.detach().unsqueeze(0).requires_grad_()
@@ -118,7 +124,7 @@ def build(name: str, shape: Shape) -> Step:
     if name == "compiled-split":
         return split_step(cfg, params, x_TD, ct_TD)
     if name in TITAN:
-        return titan_step(cfg, params, x_TD, ct_TD, compiled=name == "titan-compiled")
+        return titan_step(cfg, params, x_TD, ct_TD, fp32="fp32" in name, compiled=name.endswith("compiled"))
     return tape_step(cfg, params, x_TD, ct_TD, compiled=name == "compiled")
 
 
@@ -129,19 +135,27 @@ def rel_diff(got: tuple[torch.Tensor, Grads], want: tuple[torch.Tensor, Grads]) 
                for g, w in pairs)
 
 
+def root_cause(e: BaseException) -> str:
+    """The first line of the innermost exception `e` was raised from or while handling (dynamo wraps the
+    op's own error twice)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
 def first_calls(steps: dict[str, Step]) -> tuple[dict[str, float], dict[str, float]]:
     """Runs each step once (compiling the compiled ones); returns (first-call seconds, difference from
     eager fmoe). A compiled torchtitan that fails is dropped from `steps`, saying why in one line."""
     seconds, diffs, results = {}, {}, {}
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)  # root_cause says it
     for name in list(steps):
         t = time.perf_counter()
         try:
             results[name] = steps[name]()
         except Exception as e:  # noqa: BLE001 - the peer's compiled form may not run on this machine
-            if name != "titan-compiled":
+            if not (name in TITAN and name.endswith("compiled")):
                 raise
-            print(f"titan-compiled: fails here ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                  "compared with its eager form instead")
+            print(f"{name}: fails here ({root_cause(e)}), so no row")
             del steps[name]
             continue
         seconds[name] = time.perf_counter() - t
@@ -165,7 +179,8 @@ def _memory_child(name: str, shape: Shape) -> None:
 
 
 def print_ratios(med: dict[str, float]) -> None:
-    """The ratios of the medians: fmoe's compiled forms against eager and against torchtitan's best form."""
+    """The ratios of the medians: fmoe's compiled forms against eager and against torchtitan's forms (the
+    target against its compiled stock form, or its eager one where that failed)."""
     def ratio(a: str, b: str, note: str = "") -> None:
         if a in med and b in med:
             print(f"  {a} / {b}: {med[a] / med[b]:.3f}{note}")
@@ -178,6 +193,8 @@ def print_ratios(med: dict[str, float]) -> None:
     ratio("titan-compiled", "titan-eager")
     ratio("compiled", peer, target)
     ratio("compiled-split", peer, target)
+    ratio("compiled", "titan-fp32-eager", " (the same fp32 arithmetic)")
+    ratio("eager", "titan-fp32-eager", " (the same fp32 arithmetic)")
 
 
 def main() -> None:
