@@ -36,13 +36,14 @@ def layer_flops(T: int, D: int, F: int, E: int, K: int) -> float:
     return 3 * (2 * T * D * E + 3 * 2 * T * K * D * F)
 
 
-def interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
-    """Median wall time per step: one warm-up each, then `repeats` rounds running every step in turn.
+def interleaved_medians(steps: dict, repeats: int, warm_up: bool = True) -> dict[str, float]:
+    """Median wall time per step: one warm-up each (`warm_up`; False where the caller has run each step
+    already), then `repeats` rounds running every step in turn.
 
     Each round starts one variant later (a rotation), so no variant always runs right after the same
     neighbour: the order effects of the allocator and caches spread over all of them.
     """
-    for fn in steps.values():
+    for fn in steps.values() if warm_up else ():
         fn()
     names = list(steps)
     samples: dict[str, list[float]] = {name: [] for name in steps}
