@@ -51,7 +51,7 @@ from fmoe.transforms.compiled import CompiledSplit
 Shape = tuple[int, int, int, int, int]
 Grads = dict[str, torch.Tensor]  # "x" and fmoe's weight paths ("experts.w_gate", ...)
 Step = Callable[[], tuple[torch.Tensor, Grads]]  # one forward + backward: (y_TD, gradients)
-FMOE = ("eager", "compiled", "compiled-split")
+FMOE = ("eager", "compiled", "compiled-split", "compiled-bf16")
 TITAN = ("titan-eager", "titan-compiled", "titan-fp32-eager", "titan-fp32-compiled")
 
 
@@ -118,9 +118,20 @@ def titan_step(cfg: MoEConfig, params: dict, x_TD: torch.Tensor, ct_TD: torch.Te
     return step
 
 
+def _bf16(params: dict, x_TD: torch.Tensor, ct_TD: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The same inputs in bf16 (leaves that need gradients): the arithmetic torchtitan's stock experts do."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(torch.bfloat16).requires_grad_()
+
+    return ({k: {n: cast(v) for n, v in sub.items()} for k, sub in params.items()}, cast(x_TD),
+            ct_TD.to(torch.bfloat16))
+
+
 def build(name: str, shape: Shape) -> Step:
     """The step of implementation `name` at `shape` (inputs from `make`, the same for every name)."""
     cfg, params, x_TD, ct_TD = make(shape)
+    if name == "compiled-bf16":
+        return tape_step(cfg, *_bf16(params, x_TD, ct_TD), compiled=True)
     if name == "compiled-split":
         return split_step(cfg, params, x_TD, ct_TD)
     if name in TITAN:
@@ -193,6 +204,7 @@ def print_ratios(med: dict[str, float]) -> None:
     ratio("titan-compiled", "titan-eager")
     ratio("compiled", peer, target)
     ratio("compiled-split", peer, target)
+    ratio("compiled-bf16", peer, " (bf16 GEMMs both)")
     ratio("compiled", "titan-fp32-eager", " (the same fp32 arithmetic)")
     ratio("eager", "titan-fp32-eager", " (the same fp32 arithmetic)")
 
@@ -203,6 +215,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--memory-of", choices=FMOE + TITAN, help=argparse.SUPPRESS)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated implementations to run (eager, the "
+                    f"reference, always runs); of {', '.join(FMOE + TITAN)}")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
     if len(shape) != 5:
@@ -212,6 +226,12 @@ def main() -> None:
         return
     titan_missing = _titan_import_error()
     names = FMOE + (() if titan_missing else TITAN)
+    if args.only:
+        wanted = {"eager", *args.only.split(",")}
+        unknown = wanted - set(FMOE + TITAN)
+        if unknown:
+            ap.error(f"--only: unknown implementation(s) {sorted(unknown)}; of {', '.join(FMOE + TITAN)}")
+        names = tuple(n for n in names if n in wanted)
     if titan_missing:
         print(f"{titan_missing}: no torchtitan rows (benchmarks/peers.py says how to install it)")
     steps = {n: build(n, shape) for n in names}
@@ -220,7 +240,8 @@ def main() -> None:
     mem = {} if args.no_memory else {n: peak_rss_of(n, shape) for n in steps}
     print(f"shape D,F,E,K,T = {shape}, fp32 inputs and parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.rounds} rotated rounds; diff: largest "
-          "relative difference of y and every gradient from eager fmoe (titan: bf16 expert GEMMs)")
+          "relative difference of y and every gradient from eager fmoe (titan: bf16 expert GEMMs; "
+          "compiled-bf16: fmoe's layer in bf16)")
     print(f"{'implementation':<16} {'first call s':>12} {'median s':>9} {'peak RSS MiB':>13} {'diff':>8}")
     for n in steps:
         rss = f"{mem[n]:13.0f}" if n in mem else f"{'-':>13}"
