@@ -51,8 +51,9 @@ def run(tmp: Path, name: str, steps: int, compiled: bool, cache: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{out}\n{err[-3000:]}")
     lines = [json.loads(ln) for ln in metrics.read_text().splitlines()]
-    got = re.search(r"compiled: .* in ([0-9.]+) s", out)
+    got = re.search(r"compiled: .* in ([0-9.]+) s; traces after step 2: ([0-9]+)", out)
     return {"metrics": lines, "compile_s": float(got.group(1)) if got else None,
+            "late_traces": int(got.group(2)) if got else None,
             "peak_mib": sum(peak.values()) / 1024,
             "stdout": out}
 
@@ -82,7 +83,8 @@ def main() -> None:
                 runs[name].append(res)
                 print(f"round {r} {name}: {tokens_per_s(res, args.warmup):.0f} tokens/s after step "
                       f"{args.warmup}, peak RSS {res['peak_mib']:.0f} MiB"
-                      + (f", compile {res['compile_s']:.1f} s" if res["compile_s"] is not None else ""),
+                      + (f", compile {res['compile_s']:.1f} s, traces after step 2: {res['late_traces']}"
+                         if res["compile_s"] is not None else ""),
                       flush=True)
     tok = {n: statistics.median(tokens_per_s(x, args.warmup) for x in v) for n, v in runs.items()}
     mem = {n: statistics.median(x["peak_mib"] for x in v) for n, v in runs.items()}
