@@ -241,16 +241,38 @@ def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(t
     assert _steps(metrics) == [1, 2, 3, 4]  # step 3 once: the one the resumed run made
 
 
+def _config(*flags: str) -> TrainConfig:
+    """The TrainConfig `fmoe train *SMALL *flags` runs with, built as the command builds it."""
+    import argparse
+
+    from fmoe.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*SMALL, *flags])
+    given = {k: v for k, v in vars(args).items() if k not in ("preset", "config")}
+    return TrainConfig.from_sources(args.preset, args.config, given)
+
+
 def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: Path) -> None:
+    """End to end for a changed --steps (the decay's length); the other schedule fields through the check
+    the resuming rank runs (Trainer.load: checkpoint.check_schedule) on the same checkpoint's meta and the
+    config their flags give, one process start rather than one run each."""
     ckpt = _saved(tmp_path, "ckpt", "--lr-warmup-iters", "1")  # past the warmup: the decay depends on --steps
     same = {"--steps": "2", "--lr": "3e-3", "--min-lr": "3e-4", "--lr-warmup-iters": "1"}
-    for flag, value in (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--lr-warmup-iters", "0"),
-                        ("--lr-decay-style", "linear")):
-        changed = {**same, flag: value}
-        flags = [x for kv in changed.items() for x in kv]
-        err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags),
-                      "--override-opt-param-scheduler", max_lines=1)
-        assert flag[2:].replace("-", "_") in err, err
+    changes = (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--lr-warmup-iters", "0"),
+               ("--lr-decay-style", "linear"))
+    flags = [[x for kv in {**same, flag: value}.items() for x in kv] for flag, value in changes]
+    err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags[0]),
+                  "--override-opt-param-scheduler", max_lines=1)
+    assert "steps" in err, err
+    meta = checkpoint.read_meta(ckpt / STEP2)
+    sames = [x for kv in same.items() for x in kv]
+    checkpoint.check_schedule(meta, _config(*sames).as_dict(), ckpt / STEP2)  # the same schedule: no error
+    for (flag, _), changed in zip(changes, flags, strict=True):
+        with pytest.raises(checkpoint.CheckpointError, match="--override-opt-param-scheduler") as refused:
+            checkpoint.check_schedule(meta, _config(*changed).as_dict(), ckpt / STEP2)
+        assert flag[2:].replace("-", "_") in str(refused.value), (flag, refused.value)
     metrics = tmp_path / "m.jsonl"
     _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--lr-warmup-iters", "1",
         "--override-opt-param-scheduler", "--metrics", str(metrics))
