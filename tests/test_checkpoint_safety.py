@@ -58,11 +58,18 @@ def _saved(tmp: Path, name: str = "ckpt", *flags: str) -> Path:
     return ckpt
 
 
+FOREIGN_METRICS = '{"step": 7, "loss": 1.0}\n'  # another run's line, in the metrics file before a fresh run
+
+
 @pytest.fixture(scope="module")
 def step2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoint directory of one fresh run to step 2 with no other flags: the tests that break a
-    checkpoint each break a copy of it (`_copied`), one run for the module rather than one per test."""
-    return _saved(tmp_path_factory.mktemp("step2"))
+    """The checkpoint directory of one fresh run to step 2 with no other flags but --metrics (beside it,
+    m.jsonl, which held FOREIGN_METRICS before the run): the tests that break a checkpoint each break a
+    copy of it (`_copied`), one run for the module rather than one per test."""
+    root = tmp_path_factory.mktemp("step2")
+    metrics = root / "m.jsonl"
+    metrics.write_text(FOREIGN_METRICS)
+    return _saved(root, "ckpt", "--metrics", str(metrics))
 
 
 def _copied(saved: Path, tmp: Path) -> Path:
@@ -228,11 +235,11 @@ def test_a_symlink_planted_in_the_save_directory_is_not_written_through(tmp_path
 # ---- lower: the metrics file and the LR schedule on resume ---------------------------------------------
 
 
-def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(tmp_path: Path) -> None:
-    metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 7, "loss": 1.0}\n')  # another run's
-    ckpt = tmp_path / "ckpt"
-    _ok(tmp_path, "--steps", "2", "--save", str(ckpt), "--metrics", str(metrics))
+def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(tmp_path: Path,
+                                                                               step2: Path) -> None:
+    # the fresh run: step2's, whose metrics file held another run's step 7 (FOREIGN_METRICS) before it
+    ckpt = _copied(step2, tmp_path)
+    metrics = Path(shutil.copy(step2.parent / "m.jsonl", tmp_path / "m.jsonl"))
     assert _steps(metrics) == [1, 2]
     with metrics.open("a") as f:  # a step 3 that ran after the checkpoint, then the run died
         f.write('{"step": 3, "loss": 1.0}\n')
