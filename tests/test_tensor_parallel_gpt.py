@@ -9,6 +9,8 @@ equal the oracle's and its gradients the oracle's, cut as its params are (`shard
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import spawn
@@ -139,10 +141,28 @@ def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str,
     return {"tp_rank": tp.rank, "loss": float(step.loss), "grads": held}
 
 
-@pytest.mark.parametrize(("mtp", "sp", "S", "schedule"), [(True, False, 5, "dualpipev"),
-                                                            (False, True, 4, "interleaved")])
-def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool, S: int,
-                                                             schedule: str) -> None:
+# _pp_rank's arguments (mtp, sp, S, schedule, record) for both tests below, run on one start of the 4 ranks
+EQUAL_CASES = [(True, False, 5, "dualpipev", False), (False, True, 4, "interleaved", False)]
+ORDER_CASES = [(True, False, 5, "dualpipev", True), (False, True, 4, "dualpipev", True)]
+
+
+def _pp_cases(rank: int, world: int, cases: list) -> dict:
+    """`_pp_rank` for each of `cases`, one after the other on the same ranks: {case: its answer}."""
+    return {case: _pp_rank(rank, world, *case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def pp_runs() -> dict:
+    """{case: [each rank's RankResult, its value that case's answer]} for EQUAL_CASES and ORDER_CASES,
+    from one start of the 4 ranks (each start costs seconds per rank)."""
+    runs = spawn(_pp_cases, 4, EQUAL_CASES + ORDER_CASES, timeout_s=400)
+    return {case: [dataclasses.replace(r, value=r.value[case]) for r in runs]
+            for case in EQUAL_CASES + ORDER_CASES}
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S", "schedule"), [c[:4] for c in EQUAL_CASES])
+def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool, S: int, schedule: str,
+                                                             pp_runs: dict) -> None:
     """pp 2 x tp 2 on 4 ranks: DualPipeV with fb overlap (MTP, tp alone) and interleaved 1F1B (vpp 2,
     sequence parallel) against the mean over microbatches of the one-process loss."""
     cfg = _cfg(mtp, n_layers=4)
@@ -154,25 +174,27 @@ def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool,
 
     want_loss = mean_loss(params)
     want = torch.func.grad(mean_loss)(params)
-    for r in spawn(_pp_rank, 4, mtp, sp, S, schedule, timeout_s=240):
+    for r in pp_runs[(mtp, sp, S, schedule, False)]:
         got = r.value
-        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
+        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10), (schedule, r.rank)
         mine = _mine(want, cfg, got["tp_rank"], 2)
         expected = _paths(mine)
-        assert got["grads"]  # every rank holds some of the model
+        assert got["grads"], (schedule, r.rank)  # every rank holds some of the model
         for path, (shape, values) in got["grads"].items():
-            assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path], msg=path)
+            assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path],
+                         msg=f"{schedule} {path}")
 
 
 @pytest.mark.parametrize(("sp", "S"), [(False, 5), (True, 4)])
-def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp: bool, S: int) -> None:
+def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp: bool, S: int,
+                                                                              pp_runs: dict) -> None:
     """NCCL's rules (tests/nccl_rules.py: tags ignored, one stream per communicator, rendezvous sends)
     and the stricter one-queue-per-device model: the TP collectives inside the compute phases, the EP
     all-to-alls and the pipeline's P2P of a pp 2 x tp 2 DualPipeV step with fb overlap neither deadlock
     nor mismatch."""
     from nccl_rules import replay
 
-    runs = spawn(_pp_rank, 4, not sp, sp, S, "dualpipev", True, timeout_s=240)
+    runs = pp_runs[(not sp, sp, S, "dualpipev", True)]
     logs = {r.rank: r.value["log"] for r in runs}
     tp_pair = (0, 1)  # rank 0's tp group (pp is the outer dimension of the layout)
     assert any(op.kind == "coll" and op.comm == tp_pair for _, op in logs[0])  # the TP collectives ran
