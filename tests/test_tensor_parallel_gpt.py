@@ -87,18 +87,35 @@ def _is_packed(v: object) -> bool:
     return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], list)
 
 
-@pytest.mark.parametrize(("mtp", "sp", "S"), [(True, False, 5), (True, True, 4)])
-def test_gpt_under_tp_equals_one_process(mtp: bool, sp: bool, S: int) -> None:
+TP2_CASES = [(True, False, 5), (True, True, 4)]  # (mtp, sp, S) of the test below, on tp 2
+PER_STEP_S = 4  # the sequence length of the replicated-weights test (test_replicated_weight_...)
+
+
+def _tp2_rank(rank: int, world: int) -> dict:
+    """This tp 2 rank's answers for the tp-only tests of this file (`_rank` per TP2_CASES case, then
+    `_per_step_rank`): one start of the 2 ranks for them all."""
+    return {"gpt": {case: _rank(rank, world, *case) for case in TP2_CASES},
+            "per_step": _per_step_rank(rank, world, PER_STEP_S)}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs() -> list[dict]:
+    """Each tp 2 rank's `_tp2_rank` answer, by rank."""
+    return [r.value for r in spawn(_tp2_rank, 2, timeout_s=240)]
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S"), TP2_CASES)
+def test_gpt_under_tp_equals_one_process(mtp: bool, sp: bool, S: int, tp2_runs: list[dict]) -> None:
     world = 2
     cfg = _cfg(mtp)
     params, ids, targets = _data(cfg, S)
     want = _one(cfg, params, ids, targets)
-    for rank, r in enumerate(spawn(_rank, world, mtp, sp, S, timeout_s=150)):
-        got = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]), r.value,
-                                           is_leaf=_is_packed)
+    for rank, answer in enumerate(tp2_runs):
+        got = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]),
+                                           answer["gpt"][(mtp, sp, S)], is_leaf=_is_packed)
         for key in ("loss", "main", "balance", "mtp", "bias"):
-            assert_close(got[key], want[key].to(DT), msg=key)
-        assert_close(got["grads"], _mine(want["grads"], cfg, rank, world))
+            assert_close(got[key], want[key].to(DT), msg=f"{key} rank {rank}")
+        assert_close(got["grads"], _mine(want["grads"], cfg, rank, world), msg=f"grads rank {rank}")
 
 
 M = 4  # microbatches
@@ -238,19 +255,19 @@ def _per_step_rank(rank: int, world: int, S: int) -> dict:
     return out
 
 
-def test_replicated_weight_gradients_summed_once_per_step_equal_one_process() -> None:
+def test_replicated_weight_gradients_summed_once_per_step_equal_one_process(tp2_runs: list[dict]) -> None:
     """The router, shared expert, q / k norms (and under SP every replicated weight: norms, MTP's w_proj)
     keep partial gradients through STEP_M microbatches' backward, with no all-reduce there, and one flat sum
     over tp per step makes every gradient the one-process run's sum over the microbatches."""
-    S, world = 4, 2
+    S, world = PER_STEP_S, 2
     cfg = _cfg(True)
     params, ids, targets = _data(cfg, S, B=STEP_M)
     want = None
     for mb in range(STEP_M):
         g = _one(cfg, params, ids[mb:mb + 1], targets[mb:mb + 1])["grads"]
         want = g if want is None else torch.utils._pytree.tree_map(torch.add, want, g)
-    for rank, r in enumerate(spawn(_per_step_rank, world, S, timeout_s=150)):
-        for sp, got in r.value.items():
+    for rank, answer in enumerate(tp2_runs):
+        for sp, got in answer["per_step"].items():
             assert got["weight_sums"] == 1 and got["in_backward"] == {}, (rank, sp, got["in_backward"])
             grads = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]),
                                                  got["grads"], is_leaf=_is_packed)
