@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import RankResult, spawn
+from dist_utils import RankResult, spawn, spawned_per_world
 
 from fmoe import schedule as S
 from fmoe.ops import linear
@@ -131,14 +131,7 @@ def _all_parts(rank: int, world: int) -> dict:
 def ranks_at() -> Callable[[int], list[RankResult]]:
     """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
     kept for the module."""
-    runs: dict[int, list[RankResult]] = {}
-
-    def at(world: int) -> list[RankResult]:
-        if world not in runs:
-            runs[world] = spawn(_all_parts, world, timeout_s=400)
-        return runs[world]
-
-    return at
+    return spawned_per_world(_all_parts)
 
 
 def _part(results: list[RankResult], part: str) -> list[RankResult]:

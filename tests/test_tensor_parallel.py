@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as tnf
-from dist_utils import RankResult, spawn
+from dist_utils import RankResult, spawned_per_world
 
 from fmoe.parallel import CommGroup
 from fmoe.parallel.context import ParallelContext
@@ -134,14 +134,7 @@ def _all_parts(rank: int, world: int) -> dict:
 def ranks_at() -> Callable[[int], list[RankResult]]:
     """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks (2 or 3), spawned on first
     use and kept for the module."""
-    runs: dict[int, list[RankResult]] = {}
-
-    def at(world: int) -> list[RankResult]:
-        if world not in runs:
-            runs[world] = spawn(_all_parts, world, timeout_s=400)
-        return runs[world]
-
-    return at
+    return spawned_per_world(_all_parts)
 
 
 @pytest.mark.parametrize("world", [2, 3])
