@@ -14,7 +14,7 @@ from typing import Any
 
 from fmoe.parallel.local_ranks import RankResult, failures, run_ranks
 
-__all__ = ["RankResult", "spawn"]
+__all__ = ["RankResult", "spawn", "spawned_per_world"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -27,3 +27,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     if check and failures(out):
         raise AssertionError(failures(out))
     return out
+
+
+def spawned_per_world(fn: Callable[..., Any], timeout_s: float = 400.0) -> Callable[[int], list[RankResult]]:
+    """Returns `at(world)`: `spawn(fn, world)`'s results, spawned on the first call for each world size
+    and kept. For a module fixture whose tests share one start of the ranks per world size (each rank's
+    start costs seconds); `fn` answers every test's part."""
+    runs: dict[int, list[RankResult]] = {}
+
+    def at(world: int) -> list[RankResult]:
+        if world not in runs:
+            runs[world] = spawn(fn, world, timeout_s=timeout_s)
+        return runs[world]
+
+    return at

@@ -58,11 +58,18 @@ def _saved(tmp: Path, name: str = "ckpt", *flags: str) -> Path:
     return ckpt
 
 
+FOREIGN_METRICS = '{"step": 7, "loss": 1.0}\n'  # another run's line, in the metrics file before a fresh run
+
+
 @pytest.fixture(scope="module")
 def step2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoint directory of one fresh run to step 2 with no other flags: the tests that break a
-    checkpoint each break a copy of it (`_copied`), one run for the module rather than one per test."""
-    return _saved(tmp_path_factory.mktemp("step2"))
+    """The checkpoint directory of one fresh run to step 2 with no other flags but --metrics (beside it,
+    m.jsonl, which held FOREIGN_METRICS before the run): the tests that break a checkpoint each break a
+    copy of it (`_copied`), one run for the module rather than one per test."""
+    root = tmp_path_factory.mktemp("step2")
+    metrics = root / "m.jsonl"
+    metrics.write_text(FOREIGN_METRICS)
+    return _saved(root, "ckpt", "--metrics", str(metrics))
 
 
 def _copied(saved: Path, tmp: Path) -> Path:
@@ -228,11 +235,11 @@ def test_a_symlink_planted_in_the_save_directory_is_not_written_through(tmp_path
 # ---- lower: the metrics file and the LR schedule on resume ---------------------------------------------
 
 
-def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(tmp_path: Path) -> None:
-    metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 7, "loss": 1.0}\n')  # another run's
-    ckpt = tmp_path / "ckpt"
-    _ok(tmp_path, "--steps", "2", "--save", str(ckpt), "--metrics", str(metrics))
+def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(tmp_path: Path,
+                                                                               step2: Path) -> None:
+    # the fresh run: step2's, whose metrics file held another run's step 7 (FOREIGN_METRICS) before it
+    ckpt = _copied(step2, tmp_path)
+    metrics = Path(shutil.copy(step2.parent / "m.jsonl", tmp_path / "m.jsonl"))
     assert _steps(metrics) == [1, 2]
     with metrics.open("a") as f:  # a step 3 that ran after the checkpoint, then the run died
         f.write('{"step": 3, "loss": 1.0}\n')
@@ -241,16 +248,38 @@ def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(t
     assert _steps(metrics) == [1, 2, 3, 4]  # step 3 once: the one the resumed run made
 
 
+def _config(*flags: str) -> TrainConfig:
+    """The TrainConfig `fmoe train *SMALL *flags` runs with, built as the command builds it."""
+    import argparse
+
+    from fmoe.cli.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*SMALL, *flags])
+    given = {k: v for k, v in vars(args).items() if k not in ("preset", "config")}
+    return TrainConfig.from_sources(args.preset, args.config, given)
+
+
 def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: Path) -> None:
+    """End to end for a changed --steps (the decay's length); the other schedule fields through the check
+    the resuming rank runs (Trainer.load: checkpoint.check_schedule) on the same checkpoint's meta and the
+    config their flags give, one process start rather than one run each."""
     ckpt = _saved(tmp_path, "ckpt", "--lr-warmup-iters", "1")  # past the warmup: the decay depends on --steps
     same = {"--steps": "2", "--lr": "3e-3", "--min-lr": "3e-4", "--lr-warmup-iters": "1"}
-    for flag, value in (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--lr-warmup-iters", "0"),
-                        ("--lr-decay-style", "linear")):
-        changed = {**same, flag: value}
-        flags = [x for kv in changed.items() for x in kv]
-        err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags),
-                      "--override-opt-param-scheduler", max_lines=1)
-        assert flag[2:].replace("-", "_") in err, err
+    changes = (("--steps", "4"), ("--lr", "1e-3"), ("--min-lr", "1e-5"), ("--lr-warmup-iters", "0"),
+               ("--lr-decay-style", "linear"))
+    flags = [[x for kv in {**same, flag: value}.items() for x in kv] for flag, value in changes]
+    err = _failed(_run(tmp_path, "--save", str(ckpt), "--resume", *flags[0]),
+                  "--override-opt-param-scheduler", max_lines=1)
+    assert "steps" in err, err
+    meta = checkpoint.read_meta(ckpt / STEP2)
+    sames = [x for kv in same.items() for x in kv]
+    checkpoint.check_schedule(meta, _config(*sames).as_dict(), ckpt / STEP2)  # the same schedule: no error
+    for (flag, _), changed in zip(changes, flags, strict=True):
+        with pytest.raises(checkpoint.CheckpointError, match="--override-opt-param-scheduler") as refused:
+            checkpoint.check_schedule(meta, _config(*changed).as_dict(), ckpt / STEP2)
+        assert flag[2:].replace("-", "_") in str(refused.value), (flag, refused.value)
     metrics = tmp_path / "m.jsonl"
     _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--lr-warmup-iters", "1",
         "--override-opt-param-scheduler", "--metrics", str(metrics))

@@ -156,9 +156,22 @@ def _dispatch_with_other_num_experts(rank: int, world: int) -> dict:
             "agree": _error(lambda: agree(comm, config=_cfg(e)))}
 
 
-def test_ranks_with_other_expert_counts_fail_in_the_allgather_dispatcher_everywhere() -> None:
-    res = [r.value for r in spawn(_dispatch_with_other_num_experts, 2, timeout_s=60, pg_timeout_s=20)]
-    for r in res:
+def _dispatch_both(rank: int, world: int) -> dict:
+    """`_dispatch_agreeing`, then `_dispatch_with_other_num_experts` (fresh dispatchers, each checking on
+    its first call), on the same 2 ranks: one start of the ranks for both tests below."""
+    return {"agreeing": _dispatch_agreeing(rank, world),
+            "other": _dispatch_with_other_num_experts(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def dispatch_results() -> list[dict]:
+    """Each of the 2 ranks' `_dispatch_both` answer, by rank."""
+    return [r.value for r in spawn(_dispatch_both, 2, timeout_s=90, pg_timeout_s=20)]
+
+
+def test_ranks_with_other_expert_counts_fail_in_the_allgather_dispatcher_everywhere(
+        dispatch_results: list[dict]) -> None:
+    for r in (v["other"] for v in dispatch_results):
         assert r["tokens"] == r["rows"] == ("AllGatherDispatcher: the ranks of the expert group disagree on "
                                             "num_experts: 4 on group ranks [0], 8 on group ranks [1]")
         assert r["routed"] == ("AllGatherDispatcher: the ranks of the expert group disagree on the routed "
@@ -180,8 +193,8 @@ def _dispatch_agreeing(rank: int, world: int) -> float:
     return err
 
 
-def test_agreeing_ranks_pass_the_allgather_dispatchers_check() -> None:
-    assert all(r.value < 1e-6 for r in spawn(_dispatch_agreeing, 2, timeout_s=60, pg_timeout_s=20))
+def test_agreeing_ranks_pass_the_allgather_dispatchers_check(dispatch_results: list[dict]) -> None:
+    assert all(v["agreeing"] < 1e-6 for v in dispatch_results), dispatch_results
 
 
 def test_describe_is_canonical() -> None:

@@ -154,12 +154,23 @@ def _rank(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-def test_ep_inside_pipeline_stages_matches_per_rank_oracles() -> None:
-    results = spawn(_rank, 4, CASES, timeout_s=400)
+def _pp2_ranks(rank: int, world: int, cases: list, overlap_cases: list) -> dict:
+    """One pp 2 x EP rank's answers for both tests below (`_rank`'s and `_overlap_rank`'s): one start of
+    the 4 ranks rather than one per test."""
+    return {"stages": _rank(rank, world, cases), "overlap": _overlap_rank(rank, world, overlap_cases, 2)}
+
+
+@pytest.fixture(scope="module")
+def pp2_runs() -> list[dict]:
+    """Each pp 2 x EP rank's {"stages": {case: ...}, "overlap": {(case, overlap): ...}} (`_pp2_ranks`)."""
+    return [r.value for r in spawn(_pp2_ranks, 2 * EP, CASES, OVERLAP_CASES, timeout_s=400)]
+
+
+def test_ep_inside_pipeline_stages_matches_per_rank_oracles(pp2_runs: list[dict]) -> None:
     for kind, rpn, name, mtp, imbalanced in CASES:
         cfg = _cfg(mtp, imbalanced)
-        want_sum = assert_equal_to_oracles(cfg, imbalanced, [r.value[(kind, rpn, name)] for r in results],
-                                           (kind, name))
+        got = [r["stages"][(kind, rpn, name)] for r in pp2_runs]
+        want_sum = assert_equal_to_oracles(cfg, imbalanced, got, (kind, name))
         if imbalanced:  # the first EP rank's experts received no token: only their zero gradient flows
             w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_up"]
             assert torch.count_nonzero(w[:L]) == 0 and torch.count_nonzero(w[L:]) > 0
@@ -198,13 +209,17 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
                                            ("allgather", 2, "combined_1f1b", False),
                                            ("hierarchical", 1, "combined_1f1b", False)])],
                          ids=["pp2xep2", "pp1xep2"])
-def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list) -> None:
-    results = spawn(_overlap_rank, pp * EP, cases, pp, timeout_s=400)
+def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list,
+                                                         request: pytest.FixtureRequest) -> None:
+    if pp == 2:  # the 4 ranks of the test above, started once for both
+        values = [r["overlap"] for r in request.getfixturevalue("pp2_runs")]
+    else:
+        values = [r.value for r in spawn(_overlap_rank, pp * EP, cases, pp, timeout_s=400)]
     for kind, rpn, name, imbalanced in cases:
         oracles = [_oracle(_cfg(True, imbalanced), imbalanced, e, M) for e in range(EP)]
-        for r in results:
-            ep_rank, loss_on, grads_on = r.value[(kind, rpn, name, True)]
-            _, loss_off, grads_off = r.value[(kind, rpn, name, False)]
+        for v in values:
+            ep_rank, loss_on, grads_on = v[(kind, rpn, name, True)]
+            _, loss_off, grads_off = v[(kind, rpn, name, False)]
             assert loss_on == pytest.approx(loss_off, rel=1e-13) == oracles[ep_rank][0], (kind, name)
             assert grads_on.keys() == grads_off.keys()
             for k in grads_on:

@@ -3,14 +3,16 @@ whole model run microbatch after microbatch in one process (the oracle never tou
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import RankResult, spawn, spawned_per_world
 
 from fmoe import schedule as S
 from fmoe.ops import linear
@@ -109,17 +111,44 @@ def _rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
 CASES = {2: (S.registry.NAMES, 4), 4: (("1f1b", "interleaved", "dualpipev"), 8)}
 
 
+TRAPPED = ("1f1b", "zb_h1", "dualpipev")  # the schedules run under the default-device trap, on 2 ranks
+UNTAGGED = {2: ("interleaved", "interleaved+extra"), 4: ("interleaved", "zbv", "dualpipev")}  # tags all 0
+
+
+def _all_parts(rank: int, world: int) -> dict:
+    """This rank's answers for every spawned test of this file that runs at `world` ranks (2 or 4), by part,
+    one after the other: one start of the ranks for them all (a rank's start costs seconds)."""
+    names, m = CASES[world]
+    out = {"plain": _rank(rank, world, names, m), "untagged": _untagged_rank(rank, world, UNTAGGED[world],
+                                                                             2 * world)}
+    if world == 2:
+        out["trapped"] = _trapped_rank(rank, world, TRAPPED, 4)
+        out["grad_posts"] = _grad_posts(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks_at() -> Callable[[int], list[RankResult]]:
+    """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
+    kept for the module."""
+    return spawned_per_world(_all_parts)
+
+
+def _part(results: list[RankResult], part: str) -> list[RankResult]:
+    """`results` with each rank's value its answer for `part` of `_all_parts`."""
+    return [dataclasses.replace(r, value=r.value[part]) for r in results]
+
+
 @pytest.mark.parametrize("pp", sorted(CASES))
-def test_every_schedule_matches_the_single_process_oracle(pp: int) -> None:
+def test_every_schedule_matches_the_single_process_oracle(pp: int, ranks_at: Callable) -> None:
     names, m = CASES[pp]
-    _check_against_oracle(spawn(_rank, pp, names, m, timeout_s=240), names, pp, m)
+    _check_against_oracle(_part(ranks_at(pp), "plain"), names, pp, m)
 
 
-def test_the_executor_allocates_on_the_device_of_its_stages() -> None:
+def test_the_executor_allocates_on_the_device_of_its_stages(ranks_at: Callable) -> None:
     """Under the default-device trap (tests/device_trap.py: default device `meta`, data and params on CPU)
     a receive buffer or a loss sum made without a device fails; the results are the oracle's."""
-    names = ("1f1b", "zb_h1", "dualpipev")
-    _check_against_oracle(spawn(_trapped_rank, 2, names, 4, timeout_s=240), names, 2, 4)
+    _check_against_oracle(_part(ranks_at(2), "trapped"), TRAPPED, 2, 4)
 
 
 def _trapped_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
@@ -129,14 +158,14 @@ def _trapped_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict
         return _rank(rank, world, names, m)
 
 
-@pytest.mark.parametrize(("pp", "names"), [(2, ("interleaved", "interleaved+extra")),
-                                           (4, ("interleaved", "zbv", "dualpipev"))])
-def test_every_schedule_is_right_when_messages_match_by_order_alone(pp: int, names: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(("pp", "names"), sorted(UNTAGGED.items()))
+def test_every_schedule_is_right_when_messages_match_by_order_alone(pp: int, names: tuple[str, ...],
+                                                                    ranks_at: Callable) -> None:
     """Every P2P tag forced to 0: gloo then matches each pair's messages in the order they were posted, as
     NCCL and HCCL do whatever the tag. A receiver that took two messages in another order than they were
     sent would get them swapped (same shapes, wrong gradients), as these schedules did before the wire
     order."""
-    _check_against_oracle(spawn(_untagged_rank, pp, names, 2 * pp, timeout_s=240), names, pp, 2 * pp)
+    _check_against_oracle(_part(ranks_at(pp), "untagged"), names, pp, 2 * pp)
 
 
 def _untagged_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
@@ -290,13 +319,13 @@ def _grad_posts(rank: int, world: int) -> list:
     return res.events
 
 
-def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them() -> None:
+def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Callable) -> None:
     """With a lookahead that reaches back to the start of the step, every P2P op goes out in the wire order
     (what NCCL needs, tests/test_nccl_rules.py), and a receive right after the op before it on the wire:
     no compute runs in between (its gradient's shapes came from a forward that ran earlier)."""
     from fmoe.schedule.wire import wire_order
 
-    events = next(r.value for r in spawn(_grad_posts, 2, timeout_s=120) if r.rank == 0)
+    events = next(r.value["grad_posts"] for r in ranks_at(2) if r.rank == 0)
     p2p = sorted((e for e in events if e.kind in ("p2p send", "p2p recv")), key=lambda e: e.start)
     assert all(e.lane == "comm" and e.peer == 1 for e in p2p)
     for e in events:  # the typed fields say what the name shows

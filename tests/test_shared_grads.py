@@ -6,6 +6,7 @@ rank 3 and rank 1 had not (the pp 4 pipeline test, DualPipeV with MTP alone afte
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import spawn
@@ -37,33 +38,40 @@ def _rank(rank: int, world: int) -> list[dict[str, list]]:
     return out
 
 
-def test_shared_gradients_are_summed_across_their_holders() -> None:
-    results = spawn(_rank, 4, timeout_s=90, pg_timeout_s=20)
+def _recorded(rank: int, world: int) -> dict:
+    """`_rank`'s gradients, and every op it issued (tests/nccl_rules.py's recording)."""
+    from nccl_rules import recording
+
+    with recording() as log:
+        grads = _rank(rank, world)
+    return {"grads": grads, "log": log}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    """Each of the 4 ranks' `_recorded` answer, by rank: one start of the ranks for both tests."""
+    return [r.value for r in spawn(_recorded, 4, timeout_s=90, pg_timeout_s=20)]
+
+
+def test_shared_gradients_are_summed_across_their_holders(runs: list[dict]) -> None:
+    results = [run["grads"] for run in runs]
     for step, holders in enumerate(LAYOUTS):
         for path, ranks in holders.items():
             want = sum(_grad(r, path, step) for r in ranks)  # the oracle: a plain sum
             for r in ranks:
-                got = torch.tensor(results[r].value[step][path[0]], dtype=torch.float64)
+                got = torch.tensor(results[r][step][path[0]], dtype=torch.float64)
                 torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
-                first = torch.tensor(results[ranks[0]].value[step][path[0]], dtype=torch.float64)
+                first = torch.tensor(results[ranks[0]][step][path[0]], dtype=torch.float64)
                 assert torch.equal(got, first), (step, path, r)  # the copies stay identical
             for r in set(range(4)) - set(ranks):
-                assert path[0] not in results[r].value[step]
+                assert path[0] not in results[r][step], (step, path, r)
 
 
-def _recorded(rank: int, world: int) -> list:
-    from nccl_rules import recording
-
-    with recording() as log:
-        _rank(rank, world)
-    return log
-
-
-def test_shared_gradient_sums_run_under_nccls_matching_rules() -> None:
+def test_shared_gradient_sums_run_under_nccls_matching_rules(runs: list[dict]) -> None:
     """Every set's point-to-point copies and all-reduces, replayed under NCCL's rules (tests/nccl_rules.py):
     one stream per rank pair, a send done only with its receive; and one queue per device."""
     from nccl_rules import replay
 
-    logs = {r.rank: r.value for r in spawn(_recorded, 4, timeout_s=90, pg_timeout_s=20)}
+    logs = dict(enumerate(run["log"] for run in runs))
     assert replay(logs, "nccl") == []
     assert replay(logs, "device") == []

@@ -10,10 +10,12 @@ zero tokens, and targets that are all ignored are among the cases.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as tnf
-from dist_utils import spawn
+from dist_utils import RankResult, spawned_per_world
 
 from fmoe.parallel import CommGroup
 from fmoe.parallel.context import ParallelContext
@@ -117,14 +119,32 @@ def _is_packed(v: object) -> bool:
     return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], list)
 
 
+def _all_parts(rank: int, world: int) -> dict:
+    """This rank's answers for every multi-rank test of this file at `world` ranks, by part: one start of
+    the ranks for them all (a rank's start costs seconds)."""
+    out = {"functions": _rank(rank, world), "dense": _dense_rank(rank, world)}
+    if world == 2:
+        out["uneven"], out["counted"] = _uneven(rank, world), _counted(rank, world)
+    else:
+        out["property"] = _property(rank, world, 25)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks_at() -> Callable[[int], list[RankResult]]:
+    """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks (2 or 3), spawned on first
+    use and kept for the module."""
+    return spawned_per_world(_all_parts)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int) -> None:
-    out = spawn(_rank, world, timeout_s=120)
+def test_tensor_and_sequence_parallel_functions_equal_one_process(world: int, ranks_at: Callable) -> None:
+    out = ranks_at(world)
     for case in CASES:
         T, D, F, V, _ = case
         want = _oracle(case)
         for r in out:
-            got = torch.utils._pytree.tree_map(_back, r.value[case], is_leaf=_is_packed)
+            got = torch.utils._pytree.tree_map(_back, r.value["functions"][case], is_leaf=_is_packed)
             f = slice(r.rank * F // world, (r.rank + 1) * F // world)
             v = slice(r.rank * V // world, (r.rank + 1) * V // world)
             t = slice(r.rank * T // world, (r.rank + 1) * T // world)
@@ -159,9 +179,9 @@ def _uneven(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_a_vocabulary_the_group_does_not_split_is_refused() -> None:
-    for r in spawn(_uneven, 2, timeout_s=60):
-        assert "5 does not split over 2" in r.value
+def test_a_vocabulary_the_group_does_not_split_is_refused(ranks_at: Callable) -> None:
+    for r in ranks_at(2):
+        assert "5 does not split over 2" in r.value["uneven"], (r.rank, r.value["uneven"])
 
 
 def _property(rank: int, world: int, n: int) -> int:
@@ -209,9 +229,9 @@ def _property(rank: int, world: int, n: int) -> int:
     return len(seen)
 
 
-def test_tensor_parallel_properties_on_three_ranks() -> None:
-    for r in spawn(_property, 3, 25, timeout_s=180):
-        assert r.value >= 25
+def test_tensor_parallel_properties_on_three_ranks(ranks_at: Callable) -> None:
+    for r in ranks_at(3):
+        assert r.value["property"] >= 25, r.rank
 
 
 def _block_cfg(qk_norm: bool):
@@ -253,7 +273,7 @@ def _dense_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_tensor_parallel_dense_block_equals_one_process(world: int) -> None:
+def test_a_tensor_parallel_dense_block_equals_one_process(world: int, ranks_at: Callable) -> None:
     """Heads, kv heads (GQA) and the ffn split over 2 and 3 ranks, with and without sequence parallelism:
     the output and the input gradient equal one process's (their positions of it under SP), each split
     weight's gradient is the matching slice of the whole one's, and each replicated weight (the norms,
@@ -262,7 +282,7 @@ def test_a_tensor_parallel_dense_block_equals_one_process(world: int) -> None:
     from fmoe.block import dense_block
     from fmoe.tp_layout import shard_block
 
-    results = spawn(_dense_rank, world, timeout_s=120)
+    results = ranks_at(world)
     for qk, sp in ((False, False), (True, False), (True, True)):
         cfg = _block_cfg(qk)
         full = init_gpt(cfg, torch.Generator().manual_seed(3), DT)["layers"][0]
@@ -274,7 +294,7 @@ def test_a_tensor_parallel_dense_block_equals_one_process(world: int) -> None:
         y_, vjp_ = torch.func.vjp(lambda p, x_, cfg=cfg: dense_block(p, x_, cfg), full, x)
         dp_, dx_ = vjp_(ct)
         for r in results:
-            y, dx, dp = torch.utils._pytree.tree_map(_back, r.value[(qk, sp)], is_leaf=_is_packed)
+            y, dx, dp = torch.utils._pytree.tree_map(_back, r.value["dense"][(qk, sp)], is_leaf=_is_packed)
             mine = slice(2 * r.rank, 2 * r.rank + 2) if sp else slice(None)  # SP: its positions
             torch.testing.assert_close(y, y_[:, mine])
             torch.testing.assert_close(dx, dx_[:, mine])
@@ -310,8 +330,8 @@ def _counted(rank: int, world: int) -> dict:
     return dict(counters.calls)
 
 
-def test_the_vocab_parallel_loss_counts_every_collective_it_issues() -> None:
+def test_the_vocab_parallel_loss_counts_every_collective_it_issues(ranks_at: Callable) -> None:
     """Its max, normaliser and target logit: three all-reduces, each in the counters (what the planner
     will charge for TP is what the counters see)."""
-    for r in spawn(_counted, 2, timeout_s=60):
-        assert r.value == {"tp.ce_max": 1, "tp.reduce": 2}, r.value
+    for r in ranks_at(2):
+        assert r.value["counted"] == {"tp.ce_max": 1, "tp.reduce": 2}, (r.rank, r.value["counted"])

@@ -9,6 +9,8 @@ equal the oracle's and its gradients the oracle's, cut as its params are (`shard
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_utils import spawn
@@ -85,18 +87,35 @@ def _is_packed(v: object) -> bool:
     return isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], list)
 
 
-@pytest.mark.parametrize(("mtp", "sp", "S"), [(True, False, 5), (True, True, 4)])
-def test_gpt_under_tp_equals_one_process(mtp: bool, sp: bool, S: int) -> None:
+TP2_CASES = [(True, False, 5), (True, True, 4)]  # (mtp, sp, S) of the test below, on tp 2
+PER_STEP_S = 4  # the sequence length of the replicated-weights test (test_replicated_weight_...)
+
+
+def _tp2_rank(rank: int, world: int) -> dict:
+    """This tp 2 rank's answers for the tp-only tests of this file (`_rank` per TP2_CASES case, then
+    `_per_step_rank`): one start of the 2 ranks for them all."""
+    return {"gpt": {case: _rank(rank, world, *case) for case in TP2_CASES},
+            "per_step": _per_step_rank(rank, world, PER_STEP_S)}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs() -> list[dict]:
+    """Each tp 2 rank's `_tp2_rank` answer, by rank."""
+    return [r.value for r in spawn(_tp2_rank, 2, timeout_s=240)]
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S"), TP2_CASES)
+def test_gpt_under_tp_equals_one_process(mtp: bool, sp: bool, S: int, tp2_runs: list[dict]) -> None:
     world = 2
     cfg = _cfg(mtp)
     params, ids, targets = _data(cfg, S)
     want = _one(cfg, params, ids, targets)
-    for rank, r in enumerate(spawn(_rank, world, mtp, sp, S, timeout_s=150)):
-        got = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]), r.value,
-                                           is_leaf=_is_packed)
+    for rank, answer in enumerate(tp2_runs):
+        got = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]),
+                                           answer["gpt"][(mtp, sp, S)], is_leaf=_is_packed)
         for key in ("loss", "main", "balance", "mtp", "bias"):
-            assert_close(got[key], want[key].to(DT), msg=key)
-        assert_close(got["grads"], _mine(want["grads"], cfg, rank, world))
+            assert_close(got[key], want[key].to(DT), msg=f"{key} rank {rank}")
+        assert_close(got["grads"], _mine(want["grads"], cfg, rank, world), msg=f"grads rank {rank}")
 
 
 M = 4  # microbatches
@@ -139,10 +158,28 @@ def _pp_rank(rank: int, world: int, mtp: bool, sp: bool, S: int, schedule: str,
     return {"tp_rank": tp.rank, "loss": float(step.loss), "grads": held}
 
 
-@pytest.mark.parametrize(("mtp", "sp", "S", "schedule"), [(True, False, 5, "dualpipev"),
-                                                            (False, True, 4, "interleaved")])
-def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool, S: int,
-                                                             schedule: str) -> None:
+# _pp_rank's arguments (mtp, sp, S, schedule, record) for both tests below, run on one start of the 4 ranks
+EQUAL_CASES = [(True, False, 5, "dualpipev", False), (False, True, 4, "interleaved", False)]
+ORDER_CASES = [(True, False, 5, "dualpipev", True), (False, True, 4, "dualpipev", True)]
+
+
+def _pp_cases(rank: int, world: int, cases: list) -> dict:
+    """`_pp_rank` for each of `cases`, one after the other on the same ranks: {case: its answer}."""
+    return {case: _pp_rank(rank, world, *case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def pp_runs() -> dict:
+    """{case: [each rank's RankResult, its value that case's answer]} for EQUAL_CASES and ORDER_CASES,
+    from one start of the 4 ranks (each start costs seconds per rank)."""
+    runs = spawn(_pp_cases, 4, EQUAL_CASES + ORDER_CASES, timeout_s=400)
+    return {case: [dataclasses.replace(r, value=r.value[case]) for r in runs]
+            for case in EQUAL_CASES + ORDER_CASES}
+
+
+@pytest.mark.parametrize(("mtp", "sp", "S", "schedule"), [c[:4] for c in EQUAL_CASES])
+def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool, S: int, schedule: str,
+                                                             pp_runs: dict) -> None:
     """pp 2 x tp 2 on 4 ranks: DualPipeV with fb overlap (MTP, tp alone) and interleaved 1F1B (vpp 2,
     sequence parallel) against the mean over microbatches of the one-process loss."""
     cfg = _cfg(mtp, n_layers=4)
@@ -154,25 +191,27 @@ def test_pipeline_with_tp_and_fb_overlap_equals_one_process(mtp: bool, sp: bool,
 
     want_loss = mean_loss(params)
     want = torch.func.grad(mean_loss)(params)
-    for r in spawn(_pp_rank, 4, mtp, sp, S, schedule, timeout_s=240):
+    for r in pp_runs[(mtp, sp, S, schedule, False)]:
         got = r.value
-        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
+        assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10), (schedule, r.rank)
         mine = _mine(want, cfg, got["tp_rank"], 2)
         expected = _paths(mine)
-        assert got["grads"]  # every rank holds some of the model
+        assert got["grads"], (schedule, r.rank)  # every rank holds some of the model
         for path, (shape, values) in got["grads"].items():
-            assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path], msg=path)
+            assert_close(torch.tensor(values, dtype=DT).reshape(shape), expected[path],
+                         msg=f"{schedule} {path}")
 
 
 @pytest.mark.parametrize(("sp", "S"), [(False, 5), (True, 4)])
-def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp: bool, S: int) -> None:
+def test_a_pipeline_step_with_tp_orders_its_communicators_alike_on_every_rank(sp: bool, S: int,
+                                                                              pp_runs: dict) -> None:
     """NCCL's rules (tests/nccl_rules.py: tags ignored, one stream per communicator, rendezvous sends)
     and the stricter one-queue-per-device model: the TP collectives inside the compute phases, the EP
     all-to-alls and the pipeline's P2P of a pp 2 x tp 2 DualPipeV step with fb overlap neither deadlock
     nor mismatch."""
     from nccl_rules import replay
 
-    runs = spawn(_pp_rank, 4, not sp, sp, S, "dualpipev", True, timeout_s=240)
+    runs = pp_runs[(not sp, sp, S, "dualpipev", True)]
     logs = {r.rank: r.value["log"] for r in runs}
     tp_pair = (0, 1)  # rank 0's tp group (pp is the outer dimension of the layout)
     assert any(op.kind == "coll" and op.comm == tp_pair for _, op in logs[0])  # the TP collectives ran
@@ -216,19 +255,19 @@ def _per_step_rank(rank: int, world: int, S: int) -> dict:
     return out
 
 
-def test_replicated_weight_gradients_summed_once_per_step_equal_one_process() -> None:
+def test_replicated_weight_gradients_summed_once_per_step_equal_one_process(tp2_runs: list[dict]) -> None:
     """The router, shared expert, q / k norms (and under SP every replicated weight: norms, MTP's w_proj)
     keep partial gradients through STEP_M microbatches' backward, with no all-reduce there, and one flat sum
     over tp per step makes every gradient the one-process run's sum over the microbatches."""
-    S, world = 4, 2
+    S, world = PER_STEP_S, 2
     cfg = _cfg(True)
     params, ids, targets = _data(cfg, S, B=STEP_M)
     want = None
     for mb in range(STEP_M):
         g = _one(cfg, params, ids[mb:mb + 1], targets[mb:mb + 1])["grads"]
         want = g if want is None else torch.utils._pytree.tree_map(torch.add, want, g)
-    for rank, r in enumerate(spawn(_per_step_rank, world, S, timeout_s=150)):
-        for sp, got in r.value.items():
+    for rank, answer in enumerate(tp2_runs):
+        for sp, got in answer["per_step"].items():
             assert got["weight_sums"] == 1 and got["in_backward"] == {}, (rank, sp, got["in_backward"])
             grads = torch.utils._pytree.tree_map(lambda v: torch.tensor(v[1], dtype=DT).reshape(v[0]),
                                                  got["grads"], is_leaf=_is_packed)

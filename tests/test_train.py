@@ -133,17 +133,6 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
             assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
 
 
-def test_a_spawned_run_leaks_no_semaphore(tmp_path: Path) -> None:
-    # rank 0's progress bar took tqdm's multiprocessing lock, a named semaphore that the rank's os._exit
-    # never unlinked: the launcher's resource tracker warned of it at the end of every spawned run
-    tiny = ("--pp", "1", "--ep", "2", "--steps", "1", "--seq-length", "16", "--global-batch-size", "8")
-    done = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", "--markov-sequences", "64", *tiny],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr
-    assert "step/s" in done.stderr  # the bar was drawn (the tests' other runs turn it off)
-    assert "leaked" not in done.stderr, done.stderr
-
-
 def _rank_pids(launcher: int) -> list[int]:
     """The spawned rank processes of the launcher (children running multiprocessing's spawn_main)."""
     kids = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
@@ -317,13 +306,24 @@ def test_data_parallel_all_reduce_starts_before_the_step_ends(flags: dict, ref_g
 
 
 def test_under_torchrun_it_uses_the_given_ranks_and_matches_the_spawned_run(tmp_path: Path) -> None:
-    flags = ("--pp", "1", "--ep", "2", "--steps", "2", "--no-progress")
-    spawned = _train(tmp_path, "spawned", *flags)
+    """The same run started by torchrun and by fmoe's own launcher: equal metrics. The spawned run draws its
+    progress bar and leaks no semaphore: rank 0's bar took tqdm's multiprocessing lock, a named semaphore
+    that the rank's os._exit never unlinked, and the launcher's resource tracker warned of it at the end of
+    every spawned run (the tests' other runs turn the bar off)."""
+    flags = ("--pp", "1", "--ep", "2", "--steps", "2")
+    spawned_metrics = tmp_path / "spawned.jsonl"
+    with_bar = [sys.executable, "-m", "fmoe.cli.main", "train", "--markov-sequences", str(MARKOV_SEQUENCES),
+                "--metrics", str(spawned_metrics), *flags]
+    done = subprocess.run(with_bar, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step/s" in done.stderr  # the bar was drawn
+    assert "leaked" not in done.stderr, done.stderr
+    spawned = [json.loads(line) for line in spawned_metrics.read_text().splitlines()]
     metrics = tmp_path / "torchrun.jsonl"
     port = str(_free_port())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
                 "-m", "fmoe.cli.main", "train", "--markov-sequences", str(MARKOV_SEQUENCES), "--metrics",
-                str(metrics), *flags]
+                str(metrics), "--no-progress", *flags]
     done = subprocess.run(torchrun, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
