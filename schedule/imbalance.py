@@ -8,6 +8,7 @@ shared by the per-layer costs and the extras (`balance_layers`: dense and MoE la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -229,6 +230,28 @@ def balance_layers(placement: Placement, layer_costs: Sequence[float], first_ext
                    last_extra: float = 0.0, min_layers: int | Sequence[int] = 1,
                    budget: int = 2_000, split_last: float = 0.0,
                    stage_cap: float = math.inf) -> LayerPlacement:
+    """`_balance_layers` (see there), remembered: a planner and a config's checks ask for the same cut
+    hundreds of times (the DeepSeek-V3 layout checks: 928 calls, 59 distinct), and the answer is a frozen
+    value. Unhashable arguments (a placement holding lists) are answered uncached."""
+    mins = tuple(min_layers) if isinstance(min_layers, Sequence) else min_layers
+    args = (placement, tuple(layer_costs), first_extra, last_extra, mins, budget, split_last, stage_cap)
+    try:
+        return _balance_layers_cached(*args)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _balance_layers(*args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _balance_layers_cached(*args: object) -> LayerPlacement:
+    return _balance_layers(*args)
+
+
+def _balance_layers(placement: Placement, layer_costs: Sequence[float], first_extra: float = 0.0,
+                    last_extra: float = 0.0, min_layers: int | Sequence[int] = 1,
+                    budget: int = 2_000, split_last: float = 0.0,
+                    stage_cap: float = math.inf) -> LayerPlacement:
     """Returns the LayerPlacement of the layers (costs `layer_costs` [L], in model order) cut into
     consecutive chunks, one per stage in stage order, at least `min_layers` each (or `min_layers[s]` on
     stage s), that minimises the costliest rank (a rank sums the chunks it holds; `first_extra` goes to
