@@ -85,11 +85,14 @@ def _executor_logs(rank: int, world: int, m: int) -> dict:
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8)])
-def test_every_schedule_runs_under_nccl_matching_rules(pp: int, m: int) -> None:
-    results = spawn(_executor_logs, pp, m, timeout_s=240)
+def test_every_schedule_runs_under_nccl_matching_rules(pp: int, m: int, four_ranks: list[dict]) -> None:
+    if pp == 4:  # on the 4 ranks the training-step test below uses too, started once for both
+        values = [v["executor"] for v in four_ranks]
+    else:
+        values = [r.value for r in spawn(_executor_logs, pp, m, timeout_s=240)]
     failures = {}
-    for key in results[0].value:
-        logs = {r.rank: r.value[key] for r in results}
+    for key in values[0]:
+        logs = dict(enumerate(v[key] for v in values))
         for model in ("nccl", "device"):
             problems = replay(logs, model)
             if problems:
@@ -117,20 +120,37 @@ def _train_logs(rank: int, world: int, layout: dict) -> list:
     return [log, eval_log]
 
 
-@pytest.mark.parametrize("layout", [
-    {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev"},  # P2P beside the expert all-to-alls, fb overlap
-    {"pp": 2, "ep": 1, "dp": 2, "schedule": "interleaved"},  # P2P beside the data-parallel reductions
-    # adaptive pipe overlap: no layer pairs (each chunks its rows), so every pair runs forward first
-    {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev", "pair_overlap": "self", "a2a_chunks": 2},
+TRAIN_LAYOUTS = {  # P2P beside the expert all-to-alls with fb overlap; beside the data-parallel reductions;
+    # adaptive pipe overlap: no layer pairs (each chunks its rows), so every pair runs forward first;
     # the ring's shifts and the all-to-alls of an expert group carved from the cp pair inside the phases of
     # paired microbatches, the reductions over dp x cp and the expert replicas after them
-    {"pp": 2, "dp": 1, "context_parallel_size": 2, "expert_model_parallel_size": 2, "schedule": "dualpipev",
-     "mtp": True},
-], ids=["pp2-ep2-dualpipev", "pp2-dp2-interleaved", "pp2-ep2-dualpipev-self-overlap",
-        "pp2-cp2-ep2-over-cp-dualpipev-mtp"])
-def test_a_training_step_orders_its_communicators_alike_on_every_rank(layout: dict) -> None:
-    results = spawn(_train_logs, 4, layout, timeout_s=240)
+    "pp2-ep2-dualpipev": {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev"},
+    "pp2-dp2-interleaved": {"pp": 2, "ep": 1, "dp": 2, "schedule": "interleaved"},
+    "pp2-ep2-dualpipev-self-overlap": {"pp": 2, "ep": 2, "dp": 1, "schedule": "dualpipev",
+                                       "pair_overlap": "self", "a2a_chunks": 2},
+    "pp2-cp2-ep2-over-cp-dualpipev-mtp": {"pp": 2, "dp": 1, "context_parallel_size": 2,
+                                          "expert_model_parallel_size": 2, "schedule": "dualpipev",
+                                          "mtp": True},
+}
+
+
+def _four_rank_logs(rank: int, world: int) -> dict:
+    """This rank's logs for the pp 4 executor test (m 8) and each TRAIN_LAYOUTS training step, one after
+    the other: one start of the 4 ranks for them all (each start costs seconds per rank)."""
+    return {"executor": _executor_logs(rank, world, 8),
+            "train": {name: _train_logs(rank, world, layout) for name, layout in TRAIN_LAYOUTS.items()}}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """Each of the 4 ranks' `_four_rank_logs`, by rank."""
+    return [r.value for r in spawn(_four_rank_logs, 4, timeout_s=400)]
+
+
+@pytest.mark.parametrize("name", list(TRAIN_LAYOUTS))
+def test_a_training_step_orders_its_communicators_alike_on_every_rank(name: str,
+                                                                      four_ranks: list[dict]) -> None:
     for part in (0, 1):  # the training step, then an evaluation
-        logs = {r.rank: r.value[part] for r in results}
-        assert replay(logs, "nccl") == [], part
-        assert replay(logs, "device") == [], part
+        logs = dict(enumerate(v["train"][name][part] for v in four_ranks))
+        assert replay(logs, "nccl") == [], (name, part)
+        assert replay(logs, "device") == [], (name, part)
