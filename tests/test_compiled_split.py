@@ -1,8 +1,8 @@
 """The split backward as three compiled graphs (transforms/compiled.py) against split_vjp, the eager oracle.
 
 forward -> (out, residuals), dx(residuals, ct) -> (dx, dw residuals), dw(dw residuals) -> dparams: each
-pass equal to split_vjp's on the MoE layer and a GPT (backend "eager" runs the three cut graph modules
-themselves, which is what the cut must get right; "inductor" compiles them, fp32 to 1e-5 relative), one
+pass equal to split_vjp's on the MoE layer and a GPT (backend None runs the three cut graph modules
+themselves, which is what the cut must get right; "aot_eager" compiles them, fp32 to 1e-5 relative), one
 trace for a structure plus one when its row counts change, host values that vary passed around the
 trace, and the contract's refusals. The executor's use (`fmoe train --compile`) is in test_train_compile.py.
 
@@ -48,7 +48,7 @@ def assert_trees_close(a, b, rtol: float, atol: float) -> None:
             assert x == y
 
 
-def both(f, params, args, ct, backend="eager", consts=(), split=None):
+def both(f, params, args, ct, backend=None, consts=(), split=None):
     """(compiled passes, split_vjp's passes): each (out, aux, dargs, dparams)."""
     split = split or CompiledSplit(f, backend)
     out, vjp_dx, aux = split(params, *args, consts=consts)
@@ -79,13 +79,16 @@ def test_the_three_graphs_equal_split_vjp_on_the_moe_layer(T: int, E: int, k: in
     assert_trees_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-def test_the_moe_layer_compiled_by_inductor_equals_eager_in_fp32():
+def test_the_moe_layer_compiled_equals_eager_in_fp32():
+    """The three graphs through torch.compile (dynamo and AOT autograd; inductor's kernels on the same
+    graphs, 3.5e-7 from eager at D1024: benchmarks/compile_moe.py, kept out of the suite for its compile
+    time on a cold cache)."""
     cfg = MoEConfig(d_model=16, d_ff=16, num_experts=2, top_k=1, aux_loss_coef=1e-2)
     g = torch.Generator().manual_seed(0)
     params = init_moe(cfg, g)
     x_TD = torch.randn(12, 16, generator=g)
     ct = {"y": torch.randn(12, 16, generator=g), "loss": torch.tensor(1.0)}
-    got, want = both(moe_fn(cfg), params, (x_TD,), ct, backend="inductor")
+    got, want = both(moe_fn(cfg), params, (x_TD,), ct, backend="aot_eager")
     assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -124,7 +127,7 @@ def test_each_cotangent_reaches_its_own_graph_input():
 def test_new_row_counts_trace_once_more_and_then_never():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=1e-2)
     params = init_moe(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)
-    split = CompiledSplit(moe_fn(cfg), "eager")
+    split = CompiledSplit(moe_fn(cfg), None)
     traces = []
     for T in (6, 9, 13, 6, 20):  # 6: the first trace, static; 9: dim 0 symbolic; then none
         x_TD = torch.randn(T, 8, dtype=torch.float64)
@@ -140,7 +143,7 @@ def test_defer_false_gives_the_same_gradients_and_into_adds_into_the_sums():
     params = init_moe(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)
     x_TD = torch.randn(5, 8, dtype=torch.float64)
     ct = {"y": torch.randn(5, 8, dtype=torch.float64), "loss": torch.tensor(1.0, dtype=torch.float64)}
-    split = CompiledSplit(moe_fn(cfg), "eager")
+    split = CompiledSplit(moe_fn(cfg), None)
     _, vjp_dx, _ = split(params, x_TD)
     (dx_deferred,), vjp_dw = vjp_dx(ct)
     deferred = vjp_dw()
@@ -161,7 +164,7 @@ def test_each_pass_runs_once_and_a_wrong_cotangent_is_refused():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1)
     params = init_moe(cfg, torch.Generator().manual_seed(0))
     x_TD = torch.randn(4, 8)
-    _, vjp_dx, _ = CompiledSplit(moe_fn(cfg), "eager")(params, x_TD)
+    _, vjp_dx, _ = CompiledSplit(moe_fn(cfg), None)(params, x_TD)
     with pytest.raises(ValueError, match="cotangent leaf 1 is"):
         vjp_dx({"y": torch.ones(4, 8), "loss": torch.tensor([1.0])})
     with pytest.raises(ValueError, match="structure"):
@@ -182,7 +185,7 @@ def test_host_counts_are_passed_around_the_trace_and_come_back_as_given():
         counts = meta["counts"]
         return {"y": x_TD * p["w"]}, {"counts": counts, "rows": counts.dev_E.sum()}
 
-    split = CompiledSplit(f, "eager")
+    split = CompiledSplit(f, None)
     params = {"w": torch.tensor(2.0)}
     for host in ((3, 1), (0, 4), (2, 2)):
         counts = Counts(host, torch.tensor(host))
@@ -197,7 +200,7 @@ def test_a_number_computed_from_a_changing_size_is_refused_not_baked():
     def f(p, x_TD):
         return {"y": x_TD * p["w"]}, {"rows": x_TD.shape[0]}
 
-    split = CompiledSplit(f, "eager")
+    split = CompiledSplit(f, None)
     params = {"w": torch.tensor(2.0)}
     assert split(params, torch.ones(4, 3))[2] == {"rows": 4}  # static: the trace holds for 4 rows only
     with pytest.raises(TypeError, match="return it as a tensor"):
@@ -208,13 +211,13 @@ def test_a_non_tensor_leaf_that_cannot_key_a_trace_is_refused():
     class Opaque:
         pass
 
-    split = CompiledSplit(lambda p, x, m: ({"y": x * p["w"]}, {}), "eager")
+    split = CompiledSplit(lambda p, x, m: ({"y": x * p["w"]}, {}), None)
     with pytest.raises(TypeError, match="of type Opaque"):
         split({"w": torch.tensor(1.0)}, torch.ones(2), consts=(Opaque(),))
 
 
 def test_the_phases_of_a_run_are_traced_once_each():
-    phases = CompiledPhases("eager")
+    phases = CompiledPhases(None)
     f = moe_fn(MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1))
     assert phases.split(("phase", 0), f) is phases.split(("phase", 0), f)
     assert phases.split(("phase", 1), f) is not phases.split(("phase", 0), f)

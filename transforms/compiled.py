@@ -148,12 +148,13 @@ def _aux_static(x: Any) -> Any:
 
 class CompiledSplit:
     """A split backward of `f(params, *args, *consts) -> (out, aux)` run as three compiled graphs (module
-    docstring). `backend`: torch.compile's ("inductor"; "aot_eager" compiles no code, "eager" runs the
-    three graph modules as they are: both for tests). Call as `split(params, *args, consts=(...),
-    defer=True)`; returns (out, vjp_dx, aux) as `split_vjp(..., has_aux=True)` does. `compiles`: traces
-    made so far."""
+    docstring). `backend`: torch.compile's ("inductor"; "aot_eager" and "eager" compile no code:
+    dynamo captures each graph and runs its ops, with and without AOT autograd's pass), or None: the three
+    graph modules run as they are, not compiled (the cut alone, for tests). Call as
+    `split(params, *args, consts=(...), defer=True)`; returns (out, vjp_dx, aux) as
+    `split_vjp(..., has_aux=True)` does. `compiles`: traces made so far."""
 
-    def __init__(self, f: Callable[..., Any], backend: str = "inductor"):
+    def __init__(self, f: Callable[..., Any], backend: str | None = "inductor"):
         self.f = f
         self.backend = backend
         self.compiles = 0
@@ -255,7 +256,7 @@ class CompiledSplit:
     def _compile(self, gm: fx.GraphModule, dynamic: bool) -> Callable[..., Any]:
         """`gm` compiled (lazily, at its first call, which is timed into `seconds`); `dynamic`: sizes vary
         (a trace with symbolic dims), else the graph is compiled for its sizes."""
-        compiled = gm if self.backend == "eager" else torch.compile(gm, backend=self.backend, dynamic=dynamic,
+        compiled = gm if self.backend is None else torch.compile(gm, backend=self.backend, dynamic=dynamic,
                                                                     fullgraph=True)
         first = [True]
 
@@ -443,7 +444,7 @@ class CompiledPhases:
     first use and kept for the run, so that each phase is traced once. `compiles`: traces made so far, all
     phases together; `backend` as CompiledSplit's."""
 
-    def __init__(self, backend: str = "inductor"):
+    def __init__(self, backend: str | None = "inductor"):
         self.backend = backend
         self._splits: dict[Any, CompiledSplit] = {}
 

@@ -89,8 +89,8 @@ HELP = {
     "fuse_iw": "run an I whose W comes next as one B (default on)",
     "compile": "torch.compile every phase of the pipeline as three graphs, forward, dx and dw, with explicit "
                "residuals (inductor; torchtitan's flag): its time is printed after the run",
-    "compile_backend": "--compile's torch.compile backend: inductor (default) or aot_eager (the same graphs, "
-                       "op by op)",
+    "compile_backend": "--compile's torch.compile backend: inductor (default), or aot_eager / eager (the "
+                       "same graphs, op by op)",
     "dispatcher": ", ".join(DISPATCHERS),
     "a2a_chunks": "2: a forward without an F&B pair (warmup, cooldown) moves each MoE layer's all-to-all in "
                   "two row chunks, each travelling while the other's experts run (--dispatcher alltoall)",

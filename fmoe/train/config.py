@@ -48,9 +48,10 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 # Megatron's --moe-router-load-balancing-type: what --moe-aux-loss-coeff weighs (the batch's load-balancing
 # loss, DeepSeek-V3's sequence-wise one, or nothing)
 BALANCING = ("aux_loss", "seq_aux_loss", "none")
-# torch.compile's backends --compile offers: inductor generates kernels; aot_eager runs the same three
-# graphs through aten, op by op (to tell a compiler problem from a graph one, as torchtitan's backend option)
-COMPILE_BACKENDS = ("inductor", "aot_eager")
+# torch.compile's backends --compile offers: inductor generates kernels; aot_eager and eager run the same
+# three graphs op by op, captured by dynamo with and without AOT autograd's pass (to tell a compiler problem
+# from a graph one, as torchtitan's backend option)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 ACCUMULATE = "accumulate"  # pp = 1: microbatches one after the other, plain autograd, no executor
 
 
