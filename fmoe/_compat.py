@@ -42,10 +42,11 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
 - `under_vmap`: `torch._C._functorch.get_interpreter_stack()` and `TransformType.Vmap`, telling whether a
   `torch.func.vmap` is active. Used by transforms/split_vjp.py, which refuses to run under vmap.
 
-- `trace_joint`, `guard_code`, `guards_hold`, `real_values`: `make_fx` (torch.fx.experimental.proxy_tensor)
+- `trace_joint`, `guard_code`, `real_values`: `make_fx` (torch.fx.experimental.proxy_tensor)
   over fake tensors of a `FakeTensorMode` with a `ShapeEnv` (dim 0 of chosen inputs symbolic, through
   `StatelessSymbolicContext` / `DimDynamic`), the shape env's guards as one expression
-  (`produce_guards_expression` / `evaluate_guards_expression`), and the contexts that step outside a trace
+  (`produce_guards_expression`, evaluated as `evaluate_guards_expression` does, with the symbolic-shapes
+  module's `SYMPY_INTERP`), and the contexts that step outside a trace
   (`unset_fake_temporarily`, `disable_proxy_modes_tracing`). Used by transforms/compiled.py, which traces
   a function's forward and backward as one graph to cut it into forward, dx and dw. `is_tracing` says
   whether such a trace (or torch.compile) is running: no host read of a tensor's values then.
@@ -340,17 +341,16 @@ def trace_joint(fn: Callable[..., Any], inputs: list[Any], dynamic: list[tuple[i
     return gm, fakes
 
 
-def guard_code(fakes: list[Any]) -> str | None:
-    """The conditions (one Python expression, or None when there are none) under which a graph traced
-    by `trace_joint` over `fakes` holds: static sizes, and what the trace assumed of the symbolic ones."""
+def guard_code(fakes: list[Any]) -> Callable[[list[Any]], bool]:
+    """Returns `holds(inputs)`: whether real `inputs` meet the conditions under which a graph traced by
+    `trace_joint` over `fakes` holds (static sizes, and what the trace assumed of the symbolic ones). The
+    shape env's expression (`produce_guards_expression`) is compiled once: it is asked on every call."""
     shape_env = fakes[0].fake_mode.shape_env if fakes else None
-    if shape_env is None:
-        return None
-    return shape_env.produce_guards_expression(fakes, ignore_static=False)
-
-
-def guards_hold(fakes: list[Any], code: str | None, inputs: list[Any]) -> bool:
-    """Whether real `inputs` meet `code` (`guard_code` of `fakes`)."""
+    code = None if shape_env is None else shape_env.produce_guards_expression(fakes, ignore_static=False)
     if code is None:
-        return True
-    return bool(fakes[0].fake_mode.shape_env.evaluate_guards_expression(code, inputs))
+        return lambda inputs: True
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    compiled = compile(code, "<fmoe trace guards>", "eval")  # what evaluate_guards_expression evals
+    names = [f"t{i}" for i in range(len(fakes))]
+    return lambda inputs: bool(eval(compiled, SYMPY_INTERP, {"L": dict(zip(names, inputs))}))

@@ -220,6 +220,6 @@ def test_trace_joint_traces_fake_tensors_with_the_dims_asked_symbolic_and_its_gu
         x, e = torch.randn(n, 3), torch.randn(n)
         (got,) = gm(x, w_KF, e)
         torch.testing.assert_close(got, (x @ w_KF).relu() * e[:, None])
-    code = _compat.guard_code(fakes)
-    assert _compat.guards_hold(fakes, code, [torch.randn(9, 3), w_KF])
-    assert not _compat.guards_hold(fakes, code, [torch.randn(9, 3), torch.randn(3, 6)])  # w's F is static
+    holds = _compat.guard_code(fakes)
+    assert holds([torch.randn(9, 3), w_KF])
+    assert not holds([torch.randn(9, 3), torch.randn(3, 6)])  # w's F is static

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fmoe._compat import guard_code, guards_hold, trace_joint, tree_flatten, tree_map, tree_unflatten
+from fmoe._compat import guard_code, trace_joint, tree_flatten, tree_map, tree_unflatten
 from fmoe.transforms._flat import flatten, unflatten
 
 _TENSOR = object()  # an aux leaf the forward graph returns
@@ -55,8 +55,7 @@ _STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 class _Graphs:
     """One trace of f: its three compiled graphs and how their inputs and outputs map to f's leaves."""
 
-    fakes: list[Any]
-    guards: str | None
+    holds: Callable[[list[Any]], bool]  # whether a call's tensors meet the trace's shape guards
     shapes: list[tuple[int, ...]]  # the traced inputs' sizes (what a later trace compares with)
     forward: Callable[..., Any]
     dx: Callable[..., Any]
@@ -170,7 +169,7 @@ class CompiledSplit:
         key = (p_spec, a_spec, c_spec, _key_of(p_leaves), _key_of(a_leaves), _key_of(c_leaves))
         inputs = [t for t in p_leaves + a_leaves + c_leaves if isinstance(t, torch.Tensor)]
         traces = self._traces.setdefault(key, [])
-        graphs = next((g for g in traces if guards_hold(g.fakes, g.guards, inputs)), None)
+        graphs = next((g for g in traces if g.holds(inputs)), None)
         if graphs is None:
             start = time.perf_counter()
             n_p = sum(isinstance(t, torch.Tensor) for t in p_leaves)
@@ -244,7 +243,7 @@ class CompiledSplit:
         self.compiles += 1
         dyn = any(dynamic)
         return _Graphs(
-            fakes=fakes, guards=guard_code(fakes),
+            holds=guard_code(fakes),
             forward=self._compile(parts.forward, dyn), dx=self._compile(parts.dx, dyn),
             dw=self._compile(parts.dw, dyn), shapes=[tuple(t.shape) for t in inputs],
             n_out=info["n_out"], n_aux=info["n_aux"], out_spec=info["out_spec"],
