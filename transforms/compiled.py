@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from fmoe._compat import guard_code, trace_joint, tree_flatten, tree_map, tree_unflatten
 from fmoe.transforms._flat import flatten, unflatten
+from fmoe.transforms.split_vjp import _is_diff, _Once, _output_and_aux, _zeros
 
 _TENSOR = object()  # an aux leaf the forward graph returns
 _STATIC_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -67,15 +68,10 @@ class _Graphs:
     aux_spec: Any
     dx_from: list[tuple[str, int]]  # per dx input: ("res", k) a forward residual, ("ct", k) a cotangent leaf
     dw_from: list[tuple[str, int]]  # per dw input: "res", "ct", or ("dx", k) the dx graph's k-th extra output
-    n_dargs: int  # the dx graph's first outputs: gradients of the differentiable arg leaves (None: zeros)
-    dargs_none: list[bool]
+    dargs_none: list[bool]  # per darg output (the dx graph's first outputs): None, so zeros
     dparams_none: list[bool]
     darg_pos: list[int]  # per darg output: its leaf among the args'
     dparam_pos: list[int]  # per dparam output: its leaf among the params'
-
-
-def _is_diff(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def _static(x: Any) -> Any:
@@ -132,12 +128,6 @@ def _key_of(leaves: list[Any]) -> tuple[Any, ...]:
                  for t in leaves)
 
 
-def _pair(res: Any) -> tuple[Any, Any]:
-    if not (isinstance(res, tuple) and len(res) == 2):
-        raise TypeError(f"compiled_split: f must return (out, aux), got {type(res).__name__}")
-    return res
-
-
 def _aux_static(x: Any) -> Any:
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise TypeError("compiled_split: an aux leaf is a Python number computed from a size that changes "
@@ -179,13 +169,13 @@ class CompiledSplit:
             traces.append(graphs)
         with torch.no_grad():
             flat = list(graphs.forward(*[t.detach() for t in inputs]))
+        out_meta = [(o.shape, o.dtype, o.device) for o in flat[:graphs.n_out]]
         out = unflatten(flat[:graphs.n_out], graphs.out_spec)
         aux_t = iter(flat[graphs.n_out:graphs.n_out + graphs.n_aux])
         aux = tree_unflatten([next(aux_t) if s is _TENSOR else originals[s.k] if isinstance(s, _Passed) else s
                               for s in graphs.aux_skeleton], graphs.aux_spec)
         residuals = flat[graphs.n_out + graphs.n_aux:]
         del flat
-        out_meta = [(o.shape, o.dtype, o.device) for o in flatten(out)[0]]
         return out, _Backward(graphs, residuals, out_meta, p_leaves, p_spec, a_leaves, a_spec, defer).dx, aux
 
     def _trace(self, p_leaves: list[Any], p_spec: Any, a_leaves: list[Any], a_spec: Any,
@@ -210,7 +200,7 @@ class CompiledSplit:
             c = unflatten(full[n_p + n_a:], c_spec)
             views = [x for x in tree_flatten((a, c), is_leaf=_has_view)[0] if _has_view(x)]
             with torch.enable_grad():
-                out, aux = _pair(self.f(p, *a, *c))
+                out, aux = _output_and_aux(self.f(p, *a, *c))
             out_leaves, info["out_spec"] = flatten(out)
             aux_leaves, info["aux_spec"] = tree_flatten(aux, is_leaf=lambda x: any(x is v for v in views))
             aux_leaves = [next((_Passed(k) for k, v in enumerate(views) if x is v), x) for x in aux_leaves]
@@ -248,7 +238,7 @@ class CompiledSplit:
             dw=self._compile(parts.dw, dyn), shapes=[tuple(t.shape) for t in inputs],
             n_out=info["n_out"], n_aux=info["n_aux"], out_spec=info["out_spec"],
             aux_skeleton=info["aux_skeleton"], aux_spec=info["aux_spec"],
-            dx_from=parts.dx_from, dw_from=parts.dw_from, n_dargs=len(parts.dargs_none),
+            dx_from=parts.dx_from, dw_from=parts.dw_from,
             dargs_none=parts.dargs_none, dparams_none=parts.dparams_none,
             darg_pos=[i - n_p for i in diff_pos if i >= n_p], dparam_pos=[i for i in diff_pos if i < n_p])
 
@@ -355,14 +345,13 @@ def _sub(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], body: 
     return fx.GraphModule(gm, g)
 
 
-class _Once:
-    def __init__(self, name: str):
-        self.name, self.done = name, False
-
-    def claim(self) -> None:
-        if self.done:
-            raise RuntimeError(f"{self.name} was already called: each compiled_split backward pass runs once")
-        self.done = True
+def _placed(got: list[Any], positions: list[int], nones: list[bool], metas: list[Any]) -> list[Any]:
+    """One gradient per leaf of `metas` (None for a leaf without one): graph outputs `got` at `positions`,
+    zeros of the leaf's (shape, dtype, device) where the graph had none to give."""
+    out: list[Any] = [None] * len(metas)
+    for pos, none, g in zip(positions, nones, got):
+        out[pos] = _zeros(metas[pos]) if none else g
+    return out
 
 
 def _added(into: Sequence[Any] | None, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -396,21 +385,16 @@ class _Backward:
                 raise ValueError(f"compiled_split: cotangent leaf {k} is {tuple(c.shape)} {c.dtype}, the "
                                  f"output is {tuple(shape)} {dtype}")
         self.dx_once.claim()
-        cts = [torch.zeros(shape, dtype=dtype, device=device) if c is None else c.detach()
-               for c, (shape, dtype, device) in zip(ct_leaves, self.out_meta)]
+        cts = [_zeros(meta) if c is None else c.detach() for c, meta in zip(ct_leaves, self.out_meta)]
         res = self.residuals
         with torch.no_grad():
             flat = list(g.dx(*[res[k] if s == "res" else cts[k] for s, k in g.dx_from]))
-        extra = flat[g.n_dargs:]
+        n_dargs = len(g.dargs_none)
+        extra = flat[n_dargs:]
         dw_inputs = [res[k] if s == "res" else cts[k] if s == "ct" else extra[k] for s, k in g.dw_from]
         self.residuals = None
-        grads = iter(flat[:g.n_dargs])
-        dargs: list[Any] = [None] * len(self.a_meta)
-        for pos, none in zip(g.darg_pos, g.dargs_none):
-            got = next(grads)
-            shape, dtype, device = self.a_meta[pos]
-            dargs[pos] = torch.zeros(shape, dtype=dtype, device=device) if none else got
-        del flat, extra, grads
+        dargs = _placed(flat[:n_dargs], g.darg_pos, g.dargs_none, self.a_meta)
+        del flat, extra
         if not self.defer:
             dparams = self._dw(dw_inputs, into)
             return unflatten(dargs, self.a_spec), lambda *, into=None: self._handed(dparams, into)
@@ -430,10 +414,7 @@ class _Backward:
         g = self.graphs
         with torch.no_grad():
             flat = list(g.dw(*dw_inputs))
-        grads: list[Any] = [None] * len(self.p_meta)
-        for pos, none, got in zip(g.dparam_pos, g.dparams_none, flat):
-            shape, dtype, device = self.p_meta[pos]
-            grads[pos] = torch.zeros(shape, dtype=dtype, device=device) if none else got
+        grads = _placed(flat, g.dparam_pos, g.dparams_none, self.p_meta)
         into_leaves = None if into is None else flatten(into)[0]
         return unflatten(_added(into_leaves, grads), self.p_spec)
 
