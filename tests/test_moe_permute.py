@@ -12,12 +12,13 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fmoe.capacity import capacity_for, drop_layout, forecast_capacity, make_layout
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe, init_moe_state, update_moe_state
 from fmoe.model import moe
-from fmoe.ops import _permute, permute, permute_probs, sort_layout, unpermute
+from fmoe.ops import permute, permute_probs, sort_layout, unpermute
 from fmoe.transforms.testing import assert_close, check_vjp
 
 
@@ -56,23 +57,12 @@ case = st.tuples(st.integers(0, 9), st.integers(1, 5), st.floats(0, 1), st.integ
 
 
 @settings(max_examples=25, deadline=None)
-@example(case=(0, 3, 0.5, 0), mode="dropless", device_form=False)
-@example(case=(5, 1, 0.0, 1), mode="pad", device_form=False)
-@example(case=(6, 4, 1.0, 2), mode="drop_probs", device_form=True)
-@example(case=(6, 4, 1.0, 3), mode="dropless", device_form=True)
-@given(case=case, mode=st.sampled_from(["dropless", "drop_probs", "drop_position", "pad", "pad_position"]),
-       device_form=st.booleans())
-def test_layout_permute_unpermute_match_loops(case, mode, device_form) -> None:
-    """device_form: the Functions' forms for devices (unpermute's batched weighted sum) on CPU tensors."""
-    saved = _permute.SLOT_LOOP_DEVICES
-    _permute.SLOT_LOOP_DEVICES = () if device_form else saved
-    try:
-        _layout_permute_unpermute_match_loops(case, mode)
-    finally:
-        _permute.SLOT_LOOP_DEVICES = saved
-
-
-def _layout_permute_unpermute_match_loops(case, mode) -> None:
+@example(case=(0, 3, 0.5, 0), mode="dropless")
+@example(case=(5, 1, 0.0, 1), mode="pad")
+@example(case=(6, 4, 1.0, 2), mode="drop_probs")
+@example(case=(6, 4, 1.0, 3), mode="dropless")
+@given(case=case, mode=st.sampled_from(["dropless", "drop_probs", "drop_position", "pad", "pad_position"]))
+def test_layout_permute_unpermute_match_loops(case, mode) -> None:
     T, E, kf, seed = case
     K = 1 + int(kf * (E - 1))
     ids_TK, probs_TK, g = draw_routing(T, E, K, seed)
@@ -124,22 +114,47 @@ def test_permute_is_a_stable_sort() -> None:
     assert layout.counts_E.tolist() == [2, 2, 2]
 
 
-def test_permute_backward_is_inverse_permutation_not_scatter() -> None:
-    # Off the CPU-autograd fast path (here half precision; devices and torch.func too) the backward of
-    # permute builds the input gradient with index_select (a gather), no index_add/scatter.
-    ids_TK = torch.tensor([[1, 0], [0, 1]])
-    layout = sort_layout(ids_TK, 2)
-    x = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True)
-    y = permute(x, layout)
-    assert type(y.grad_fn).__name__ == "_PermuteBackward"
-    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
-    assert_close(g, torch.full_like(x, 2.0))
-    # fp32 on CPU under plain autograd: aten's index_select, whose serial CPU scatter-add is deterministic.
-    x32 = x.detach().float().requires_grad_(True)
-    y32 = permute(x32, layout)
-    assert type(y32.grad_fn).__name__ == "IndexSelectBackward0"
-    (g32,) = torch.autograd.grad(y32, x32, torch.ones_like(y32))
-    assert_close(g32, torch.full_like(x32, 2.0))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("full", [True, False])
+def test_every_pass_is_one_gather_or_one_bag_sum_and_no_scatter(dtype, full) -> None:
+    """Each forward and backward of permute / unpermute runs one row gather or one bag sum (no
+    scatter, index_add or index_put: atomics on a device, nondeterministic), and no [T, K, D] product
+    or fp32 copy of the rows; the values match the loop."""
+    ids_TK = torch.tensor([[1, 0], [0, 1], [1, 0]])
+    probs_TK = torch.tensor([[0.75, 0.25], [0.5, 0.5], [1.0, 0.0]], dtype=dtype)
+    layout = sort_layout(ids_TK, 2) if full else drop_layout(ids_TK, probs_TK.float(), 2, 2, "position",
+                                                            False)[0]
+    x_TD = torch.randn(3, 4, dtype=dtype, requires_grad=True)
+    p_TK = probs_TK.clone().requires_grad_(True)
+    with OpNames() as fwd:
+        x_RD = permute(x_TD, layout)
+        y_TD = unpermute(x_RD * 2, p_TK, layout)
+    with OpNames() as bwd:
+        gx_TD, gp_TK = torch.autograd.grad(y_TD, (x_TD, p_TK), torch.ones_like(y_TD))
+    moved = {"index_select", "_embedding_bag", "_embedding_bag_forward_only",
+             "_embedding_bag_per_sample_weights_backward"}
+    for ops in (fwd.names, bwd.names):
+        assert not {n for n in ops if "scatter" in n or "index_add" in n or "index_put" in n}, ops
+        assert {n for n in ops if n in moved}, ops
+    assert "_embedding_bag_per_sample_weights_backward" in bwd.names
+    assert "bmm" not in fwd.names | bwd.names
+    kept_TK = layout.row_dst_N.view(3, 2) < layout.num_rows  # a dropped pair adds nothing
+    expect_gx = 2 * (p_TK.detach().float() * kept_TK).sum(1, keepdim=True).expand(3, 4)
+    torch.testing.assert_close(gx_TD.float(), expect_gx, rtol=1e-2, atol=1e-2)
+    expect_gp = 2 * x_TD.detach().float().sum(1, keepdim=True) * kept_TK
+    torch.testing.assert_close(gp_TK.float(), expect_gp, rtol=2e-2, atol=2e-2)
+
+
+class OpNames(TorchDispatchMode):
+    """The aten op names a block runs (`names`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def test_dynamic_capacity_forecast_and_misses() -> None:

@@ -9,7 +9,11 @@ outputs, with three rules that keep the count near what the op moves:
   the traffic *around* the matrix products;
 - views and metadata ops (view, transpose, expand, slice, detach, ...) move nothing and are left out;
 - a gather (index_select, gather, embedding) reads only the rows it returns, so its source counts as its
-  output's bytes, not the whole source; its index counts in full.
+  output's bytes, not the whole source; its index counts in full;
+- a bag sum (embedding_bag, and its per-sample-weight backward) reads one table row per index, so its
+  table counts as that many rows (all of it once for a permutation, a token row once per slot for a
+  gather of K slots); the per-sample-weight backward reads each bag's gradient row for the bag's
+  consecutive entries, so that input counts once, in full.
 An in-place op counts its destination twice (read and written), as any elementwise op does.
 Runs on the meta device too (shapes only): the count of a large layer without its memory or time.
 """
@@ -27,6 +31,10 @@ from fmoe._compat import tree_flatten
 
 GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_grouped_mm", "matmul"})
 GATHERS = frozenset({"index_select", "gather", "embedding"})
+BAG_TABLES = {"_embedding_bag": 0, "_embedding_bag_forward_only": 0,
+              "_embedding_bag_per_sample_weights_backward": 1}  # op -> position of its table
+BAG_INDICES = {"_embedding_bag": 1, "_embedding_bag_forward_only": 1,
+               "_embedding_bag_per_sample_weights_backward": 2}  # op -> position of its indices
 
 
 def _moves_nothing(func: Any) -> bool:
@@ -54,6 +62,10 @@ class OpBytes(TorchDispatchMode):
         if name in GATHERS:
             inputs = outputs + sum(_bytes(t) for t in tree_flatten((args, kwargs))[0]
                                    if isinstance(t, torch.Tensor) and not t.is_floating_point())
+        elif name in BAG_TABLES:
+            table, index = args[BAG_TABLES[name]], args[BAG_INDICES[name]]
+            rows_read = index.numel() * (_bytes(table) // max(table.shape[0], 1))
+            inputs = sum(_bytes(t) for t in tree_flatten((args, kwargs))[0]) - _bytes(table) + rows_read
         else:
             inputs = sum(_bytes(t) for t in tree_flatten((args, kwargs))[0])
         self.by_op[name] += inputs + outputs

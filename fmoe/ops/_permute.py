@@ -12,15 +12,16 @@ A `Layout` is two index vectors that are inverse to each other on the kept pairs
 - row_dst_N [N]: the row of pair n, or R when the pair was dropped.
 Dropless: R = N and both are permutations. Capacity drop: R < N, dropped pairs point at R.
 Drop-and-pad: R = E * C, expert e owns rows [e*C, (e+1)*C), unused rows are padding.
-Every forward and backward is one `index_select` of rows from a source extended by one zero row
-(index N//K = T, or R), so padding and dropped pairs read zeros: no scatter, no expanded index, no
-generic index autograd. The backward of permute is the inverse permutation (row_dst) followed by the
-sum over the K slots; the backward of unpermute is the forward permutation (row_src).
-
-Under plain autograd on CPU (no torch.func transform) the same index_selects run as aten ops with
-autograd's own backwards instead: there the scatter-add of index_select's backward is serial, so
-deterministic, and skipping the Python Function saves about 100 us per layer call at small shapes
-(`benchmarks/train.py`). Devices and torch.func keep the gather-only Functions.
+Each direction is one gather and one weighted scatter-sum (BENCHMARKS.md, "Glue bytes"):
+- permute: a gather of x's rows (index_select); its backward sums each token's K rows in one pass;
+- unpermute: each token's K rows summed with their gate weights inside the same pass; its backward is
+  one pass too: each row takes its token's cotangent times the row's gate weight, and the gate weights'
+  gradient is one dot product per pair, read from the rows where they are (no gathered copy).
+The sums are embedding_bag's fixed-size bags (mode "sum", the gate weights as per-sample weights): one
+read of the rows, one write of the output, fp32 accumulation for half precision on devices. Padding and
+dropped pairs index a zero row appended to the source (index N//K = T, or R). No scatter, no atomics:
+deterministic on every device. Under torch.func.vmap (no batching rule for embedding_bag) the same
+sums run as a gather, a product and a sum.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fmoe._compat import Function, functorch_active, needs_grad, under_vmap
+from fmoe._compat import Function, needs_grad, under_vmap
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.pytree import pytree_dataclass
 
@@ -97,65 +98,62 @@ def _zero_row(x_XD: torch.Tensor) -> torch.Tensor:
     return torch.cat([x_XD, x_XD.new_zeros(1, *x_XD.shape[1:])])
 
 
+def _source(x_XD: torch.Tensor, full: bool) -> torch.Tensor:
+    """The rows an index reads from: x_XD itself for a permutation (`full`), else x_XD and a zero row
+    (index X reads zeros)."""
+    return x_XD if full else _zero_row(x_XD)
+
+
 def _rows(x_XD: torch.Tensor, index_Y: torch.Tensor, full: bool) -> torch.Tensor:
-    """x_XD[index_Y] where index X means a zero row; `full` (a permutation, no sentinel) skips the
-    copy that appends the zero row."""
-    return x_XD.index_select(0, index_Y) if full else _zero_row(x_XD).index_select(0, index_Y)
+    """x_XD[index_Y] where index X means a zero row."""
+    return _source(x_XD, full).index_select(0, index_Y)
 
 
-def _native(x: torch.Tensor) -> bool:
-    """True when aten's index_select and its autograd backward replace the Functions (module docstring):
-    CPU, in its compute dtype (a half-precision y would be saved upcast), outside torch.func."""
-    return x.device.type == "cpu" and x.dtype == compute_dtype(x.dtype) and not functorch_active()
+def _bags(src_XD: torch.Tensor, rows_TJ: torch.Tensor, weights_TJ: torch.Tensor | None) -> torch.Tensor:
+    """Return out_TD [T, D] = sum_j weights_TJ[t, j] * src_XD[rows_TJ[t, j]] (unweighted when None), in
+    src's dtype.
+
+    One pass (embedding_bag's sum over fixed-size bags): each source row is read once and each output
+    row written once, with no [T, J, D] intermediate; the weights are applied inside, the sum accumulates
+    in fp32 for half precision on devices (aten's acc_type; the CPU kernel may round the last place
+    differently) and each output is rounded once. Trailing dims past the first are flattened for the
+    kernel, which takes a 2-D table.
+    """
+    flat = src_XD.flatten(1)
+    w = None if weights_TJ is None else weights_TJ.to(flat.dtype)
+    out = torch.nn.functional.embedding_bag(rows_TJ, flat, mode="sum", per_sample_weights=w)
+    return out.view(rows_TJ.shape[0], *src_XD.shape[1:])
 
 
-SLOT_LOOP_DEVICES: tuple[str, ...] = ("cpu",)
-"""Device types whose unpermute forward sums the K slots one multiply-add at a time (faster on CPU); the
-others run one batched product. Tests empty it to check the device form on CPU tensors."""
-
-
-def _weighted_sum(y_TKD: torch.Tensor, probs_TK: torch.Tensor | None) -> torch.Tensor:
-    """Return y_TD = sum_k probs_TK[t, k] * y_TKD[t, k] (unweighted when probs is None), accumulated in
-    the compute dtype and returned in y's dtype."""
-    acc = compute_dtype(y_TKD.dtype)
-    if probs_TK is None:
-        return torch.sum(y_TKD, 1, dtype=acc).to(y_TKD.dtype)
-    p_TK = probs_TK.to(acc)
-    if under_vmap() or (torch.is_grad_enabled() and (y_TKD.requires_grad or p_TK.requires_grad)):
-        # Recorded by tape autograd: multiply then sum, whose backward is one product per input (the
-        # per-slot form's backward would zero-fill a [T, K, D] gradient per slot: 2x slower). Under vmap
-        # too: addcmul_ has no batching rule (vmap would loop over the batch).
-        return (y_TKD.to(acc) * p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
-    if y_TKD.device.type not in SLOT_LOOP_DEVICES:
-        # Inside a Function's forward on a device: a T-batch of [1, K] @ [K, D] products, the gate weights
-        # in y's dtype (the output rounds to it anyway), fp32 accumulation inside the kernel: the rows are
-        # read once (the per-slot multiply-add below reads and writes an fp32 [T, D] accumulator K times:
-        # 4x the bytes, BENCHMARKS.md "Glue bytes").
-        return torch.bmm(p_TK.unsqueeze(1).to(y_TKD.dtype), y_TKD).squeeze(1)
-    # Inside a Function's forward on CPU: one multiply-add per slot into an accumulator in the compute
-    # dtype, no [T, K, D] product (nor an upcast copy of half-precision rows): 4.5x faster on CPU than
-    # multiply-then-sum in fp32, 3x in bf16; the T-batch of [1, K] @ [K, D] bmm is slower still here.
-    # The accumulator starts as slot 0's product (not zeros): under torch.func.vmap it is then batched
-    # like its inputs, and the in-place adds into it are legal.
-    out_TD = torch.mul(y_TKD[:, 0], p_TK[:, 0:1])
-    for k in range(1, y_TKD.shape[1]):
-        out_TD.addcmul_(y_TKD[:, k], p_TK[:, k:k + 1])
-    return out_TD.to(y_TKD.dtype)
-
-
-def _unpermute_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, row_dst_N: torch.Tensor, T: int,
-                    K: int, full: bool) -> torch.Tensor:
-    """unpermute's forward (both paths): y_TD [T, D], the K rows of each token gathered and summed."""
-    return _weighted_sum(_rows(y_RD, row_dst_N, full).view(T, K, y_RD.shape[-1]), probs_TK)
-
-
-def _slot_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """sum_j src_XD[rows_TJ[t, j]] per token t, [T, D] in `acc` (one gather, one reduction; one slot: the
-    gathered rows themselves, no second [T, D] tensor)."""
+def _bag_weight_grads(g_TD: torch.Tensor, src_XD: torch.Tensor, rows_TJ: torch.Tensor) -> torch.Tensor:
+    """Return dw_TJ [T, J] = <g_TD[t], src_XD[rows_TJ[t, j]]> (the gradient of `_bags`' weights), in src's
+    dtype: one dot product per (t, j), accumulating in fp32 inside the kernel, with no gathered copy of
+    the rows (embedding_bag's own per-sample-weight backward)."""
     T, J = rows_TJ.shape
-    if J == 1:
-        return src_XD.index_select(0, rows_TJ[:, 0]).to(acc)
-    return src_XD.index_select(0, rows_TJ.reshape(-1)).view(T, J, src_XD.shape[-1]).sum(1, dtype=acc)
+    bag_N = torch.arange(T * J, device=rows_TJ.device) // J  # the bag (token) of each flattened entry
+    starts_T = torch.arange(0, T * J, J, device=rows_TJ.device)
+    dw_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        g_TD.flatten(1).to(src_XD.dtype), src_XD.flatten(1), rows_TJ.reshape(-1),
+        starts_T, bag_N, 0, -1)  # mode 0: sum; padding index -1: none
+    return dw_N.view(T, J)
+
+
+def _gathered_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor,
+                  weights_TJ: torch.Tensor | None) -> torch.Tensor:
+    """`_bags` under torch.func.vmap, which has no batching rule for embedding_bag: one gather of the
+    [T, J] rows, multiplied and summed in the compute dtype (mul and sum batch; addcmul_ would not)."""
+    T, J = rows_TJ.shape
+    acc = compute_dtype(src_XD.dtype)
+    r_TJD = src_XD.index_select(0, rows_TJ.reshape(-1)).view(T, J, *src_XD.shape[1:]).to(acc)
+    if weights_TJ is not None:
+        r_TJD = r_TJD * weights_TJ.to(acc).view(T, J, *([1] * (src_XD.dim() - 1)))
+    return r_TJD.sum(1).to(src_XD.dtype)
+
+
+def _weighted_rows(src_XD: torch.Tensor, rows_TJ: torch.Tensor,
+                   weights_TJ: torch.Tensor | None) -> torch.Tensor:
+    """sum_j weights[t, j] * src[rows[t, j]]: `_bags`, or its vmap form."""
+    return (_gathered_sum if under_vmap() else _bags)(src_XD, rows_TJ, weights_TJ)
 
 
 class _Permute(Function):
@@ -178,23 +176,13 @@ class _Permute(Function):
     @staticmethod
     def backward(ctx, g_RD):
         (row_dst_N,) = ctx.saved_tensors
-        # Inverse permutation: the row of each (t, k) pair (dropped pairs read the zero row), summed over
-        # k. Two gathers of half the slots each, each summed over its slots in one pass accumulating in the
-        # compute dtype: the rows are read once and the accumulator twice (a gather and an fp32 add per
-        # slot moved 4.5x the bytes: BENCHMARKS.md, "Glue bytes"), and no whole [T, K, D] copy of the
-        # cotangent is made at once. The price: half of one is held while it is summed, T ceil(K/2) D
-        # elements where the per-slot form held T D (a split backward holds the dw inputs here); K = 2
-        # holds no more than it did.
-        K = ctx.K
-        if K == 1:
+        # The inverse permutation: the rows of each token's K pairs (dropped pairs read the zero row),
+        # summed in one pass (BENCHMARKS.md, "Glue bytes": two half-gathers, their sums and an fp32 add
+        # moved 4x the bytes).
+        if ctx.K == 1:
             return _rows(g_RD, row_dst_N, ctx.full), None, None, None, None
-        src = g_RD if ctx.full else _zero_row(g_RD)
-        dst_TK = row_dst_N.view(-1, K)
-        acc = compute_dtype(g_RD.dtype)
-        half = (K + 1) // 2
-        dx = _slot_sum(src, dst_TK[:, :half], acc)
-        dx += _slot_sum(src, dst_TK[:, half:], acc)
-        return dx.to(g_RD.dtype), None, None, None, None
+        dx = _weighted_rows(_source(g_RD, ctx.full), row_dst_N.view(-1, ctx.K), None)
+        return dx, None, None, None, None
 
 
 class _Unpermute(Function):
@@ -203,54 +191,55 @@ class _Unpermute(Function):
 
     @staticmethod
     def forward(y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full):
-        return _unpermute_rows(y_RD, probs_TK, row_dst_N, T, K, full)
+        return _weighted_rows(_source(y_RD, full), row_dst_N.view(T, K), probs_TK)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full = inputs
         ctx.weighted = probs_TK is not None
         ctx.save_for_backward(y_RD, probs_TK if ctx.weighted else None, row_src_R, row_dst_N, tok_R)
-        ctx.K, ctx.full = K, full
+        ctx.T, ctx.K, ctx.full = T, K, full
 
     @staticmethod
     def backward(ctx, g_TD):
         y_RD, probs_TK, row_src_R, row_dst_N, tok_R = ctx.saved_tensors
         dy = dprobs = None
         want_dy, want_dprobs = needs_grad(ctx)[0], ctx.weighted and needs_grad(ctx)[1]
-        # Row r's token's cotangent (the forward permutation): dy's rows before their gate weights, and
-        # what d probs reads in the rows' order.
-        g_RD = _rows(g_TD, tok_R, ctx.full) if want_dy or want_dprobs else None
         if want_dprobs:
-            # d probs[t, k] = <g[t], y[row of (t, k)]>: one dot product per row of the layout, then the
-            # rows put back in pair order (a dropped pair's is 0). A batch of [1, D] x [D, 1] products in
-            # y's dtype, accumulating in fp32 inside (no fp32 copy of the rows), then the gate weights'.
-            dprobs_R1 = torch.bmm(g_RD.unsqueeze(1), y_RD.unsqueeze(2)).view(-1, 1)
-            dprobs = _rows(dprobs_R1, row_dst_N, ctx.full).view_as(probs_TK).to(probs_TK.dtype)
+            # d probs[t, k] = <g[t], y[row of (t, k)]> (a dropped pair reads the zero row: 0), in pair
+            # order, y's dtype, accumulated in fp32: no gathered or upcast copy of the rows.
+            dprobs_TK = _probs_grad(g_TD, _source(y_RD, ctx.full), row_dst_N.view(ctx.T, ctx.K))
+            dprobs = dprobs_TK.to(probs_TK.dtype)
         if want_dy:
-            if ctx.weighted:
-                p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full)
-                # In y's dtype: the gradient is rounded to it anyway, and a mixed bf16 x fp32 product
-                # (upcast, multiply, round back) costs 4x on CPU; the gate weight's own rounding (2**-9
-                # in bf16) is of the same size. In place: g_RD is this backward's own.
-                g_RD = g_RD.mul_(p_R1.to(y_RD.dtype))
-            dy = g_RD
+            # Row r's token's cotangent (the forward permutation), times the row's gate weight inside
+            # the same pass, in y's dtype (the gradient rounds to it anyway; the gate weight's own
+            # rounding, 2**-9 in bf16, is of the same size).
+            tok_R1 = tok_R.view(-1, 1)
+            p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full) if ctx.weighted else None
+            dy = _weighted_rows(_source(g_TD.to(y_RD.dtype), ctx.full), tok_R1, p_R1)
         return dy, dprobs, None, None, None, None, None, None
+
+
+def _probs_grad(g_TD: torch.Tensor, y_XD: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
+    """<g_TD[t], y_XD[rows_TK[t, k]]> per (t, k), [T, K] in y's dtype: `_bag_weight_grads`, or under vmap a
+    gather and a batch of [1, D] x [D, 1] products."""
+    if not under_vmap():
+        return _bag_weight_grads(g_TD, y_XD, rows_TK)
+    T, K = rows_TK.shape
+    y_TKD = y_XD.flatten(1).index_select(0, rows_TK.reshape(-1)).view(T, K, y_XD[0].numel())
+    return torch.bmm(y_TKD, g_TD.to(y_XD.dtype).flatten(1).unsqueeze(-1)).view(T, K)
 
 
 def permute(x_TD: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return x_RD: row r is x_TD[layout.tok_R[r]] (zeros for padding rows). Differentiable in x."""
     if x_TD.shape[0] != layout.num_tokens:
         raise ValueError(f"permute: x has {x_TD.shape[0]} rows, layout is for {layout.num_tokens} tokens")
-    if _native(x_TD):
-        return _rows(x_TD, layout.tok_R, layout.full)
     return _Permute.apply(x_TD, layout.tok_R, layout.row_dst_N, layout.top_k, layout.full)
 
 
 def permute_probs(probs_TK: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return probs_R: the gate weight of each layout row (0 for padding rows). Differentiable."""
     p_N1 = probs_TK.reshape(-1, 1)  # pair n = t * K + k
-    if _native(p_N1):
-        return _rows(p_N1, layout.row_src_R, layout.full).reshape(-1)
     return _Permute.apply(p_N1, layout.row_src_R, layout.row_dst_N, 1, layout.full).reshape(-1)
 
 
@@ -265,7 +254,5 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout)
     if probs_TK is not None and probs_TK.shape != (layout.num_tokens, layout.top_k):
         raise ValueError(f"unpermute: probs must be [{layout.num_tokens}, {layout.top_k}], got "
                          f"{tuple(probs_TK.shape)}")
-    if _native(y_RD):
-        return _unpermute_rows(y_RD, probs_TK, layout.row_dst_N, layout.num_tokens, layout.top_k, layout.full)
     return _Unpermute.apply(y_RD, probs_TK, layout.row_src_R, layout.row_dst_N, layout.tok_R,
                             layout.num_tokens, layout.top_k, layout.full)
