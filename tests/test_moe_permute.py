@@ -145,6 +145,33 @@ def test_every_pass_is_one_gather_or_one_bag_sum_and_no_scatter(dtype, full) -> 
     torch.testing.assert_close(gp_TK.float(), expect_gp, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("kernels", ["bags and their weight gradient", "bags only", "neither"])
+def test_a_device_without_a_kernel_takes_the_gather_form_with_the_same_values(kernels, monkeypatch) -> None:
+    """The rule of BAG_KERNELS / BAG_WEIGHT_GRAD_KERNELS (CUDA's per-sample-weight backward takes no bf16):
+    where a table leaves a (device, dtype) out, its op never runs and the gather form gives the same
+    values. Checked on CPU by taking CPU fp64 out of the tables."""
+    from fmoe.ops import _permute
+
+    if kernels != "bags and their weight gradient":
+        monkeypatch.setitem(_permute.BAG_WEIGHT_GRAD_KERNELS, "cpu", ())
+    if kernels == "neither":
+        monkeypatch.setitem(_permute.BAG_KERNELS, "cpu", ())
+    ids_TK, probs_TK, g = draw_routing(7, 4, 3, 5)
+    layout, _ = drop_layout(ids_TK, probs_TK, 4, 5, "probs", False)
+    x_TD = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    p_TK = probs_TK.clone().requires_grad_(True)
+    with OpNames() as ops:
+        y_TD = unpermute(permute(x_TD, layout) * 3, p_TK, layout)
+        grads = torch.autograd.grad(y_TD, (x_TD, p_TK), torch.ones_like(y_TD))
+    assert ("_embedding_bag_per_sample_weights_backward" in ops.names) == (kernels == "bags and their weight "
+                                                                           "gradient")
+    assert any("embedding_bag" in n for n in ops.names) == (kernels != "neither")
+    kept_TK = (layout.row_dst_N.view(7, 3) < layout.num_rows).double()
+    assert_close(y_TD, 3 * (p_TK * kept_TK).sum(1, keepdim=True) * x_TD)
+    assert_close(grads[0], 3 * (p_TK * kept_TK).sum(1, keepdim=True).expand(7, 3))
+    assert_close(grads[1], 3 * x_TD.sum(1, keepdim=True) * kept_TK)
+
+
 class OpNames(TorchDispatchMode):
     """The aten op names a block runs (`names`)."""
 

@@ -26,6 +26,7 @@ sums run as a gather, a product and a sum.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,30 @@ def _rows(x_XD: torch.Tensor, index_Y: torch.Tensor, full: bool) -> torch.Tensor
     return _source(x_XD, full).index_select(0, index_Y)
 
 
+BAG_KERNELS: dict[str, tuple[torch.dtype, ...]] = {
+    "cpu": (torch.float64, torch.float32, torch.float16, torch.bfloat16),
+    "cuda": (torch.float64, torch.float32, torch.float16, torch.bfloat16),
+    "meta": (torch.float64, torch.float32, torch.float16, torch.bfloat16),
+}
+"""Device type -> the dtypes aten's embedding_bag (mode "sum", per-sample weights) takes there. Elsewhere
+(other device types; torch.func.vmap, which has no batching rule for it) the bag sums run as a gather, a
+product and a sum. The meta device stands for a device (benchmarks/glue_bytes.py traces there)."""
+
+BAG_WEIGHT_GRAD_KERNELS: dict[str, tuple[torch.dtype, ...]] = {
+    "cpu": (torch.float64, torch.float32, torch.float16, torch.bfloat16),
+    "cuda": (torch.float64, torch.float32, torch.float16),
+    "meta": (torch.float64, torch.float32, torch.float16),
+}
+"""Device type -> the dtypes embedding_bag's per-sample-weight backward takes there: on CUDA float, double
+and half, not bfloat16 (aten's EmbeddingBag.cu dispatches FLOATING_TYPES_AND_HALF). Elsewhere the gate
+weights' gradient gathers the rows and takes a batch of dot products."""
+
+
+def _takes(table: dict[str, tuple[torch.dtype, ...]], t: torch.Tensor) -> bool:
+    """True when `table`'s kernel takes t's device type and dtype, outside torch.func.vmap."""
+    return t.dtype in table.get(t.device.type, ()) and not under_vmap()
+
+
 def _bags(src_XD: torch.Tensor, rows_TJ: torch.Tensor, weights_TJ: torch.Tensor | None) -> torch.Tensor:
     """Return out_TD [T, D] = sum_j weights_TJ[t, j] * src_XD[rows_TJ[t, j]] (unweighted when None), in
     src's dtype.
@@ -140,8 +165,8 @@ def _bag_weight_grads(g_TD: torch.Tensor, src_XD: torch.Tensor, rows_TJ: torch.T
 
 def _gathered_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor,
                   weights_TJ: torch.Tensor | None) -> torch.Tensor:
-    """`_bags` under torch.func.vmap, which has no batching rule for embedding_bag: one gather of the
-    [T, J] rows, multiplied and summed in the compute dtype (mul and sum batch; addcmul_ would not)."""
+    """`_bags` where embedding_bag does not run (`BAG_KERNELS`): one gather of the [T, J] rows, multiplied
+    and summed in the compute dtype (mul and sum batch under vmap; addcmul_ would not)."""
     T, J = rows_TJ.shape
     acc = compute_dtype(src_XD.dtype)
     r_TJD = src_XD.index_select(0, rows_TJ.reshape(-1)).view(T, J, *src_XD.shape[1:]).to(acc)
@@ -152,8 +177,8 @@ def _gathered_sum(src_XD: torch.Tensor, rows_TJ: torch.Tensor,
 
 def _weighted_rows(src_XD: torch.Tensor, rows_TJ: torch.Tensor,
                    weights_TJ: torch.Tensor | None) -> torch.Tensor:
-    """sum_j weights[t, j] * src[rows[t, j]]: `_bags`, or its vmap form."""
-    return (_gathered_sum if under_vmap() else _bags)(src_XD, rows_TJ, weights_TJ)
+    """sum_j weights[t, j] * src[rows[t, j]]: `_bags` where it runs (`BAG_KERNELS`), else a gather."""
+    return (_bags if _takes(BAG_KERNELS, src_XD) else _gathered_sum)(src_XD, rows_TJ, weights_TJ)
 
 
 class _Permute(Function):
@@ -221,12 +246,12 @@ class _Unpermute(Function):
 
 
 def _probs_grad(g_TD: torch.Tensor, y_XD: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
-    """<g_TD[t], y_XD[rows_TK[t, k]]> per (t, k), [T, K] in y's dtype: `_bag_weight_grads`, or under vmap a
-    gather and a batch of [1, D] x [D, 1] products."""
-    if not under_vmap():
+    """<g_TD[t], y_XD[rows_TK[t, k]]> per (t, k), [T, K] in y's dtype: `_bag_weight_grads` where its kernel
+    runs (`BAG_WEIGHT_GRAD_KERNELS`), else a gather of the rows and a batch of [1, D] x [D, K] products."""
+    if _takes(BAG_WEIGHT_GRAD_KERNELS, y_XD):
         return _bag_weight_grads(g_TD, y_XD, rows_TK)
     T, K = rows_TK.shape
-    y_TKD = y_XD.flatten(1).index_select(0, rows_TK.reshape(-1)).view(T, K, y_XD[0].numel())
+    y_TKD = y_XD.flatten(1).index_select(0, rows_TK.reshape(-1)).view(T, K, math.prod(y_XD.shape[1:]))
     return torch.bmm(y_TKD, g_TD.to(y_XD.dtype).flatten(1).unsqueeze(-1)).view(T, K)
 
 
