@@ -163,7 +163,7 @@ def _grouped_mm_works(dtype: torch.dtype, device_type: str) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """E routed SwiGLU experts, weights [E, D, F] / [E, F, D] (x @ w per expert, fmoe's layout).
+    """E routed SwiGLU experts, weights [E, D, 2F] (gate | up) / [E, F, D] (x @ w per expert, fmoe's layout).
 
     forward(x_RD, counts_E) -> y_RD: rows grouped by expert (counts_E[e] consecutive rows for expert e).
     """
@@ -171,27 +171,26 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: MoEConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
         E, D, Fd = cfg.num_experts, cfg.d_model, cfg.d_ff
-        self.w_gate = nn.Parameter(torch.empty(E, D, Fd, dtype=dtype, device=device))
-        self.w_up = nn.Parameter(torch.empty(E, D, Fd, dtype=dtype, device=device))
+        self.w_gate_up = nn.Parameter(torch.empty(E, D, 2 * Fd, dtype=dtype, device=device))
         self.w_down = nn.Parameter(torch.empty(E, Fd, D, dtype=dtype, device=device))
 
     def uses_grouped_mm(self) -> bool:
         """True when forward runs torch._grouped_mm (else a python loop over the experts)."""
-        w = self.w_gate
+        w = self.w_gate_up
         aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[1:])
         return aligned and _grouped_mm_works(w.dtype, w.device.type)
 
     def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Return y_RD [R, D]: w_down(silu(w_gate x) * w_up x) with expert e's weights on its rows."""
+        """Return y_RD [R, D]: w_down(silu(gate) * up), gate | up = w_gate_up x, with expert e's weights on
+        its rows."""
         if self.uses_grouped_mm():
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)  # stays on the device: no host sync
-            g_RF = grouped_mm(x_RD, self.w_gate, offs=offs_E)
-            h_RF = F.silu(g_RF) * grouped_mm(x_RD, self.w_up, offs=offs_E)
-            return grouped_mm(h_RF, self.w_down, offs=offs_E)
+            g_RF, u_RF = grouped_mm(x_RD, self.w_gate_up, offs=offs_E).chunk(2, dim=-1)
+            return grouped_mm(F.silu(g_RF) * u_RF, self.w_down, offs=offs_E)
         outs, start = [], 0
         for e, c in enumerate(counts_E.tolist()):  # one host read
-            x = x_RD[start:start + c]
-            outs.append((F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e])
+            g, u = (x_RD[start:start + c] @ self.w_gate_up[e]).chunk(2, dim=-1)
+            outs.append((F.silu(g) * u) @ self.w_down[e])
             start += c
         return torch.cat(outs)
 
@@ -339,7 +338,7 @@ class ModuleGPT(nn.Module):
             elif isinstance(m, nn.Linear):
                 _normal_(m.weight, m.in_features, generator)
             elif isinstance(m, GroupedExperts):
-                for w in (m.w_gate, m.w_up, m.w_down):
+                for w in (m.w_gate_up, m.w_down):
                     _normal_(w, w.shape[1], generator)
 
     def moe_layers(self) -> list[MoE]:
@@ -407,7 +406,7 @@ def _block_leaves(prefix: Path, b: Block) -> list[tuple[Path, nn.Parameter, bool
     out += [(prefix + ("mlp_norm",), b.ffn_norm.weight, False),
             (prefix + ("moe", "router", "w"), moe.router.weight, True)]
     out += [(prefix + ("moe", "experts", n), getattr(moe.experts, n), False)
-            for n in ("w_gate", "w_up", "w_down")]
+            for n in ("w_gate_up", "w_down")]
     if moe.shared is not None:
         out += ffn(prefix + ("moe", "shared"), moe.shared)
     return out

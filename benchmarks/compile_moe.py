@@ -49,7 +49,7 @@ from fmoe import MoEConfig, init_moe, moe
 from fmoe.transforms.compiled import CompiledSplit
 
 Shape = tuple[int, int, int, int, int]
-Grads = dict[str, torch.Tensor]  # "x" and fmoe's weight paths ("experts.w_gate", ...)
+Grads = dict[str, torch.Tensor]  # "x" and fmoe's weight paths ("experts.w_gate_up", ...)
 Step = Callable[[], tuple[torch.Tensor, Grads]]  # one forward + backward: (y_TD, gradients)
 FMOE = ("eager", "compiled", "compiled-split", "compiled-bf16")
 TITAN = ("titan-eager", "titan-compiled", "titan-fp32-eager", "titan-fp32-compiled")

@@ -129,8 +129,8 @@ def _titan_moe(cfg: MoEConfig, params: dict[str, Any], fp32: bool) -> torch.nn.M
     ex, inner = params["experts"], block.routed_experts.inner_experts
     with torch.no_grad():
         block.router.gate.weight.copy_(params["router"]["w"].t())
-        inner.w1_EFD.copy_(ex["w_gate"].transpose(1, 2))
-        inner.w3_EFD.copy_(ex["w_up"].transpose(1, 2))
+        inner.w1_EFD.copy_(ex["w_gate_up"][..., :F].transpose(1, 2))
+        inner.w3_EFD.copy_(ex["w_gate_up"][..., F:].transpose(1, 2))
         inner.w2_EDF.copy_(ex["w_down"].transpose(1, 2))
     return block
 
@@ -145,8 +145,7 @@ def _titan_grads_as_fmoe(grads: tuple[torch.Tensor, ...]) -> dict[str, torch.Ten
     d_gate, d_w1, d_w3, d_w2 = grads
     return {
         "router.w": d_gate.t(),
-        "experts.w_gate": d_w1.transpose(1, 2),
-        "experts.w_up": d_w3.transpose(1, 2),
+        "experts.w_gate_up": torch.cat([d_w1, d_w3], 1).transpose(1, 2),
         "experts.w_down": d_w2.transpose(1, 2),
     }
 
@@ -170,9 +169,7 @@ def _hf_block(cfg: MoEConfig, params: dict[str, Any], impl: str, dtype: torch.dt
     ex = params["experts"]
     with torch.no_grad():
         block.gate.weight.copy_(params["router"]["w"].t())
-        block.experts.gate_up_proj.copy_(
-            torch.cat([ex["w_gate"].transpose(1, 2), ex["w_up"].transpose(1, 2)], 1)
-        )
+        block.experts.gate_up_proj.copy_(ex["w_gate_up"].transpose(1, 2))
         block.experts.down_proj.copy_(ex["w_down"].transpose(1, 2))
     return block.to(dtype)
 
@@ -184,8 +181,7 @@ def _hf_grads_as_fmoe(
     d_router, d_gate_up, d_down = grads
     return {
         "router.w": d_router.t(),
-        "experts.w_gate": d_gate_up[:, :F].transpose(1, 2),
-        "experts.w_up": d_gate_up[:, F:].transpose(1, 2),
+        "experts.w_gate_up": d_gate_up.transpose(1, 2),
         "experts.w_down": d_down.transpose(1, 2),
     }
 

@@ -138,8 +138,7 @@ class TorchMoEBlock(nn.Module):
 
     KEYS = {"attn_norm": ("attn_norm",), "w_q": ("w_q",), "w_k": ("w_k",), "w_v": ("w_v",),
             "w_o": ("w_o",), "mlp_norm": ("mlp_norm",), "w_router": ("moe", "router", "w"),
-            "w_gate": ("moe", "experts", "w_gate"), "w_up": ("moe", "experts", "w_up"),
-            "w_down": ("moe", "experts", "w_down")}
+            "w_gate_up": ("moe", "experts", "w_gate_up"), "w_down": ("moe", "experts", "w_down")}
 
     def __init__(self, p: dict[str, Any], cfg: GPTConfig):
         super().__init__()
@@ -168,8 +167,7 @@ class TorchMoEBlock(nn.Module):
         order_N = torch.sort(ids_N, stable=True).indices  # expert-sorted (token, slot) pairs
         offs_E = torch.bincount(ids_N, minlength=E).cumsum(0).to(torch.int32)
         x_ND = t_TD.index_select(0, order_N // K)
-        g_NF = grouped_mm(x_ND, self.w_gate, offs=offs_E)
-        u_NF = grouped_mm(x_ND, self.w_up, offs=offs_E)
+        g_NF, u_NF = grouped_mm(x_ND, self.w_gate_up, offs=offs_E).chunk(2, dim=-1)  # gate | up
         y_ND = grouped_mm(F.silu(g_NF) * u_NF, self.w_down, offs=offs_E)
         inverse_N = torch.empty_like(order_N)
         inverse_N[order_N] = torch.arange(order_N.numel())

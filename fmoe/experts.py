@@ -5,10 +5,12 @@
 
 Legend (the package's, docs/moe.md): M rows grouped by expert (counts_E[e] consecutive rows for expert
 e), T tokens, D model width, F ffn width (d_ff for a routed expert, num_shared_experts * d_ff for the
-shared one), E experts (the local ones, L, in expert parallelism).
+shared one), E experts (the local ones, L, in expert parallelism), Z = 2 F (gate | up).
 
 Parameter layout (weights are [in, out], y = x @ w):
-- routed: {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}
+- routed: {"w_gate_up": [E, D, 2F] (gate's columns [0, F), up's [F, 2F): Megatron's fused fc1),
+  "w_down": [E, F, D]}. One grouped product makes gate and up, its input gradient is one GEMM (two
+  products' input gradients summed moved 3 M D elements more: BENCHMARKS.md, "Glue bytes").
 - shared: {"w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]} plus "w_out_gate": [D, 1] when gated.
 Host syncs: `routed_experts` makes one `fmoe.ops.Counts` for its three grouped products (and their
 backward): counts on an accelerator stay there (no sync); on CPU, or for the "loop" backend, they are
@@ -27,21 +29,19 @@ from fmoe.ops import (
     Counts,
     group_counts,
     grouped_linear,
-    grouped_linear_pair,
     linear,
     linear_pair,
-    swiglu,
-    swiglu_grouped_linear,
     swiglu_linear,
+    swiglu_packed,
+    swiglu_packed_grouped_linear,
 )
 
 
 def init_experts(cfg: MoEConfig, generator: torch.Generator | None = None,
                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Return the routed experts {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]}."""
+    """Return the routed experts {"w_gate_up": [E, D, 2F] (gate | up), "w_down": [E, F, D]}."""
     E, D, F = cfg.num_experts, cfg.d_model, cfg.d_ff
-    return {"w_gate": scaled_normal((E, D, F), D, generator, dtype),
-            "w_up": scaled_normal((E, D, F), D, generator, dtype),
+    return {"w_gate_up": scaled_normal((E, D, 2 * F), D, generator, dtype),
             "w_down": scaled_normal((E, F, D), F, generator, dtype)}
 
 
@@ -61,16 +61,16 @@ def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
 def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor,
                    counts_E: torch.Tensor | Sequence[int] | Counts,
                    probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
-    """Return y_MD [M, D] = w_down(swiglu(w_gate x, w_up x) [* probs_M]) per expert block of rows.
+    """Return y_MD [M, D] = w_down(swiglu(gate | up = w_gate_up x) [* probs_M]) per expert block of rows.
 
     `probs_M` (optional) multiplies each row's activation by its gate weight before w_down (gate
     weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
     """
-    counts = group_counts(counts_E, x_MD, p["w_gate"], backend)  # once for the three products
-    g_MF, u_MF = grouped_linear_pair(x_MD, p["w_gate"], p["w_up"], counts, backend)
-    if probs_M is None:  # fused: a split backward then holds gate and up, not also their product
-        return swiglu_grouped_linear(g_MF, u_MF, p["w_down"], counts, backend)
-    h_MF = swiglu(g_MF, u_MF) * probs_M.to(g_MF.dtype).unsqueeze(-1)
+    counts = group_counts(counts_E, x_MD, p["w_gate_up"], backend)  # once for the two products
+    gate_up_MZ = grouped_linear(x_MD, p["w_gate_up"], counts, backend)
+    if probs_M is None:  # fused: a split backward then holds gate | up, not also their product
+        return swiglu_packed_grouped_linear(gate_up_MZ, p["w_down"], counts, backend)
+    h_MF = swiglu_packed(gate_up_MZ) * probs_M.to(gate_up_MZ.dtype).unsqueeze(-1)
     return grouped_linear(h_MF, p["w_down"], counts, backend)
 
 

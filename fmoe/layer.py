@@ -107,7 +107,7 @@ def init_moe(cfg: MoEConfig, generator: torch.Generator | None = None,
     """Return the MoE parameter pytree (weights [in, out]):
 
     {"router": {"w": [D, E]},
-     "experts": {"w_gate": [E, D, F], "w_up": [E, D, F], "w_down": [E, F, D]},
+     "experts": {"w_gate_up": [E, D, 2F] (gate | up), "w_down": [E, F, D]},
      "shared": {"w_gate": [D, F'], "w_up": [D, F'], "w_down": [F', D], ("w_out_gate": [D, 1])}}  (if shared)
     with F' = num_shared_experts * d_ff. Entries are N(0, 1/fan_in).
     """

@@ -53,7 +53,7 @@ class Router(Protocol):
 class Experts(Protocol):
     """The routed experts on rows grouped by local expert (default: `fmoe.experts.routed_experts`).
 
-    p: {"w_gate": [L, D, F], "w_up": [L, D, F], "w_down": [L, F, D]} (fmoe.experts.init_experts's layout);
+    p: {"w_gate_up": [L, D, 2F] (gate | up), "w_down": [L, F, D]} (fmoe.experts.init_experts's layout);
     x_MD: rows [M, D], counts_L[l] consecutive rows for local expert l (a tensor, host ints or
     fmoe.ops.Counts); probs_M: gate weight [M] per row to apply inside the expert, or None (applied at
     combine); backend: cfg.backend for grouped_linear. Returns y_MD [M, D].

@@ -244,7 +244,7 @@ def moe_params_spec(cfg: MoEConfig, num_local_experts: int | None = None) -> Map
     ex = ("E", E) if num_local_experts is None or num_local_experts == E else ("L", num_local_experts)
     spec: dict[str, Any] = {
         "router": {"w": Leaf((("D", D), ("E", E)))},
-        "experts": {"w_gate": Leaf((ex, ("D", D), ("F", F))), "w_up": Leaf((ex, ("D", D), ("F", F))),
+        "experts": {"w_gate_up": Leaf((ex, ("D", D), ("Z", 2 * F))),
                     "w_down": Leaf((ex, ("F", F), ("D", D)))},
     }
     if cfg.num_shared_experts:

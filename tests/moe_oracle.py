@@ -177,7 +177,8 @@ def oracle_moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: Any, state: dict
         for k, e in enumerate(r["ids"][t]):
             if (t, k) not in keep:
                 continue
-            a = _swiglu_row(x_TD[t], ex["w_gate"][e], ex["w_up"][e])
+            F = ex["w_down"].shape[1]  # w_gate_up [E, D, 2F]: the gate's columns, then the up's
+            a = _swiglu_row(x_TD[t], ex["w_gate_up"][e][:, :F], ex["w_gate_up"][e][:, F:])
             if cfg.probs_in_expert:
                 acc = acc + (a * r["probs"][t][k]) @ ex["w_down"][e]
             else:

@@ -25,6 +25,9 @@ def test_the_counter_counts_elementwise_ops_gathers_by_rows_and_leaves_gemms_and
     assert counts["add"] == 3 * 40 * 4          # two inputs and the output
     assert counts["index_select"] == 2 * (2 * 4 * 4) + index.numel() * 8  # rows read, rows written, index
     assert set(counts) == {"add", "index_select"}  # t is a view, mm a GEMM
+    out = torch.empty(10, 4)
+    counts = op_bytes(lambda: (torch.empty_like(a), torch.mul(a, b, out=out), out.mul_(a)))
+    assert counts == {"mul": 3 * 40 * 4, "mul_": 3 * 40 * 4}  # out= writes its destination, mul_ reads it too
 
 
 def test_a_bag_sum_counts_the_table_rows_it_reads():
@@ -49,11 +52,11 @@ def test_a_bag_sum_counts_the_table_rows_it_reads():
 
 
 @pytest.mark.parametrize("shape", [(4096, 1024, 1024, 16, 4), (512, 256, 128, 8, 8)])
-def test_the_layer_moves_at_most_1_85_times_the_least(shape):
-    """On the meta device (the device path) in bf16: at most 1.85x docs/moe.md's least (b (7ND + 2TD +
+def test_the_layer_moves_at_most_1_65_times_the_least(shape):
+    """On the meta device (the device path) in bf16: at most 1.65x docs/moe.md's least (b (7ND + 2TD +
     8NF)); the gather-and-add-per-slot permute backward, the fp32 per-slot forward sum and the fp32 copy of
     the rows for the gate-weight gradient made it 3.3x, the gathers and products before the bag sums
-    2.1x."""
+    2.1x, separate gate and up weights (their input gradients summed) 1.74x."""
     T, D, F, E, K = shape
     glue = sum(op_bytes(layer_step(shape, torch.bfloat16)).values())
-    assert glue <= 1.85 * least_bytes(T, D, F, K, 2), glue / least_bytes(T, D, F, K, 2)
+    assert glue <= 1.65 * least_bytes(T, D, F, K, 2), glue / least_bytes(T, D, F, K, 2)

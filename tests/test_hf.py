@@ -121,9 +121,10 @@ def test_the_logit_comparison_sees_each_mapped_detail(tmp_path: Path) -> None:
     want = _hf_logits(model, ids)
     layer = params["layers"][1]
     swapped_norms = {**layer, "q_norm": layer["k_norm"], "k_norm": layer["q_norm"]}
+    gate_up = layer["moe"]["experts"]["w_gate_up"]
+    half = gate_up.shape[-1] // 2
     swapped_ffn = {**layer, "moe": {**layer["moe"], "experts": {
-        **layer["moe"]["experts"], "w_gate": layer["moe"]["experts"]["w_up"],
-        "w_up": layer["moe"]["experts"]["w_gate"]}}}
+        **layer["moe"]["experts"], "w_gate_up": torch.cat([gate_up[..., half:], gate_up[..., :half]], -1)}}}
     wrong = {
         "topk_norm": (replace(cfg, moe=cfg.moe.replace(topk_norm="before")), params),
         "rope_theta": (replace(cfg, rope_theta=1e4), params),
@@ -177,7 +178,7 @@ def test_bfloat16_weights_keep_their_dtype_or_cast(tmp_path: Path) -> None:
     hf_dir = _saved(model, tmp_path / "hf")
     assert read_config(hf_dir)["dtype"] == "bfloat16"
     _, params = load_hf(hf_dir)
-    assert params["layers"][0]["moe"]["experts"]["w_up"].dtype == torch.bfloat16
+    assert params["layers"][0]["moe"]["experts"]["w_gate_up"].dtype == torch.bfloat16
     cfg, params32 = load_hf(hf_dir, dtype=torch.float32)
     assert params32["norm"].dtype == torch.float32
     out = save_hf(tmp_path / "out", cfg, params, "mixtral")

@@ -255,15 +255,16 @@ def test_single_expert_is_dense_swiglu(dtype) -> None:
     def dense(w_gate_DF, w_up_DF, w_down_FD, x):
         return torch.nn.functional.silu(x @ w_gate_DF) * (x @ w_up_DF) @ w_down_FD
 
+    gate_DF, up_DF = ex["w_gate_up"][0][:, :12], ex["w_gate_up"][0][:, 12:]  # gate | up
     y, aux = moe(params, x_TD, cfg)
-    assert_close(y, dense(ex["w_gate"][0], ex["w_up"][0], ex["w_down"][0], x_TD))
+    assert_close(y, dense(gate_DF, up_DF, ex["w_down"][0], x_TD))
     ct = torch.randn_like(y)
     _, vjp_fn = torch.func.vjp(lambda p, x: moe(p, x, cfg)[0], params, x_TD)
     dp, dx = vjp_fn(ct)
-    _, vjp_dense = torch.func.vjp(dense, ex["w_gate"][0], ex["w_up"][0], ex["w_down"][0], x_TD)
+    _, vjp_dense = torch.func.vjp(dense, gate_DF, up_DF, ex["w_down"][0], x_TD)
     dg, du, dd, dx_d = vjp_dense(ct)
-    assert_close((dp["experts"]["w_gate"][0], dp["experts"]["w_up"][0], dp["experts"]["w_down"][0], dx),
-                 (dg, du, dd, dx_d))
+    assert_close((dp["experts"]["w_gate_up"][0], dp["experts"]["w_down"][0], dx),
+                 (torch.cat([dg, du], -1), dd, dx_d))
     assert_close(dp["router"]["w"], torch.zeros_like(dp["router"]["w"]))
 
 

@@ -193,15 +193,15 @@ def test_moe_state_rules() -> None:
 def test_moe_takes_the_local_expert_count_from_the_dispatcher() -> None:
     params, x = _moe()
     local = dict(params, experts={k: v[2:].clone() for k, v in params["experts"].items()})
-    with raises("moe params: experts.w_gate has shape (2, 8, 16), config says [E=4, D=8, F=16]"):
+    with raises("moe params: experts.w_gate_up has shape (2, 8, 32), config says [E=4, D=8, Z=32]"):
         moe(local, x, BASE)
     check_moe(local, BASE, num_local_experts=2)  # an expert-parallel rank's params: L = 2
 
     class TwoLocal:  # a dispatcher of an EP rank with 2 of the 4 experts (never reached: the check fails)
         num_local_experts = 2
 
-    with raises("moe params: experts.w_up has shape (4, 8, 16), config says [L=2, D=8, F=16]"):
-        moe({**params, "experts": {**params["experts"], "w_gate": local["experts"]["w_gate"]}}, x, BASE,
+    with raises("moe params: experts.w_down has shape (4, 16, 8), config says [L=2, F=16, D=8]"):
+        moe({**params, "experts": {**params["experts"], "w_gate_up": local["experts"]["w_gate_up"]}}, x, BASE,
             dispatcher=TwoLocal())
 
 
@@ -263,7 +263,7 @@ def test_block_and_dense_block_and_stage_functions_check() -> None:
     with raises("moe state: expert_bias_E has shape"):
         block(moe_block, x, cfg, {"expert_bias_E": torch.zeros(3)})
     acts = {"rows_MD": torch.randn(4, 8), "normed_TD": torch.randn(2, 8)}
-    with raises("moe params: experts.w_gate has shape (4, 8, 16), config says [L=2, D=8, F=16]"):
+    with raises("moe params: experts.w_gate_up has shape (4, 8, 32), config says [L=2, D=8, Z=32]"):
         experts(moe_block["moe"], acts, [2, 2], cfg)  # two count entries: two local experts
     with raises("moe params: shared is not in the config"):
         experts({**moe_block["moe"], "shared": {}}, acts, [1, 1, 1, 1], cfg)
@@ -277,7 +277,7 @@ def test_layer_pieces_and_router_check() -> None:
             fn(bad)
     with raises("router params: w has shape (8, 3), config says [D=8, E=4]"):
         route(bad["router"], x, BASE)
-    with raises("moe params: experts.w_gate has shape (4, 8, 16), config says [L=3, D=8, F=16]"):
+    with raises("moe params: experts.w_gate_up has shape (4, 8, 32), config says [L=3, D=8, Z=32]"):
         expert_rows(params["experts"], x, None, [2, 2, 2], BASE)
 
 
@@ -305,7 +305,8 @@ def test_pipeline_step_checks_what_its_rank_reads() -> None:
     for b in local["layers"][1:] + [local["mtp"]["block"]]:
         b["moe"] = {**b["moe"], "experts": {k: v[:2] for k, v in b["moe"]["experts"].items()}}
     gpt_program(cfg, s, 0, parallel=ParallelContext(dispatcher=LocalDispatcher(2))).check(local, state)
-    with raises("gpt params: layers.1.moe.experts.w_gate has shape (2, 8, 16), config says [E=4, D=8, F=16]"):
+    with raises("gpt params: layers.1.moe.experts.w_gate_up has shape (2, 8, 32), config says "
+                "[E=4, D=8, Z=32]"):
         gpt_program(cfg, s, 0).check(local, state)
     step = gpt_pipeline_step(gpt_program(cfg, s, 0), params, state, batches)
     with raises("gpt state: layers has 1 entries, config says n_layers=2"):

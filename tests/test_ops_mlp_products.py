@@ -1,7 +1,9 @@
 """The fused SwiGLU MLP products (fmoe/ops/_mlp_products.py) against float64 oracles.
 
 swiglu_grouped_linear(g, u, w) == grouped_linear(swiglu(g, u), w) and grouped_linear_pair(x, wa, wb) ==
-(grouped_linear(x, wa), grouped_linear(x, wb)) against per-row loops; swiglu_linear and linear_pair against
+(grouped_linear(x, wa), grouped_linear(x, wb)) against per-row loops, and swiglu_packed_grouped_linear and
+swiglu_packed (gate and up as one [M, 2F] input, the fused gate/up product's output) the same way;
+swiglu_linear and linear_pair against
 plain matmuls (leading dims kept): outputs, input gradients and (deferred) weight gradients, under
 split_vjp with either engine and outside it.
 
@@ -17,7 +19,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fmoe.ops import grouped_linear_pair, linear_pair, swiglu_grouped_linear, swiglu_linear
+from fmoe.ops import (
+    grouped_linear_pair,
+    linear_pair,
+    swiglu_grouped_linear,
+    swiglu_linear,
+    swiglu_packed,
+    swiglu_packed_grouped_linear,
+)
 from fmoe.transforms import split_vjp
 from fmoe.transforms.testing import assert_close
 
@@ -115,6 +124,32 @@ def test_swiglu_grouped_linear_matches_the_loop_oracle(case: Case) -> None:
     assert_close(y, y_ref, dtype=case.dtype, msg="y")
     assert_close(dgate, ref["gate"], dtype=case.dtype, scale=2.0, msg="dgate")
     assert_close(dup, ref["up"], dtype=case.dtype, scale=2.0, msg="dup")
+    assert_close(dp["w"], ref["w"], dtype=case.dtype, scale=2.0, msg="dw")
+
+
+@pytest.mark.parametrize("down", [True, False])
+@settings(max_examples=15, deadline=None)
+@with_examples
+@given(case=cases())
+def test_swiglu_packed_matches_the_loop_oracle(case: Case, down: bool) -> None:
+    """gate | up in one [M, 2F] input: the output, the one [M, 2F] input gradient (both halves) and the
+    down weight's (deferred) gradient; `down`: with the down product fused, else swiglu_packed alone."""
+    M, E, F = sum(case.counts), len(case.counts), case.F
+    t = _make(case, {"gu": (M, 2 * F), "w": (E, F, case.D), "ct": (M, case.D if down else F)})
+
+    def f(p, gu):
+        return swiglu_packed_grouped_linear(gu, p["w"], case.counts, case.backend) if down else \
+            swiglu_packed(gu) + 0 * p["w"].sum()
+
+    def f64(q):
+        h = torch.nn.functional.silu(q["gu"][:, :F]) * q["gu"][:, F:]
+        return _loop(h, q["w"], case.counts) if down else h
+
+    y, dp, (dgu,) = _grads(f, {"w": t["w"]}, (t["gu"],), t["ct"], case.engine)
+    y_ref, ref = _oracle(f64, t, ["gu", "w"], t["ct"])
+    assert y.dtype == case.dtype and dgu.shape == (M, 2 * F)
+    assert_close(y, y_ref, dtype=case.dtype, msg="y")
+    assert_close(dgu, ref["gu"], dtype=case.dtype, scale=2.0, msg="dgate | dup")
     assert_close(dp["w"], ref["w"], dtype=case.dtype, scale=2.0, msg="dw")
 
 

@@ -172,7 +172,7 @@ def test_ep_inside_pipeline_stages_matches_per_rank_oracles(pp2_runs: list[dict]
         got = [r["stages"][(kind, rpn, name)] for r in pp2_runs]
         want_sum = assert_equal_to_oracles(cfg, imbalanced, got, (kind, name))
         if imbalanced:  # the first EP rank's experts received no token: only their zero gradient flows
-            w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_up"]
+            w = want_sum[f"layers.{cfg.num_dense_layers}.moe.experts.w_gate_up"]
             assert torch.count_nonzero(w[:L]) == 0 and torch.count_nonzero(w[L:]) > 0
 
 

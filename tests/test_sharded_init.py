@@ -101,7 +101,7 @@ def test_draws_follow_their_definition_and_units_are_independent() -> None:
     table, w_up = params["embed"]["table"], params["layers"][0]["mlp"]["w_up"]
     assert abs(table.std().item() - 0.02) < 0.004
     assert abs(w_up.std().item() - cfg.d_model ** -0.5) < 0.08
-    experts = params["layers"][1]["moe"]["experts"]["w_gate"]
+    experts = params["layers"][1]["moe"]["experts"]["w_gate_up"]
     assert not torch.equal(experts[0], experts[1])  # each expert its own seed
     assert not torch.equal(table[0], table[1])
     assert not torch.equal(params["layers"][1]["w_q"], params["layers"][2]["w_q"])  # each layer its own key

@@ -129,7 +129,10 @@ def test_tensor_parallel_runs_agree_with_one_process_and_checkpoints_cross_tp_la
         assert [m["step"] for m in got] == [m["step"] for m in want], name
         for w, h in zip(want, got, strict=True):
             for key in ("loss", "main_loss", "balance_loss", "mtp_loss", "grad_norm"):
-                assert h[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (name, w["step"], key)
+                # the balance loss (~0.05) sums products of per-expert fractions: tp's reordered fp32 sums
+                # reach it amplified after an AdamW step (2.1e-5 relative measured at pp2_tp2, step 1)
+                rel = 5e-5 if key == "balance_loss" else 2e-5
+                assert h[key] == pytest.approx(w[key], rel=rel, abs=1e-6), (name, w["step"], key)
             assert h["max_over_mean_load"] == pytest.approx(w["max_over_mean_load"], rel=1e-3), name
 
 

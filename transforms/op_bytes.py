@@ -14,7 +14,8 @@ outputs, with three rules that keep the count near what the op moves:
   table counts as that many rows (all of it once for a permutation, a token row once per slot for a
   gather of K slots); the per-sample-weight backward reads each bag's gradient row for the bag's
   consecutive entries, so that input counts once, in full.
-An in-place op counts its destination twice (read and written), as any elementwise op does.
+An in-place op counts its destination twice (read and written), as any elementwise op does; an out=
+op's destination counts once (written, not read); an allocation (empty, empty_like) moves nothing.
 Runs on the meta device too (shapes only): the count of a large layer without its memory or time.
 """
 
@@ -39,7 +40,13 @@ BAG_INDICES = {"_embedding_bag": 1, "_embedding_bag_forward_only": 1,
 
 def _moves_nothing(func: Any) -> bool:
     return func.is_view or torch.Tag.view_copy in func.tags or func.overloadpacket.__name__ in (
-        "detach", "alias", "lift_fresh", "_to_copy_noop")
+        "detach", "alias", "lift_fresh", "_to_copy_noop", "empty", "empty_like", "empty_strided", "new_empty")
+
+
+def _read(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The values an op reads: its arguments but an out= overload's destinations (written only)."""
+    outs = {a.name for a in func._schema.arguments if a.is_out}
+    return list(args) + [v for k, v in kwargs.items() if k not in outs] if outs else [*args, kwargs]
 
 
 def _bytes(t: Any) -> int:
@@ -54,20 +61,22 @@ class OpBytes(TorchDispatchMode):
         self.by_op: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if name in GEMMS or _moves_nothing(func):
             return out
         outputs = sum(_bytes(t) for t in tree_flatten(out)[0])
+        read = tree_flatten(_read(func, args, kwargs))[0]
         if name in GATHERS:
-            inputs = outputs + sum(_bytes(t) for t in tree_flatten((args, kwargs))[0]
+            inputs = outputs + sum(_bytes(t) for t in read
                                    if isinstance(t, torch.Tensor) and not t.is_floating_point())
         elif name in BAG_TABLES:
             table, index = args[BAG_TABLES[name]], args[BAG_INDICES[name]]
             rows_read = index.numel() * (_bytes(table) // max(table.shape[0], 1))
-            inputs = sum(_bytes(t) for t in tree_flatten((args, kwargs))[0]) - _bytes(table) + rows_read
+            inputs = sum(_bytes(t) for t in read) - _bytes(table) + rows_read
         else:
-            inputs = sum(_bytes(t) for t in tree_flatten((args, kwargs))[0])
+            inputs = sum(_bytes(t) for t in read)
         self.by_op[name] += inputs + outputs
         return out
 

@@ -16,7 +16,7 @@ copied (contiguous). Per layer i, with P = "model.layers.{i}":
     P.mlp.{gate,up,down}_proj.weight       -> mlp.w_gate, w_up [D, F], w_down [F, D] (dense, qwen3_moe)
     router  P.mlp.gate.weight [E, D]       -> moe.router.w [D, E]   (mixtral: P.block_sparse_moe.gate)
     expert e P.mlp.experts.{e}.gate_proj / up_proj / down_proj (mixtral: P.block_sparse_moe.experts.{e}.
-             w1 / w3 / w2)                 -> moe.experts.w_gate[e], w_up[e] [D, F], w_down[e] [F, D]
+             w1 / w3 / w2)                 -> moe.experts.w_gate_up[e] [D, 2F] (gate | up), w_down[e] [F, D]
 and model.embed_tokens.weight [V, D] -> embed.table, model.norm.weight -> norm, lm_head.weight [V, D]
 -> head.w [D, V] (absent when tie_word_embeddings: the embedding's transpose, copied).
 Imports also read transformers 5's in-memory fused experts (`model.state_dict()` of a loaded model):
@@ -73,17 +73,16 @@ class _Reader:
 
 def _experts_from_hf(get: _Reader, P: str, cfg: GPTConfig, arch: str) -> dict[str, torch.Tensor]:
     E, D, F = cfg.moe.num_experts, cfg.d_model, cfg.moe.d_ff
-    if get.has(f"{P}.mlp.experts.gate_up_proj"):  # transformers 5's fused layout
-        gate_up = get(f"{P}.mlp.experts.gate_up_proj", (E, 2 * F, D))
-        return {"w_gate": _t(gate_up[:, :F]), "w_up": _t(gate_up[:, F:]),
+    if get.has(f"{P}.mlp.experts.gate_up_proj"):  # transformers 5's fused layout, gate rows first as ours
+        return {"w_gate_up": _t(get(f"{P}.mlp.experts.gate_up_proj", (E, 2 * F, D))),
                 "w_down": _t(get(f"{P}.mlp.experts.down_proj", (E, D, F)))}
-    module, names = _MOE_NAMES[arch]
-    shapes = ((F, D), (F, D), (D, F))
-    out = {}
-    for ours, theirs, shape in zip(("w_gate", "w_up", "w_down"), names, shapes):
-        rows = [_t(get(f"{P}.{module}.experts.{e}.{theirs}.weight", shape)) for e in range(E)]
-        out[ours] = torch.stack(rows)
-    return out
+    module, (gate, up, down) = _MOE_NAMES[arch]
+
+    def stacked(name: str, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.stack([_t(get(f"{P}.{module}.experts.{e}.{name}.weight", shape)) for e in range(E)])
+
+    return {"w_gate_up": torch.cat([stacked(gate, (F, D)), stacked(up, (F, D))], -1),
+            "w_down": stacked(down, (D, F))}
 
 
 def _router_name(get: _Reader, P: str, arch: str) -> str:
@@ -158,10 +157,11 @@ def params_to_hf(params: dict[str, Any], cfg: GPTConfig, arch: str) -> dict[str,
             continue
         sd[f"{P}.post_attention_layernorm.weight"] = p["mlp_norm"].clone()
         sd[f"{P}.{module}.gate.weight"] = _t(p["moe"]["router"]["w"])
-        experts = p["moe"]["experts"]
+        experts, F = p["moe"]["experts"], cfg.moe.d_ff
         for e in range(cfg.moe.num_experts):
-            for ours, theirs in zip(("w_gate", "w_up", "w_down"), names):
-                sd[f"{P}.{module}.experts.{e}.{theirs}.weight"] = _t(experts[ours][e])
+            gate_up = experts["w_gate_up"][e]
+            for w, theirs in zip((gate_up[:, :F], gate_up[:, F:], experts["w_down"][e]), names):
+                sd[f"{P}.{module}.experts.{e}.{theirs}.weight"] = _t(w)
     sd["model.norm.weight"] = params["norm"].clone()
     sd["lm_head.weight"] = _t(params["head"]["w"])
     return sd

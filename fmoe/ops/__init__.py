@@ -21,6 +21,7 @@ from fmoe.ops._mlp_products import grouped_linear_pair as grouped_linear_pair
 from fmoe.ops._mlp_products import linear_pair as linear_pair
 from fmoe.ops._mlp_products import swiglu_grouped_linear as swiglu_grouped_linear
 from fmoe.ops._mlp_products import swiglu_linear as swiglu_linear
+from fmoe.ops._mlp_products import swiglu_packed_grouped_linear as swiglu_packed_grouped_linear
 from fmoe.ops._permute import Layout as Layout
 from fmoe.ops._permute import expert_counts as expert_counts
 from fmoe.ops._permute import permute as permute
@@ -29,3 +30,4 @@ from fmoe.ops._permute import sort_layout as sort_layout
 from fmoe.ops._permute import unpermute as unpermute
 from fmoe.ops._rms_norm import rms_norm as rms_norm
 from fmoe.ops._swiglu import swiglu as swiglu
+from fmoe.ops._swiglu import swiglu_packed as swiglu_packed

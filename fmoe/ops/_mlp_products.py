@@ -2,11 +2,12 @@
 
     gate_MF, up_MF = grouped_linear_pair(x_MD, w_gate_EDF, w_up_EDF, counts_E)  # two grouped_linear
     y_MD = swiglu_grouped_linear(gate_MF, up_MF, w_EFD, counts_E)   # == grouped_linear(swiglu(g, u), w)
+    y_MD = swiglu_packed_grouped_linear(gate_up_MZ, w_EFD, counts_E)  # gate | up from one fused product
     gate_XF, up_XF = linear_pair(x_XD, w_gate_DF, w_up_DF)           # the same for dense weights (linear)
     y_XD = swiglu_linear(gate_XF, up_XF, w_FD)
 
 Legend (the package's, docs/moe.md): M rows grouped by expert (X: any rows), F hidden features, D model
-features, E experts (local).
+features, E experts (local), Z = 2 F (gate | up side by side).
 
 Why fused: in a split backward (`split_vjp`) the down projection's deferred weight gradient needs its
 input h = silu(gate) * up until the dw pass, while the SwiGLU backward needs gate and up (and silu(gate))
@@ -35,7 +36,7 @@ import torch
 from fmoe._compat import Function, needs_grad
 from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear
 from fmoe.ops._linear import DENSE, Dense, linear
-from fmoe.ops._swiglu import swiglu
+from fmoe.ops._swiglu import halves, packed_swiglu_grad, swiglu, swiglu_packed
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
@@ -56,24 +57,34 @@ def _down_weight_grad_into(out_FD: torch.Tensor, gate_MF: torch.Tensor, up_MF: t
     return prod.dw_into(out_FD, _h(gate_MF, up_MF), g_MD)
 
 
+def _gate_and_up(a: torch.Tensor, up_MF: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up): a and up_MF, or a's two column halves when up_MF is None (a is gate_up_MZ)."""
+    return halves(a) if up_MF is None else (a, up_MF)
+
+
 class _SwiGLUDown(Function):
+    """y = prod(silu(gate) * up, w); `up_MF` None: `gate_MF` is gate_up_MZ (gate | up, one product's output)
+    and its gradient is one [M, 2F] tensor."""
+
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_FD: torch.Tensor,
+    def forward(gate_MF: torch.Tensor, up_MF: torch.Tensor | None, w_FD: torch.Tensor,
                 prod: Grouped | Dense) -> torch.Tensor:
-        return prod.fwd(_h(gate_MF, up_MF), w_FD)
+        return prod.fwd(_h(*_gate_and_up(gate_MF, up_MF)), w_FD)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         gate_MF, up_MF, w_FD, prod = inputs
         ctx.save_for_backward(gate_MF, up_MF, w_FD)
         ctx.prod = prod
+        ctx.packed = up_MF is None
         ctx.w_plain = w_FD  # the caller's tensor object: the tape keys deferral on it
 
     @staticmethod
     def backward(ctx, g_MD):
-        gate_MF, up_MF, w_FD = ctx.saved_tensors
+        a, b, w_FD = ctx.saved_tensors
+        gate_MF, up_MF = _gate_and_up(a, None if ctx.packed else b)
         prod = ctx.prod
         g_MD = g_MD.contiguous()  # an expanded (stride-0) cotangent: the grouped kernels reject it
         dw = None
@@ -81,6 +92,8 @@ class _SwiGLUDown(Function):
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod,
                                       accumulate=_down_weight_grad_into)
         dgate = dup = None
+        if ctx.packed and needs_grad(ctx)[0]:  # dh is this backward's own: the SwiGLU backward overwrites it
+            return packed_swiglu_grad(prod.dx(g_MD, w_FD), a, None, g_is_own=True), None, dw, None
         if needs_grad(ctx)[0] or needs_grad(ctx)[1]:
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
             dh = prod.dx(g_MD, w_FD)
@@ -107,6 +120,24 @@ def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: tor
         return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend)
     prod = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E, backend)
     return _SwiGLUDown.apply(gate_MF, up_MF, w_EFD, prod)
+
+
+def swiglu_packed_grouped_linear(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor,
+                                 counts_E: torch.Tensor | Sequence[int] | Counts,
+                                 backend: str | None = None) -> torch.Tensor:
+    """Return y_MD = grouped_linear(swiglu_packed(gate_up_MZ), w_EFD, counts_E) ([M, D], the input's dtype).
+
+    gate_up_MZ [M, 2F]: gate | up, one fused product's output (`grouped_linear(x, w_gate_up_EDZ)`); its
+    gradient is one [M, 2F] tensor, so that product's backward is one GEMM with no sum of two input
+    gradients. Where a weight gradient may be deferred, the forward keeps gate_up, not h (module docstring).
+    """
+    if gate_up_MZ.shape[-1] != 2 * w_EFD.shape[-2]:
+        raise ValueError(f"swiglu_packed_grouped_linear: gate_up has {gate_up_MZ.shape[-1]} columns, the "
+                         f"down weight {tuple(w_EFD.shape)} wants 2 x {w_EFD.shape[-2]}")
+    if not may_defer():
+        return grouped_linear(swiglu_packed(gate_up_MZ), w_EFD, counts_E, backend)
+    prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E, backend)
+    return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
 
 
 class _Pair(Function):

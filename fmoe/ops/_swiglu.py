@@ -1,6 +1,10 @@
 """swiglu: silu(gate) * up, the gated activation of a SwiGLU MLP, with a hand-written backward.
 
-Legend (the package's, docs/moe.md): X rows (any leading dims), F hidden features.
+    h_XF = swiglu(gate_XF, up_XF)
+    h_XF = swiglu_packed(gate_up_XZ)          # gate and up side by side: one [X, 2F] product's output
+
+Legend (the package's, docs/moe.md): X rows (any leading dims), F hidden features, Z = 2 F (gate's
+columns [0, F), up's [F, 2F)).
 Math in the input dtype: aten's silu kernels compute each element in fp32 and round once, the product
 rounds once more. (Half-precision inputs upcast to fp32 and back cost 3x on CPU in copies, for under one
 bf16 ulp: docs/precision.md.)
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe._compat import Function, functorch_active, needs_grad
+from fmoe._compat import Function, functorch_active, is_tracing, needs_grad
 
 
 class _SwiGLU(Function):
@@ -45,6 +49,73 @@ class _SwiGLU(Function):
         if needs_grad(ctx)[1]:
             dup = g_XF * silu_XF
         return dgate, dup
+
+
+def halves(gate_up_XZ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (gate_XF, up_XF): the two column halves of gate_up_XZ (views, no copy)."""
+    F = gate_up_XZ.shape[-1] // 2
+    return gate_up_XZ[..., :F], gate_up_XZ[..., F:]
+
+
+def packed_swiglu_grad(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor, silu_XF: torch.Tensor | None = None,
+                       g_is_own: bool = False) -> torch.Tensor:
+    """Return d gate_up [X, 2F] of <g_XF, silu(gate) * up>: the gate's gradient in columns [0, F), the up's
+    in [F, 2F), each written in place into one buffer (so the fused gate/up product's backward is one
+    GEMM over it, with no sum of two input gradients). `silu_XF`: silu(gate) when kept, else recomputed;
+    `g_is_own`: g may be overwritten (saves a temporary)."""
+    gate_XF, up_XF = halves(gate_up_XZ)
+    silu_XF = torch.nn.functional.silu(gate_XF) if silu_XF is None else silu_XF
+    if is_tracing():  # a traced graph's cuts follow values, not writes into views: the halves made apart
+        dgate_XF = torch.ops.aten.silu_backward(g_XF * up_XF, gate_XF)
+        return torch.cat([dgate_XF, g_XF * silu_XF], -1)
+    d_XZ = torch.empty_like(gate_up_XZ.detach())  # a fresh buffer: the writes below make its history
+    if torch.is_grad_enabled() or functorch_active():
+        # out= takes no tensor that autograd or torch.func tracks: in-place ops on the halves instead (no
+        # [X, 2F] concatenation, which held both halves twice over). Each half is viewed after the other's
+        # write: autograd refuses a view taken before its base joined the graph.
+        halves(d_XZ)[1].copy_(g_XF).mul_(silu_XF)
+        dgate_XF = halves(d_XZ)[0]
+        dgate_XF.copy_(g_XF).mul_(up_XF)
+        dgate_XF.copy_(torch.ops.aten.silu_backward(dgate_XF, gate_XF))
+        return d_XZ
+    dgate_XF, dup_XF = halves(d_XZ)
+    torch.mul(g_XF, silu_XF, out=dup_XF)
+    gu_XF = g_XF.mul_(up_XF) if g_is_own else g_XF * up_XF
+    # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), aten's fused silu_backward kernel, into its half
+    torch.ops.aten.silu_backward.grad_input(gu_XF, gate_XF, grad_input=dgate_XF)
+    return d_XZ
+
+
+class _SwiGLUPacked(Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate_up_XZ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_XF, up_XF = halves(gate_up_XZ)
+        silu_XF = torch.nn.functional.silu(gate_XF)
+        return silu_XF * up_XF, silu_XF  # silu kept for the backward, as in _SwiGLU
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(inputs[0], output[1])
+
+    @staticmethod
+    def backward(ctx, g_XF, _g_silu):
+        gate_up_XZ, silu_XF = ctx.saved_tensors
+        if g_XF is None:
+            return None
+        return packed_swiglu_grad(g_XF, gate_up_XZ, silu_XF)
+
+
+def swiglu_packed(gate_up_XZ: torch.Tensor) -> torch.Tensor:
+    """Return h_XF = silu(gate) * up for gate, up = the column halves of gate_up_XZ [..., 2F] (one product's
+    output); its backward writes both halves' gradients into one [..., 2F] tensor."""
+    if gate_up_XZ.shape[-1] % 2 or not gate_up_XZ.is_floating_point():
+        raise ValueError(f"swiglu_packed: gate_up must be floating with an even last dim (gate | up), got "
+                         f"{tuple(gate_up_XZ.shape)} {gate_up_XZ.dtype}")
+    return _SwiGLUPacked.apply(gate_up_XZ)[0]
 
 
 def swiglu(gate_XF: torch.Tensor, up_XF: torch.Tensor) -> torch.Tensor:
