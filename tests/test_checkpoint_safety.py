@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -308,3 +309,53 @@ def test_under_torchrun_rank_0_takes_the_lock_and_every_rank_stops(tmp_path: Pat
     # each rank prints the line (torchrun may stop rank 0 before it does, once rank 1 has exited)
     assert 1 <= len(lines) <= 2 and all(f"pid {os.getpid()}" in ln for ln in lines), done.stderr
     assert not list(ckpt.glob("step_*"))
+
+
+# ---- a checkpoint from before the fused gate/up experts loads into them -------------------------------
+
+
+def _as_separate_gate_and_up(src: Path, dst: Path) -> None:
+    """Writes src's checkpoint to dst as fmoe wrote it before the routed experts' gate and up weights were
+    one tensor: each `...experts.w_gate_up` key as `...experts.w_gate` and `...experts.w_up` (its column
+    halves; the AdamW step counter under both), the same meta.json, fresh checksums."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fmoe.train import checksums
+    from fmoe.train.safe_metadata import SafeFileSystemReader, read_metadata
+
+    held = read_metadata(src / ".metadata").state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in held.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load / save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(src)))
+    old = {}
+    for key, t in state.items():
+        if checkpoint.FUSED not in key:
+            old[key] = t
+            continue
+        half = t.shape[-1] // 2 if t.dim() else None
+        old[key.replace(checkpoint.FUSED, checkpoint.GATE)] = t if half is None else t[..., :half].clone()
+        old[key.replace(checkpoint.FUSED, checkpoint.UP)] = t if half is None else t[..., half:].clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(old, checkpoint_id=str(dst))
+    shutil.copy(src / checkpoint.META, dst / checkpoint.META)
+    checksums.write(dst, {p.name: checksums.digest(p) for p in dst.iterdir()})
+
+
+def test_a_checkpoint_with_separate_gate_and_up_weights_resumes_as_the_fused_one(tmp_path: Path,
+                                                                                   step2: Path) -> None:
+    """Weights and AdamW moments of w_gate and w_up land in w_gate_up's halves: the next step's loss is the
+    same bit for bit as resuming the fused checkpoint it was written from."""
+    old = tmp_path / "old"
+    _as_separate_gate_and_up(step2 / STEP2, old)
+    assert checkpoint.has_key(old, "model/layers.1.moe.experts.w_gate/expert0")
+    assert not checkpoint.has_key(old, "model/layers.1.moe.experts.w_gate_up/expert0")
+    losses = []
+    for name, ckpt in (("fused", step2 / STEP2), ("separate", old)):
+        metrics = tmp_path / f"{name}.jsonl"
+        _ok(tmp_path, "--steps", "3", "--load", str(ckpt), "--metrics", str(metrics),
+            "--override-opt-param-scheduler")
+        losses.append([json.loads(line)["loss"] for line in metrics.read_text().splitlines()])
+    assert losses[0] == losses[1] and len(losses[0]) == 1, losses

@@ -147,6 +147,7 @@ def load_fmoe(path: str | Path, *, seams: bool = True) -> tuple[GPTConfig, dict[
         params = _tree_empty(shapes, dtype)
         leaves, tensors = _leaves(params, cfg)
         items = checkpoint.state_items(leaves, tensors, _NoOptimizer(), {}, 0, 0, with_rng=False)
+        checkpoint.read_gate_and_up_apart(root, items)
         checkpoint.load(root, items, verified=True)
     return cfg, params, meta
 

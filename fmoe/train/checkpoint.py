@@ -316,6 +316,30 @@ def has_key(checkpoint: str | Path, key: str) -> bool:
     return key in read_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
 
 
+FUSED, GATE, UP = ".experts.w_gate_up", ".experts.w_gate", ".experts.w_up"
+
+
+def read_gate_and_up_apart(checkpoint: str | Path, items: dict[str, torch.Tensor]) -> None:
+    """For a checkpoint written before the routed experts' gate and up weights were one tensor (keys
+    `...experts.w_gate` and `...experts.w_up`, each [.., D, F]): puts into `items`, in place of each
+    `...experts.w_gate_up` key the checkpoint lacks, its two halves under the old keys (views of the same
+    tensor, [.., D, 2F]: gate's columns, then up's), so the load writes the old tensors into the fused
+    one. The AdamW step counter, one per leaf, is read from w_gate's. Returns None."""
+    from fmoe.train.safe_metadata import read_metadata
+
+    held = read_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
+    for key in [k for k in items if FUSED in k and k not in held]:
+        gate_key, up_key = key.replace(FUSED, GATE), key.replace(FUSED, UP)
+        if gate_key not in held or up_key not in held:
+            continue  # neither layout: the load names the missing key
+        fused = items.pop(key)
+        if fused.dim() == 0:
+            items[gate_key] = fused
+            continue
+        half = fused.shape[-1] // 2
+        items[gate_key], items[up_key] = fused[..., :half], fused[..., half:]
+
+
 def verify(checkpoint: str | Path) -> None:
     """Checks the checkpoint before anything of it is used (collective: the ranks split the files):
     every file against checksums.json, then `.metadata` through the restricted unpickler, its shards

@@ -557,6 +557,7 @@ class Trainer:
             del items["train/loss_scale"]
         for key in self._moe_state_absent(path, items):
             del items[key]  # a --load starts it fresh (init_gpt_state's), as a fresh run with the flag
+        checkpoint.read_gate_and_up_apart(path, items)
         checkpoint.load(path, items, verified=True)
         self.step_done = int(items["train/step"])
         self.consumed_samples = (int(items["train/consumed_samples"]) if counted else self.step_done * int(
