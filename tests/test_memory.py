@@ -88,7 +88,10 @@ def test_peak_memory_is_no_higher_than_tape_autograd(name: str, mode: str, monke
     # torch.func's own bookkeeping (its wrappers' index tensors) may add a few KiB to a plain vjp; the
     # split backward, fmoe's own, may exceed the reference by what its tape holds and no more.
     if mode.startswith("func.vjp"):
-        slack = 16 * 1024
+        # plus one [M, F] of the routed experts (M = T K rows): under torch.func the packed SwiGLU backward
+        # cannot write silu's derivative into its half of the gradient in place (no out= on tensors
+        # torch.func tracks), so it makes it apart first
+        slack = 16 * 1024 + T * cfg.top_k * cfg.d_ff * 4
     else:
         params, x_TD, ct_TD = setup
         slack = _deferred_bytes(monkeypatch, lambda: _step(mode, cfg, *setup),

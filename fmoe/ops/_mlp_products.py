@@ -92,8 +92,8 @@ class _SwiGLUDown(Function):
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod,
                                       accumulate=_down_weight_grad_into)
         dgate = dup = None
-        if ctx.packed and needs_grad(ctx)[0]:  # dh is this backward's own: the SwiGLU backward overwrites it
-            return packed_swiglu_grad(prod.dx(g_MD, w_FD), a, None, g_is_own=True), None, dw, None
+        if ctx.packed and needs_grad(ctx)[0]:
+            return packed_swiglu_grad(prod.dx(g_MD, w_FD), a), None, dw, None
         if needs_grad(ctx)[0] or needs_grad(ctx)[1]:
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
             dh = prod.dx(g_MD, w_FD)

@@ -57,12 +57,12 @@ def halves(gate_up_XZ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up_XZ[..., :F], gate_up_XZ[..., F:]
 
 
-def packed_swiglu_grad(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor, silu_XF: torch.Tensor | None = None,
-                       g_is_own: bool = False) -> torch.Tensor:
+def packed_swiglu_grad(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor,
+                       silu_XF: torch.Tensor | None = None) -> torch.Tensor:
     """Return d gate_up [X, 2F] of <g_XF, silu(gate) * up>: the gate's gradient in columns [0, F), the up's
     in [F, 2F), each written in place into one buffer (so the fused gate/up product's backward is one
-    GEMM over it, with no sum of two input gradients). `silu_XF`: silu(gate) when kept, else recomputed;
-    `g_is_own`: g may be overwritten (saves a temporary)."""
+    GEMM over it, with no sum of two input gradients). `silu_XF`: silu(gate) when kept, else recomputed.
+    Holds no [X, F] temporary beside the result (in eager runs)."""
     gate_XF, up_XF = halves(gate_up_XZ)
     silu_XF = torch.nn.functional.silu(gate_XF) if silu_XF is None else silu_XF
     if is_tracing():  # a traced graph's cuts follow values, not writes into views: the halves made apart
@@ -80,9 +80,9 @@ def packed_swiglu_grad(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor, silu_XF: to
         return d_XZ
     dgate_XF, dup_XF = halves(d_XZ)
     torch.mul(g_XF, silu_XF, out=dup_XF)
-    gu_XF = g_XF.mul_(up_XF) if g_is_own else g_XF * up_XF
-    # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), aten's fused silu_backward kernel, into its half
-    torch.ops.aten.silu_backward.grad_input(gu_XF, gate_XF, grad_input=dgate_XF)
+    torch.mul(g_XF, up_XF, out=dgate_XF)  # g * up, then silu's derivative applied where it lies: no temporary
+    # d silu(a) / da = sig(a) * (1 + a * (1 - sig(a))), aten's fused silu_backward kernel, in place
+    torch.ops.aten.silu_backward.grad_input(dgate_XF, gate_XF, grad_input=dgate_XF)
     return d_XZ
 
 
