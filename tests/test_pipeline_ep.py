@@ -204,17 +204,28 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES),
-                                      (1, [("alltoall", 2, "combined_1f1b", True),
-                                           ("allgather", 2, "combined_1f1b", False),
-                                           ("hierarchical", 1, "combined_1f1b", False)])],
-                         ids=["pp2xep2", "pp1xep2"])
+PP1_OVERLAP_CASES = [("alltoall", 2, "combined_1f1b", True), ("allgather", 2, "combined_1f1b", False),
+                     ("hierarchical", 1, "combined_1f1b", False)]
+
+
+def _pp1_ranks(rank: int, world: int) -> dict:
+    """One pp 1 x EP rank's answers for both tests below that run on 2 ranks (`_overlap_rank`'s at pp 1 and
+    `_chain_completion`'s): one start of the 2 ranks rather than one per test."""
+    return {"overlap": _overlap_rank(rank, world, PP1_OVERLAP_CASES, 1),
+            "chain": _chain_completion(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def pp1_runs() -> list[dict]:
+    """Each pp 1 x EP rank's {"overlap": {(case, overlap): ...}, "chain": ...} (`_pp1_ranks`)."""
+    return [r.value for r in spawn(_pp1_ranks, EP, timeout_s=400)]
+
+
+@pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES), (1, PP1_OVERLAP_CASES)], ids=["pp2xep2", "pp1xep2"])
 def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list,
                                                          request: pytest.FixtureRequest) -> None:
-    if pp == 2:  # the 4 ranks of the test above, started once for both
-        values = [r["overlap"] for r in request.getfixturevalue("pp2_runs")]
-    else:
-        values = [r.value for r in spawn(_overlap_rank, pp * EP, cases, pp, timeout_s=400)]
+    # each on the ranks of its fixture, started once for the tests that share them
+    values = [r["overlap"] for r in request.getfixturevalue("pp2_runs" if pp == 2 else "pp1_runs")]
     for kind, rpn, name, imbalanced in cases:
         oracles = [_oracle(_cfg(True, imbalanced), imbalanced, e, M) for e in range(EP)]
         for v in values:
@@ -242,7 +253,7 @@ def _chain_completion(rank: int, world: int) -> tuple[float, float]:
     return h.not_before - t0, chain.completed_at - t0
 
 
-def test_an_exchange_completes_when_the_link_model_says_not_when_waited() -> None:
-    for r in spawn(_chain_completion, 2, timeout_s=60):
-        modelled, completed = r.value
+def test_an_exchange_completes_when_the_link_model_says_not_when_waited(pp1_runs: list[dict]) -> None:
+    for r in pp1_runs:
+        modelled, completed = r["chain"]
         assert completed == pytest.approx(modelled) and completed < 0.15, r.value
