@@ -55,6 +55,13 @@ def local_cluster_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         yield path
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tells tests/dist_utils.py which test modules run (their shared rank starts run their parts only)."""
+    import dist_utils
+
+    dist_utils.COLLECTED = {item.module.__name__ for item in items if item.module is not None}
+
+
 @pytest.fixture
 def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails the test if anything starts a process or joins a process group (what `fmoe train` checks
