@@ -5,7 +5,7 @@ store, each run bounded by a timeout that kills stragglers), failing the test wh
 
 A hung collective fails the test instead of hanging it. `fn` must be a module-level function (pickled by
 reference). Modules whose ranks run the same world sizes may share their starts across the session:
-`share_ranks(name, fn, *args)` at import, then `shared_ranks(world, name)` in a fixture.
+`share_ranks(name, worlds, fn, *args)` at import, then `shared_ranks(world, name)` in a fixture.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from fmoe.parallel.local_ranks import RankResult, failures, run_ranks
 
-__all__ = ["RankResult", "share_ranks", "shared_ranks", "spawn", "spawned_per_world"]
+__all__ = ["RankResult", "share_ranks", "shared_ranks", "spawn"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -32,33 +32,20 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     return out
 
 
-def spawned_per_world(fn: Callable[..., Any], timeout_s: float = 400.0) -> Callable[[int], list[RankResult]]:
-    """Returns `at(world)`: `spawn(fn, world)`'s results, spawned on the first call for each world size
-    and kept. For a module fixture whose tests share one start of the ranks per world size (each rank's
-    start costs seconds); `fn` answers every test's part."""
-    runs: dict[int, list[RankResult]] = {}
-
-    def at(world: int) -> list[RankResult]:
-        if world not in runs:
-            runs[world] = spawn(fn, world, timeout_s=timeout_s)
-        return runs[world]
-
-    return at
-
-
-# name -> (module, fn, args) of the parts `shared_ranks` runs; (world, name) -> each rank's (status, answer);
-# COLLECTED: the test modules this session collected (conftest's pytest_collection_modifyitems; None: every
-# registered part runs)
-_PARTS: dict[str, tuple[str, Callable[..., Any], tuple]] = {}
+# name -> (module, worlds, fn, args) of the parts `shared_ranks` runs; (world, name) -> each rank's
+# (status, answer); COLLECTED: the test modules this session collected (conftest's
+# pytest_collection_modifyitems; None: every registered part runs)
+_PARTS: dict[str, tuple[str, tuple[int, ...], Callable[..., Any], tuple]] = {}
 _SHARED_RUNS: dict[tuple[int, str], list[RankResult]] = {}
 COLLECTED: set[str] | None = None
+SHARED_TIMEOUT_S = 600.0  # one start runs many modules' parts
 
 
-def share_ranks(name: str, fn: Callable[..., Any], *args: Any) -> None:
-    """Registers part `name`: `fn(rank, world, *args)`, a module-level function answering at every world
-    size `shared_ranks` is asked for (its own answer, or {} where it has nothing to run). Call it at the
-    import of the test module."""
-    _PARTS[name] = (fn.__module__, fn, args)
+def share_ranks(name: str, worlds: tuple[int, ...], fn: Callable[..., Any], *args: Any) -> None:
+    """Registers part `name`: `fn(rank, world, *args)`, a module-level function run at each world size of
+    `worlds` on the session's shared starts of the ranks, after other modules' parts (so it must leave no
+    state behind that they would meet). Call it at the import of the test module."""
+    _PARTS[name] = (fn.__module__, worlds, fn, args)
 
 
 def _shared_parts(rank: int, world: int, parts: dict[str, tuple[Callable[..., Any], tuple]]) -> dict:
@@ -73,13 +60,16 @@ def _shared_parts(rank: int, world: int, parts: dict[str, tuple[Callable[..., An
     return out
 
 
-def shared_ranks(world: int, name: str, timeout_s: float = 400.0) -> list[RankResult]:
-    """Each rank's RankResult of part `name` (`share_ranks`) at `world` ranks. The first call for a world
-    size runs every part not run yet at that size, of the test modules this session collected, on one
-    start of the ranks (a rank's start costs seconds), and keeps the answers; raises AssertionError with
-    the tracebacks of the ranks where part `name` raised."""
+def shared_ranks(world: int, name: str, key: str | None = None,
+                 timeout_s: float = SHARED_TIMEOUT_S) -> list[RankResult]:
+    """Each rank's RankResult of part `name` (`share_ranks`) at `world` ranks, its value the part's answer
+    (with `key`: the answer's [key]). The first call for a world size runs every part not run yet at that
+    size, of the test modules this session collected, on one start of the ranks (a rank's start costs
+    seconds), and keeps the answers; raises AssertionError with the tracebacks of the ranks where part
+    `name` raised."""
     if (world, name) not in _SHARED_RUNS:
-        parts = {n: (fn, args) for n, (module, fn, args) in _PARTS.items() if (world, n) not in _SHARED_RUNS
+        parts = {n: (fn, args) for n, (module, worlds, fn, args) in _PARTS.items()
+                 if world in worlds and (world, n) not in _SHARED_RUNS
                  and (COLLECTED is None or module in COLLECTED or n == name)}
         results = spawn(_shared_parts, world, parts, timeout_s=timeout_s)
         for n in parts:
@@ -88,4 +78,4 @@ def shared_ranks(world: int, name: str, timeout_s: float = 400.0) -> list[RankRe
     raised = [f"--- rank {r.rank} ---\n{r.value[1]}" for r in results if r.value[0] == "raised"]
     if raised:
         raise AssertionError(f"part {name!r} raised:\n" + "\n".join(raised))
-    return [dataclasses.replace(r, value=r.value[1]) for r in results]
+    return [dataclasses.replace(r, value=r.value[1] if key is None else r.value[1][key]) for r in results]

@@ -143,7 +143,8 @@ def _run(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-share_ranks("a2a_chunks", _run, CASES)  # on the session's shared starts of the ranks (tests/dist_utils.py)
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("a2a_chunks", (EP, 2 * EP), _run, CASES)
 
 
 @pytest.fixture(scope="module")

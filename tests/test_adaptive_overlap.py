@@ -76,7 +76,8 @@ def _run(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-share_ranks("adaptive_overlap", _run, CASES)  # on the session's shared rank starts (tests/dist_utils.py)
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("adaptive_overlap", (EP, 2 * EP), _run, CASES)
 
 
 @pytest.fixture(scope="module")

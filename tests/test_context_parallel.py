@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import RankResult, spawned_per_world
+from dist_utils import RankResult, share_ranks, shared_ranks
 from test_tensor_parallel_gpt import _data as _gpt_data  # params, ids, targets (one ignored)
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt_state
@@ -100,23 +100,22 @@ def _all_parts(rank: int, world: int) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("context_parallel", (2, 4), _all_parts)
+
+
 @pytest.fixture(scope="module")
-def ranks_at() -> Callable[[int], list[RankResult]]:
-    """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
-    kept for the module."""
-    return spawned_per_world(_all_parts)
-
-
-def _part(results: list[RankResult], part: str) -> list[RankResult]:
-    """`results` with each rank's value its answer for `part` of `_all_parts`."""
-    return [dataclasses.replace(r, value=r.value[part]) for r in results]
+def ranks_at() -> Callable[[int, str], list[RankResult]]:
+    """`ranks_at(world, part)`: each rank's RankResult of `_all_parts` at `world` ranks, its value the
+    answer for `part`."""
+    return lambda world, part: shared_ranks(world, "context_parallel", part)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_equals_one_process(world: int, ranks_at: Callable) -> None:
     """Both forms, GQA, one position per chunk, and q, k given rotated with values of their own width
     (MLA's), in one spawned run per world size."""
-    runs = [r.value for r in _part(ranks_at(world), "attention")]
+    runs = [r.value for r in ranks_at(world, "attention")]
     for i, (kind, (B, S, H, G, d, e, rotated)) in enumerate(ATTN_CASES[world]):
         q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, e, 0))
         ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
@@ -240,7 +239,7 @@ def test_gpt_under_cp_equals_one_process(ranks_at: Callable) -> None:
     parallelism and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 with one expert
     group over all 4 ranks, and under cp 4 with the expert group the cp group. Dense and MoE blocks, MTP
     across the chunks' boundaries, aux, sequence-wise aux and z losses."""
-    runs = _part(ranks_at(4), "gpt")
+    runs = ranks_at(4, "gpt")
     for case, (attn, *_rest, S) in CASES.items():
         cfg = _cfg_of(attn)
         want = _gpt_parts(cfg, *_gpt_data(cfg, S))
@@ -308,7 +307,7 @@ def test_a_pipeline_under_cp_equals_one_process(schedule: str, ranks_at: Callabl
 
     want_loss = mean_loss(params)
     want = {keystr(p): v for p, v in tree_flatten_with_path(torch.func.grad(mean_loss)(params))[0]}
-    for r in _part(ranks_at(4), schedule):  # S 8, as _all_parts runs it
+    for r in ranks_at(4, schedule):  # S 8, as _all_parts runs it
         got = r.value
         assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
         assert got["grads"]  # every rank holds some of the model
@@ -322,7 +321,7 @@ def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank(r
     deadlock nor mismatch."""
     from nccl_rules import replay
 
-    runs = _part(ranks_at(4), "recorded")
+    runs = ranks_at(4, "recorded")
     logs = {r.rank: r.value["log"] for r in runs}
     assert replay(logs, "nccl") == []
     assert replay(logs, "device") == []

@@ -150,7 +150,8 @@ def _events_at(rank: int, world: int) -> dict:
     return _events(rank, world, [c for cases in CASES.values() for c in cases if EP * c[1] == world])
 
 
-share_ranks("fb_pairing", _events_at)  # on the session's shared starts of the ranks (tests/dist_utils.py)
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("fb_pairing", (EP, 2 * EP), _events_at)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import RankResult, spawned_per_world
+from dist_utils import RankResult, share_ranks, shared_ranks
 
 from fmoe.ops import grouped_linear
 from fmoe.parallel import (
@@ -241,11 +241,15 @@ def _every_use(rank: int, world: int) -> dict:
     return {use: _check_rank(rank, world, RANKS_PER_NODE[world], use) for use in USES}
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("parallel_dispatch", tuple(RANKS_PER_NODE), _every_use)
+
+
 @pytest.fixture(scope="module")
 def dispatch_at() -> Callable[[int], list[RankResult]]:
     """`dispatch_at(world)`: each rank's RankResult of `_every_use` at `world` ranks, spawned on first use
     and kept for the module."""
-    return spawned_per_world(_every_use)
+    return lambda world: shared_ranks(world, "parallel_dispatch")
 
 
 @pytest.mark.parametrize("use", list(USES))

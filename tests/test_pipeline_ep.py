@@ -81,9 +81,9 @@ def _oracle(cfg: GPTConfig, imbalanced: bool, ep_rank: int, m: int) -> tuple[flo
 
 
 def runs_by_key(name: str) -> dict:
-    """The answers of part `name` (registered by `share_ranks(name, rank_fn, cases)`, `rank_fn` answering
-    {key: value} for the cases of its pp = world / EP) on pp x EP gloo ranks for pp 1 and 2, on the
-    session's shared starts of those ranks (tests/dist_utils.py); returns {key: [each rank's value]}."""
+    """The answers of part `name` (registered by `share_ranks(name, worlds, rank_fn, cases)`, `rank_fn`
+    answering {key: value} for the cases of its pp = world / EP) on pp x EP gloo ranks for pp 1 and 2, on
+    the session's shared starts of those ranks (tests/dist_utils.py); returns {key: [each rank's value]}."""
     got: dict = {}
     for pp in (1, 2):
         for r in shared_ranks(pp * EP, name):
@@ -266,4 +266,4 @@ def _ep_parts(rank: int, world: int) -> dict:
     return _pp2_ranks(rank, world, CASES, OVERLAP_CASES) if world == 2 * EP else _pp1_ranks(rank, world)
 
 
-share_ranks("pipeline_ep", _ep_parts)
+share_ranks("pipeline_ep", (EP, 2 * EP), _ep_parts)

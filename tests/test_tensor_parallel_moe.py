@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import RankResult, spawned_per_world
+from dist_utils import RankResult, share_ranks, shared_ranks
 
 from fmoe.block import init_block
 from fmoe.config import GPTConfig, MoEConfig
@@ -148,11 +148,15 @@ def _all_parts(rank: int, world: int) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("tensor_parallel_moe", (2, 4), _all_parts)
+
+
 @pytest.fixture(scope="module")
 def ranks_at() -> Callable[[int], list[RankResult]]:
     """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
     kept for the module."""
-    return spawned_per_world(_all_parts)
+    return lambda world: shared_ranks(world, "tensor_parallel_moe")
 
 
 def _check(ranks_at: Callable, world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
