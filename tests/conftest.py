@@ -55,6 +55,19 @@ def local_cluster_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         yield path
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tells tests/dist_utils.py which test modules run (their shared rank starts run their parts only),
+    and gives the tests of modules with a shared part the time of that start: the first test to ask for a
+    world size starts the ranks for every module's part (dist_utils.SHARED_TIMEOUT_S bounds a hang)."""
+    import dist_utils
+
+    dist_utils.COLLECTED = {item.module.__name__ for item in items if item.module is not None}
+    sharing = {module for module, *_ in dist_utils._PARTS.values()}
+    for item in items:
+        if item.module is not None and item.module.__name__ in sharing:
+            item.add_marker(pytest.mark.timeout(dist_utils.SHARED_TIMEOUT_S + 300))
+
+
 @pytest.fixture
 def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails the test if anything starts a process or joins a process group (what `fmoe train` checks

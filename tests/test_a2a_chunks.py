@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 import torch
+from dist_utils import share_ranks
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_fb_pairing import SEED, _a2a, _compute, _waits
@@ -142,9 +143,13 @@ def _run(rank: int, world: int, cases: list) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("a2a_chunks", (EP, 2 * EP), _run, CASES)
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return runs_by_key(_run, CASES)
+    return runs_by_key("a2a_chunks")
 
 
 def _case_id(c: tuple) -> str:

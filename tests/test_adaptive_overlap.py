@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import share_ranks
 from test_fb_pairing import SEED, _a2a, _compute, _waits, check_pair_sends_follow_their_data
 from test_pipeline_ep import (
     DT,
@@ -75,9 +76,13 @@ def _run(rank: int, world: int, cases: list) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("adaptive_overlap", (EP, 2 * EP), _run, CASES)
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return runs_by_key(_run, CASES)
+    return runs_by_key("adaptive_overlap")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-pp{c[1]}")

@@ -1,6 +1,7 @@
 """Checkpoints that are safe to share and runs that cannot clobber each other (issue 34, findings 1, 2, 6,
 7, 8, 10, a fresh run's metrics file, a changed LR schedule on resume), end to end through `fmoe train`
-as a subprocess on CPU with small shapes.
+on CPU with small shapes: as a subprocess where a test reads what the command printed, else (the runs that
+set the stage) its main in this process (tests/test_train.py's `_in_process`: a process start saved).
 
 Each test failed on the code before the fix it names (the issue's reproductions).
 """
@@ -42,6 +43,14 @@ def _ok(tmp: Path, *flags: str) -> subprocess.CompletedProcess:
     return done
 
 
+def _ok_here(tmp: Path, *flags: str) -> None:
+    """`_ok` for a run whose output no test reads: the command's main in this process, its ranks spawned."""
+    from test_train import _in_process
+
+    code, out, err = _in_process(tmp, ["train", *SMALL, *flags])
+    assert code == 0, out + err
+
+
 def _failed(done: subprocess.CompletedProcess, needle: str, max_lines: int = 5) -> str:
     """Asserts the run failed with a short stderr holding `needle`; returns the stderr."""
     err = done.stderr.strip()
@@ -54,7 +63,7 @@ def _failed(done: subprocess.CompletedProcess, needle: str, max_lines: int = 5) 
 def _saved(tmp: Path, name: str = "ckpt", *flags: str) -> Path:
     """A directory holding one fresh run's checkpoint of step 2."""
     ckpt = tmp / name
-    _ok(tmp, "--steps", "2", "--save", str(ckpt), *flags)
+    _ok_here(tmp, "--steps", "2", "--save", str(ckpt), *flags)
     assert (ckpt / STEP2 / checkpoint.META).is_file()
     return ckpt
 
@@ -127,7 +136,7 @@ def test_a_fresh_run_refuses_a_save_directory_holding_checkpoints(tmp_path: Path
     err = _failed(_run(tmp_path, "--steps", "1", "--save", str(ckpt)), "--overwrite-save", max_lines=1)
     assert "--resume" in err
     assert (ckpt / checkpoint.LATEST).read_text().strip() == STEP2  # untouched
-    _ok(tmp_path, "--steps", "1", "--save", str(ckpt), "--overwrite-save")
+    _ok_here(tmp_path, "--steps", "1", "--save", str(ckpt), "--overwrite-save")
     assert (ckpt / checkpoint.LATEST).read_text().strip() == "step_00000001"
     assert not (ckpt / STEP2).exists()  # the other run's checkpoints are gone, not mixed with this one's
 
@@ -180,7 +189,7 @@ def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path, ste
 
 def test_a_truncated_shard_fails_with_one_short_error_over_ranks(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    _ok(tmp_path, "--steps", "2", "--save", str(ckpt), "--ep", "2")
+    _ok_here(tmp_path, "--steps", "2", "--save", str(ckpt), "--ep", "2")
     for name in ("__0_0.distcp", "__1_0.distcp"):
         shard = ckpt / STEP2 / name
         shard.write_bytes(shard.read_bytes()[:1000])
@@ -244,8 +253,8 @@ def test_a_fresh_run_truncates_its_metrics_file_and_a_resumed_one_continues_it(t
     assert _steps(metrics) == [1, 2]
     with metrics.open("a") as f:  # a step 3 that ran after the checkpoint, then the run died
         f.write('{"step": 3, "loss": 1.0}\n')
-    _ok(tmp_path, "--steps", "4", "--save", str(ckpt), "--metrics", str(metrics), "--resume",
-        "--override-opt-param-scheduler")
+    _ok_here(tmp_path, "--steps", "4", "--save", str(ckpt), "--metrics", str(metrics), "--resume",
+             "--override-opt-param-scheduler")
     assert _steps(metrics) == [1, 2, 3, 4]  # step 3 once: the one the resumed run made
 
 
@@ -282,8 +291,8 @@ def test_a_changed_lr_schedule_on_resume_is_refused_unless_overridden(tmp_path: 
             checkpoint.check_schedule(meta, _config(*changed).as_dict(), ckpt / STEP2)
         assert flag[2:].replace("-", "_") in str(refused.value), (flag, refused.value)
     metrics = tmp_path / "m.jsonl"
-    _ok(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--lr-warmup-iters", "1",
-        "--override-opt-param-scheduler", "--metrics", str(metrics))
+    _ok_here(tmp_path, "--save", str(ckpt), "--resume", "--steps", "4", "--lr-warmup-iters", "1",
+             "--override-opt-param-scheduler", "--metrics", str(metrics))
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
     want = TrainConfig(steps=4, lr_warmup_iters=1)
     assert [m["step"] for m in got] == [3, 4]

@@ -169,8 +169,8 @@ def test_fmoe_train_takes_the_compute_model_and_its_trace_says_so(tmp_path) -> N
     """`fmoe train --compute-model SCALE` (pp 1 x ep 2, combined 1F1B): step 1 calibrates, later steps run
     under the model, and the step's Chrome trace records it; the accumulate path refuses the flag."""
     import json
-    import subprocess
-    import sys
+
+    from test_train import _in_process
 
     from fmoe.train.config import TrainConfig
 
@@ -179,7 +179,6 @@ def test_fmoe_train_takes_the_compute_model_and_its_trace_says_so(tmp_path) -> N
     trace = tmp_path / "t.json"
     flags = ["--pp", "1", "--ep", "2", "--steps", "3", "--compute-model", "1.5", "--trace", str(trace),
              "--trace-step", "3", "--no-progress", "--device", "cpu", "--global-batch-size", "8"]
-    proc = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", *flags], capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = _in_process(tmp_path, ["train", *flags])  # the command's main here, its ranks spawned
+    assert code == 0, err[-2000:]
     assert json.loads(trace.read_text())["otherData"]["compute_model"] == 1.5

@@ -6,10 +6,11 @@ gloo ranks."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import RankResult, share_ranks, shared_ranks
 from test_tensor_parallel_gpt import _data as _gpt_data  # params, ids, targets (one ignored)
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt_state
@@ -58,8 +59,16 @@ ATTN_CASES = {2: [(kind, shape) for kind in ("p2p", "all_gather") for shape in (
 def _cp_rank(rank: int, world: int) -> list:
     from fmoe.parallel import context_parallel
 
+    whole = context_parallel.ROW_TILE
     context_parallel.ROW_TILE = 1  # the ring's blocks a query row at a time (chunks of 1 and 2 rows here;
-    # the GPT tests run whole blocks: one tile)
+    # the GPT tests run whole blocks: one tile, put back below)
+    try:
+        return _attention_cases(rank, world)
+    finally:
+        context_parallel.ROW_TILE = whole
+
+
+def _attention_cases(rank: int, world: int) -> list:
     comm = CommGroup(torch.distributed.group.WORLD)
     out = []
     for kind, (B, S, H, G, d, e, rotated) in ATTN_CASES[world]:
@@ -79,11 +88,34 @@ def _cp_rank(rank: int, world: int) -> list:
     return out
 
 
+def _all_parts(rank: int, world: int) -> dict:
+    """This rank's answers for every spawned test of this file at `world` ranks (2 or 4), by part, one
+    after the other: one start of the ranks for them all (a rank's start costs seconds)."""
+    out = {"attention": _cp_rank(rank, world)}
+    if world == 4:
+        out["gpt"] = _cases_rank(rank, world)
+        for schedule in PP_SCHEDULES:
+            out[schedule] = _pp_cp_rank(rank, world, 8, schedule)
+        out["recorded"] = _pp_cp_rank(rank, world, 8, "dualpipev", True)
+    return out
+
+
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("context_parallel", (2, 4), _all_parts)
+
+
+@pytest.fixture(scope="module")
+def ranks_at() -> Callable[[int, str], list[RankResult]]:
+    """`ranks_at(world, part)`: each rank's RankResult of `_all_parts` at `world` ranks, its value the
+    answer for `part`."""
+    return lambda world, part: shared_ranks(world, "context_parallel", part)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_attention_equals_one_process(world: int) -> None:
+def test_cp_attention_equals_one_process(world: int, ranks_at: Callable) -> None:
     """Both forms, GQA, one position per chunk, and q, k given rotated with values of their own width
     (MLA's), in one spawned run per world size."""
-    runs = [r.value for r in spawn(_cp_rank, world)]
+    runs = [r.value for r in ranks_at(world, "attention")]
     for i, (kind, (B, S, H, G, d, e, rotated)) in enumerate(ATTN_CASES[world]):
         q, k, v = (t.requires_grad_(True) for t in _qkv(B, S, H, G, d, e, 0))
         ct = torch.randn(B, S, H, e, generator=torch.Generator().manual_seed(1), dtype=DT)
@@ -200,14 +232,14 @@ def _cases_rank(rank: int, world: int) -> dict:
     return out
 
 
-def test_gpt_under_cp_equals_one_process() -> None:
+def test_gpt_under_cp_equals_one_process(ranks_at: Callable) -> None:
     """On 4 gloo ranks, fp64, each case of CASES against the one-process model (loss parts, the next expert
     bias and every gradient, cut as the rank holds them and summed over the cp ranks, as a data-parallel
     reduction over dp x cp sums them): cp 2 and 4 in both forms, GQA with G < H; cp 2 x tp 2 with sequence
     parallelism and TP extending EP; MLA (value width 3, RoPE part 2 of 6) under cp 2 x tp 2 with one expert
     group over all 4 ranks, and under cp 4 with the expert group the cp group. Dense and MoE blocks, MTP
     across the chunks' boundaries, aux, sequence-wise aux and z losses."""
-    runs = spawn(_cases_rank, 4, timeout_s=300)
+    runs = ranks_at(4, "gpt")
     for case, (attn, *_rest, S) in CASES.items():
         cfg = _cfg_of(attn)
         want = _gpt_parts(cfg, *_gpt_data(cfg, S))
@@ -225,6 +257,7 @@ def test_gpt_under_cp_equals_one_process() -> None:
 
 
 M = 4  # microbatches
+PP_SCHEDULES = ("dualpipev", "1f1b")
 
 
 def _pp_cp_rank(rank: int, world: int, S: int, schedule: str, record: bool = False) -> dict:
@@ -260,8 +293,8 @@ def _pp_cp_rank(rank: int, world: int, S: int, schedule: str, record: bool = Fal
     return {"loss": float(step.loss), "grads": held}
 
 
-@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
-def test_a_pipeline_under_cp_equals_one_process(schedule: str) -> None:
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_a_pipeline_under_cp_equals_one_process(schedule: str, ranks_at: Callable) -> None:
     """pp 2 x cp 2: the ring's messages inside the attention phases of a pipeline with fb overlap (DualPipeV
     with MTP), against the mean over microbatches of the one-process loss."""
     S = 8
@@ -274,7 +307,7 @@ def test_a_pipeline_under_cp_equals_one_process(schedule: str) -> None:
 
     want_loss = mean_loss(params)
     want = {keystr(p): v for p, v in tree_flatten_with_path(torch.func.grad(mean_loss)(params))[0]}
-    for r in spawn(_pp_cp_rank, 4, S, schedule, timeout_s=240):
+    for r in ranks_at(4, schedule):  # S 8, as _all_parts runs it
         got = r.value
         assert got["loss"] == pytest.approx(float(want_loss), rel=1e-10)
         assert got["grads"]  # every rank holds some of the model
@@ -282,13 +315,13 @@ def test_a_pipeline_under_cp_equals_one_process(schedule: str) -> None:
             assert_close(torch.tensor(values, dtype=DT).reshape(shape), want[path], msg=path)
 
 
-def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank() -> None:
+def test_a_pipeline_step_under_cp_orders_its_communicators_alike_on_every_rank(ranks_at: Callable) -> None:
     """NCCL's rules (tests/nccl_rules.py) and the one-queue-per-device model: the ring's shifts inside the
     attention phases and the pipeline's P2P of a pp 2 x cp 2 DualPipeV step with fb overlap neither
     deadlock nor mismatch."""
     from nccl_rules import replay
 
-    runs = spawn(_pp_cp_rank, 4, 8, "dualpipev", True, timeout_s=240)
+    runs = ranks_at(4, "recorded")
     logs = {r.rank: r.value["log"] for r in runs}
     assert replay(logs, "nccl") == []
     assert replay(logs, "device") == []

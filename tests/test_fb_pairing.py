@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import share_ranks, shared_ranks
 
 from fmoe import GPTConfig, MoEConfig, init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -145,12 +145,20 @@ CASES = {
 }
 
 
+def _events_at(rank: int, world: int) -> dict:
+    """`_events` for the cases of CASES that run at `world` ranks (EP x pp)."""
+    return _events(rank, world, [c for cases in CASES.values() for c in cases if EP * c[1] == world])
+
+
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("fb_pairing", (EP, 2 * EP), _events_at)
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
     got = {}
     for cases in CASES.values():
-        world = EP * cases[0][1]
-        results = spawn(_events, world, cases, timeout_s=300)
+        results = shared_ranks(EP * cases[0][1], "fb_pairing")
         for key in cases:
             got[key] = [r.value[key] for r in results]
     return got

@@ -17,12 +17,14 @@ sends nor receives a row).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import RankResult, share_ranks, shared_ranks
 
 from fmoe.ops import grouped_linear
 from fmoe.parallel import (
@@ -231,12 +233,31 @@ def _check_rank(rank: int, world: int, ranks_per_node: int, use: str) -> dict:
     return report
 
 
+RANKS_PER_NODE = {2: 1, 4: 2}  # world -> ranks per node
+
+
+def _every_use(rank: int, world: int) -> dict:
+    """`_check_rank` in each use, one after the other on the same ranks (a rank's start costs seconds)."""
+    return {use: _check_rank(rank, world, RANKS_PER_NODE[world], use) for use in USES}
+
+
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("parallel_dispatch", tuple(RANKS_PER_NODE), _every_use)
+
+
+@pytest.fixture(scope="module")
+def dispatch_at() -> Callable[[int], list[RankResult]]:
+    """`dispatch_at(world)`: each rank's RankResult of `_every_use` at `world` ranks, spawned on first use
+    and kept for the module."""
+    return lambda world: shared_ranks(world, "parallel_dispatch")
+
+
 @pytest.mark.parametrize("use", list(USES))
-@pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
-def test_dispatchers_match_single_process_oracle(world, ranks_per_node, use):
+@pytest.mark.parametrize("world,ranks_per_node", list(RANKS_PER_NODE.items()))
+def test_dispatchers_match_single_process_oracle(world, ranks_per_node, use, dispatch_at):
     """Each exchange in both uses: the layer's synchronous dispatch / combine and the pipeline's issue /
     wait form, against the same oracle."""
-    results = spawn(_check_rank, world, ranks_per_node, use, timeout_s=180)
+    results = [dataclasses.replace(r, value=r.value[use]) for r in dispatch_at(world)]
     assert all(r.value["checked"] == 5 * sum(len(_entries(n, use)) for n in DISPATCHERS) for r in results)
     if world == 4:
         assert results[0].value["tp_groups"] == ([0, 1], [0, 2])

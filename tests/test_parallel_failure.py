@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from dist_utils import spawn
@@ -15,7 +16,15 @@ from dist_utils import spawn
 from fmoe.parallel import CollectiveError, CommGroup, all_to_all, all_to_all_async, check_peers, fail_fast
 
 
-def _scenario(rank: int, world: int, how: str) -> dict:
+def _wait_for(path: str, at_most_s: float) -> None:
+    """Returns once `path` exists (a peer wrote it) or `at_most_s` has passed."""
+    deadline = time.monotonic() + at_most_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _scenario(rank: int, world: int, how: str, gave_up: str) -> dict:
+    """`gave_up`: a path rank 0 writes once its collective has failed (the hang: rank 1 hangs until then)."""
     comm = CommGroup(torch.distributed.group.WORLD)
     all_to_all(torch.ones(world, 2), comm)  # the group works
     t0 = time.perf_counter()
@@ -26,7 +35,9 @@ def _scenario(rank: int, world: int, how: str) -> dict:
         if how == "die":
             os._exit(3)
         if how == "hang":
-            time.sleep(12)  # alive but never reaching the collective (longer than the 5 s barrier)
+            # alive but never reaching the collective: until rank 0 gave up on it (its 5 s barrier), at most
+            # 12 s (a rank 0 that waited for rank 1 instead of timing out would report 12 s or more)
+            _wait_for(gave_up, 12)
             return {}
     try:
         if how == "hang" and rank == 0:
@@ -45,12 +56,16 @@ def _scenario(rank: int, world: int, how: str) -> dict:
         else:
             all_to_all(torch.ones(world, 2), comm)
     except CollectiveError as e:
-        return {"error": str(e), "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        if rank == 0:
+            open(gave_up, "w").close()
+        return {"error": str(e), "seconds": seconds}
     return {"error": None}
 
 
-def _run(world: int, how: str, pg_timeout_s: float) -> list:
-    results = spawn(_scenario, world, how, timeout_s=60, pg_timeout_s=pg_timeout_s, check=False)
+def _run(world: int, how: str, pg_timeout_s: float, tmp: Path) -> list:
+    results = spawn(_scenario, world, how, str(tmp / "gave_up"), timeout_s=60, pg_timeout_s=pg_timeout_s,
+                    check=False)
     for r in results:
         if r.rank == 1:
             continue
@@ -64,8 +79,8 @@ def _run(world: int, how: str, pg_timeout_s: float) -> list:
 PROMPT_S = 20.0
 
 
-def test_rank_raises_others_stop():
-    results = _run(3, "raise", pg_timeout_s=45)
+def test_rank_raises_others_stop(tmp_path: Path):
+    results = _run(3, "raise", pg_timeout_s=45, tmp=tmp_path)
     assert "deliberate failure on rank 1" in results[1].error
     for r in (results[0], results[2]):
         assert f"rank {r.rank}: collective 'all_to_all' over ranks [0, 1, 2] failed" in r.value["error"]
@@ -73,8 +88,8 @@ def test_rank_raises_others_stop():
         assert r.value["seconds"] < PROMPT_S, r.value
 
 
-def test_rank_dies_others_stop():
-    results = _run(3, "die", pg_timeout_s=45)
+def test_rank_dies_others_stop(tmp_path: Path):
+    results = _run(3, "die", pg_timeout_s=45, tmp=tmp_path)
     assert results[1].exitcode == 3
     for r in (results[0], results[2]):
         assert f"rank {r.rank}: collective 'all_to_all' over ranks [0, 1, 2] failed" in r.value["error"]
@@ -82,20 +97,23 @@ def test_rank_dies_others_stop():
         assert r.value["seconds"] < PROMPT_S, r.value
 
 
-def test_rank_hangs_others_time_out():
-    results = _run(2, "hang", pg_timeout_s=8)
+def test_rank_hangs_others_time_out(tmp_path: Path):
+    results = _run(2, "hang", pg_timeout_s=8, tmp=tmp_path)
     err = results[0].value["error"]
     assert "rank 0: collective 'monitored_barrier' over ranks [0, 1] failed" in err, err
     assert "Ranks 1 failed to pass monitoredBarrier" in err, err  # gloo names the missing rank
-    # rank 1 sleeps 12 s: rank 0 stopped at its 5 s barrier timeout, not when rank 1 woke up
+    # rank 1 hangs until rank 0 gave up, at most 12 s: rank 0 stopped at its 5 s barrier timeout, not when
+    # rank 1 woke up
     assert results[0].value["seconds"] < 11.0, results[0].value
 
 
 LAYOUT_TIMEOUT_S = 3.0
-LATE_S = 9.0  # how late the stalled rank joins: past the layout's timeout plus slack
+LATE_S = 9.0  # how late the stalled rank joins at most: past the layout's timeout plus slack
 
 
-def _stalled_subgroup_peer(rank: int, world: int) -> dict:
+def _stalled_subgroup_peer(rank: int, world: int, gave_up: str) -> dict:
+    """`gave_up`: a path rank 2 writes once its all-reduce failed (rank 0 stalls until then, at most LATE_S:
+    with the layout's timeout not applied, rank 2 would wait for it and report LATE_S or more)."""
     from datetime import timedelta
 
     from fmoe.parallel import ParallelLayout, Topology
@@ -107,19 +125,23 @@ def _stalled_subgroup_peer(rank: int, world: int) -> dict:
     timeouts = {n: b.options._timeout.total_seconds() for n, b in backend.items()}
     pp = layout.group("pp")  # ranks {0, 2} and {1, 3}
     if rank == 0:
-        time.sleep(LATE_S)  # stalled: reaches the collective long after its peer gave up
+        _wait_for(gave_up, LATE_S)  # stalled: reaches the collective after its peer gave up
     t0 = time.perf_counter()
     try:
         torch.distributed.all_reduce(torch.ones(2), group=pp)
     except RuntimeError as e:
-        return {"timeouts": timeouts, "error": str(e).splitlines()[0], "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        if rank == 2:
+            open(gave_up, "w").close()
+        return {"timeouts": timeouts, "error": str(e).splitlines()[0], "seconds": seconds}
     return {"timeouts": timeouts, "error": None, "seconds": time.perf_counter() - t0}
 
 
-def test_a_stalled_peer_in_a_subgroup_is_reported_within_the_layouts_timeout() -> None:
+def test_a_stalled_peer_in_a_subgroup_is_reported_within_the_layouts_timeout(tmp_path: Path) -> None:
     """Issue 45, C2: the layout's groups took torch's default timeout (30 min on gloo, 10 on NCCL), not
     --timeout; rank 2 waited for its stalled pp peer until it came."""
-    results = spawn(_stalled_subgroup_peer, 4, timeout_s=60, pg_timeout_s=60, check=False)
+    results = spawn(_stalled_subgroup_peer, 4, str(tmp_path / "gave_up"), timeout_s=60, pg_timeout_s=60,
+                    check=False)
     by_rank = {r.rank: r.value for r in results}
     for rank in (1, 3):  # their pp group is whole: it works
         assert by_rank[rank]["error"] is None, by_rank[rank]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import share_ranks, shared_ranks
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -80,12 +80,13 @@ def _oracle(cfg: GPTConfig, imbalanced: bool, ep_rank: int, m: int) -> tuple[flo
     return float(loss), _flat(vjp(torch.ones((), dtype=DT))[0])
 
 
-def runs_by_key(rank_fn, cases: list) -> dict:
-    """Runs `rank_fn(rank, world, cases)` (which answers {key: value} for the cases of its pp = world /
-    EP) on pp x EP gloo ranks for pp 1 and 2; returns {key: [each rank's value]}."""
+def runs_by_key(name: str) -> dict:
+    """The answers of part `name` (registered by `share_ranks(name, worlds, rank_fn, cases)`, `rank_fn`
+    answering {key: value} for the cases of its pp = world / EP) on pp x EP gloo ranks for pp 1 and 2, on
+    the session's shared starts of those ranks (tests/dist_utils.py); returns {key: [each rank's value]}."""
     got: dict = {}
     for pp in (1, 2):
-        for r in spawn(rank_fn, pp * EP, cases, timeout_s=300):
+        for r in shared_ranks(pp * EP, name):
             for key, v in r.value.items():
                 got.setdefault(key, []).append(v)
     return got
@@ -163,7 +164,7 @@ def _pp2_ranks(rank: int, world: int, cases: list, overlap_cases: list) -> dict:
 @pytest.fixture(scope="module")
 def pp2_runs() -> list[dict]:
     """Each pp 2 x EP rank's {"stages": {case: ...}, "overlap": {(case, overlap): ...}} (`_pp2_ranks`)."""
-    return [r.value for r in spawn(_pp2_ranks, 2 * EP, CASES, OVERLAP_CASES, timeout_s=400)]
+    return [r.value for r in shared_ranks(2 * EP, "pipeline_ep")]
 
 
 def test_ep_inside_pipeline_stages_matches_per_rank_oracles(pp2_runs: list[dict]) -> None:
@@ -204,17 +205,28 @@ def _overlap_rank(rank: int, world: int, cases: list, pp: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES),
-                                      (1, [("alltoall", 2, "combined_1f1b", True),
-                                           ("allgather", 2, "combined_1f1b", False),
-                                           ("hierarchical", 1, "combined_1f1b", False)])],
-                         ids=["pp2xep2", "pp1xep2"])
+PP1_OVERLAP_CASES = [("alltoall", 2, "combined_1f1b", True), ("allgather", 2, "combined_1f1b", False),
+                     ("hierarchical", 1, "combined_1f1b", False)]
+
+
+def _pp1_ranks(rank: int, world: int) -> dict:
+    """One pp 1 x EP rank's answers for both tests below that run on 2 ranks (`_overlap_rank`'s at pp 1 and
+    `_chain_completion`'s): one start of the 2 ranks rather than one per test."""
+    return {"overlap": _overlap_rank(rank, world, PP1_OVERLAP_CASES, 1),
+            "chain": _chain_completion(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def pp1_runs() -> list[dict]:
+    """Each pp 1 x EP rank's {"overlap": {(case, overlap): ...}, "chain": ...} (`_pp1_ranks`)."""
+    return [r.value for r in shared_ranks(EP, "pipeline_ep")]
+
+
+@pytest.mark.parametrize("pp,cases", [(2, OVERLAP_CASES), (1, PP1_OVERLAP_CASES)], ids=["pp2xep2", "pp1xep2"])
 def test_fb_overlap_equals_pairs_in_order_and_the_oracle(pp: int, cases: list,
                                                          request: pytest.FixtureRequest) -> None:
-    if pp == 2:  # the 4 ranks of the test above, started once for both
-        values = [r["overlap"] for r in request.getfixturevalue("pp2_runs")]
-    else:
-        values = [r.value for r in spawn(_overlap_rank, pp * EP, cases, pp, timeout_s=400)]
+    # each on the ranks of its fixture, started once for the tests that share them
+    values = [r["overlap"] for r in request.getfixturevalue("pp2_runs" if pp == 2 else "pp1_runs")]
     for kind, rpn, name, imbalanced in cases:
         oracles = [_oracle(_cfg(True, imbalanced), imbalanced, e, M) for e in range(EP)]
         for v in values:
@@ -242,7 +254,16 @@ def _chain_completion(rank: int, world: int) -> tuple[float, float]:
     return h.not_before - t0, chain.completed_at - t0
 
 
-def test_an_exchange_completes_when_the_link_model_says_not_when_waited() -> None:
-    for r in spawn(_chain_completion, 2, timeout_s=60):
-        modelled, completed = r.value
+def test_an_exchange_completes_when_the_link_model_says_not_when_waited(pp1_runs: list[dict]) -> None:
+    for r in pp1_runs:
+        modelled, completed = r["chain"]
         assert completed == pytest.approx(modelled) and completed < 0.15, r.value
+
+
+def _ep_parts(rank: int, world: int) -> dict:
+    """This module's answers on the session's shared starts of the ranks: `_pp2_ranks`' at pp 2 x EP,
+    `_pp1_ranks`' at pp 1 x EP."""
+    return _pp2_ranks(rank, world, CASES, OVERLAP_CASES) if world == 2 * EP else _pp1_ranks(rank, world)
+
+
+share_ranks("pipeline_ep", (EP, 2 * EP), _ep_parts)

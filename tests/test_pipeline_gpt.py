@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import share_ranks, shared_ranks
 
 from fmoe import GPTConfig, MoEConfig, gpt_loss, init_gpt, init_gpt_state
 from fmoe import schedule as S
@@ -95,7 +95,19 @@ RUNS_PP4 = [(n, 8, mtp) for n in ("1f1b", "interleaved", "dualpipev") for mtp in
     ("interleaved", 8, True, "func")]
 
 
-@pytest.mark.parametrize("pp,runs,m", [(2, RUNS_PP2, 4), (4, RUNS_PP4, 8)], ids=["pp2", "pp4"])
+RUNS_AT = {2: (RUNS_PP2, 4), 4: (RUNS_PP4, 8)}  # pp -> (runs, microbatches)
+
+
+def _rank_at(rank: int, world: int) -> dict:
+    """`_rank` with the runs and microbatches of pp = `world`."""
+    return _rank(rank, world, *RUNS_AT[world])
+
+
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("pipeline_gpt", tuple(RUNS_AT), _rank_at)
+
+
+@pytest.mark.parametrize("pp,runs,m", [(pp, *RUNS_AT[pp]) for pp in RUNS_AT], ids=["pp2", "pp4"])
 def test_gpt_pipeline_matches_single_process(pp: int, runs: list, m: int) -> None:
-    results = spawn(_rank, pp, runs, m, timeout_s=400)
+    results = shared_ranks(pp, "pipeline_gpt")
     _check(results, runs, m)

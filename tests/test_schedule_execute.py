@@ -3,7 +3,6 @@ whole model run microbatch after microbatch in one process (the oracle never tou
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import re
@@ -12,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dist_utils import RankResult, spawn, spawned_per_world
+from dist_utils import RankResult, share_ranks, shared_ranks, spawn
 
 from fmoe import schedule as S
 from fmoe.ops import linear
@@ -127,28 +126,27 @@ def _all_parts(rank: int, world: int) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("schedule_execute", tuple(CASES), _all_parts)
+
+
 @pytest.fixture(scope="module")
-def ranks_at() -> Callable[[int], list[RankResult]]:
-    """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
-    kept for the module."""
-    return spawned_per_world(_all_parts)
-
-
-def _part(results: list[RankResult], part: str) -> list[RankResult]:
-    """`results` with each rank's value its answer for `part` of `_all_parts`."""
-    return [dataclasses.replace(r, value=r.value[part]) for r in results]
+def ranks_at() -> Callable[[int, str], list[RankResult]]:
+    """`ranks_at(world, part)`: each rank's RankResult of `_all_parts` at `world` ranks, its value the
+    answer for `part`."""
+    return lambda world, part: shared_ranks(world, "schedule_execute", part)
 
 
 @pytest.mark.parametrize("pp", sorted(CASES))
 def test_every_schedule_matches_the_single_process_oracle(pp: int, ranks_at: Callable) -> None:
     names, m = CASES[pp]
-    _check_against_oracle(_part(ranks_at(pp), "plain"), names, pp, m)
+    _check_against_oracle(ranks_at(pp, "plain"), names, pp, m)
 
 
 def test_the_executor_allocates_on_the_device_of_its_stages(ranks_at: Callable) -> None:
     """Under the default-device trap (tests/device_trap.py: default device `meta`, data and params on CPU)
     a receive buffer or a loss sum made without a device fails; the results are the oracle's."""
-    _check_against_oracle(_part(ranks_at(2), "trapped"), TRAPPED, 2, 4)
+    _check_against_oracle(ranks_at(2, "trapped"), TRAPPED, 2, 4)
 
 
 def _trapped_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
@@ -165,7 +163,7 @@ def test_every_schedule_is_right_when_messages_match_by_order_alone(pp: int, nam
     NCCL and HCCL do whatever the tag. A receiver that took two messages in another order than they were
     sent would get them swapped (same shapes, wrong gradients), as these schedules did before the wire
     order."""
-    _check_against_oracle(_part(ranks_at(pp), "untagged"), names, pp, 2 * pp)
+    _check_against_oracle(ranks_at(pp, "untagged"), names, pp, 2 * pp)
 
 
 def _untagged_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
@@ -325,7 +323,7 @@ def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Ca
     no compute runs in between (its gradient's shapes came from a forward that ran earlier)."""
     from fmoe.schedule.wire import wire_order
 
-    events = next(r.value["grad_posts"] for r in ranks_at(2) if r.rank == 0)
+    events = next(r.value for r in ranks_at(2, "grad_posts") if r.rank == 0)
     p2p = sorted((e for e in events if e.kind in ("p2p send", "p2p recv")), key=lambda e: e.start)
     assert all(e.lane == "comm" and e.peer == 1 for e in p2p)
     for e in events:  # the typed fields say what the name shows

@@ -177,11 +177,14 @@ def test_ranks_compare_the_schedule_a_file_holds_not_its_path(tmp_path: Path) ->
 
 
 def _train(tmp: Path, name: str, *flags: str) -> tuple[list[dict], str]:
+    """`fmoe train` with `flags` (tests/test_train.py's `_in_process`: the command's main here, its ranks
+    spawned): its metric lines and its stdout."""
+    from test_train import _in_process
+
     metrics = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", "--metrics", str(metrics), *flags]
-    done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()], done.stdout
+    code, out, err = _in_process(tmp, ["train", "--no-progress", "--metrics", str(metrics), *flags])
+    assert code == 0, f"{name}: {out}\n{err}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()], out
 
 
 def test_a_hand_written_file_trains_as_the_built_schedule_it_equals(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as tnf
-from dist_utils import RankResult, spawned_per_world
+from dist_utils import RankResult, share_ranks, shared_ranks
 
 from fmoe.parallel import CommGroup
 from fmoe.parallel.context import ParallelContext
@@ -130,11 +130,15 @@ def _all_parts(rank: int, world: int) -> dict:
     return out
 
 
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("tensor_parallel", (2, 3), _all_parts)
+
+
 @pytest.fixture(scope="module")
 def ranks_at() -> Callable[[int], list[RankResult]]:
     """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks (2 or 3), spawned on first
     use and kept for the module."""
-    return spawned_per_world(_all_parts)
+    return lambda world: shared_ranks(world, "tensor_parallel")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -12,9 +12,11 @@ the group).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from dist_utils import spawn
+from dist_utils import RankResult, share_ranks, shared_ranks
 
 from fmoe.block import init_block
 from fmoe.config import GPTConfig, MoEConfig
@@ -128,18 +130,48 @@ def _back(v: tuple) -> torch.Tensor:
     return torch.tensor(v[1], dtype=DT).reshape(v[0])
 
 
-def _check(world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
+# per world size, the block cases (tp, seed, sequence parallel, engine, dispatcher) its tests check
+TP_CASES = [(2, 3, sp, engine, "alltoall") for sp in (False, True) for engine in ("vjp", "split")]
+TP_EP_CASES = [(2, 5, sp, "split", kind) for sp, kind in ((False, "alltoall"), (True, "alltoall"),
+                                                           (False, "hierarchical"), (True, "allgather"))]
+BLOCK_CASES = {2: TP_CASES, 4: TP_EP_CASES}
+PROPERTY_EXAMPLES = 12
+
+
+def _all_parts(rank: int, world: int) -> dict:
+    """This rank's answers for every spawned test of this file at `world` ranks (2 or 4): each block case
+    of BLOCK_CASES (its own seed and groups), and at 2 ranks the property search, one after the other on
+    one start of the ranks (a rank's start costs seconds)."""
+    out = {case: _rank(rank, world, *case) for case in BLOCK_CASES[world]}
+    if world == 2:
+        out["property"] = _property(rank, world, PROPERTY_EXAMPLES)
+    return out
+
+
+# on the session's shared starts of the ranks (tests/dist_utils.py)
+share_ranks("tensor_parallel_moe", (2, 4), _all_parts)
+
+
+@pytest.fixture(scope="module")
+def ranks_at() -> Callable[[int], list[RankResult]]:
+    """`ranks_at(world)`: each rank's RankResult of `_all_parts` at `world` ranks, spawned on first use and
+    kept for the module."""
+    return lambda world: shared_ranks(world, "tensor_parallel_moe")
+
+
+def _check(ranks_at: Callable, world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
            kind: str = "alltoall") -> None:
     cfg = _cfg()
     wants = [_oracle(cfg, _data(cfg, seed, e)) for e in range(world // tp)]
     # an expert's gradient sums the tokens of every batch routed to it
     expert_grads = {k: sum(w["dp"]["moe"]["experts"][k] for w in wants)
                     for k in wants[0]["dp"]["moe"]["experts"]}
-    out = spawn(_rank, world, tp, seed, sequence_parallel, engine, kind, timeout_s=150)
+    out = ranks_at(world)
     for rank, r in enumerate(out):
         e, t = divmod(rank, tp)
         want = wants[e]
-        got = torch.utils._pytree.tree_map(_back, r.value, is_leaf=_is_packed)
+        got = torch.utils._pytree.tree_map(_back, r.value[(tp, seed, sequence_parallel, engine, kind)],
+                                           is_leaf=_is_packed)
         cut = (lambda x, t=t: _positions(x, t, tp)) if sequence_parallel else (lambda x: x)
         assert_close(got["y"], cut(want["y"]))
         assert_close(got["loss"], want["loss"])
@@ -149,18 +181,16 @@ def _check(world: int, tp: int, seed: int, sequence_parallel: bool, engine: str,
         assert_close(got["dp"], _local(dp, cfg, t, tp, rank, world))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("engine", ["vjp", "split"])
-def test_moe_block_under_tp_equals_one_process(sequence_parallel: bool, engine: str) -> None:
-    _check(2, 2, 3, sequence_parallel, engine)
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"sp{int(c[2])}-{c[3]}")
+def test_moe_block_under_tp_equals_one_process(case: tuple, ranks_at: Callable) -> None:
+    _check(ranks_at, 2, *case)
 
 
-@pytest.mark.parametrize(("sequence_parallel", "kind"), [(False, "alltoall"), (True, "alltoall"),
-                                                         (False, "hierarchical"), (True, "allgather")])
-def test_tp_extends_ep_experts_whole_over_the_ep_x_tp_group(sequence_parallel: bool, kind: str) -> None:
+@pytest.mark.parametrize("case", TP_EP_CASES, ids=lambda c: f"sp{int(c[2])}-{c[4]}")
+def test_tp_extends_ep_experts_whole_over_the_ep_x_tp_group(case: tuple, ranks_at: Callable) -> None:
     """tp 2 x ep 2 on 4 ranks: two batches, each on a tp pair; every rank owns one whole expert and
     dispatches its own tokens to all four, by each dispatcher (hierarchical: nodes of two ranks)."""
-    _check(4, 2, 5, sequence_parallel, "split", kind)
+    _check(ranks_at, 4, *case)
 
 
 def _property(rank: int, world: int, n: int) -> int:
@@ -210,6 +240,6 @@ def _property(rank: int, world: int, n: int) -> int:
     return len(seen)
 
 
-def test_tp_moe_block_properties_on_two_ranks() -> None:
-    for r in spawn(_property, 2, 12, timeout_s=180):
-        assert r.value >= 12
+def test_tp_moe_block_properties_on_two_ranks(ranks_at: Callable) -> None:
+    for r in ranks_at(2):
+        assert r.value["property"] >= PROPERTY_EXAMPLES

@@ -1,4 +1,6 @@
-"""`fmoe train` end to end, as a user runs it (the command in a subprocess, its spawned gloo ranks).
+"""`fmoe train` end to end, as a user runs it: the command's `main` with its flags, its gloo ranks spawned as
+the command spawns them (the command in a subprocess where what a test checks is that process: a rank killed
+under it, torchrun, its progress bar).
 
 Oracles: the one-process run (pp 1 x ep 1, microbatches through autograd, no executor) for every other
 layout; the uninterrupted run for a run killed (SIGKILL of one rank) and resumed, bitwise for the same
@@ -7,7 +9,9 @@ layout and to fp32 tolerance when resumed into another layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -44,19 +48,49 @@ def _numbers(metrics: list[dict]) -> list[tuple]:
     return [tuple(m[k] for k in NUMERIC) for m in metrics]
 
 
-def _cmd(*flags: str) -> list[str]:
+def _argv(*flags: str) -> list[str]:
+    """`fmoe`'s arguments for `fmoe train --no-progress` with `flags` and the tests' corpus size."""
     # the Markov corpus's size, where the run reads it (a data source of its own refuses the flag)
     own_data = any(f.split("=")[0] in ("--data-path", "--data") for f in flags)
     markov = [] if own_data else ["--markov-sequences", str(MARKOV_SEQUENCES)]
-    return [sys.executable, "-m", "fmoe.cli.main", "train", "--no-progress", *markov, *flags]
+    return ["train", "--no-progress", *markov, *flags]
+
+
+def _cmd(*flags: str) -> list[str]:
+    """The command line of `fmoe train --no-progress` with `flags`, for a test that needs its process."""
+    return [sys.executable, "-m", "fmoe.cli.main", *_argv(*flags)]
+
+
+def _in_process(cwd: Path, argv: list[str]) -> tuple[int, str, str]:
+    """`fmoe <argv>` through `fmoe.cli.main.main` in this process, in `cwd`; returns its exit code and what
+    it printed to stdout and to stderr. The command's ranks are spawned as always; what is saved is the
+    command's own start (importing torch and fmoe, seconds per run), and a one-rank run trains here (one
+    thread, conftest's: a subprocess's two OpenMP threads crawled on a loaded machine). A hang is bounded by
+    pytest's timeout, as the subprocess was by its own. Torch's determinism switch (--deterministic) is
+    put back."""
+    from fmoe.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, deterministic = os.getcwd(), torch.are_deterministic_algorithms_enabled()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # argparse
+                code = exc.code
+    finally:
+        os.chdir(here)
+        torch.use_deterministic_algorithms(deterministic)
+    return code, out.getvalue(), err.getvalue()
 
 
 def _train(tmp: Path, name: str, *flags: str) -> list[dict]:
-    """Runs `fmoe train` with `flags` (and --metrics); returns its metric lines."""
+    """Runs `fmoe train` with `flags` (and --metrics) in this process (`_in_process`); returns its metric
+    lines."""
     metrics = tmp / f"{name}.jsonl"
-    done = subprocess.run(_cmd("--metrics", str(metrics), *flags), cwd=tmp, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
+    code, out, err = _in_process(tmp, _argv("--metrics", str(metrics), *flags))
+    assert code == 0, f"{name}: {out}\n{err}"
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

@@ -8,7 +8,6 @@ neither the numbers nor a single message the ranks issue.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 from nccl_rules import replay
 from test_pipeline_fake_pg import _rank_log
-from test_train import RUN_TIMEOUT_S, _cmd
+from test_train import _argv, _in_process
 
 from fmoe.schedule.options import ExecOptions
 from fmoe.train.config import TrainConfig
@@ -26,11 +25,12 @@ STEPS = 20
 
 
 def _run(tmp: Path, name: str, *flags: str) -> tuple[list[dict], str]:
+    """`fmoe train` with `flags` for STEPS steps (tests/test_train.py's `_in_process`): its metric lines and
+    what it printed."""
     metrics = tmp / f"{name}.jsonl"
-    done = subprocess.run(_cmd("--metrics", str(metrics), "--steps", str(STEPS), *flags), cwd=tmp,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr[-4000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()], done.stdout
+    code, out, err = _in_process(tmp, _argv("--metrics", str(metrics), "--steps", str(STEPS), *flags))
+    assert code == 0, f"{name}: {out}\n{err[-4000:]}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()], out
 
 
 def test_compiled_phases_train_as_eager_on_the_make_run_layout(tmp_path: Path) -> None:
@@ -50,10 +50,10 @@ def test_compiled_phases_train_as_eager_on_the_make_run_layout(tmp_path: Path) -
     (("--pp", "1", "--ep", "1"), "pass --schedule 1f1b to run through the executor"),  # no executor
     (("--pp", "2", "--tp", "2"), "drop --compile, or run tp 1 and cp 1"),  # collectives inside phases
 ], ids=["accumulate", "tp"])
-def test_compile_is_refused_before_launch_where_it_cannot_run(tmp_path: Path, flags, says) -> None:
-    done = subprocess.run(_cmd(*flags, "--compile", "--steps", "1"), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+def test_compile_is_refused_before_launch_where_it_cannot_run(tmp_path: Path, flags, says,
+                                                            no_launch: None) -> None:
+    code, _, err = _in_process(tmp_path, _argv(*flags, "--compile", "--steps", "1"))
+    assert code != 0 and says in err, err[-2000:]
 
 
 def test_compiled_phases_issue_the_same_messages_and_replay_clean_under_nccl_rules() -> None:

@@ -73,21 +73,41 @@ def _texts(tmp: Path, *contents: bytes) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("differ, field", [({"seed": 7}, "config['seed']"), ({"lr": 1e-2}, "config['lr']"),
-                                           ({"num_experts": 4}, "config['num_experts']")])
-def test_ranks_with_a_different_flag_all_fail_naming_it(tmp_path: Path, differ: dict, field: str) -> None:
-    same = _texts(tmp_path, b"abc" * 100)
-    got = [r.value for r in spawn(_check_with, 2, differ, same * 2)]
+DIFFERENT_FLAGS = [({"seed": 7}, "config['seed']"), ({"lr": 1e-2}, "config['lr']"),
+                   ({"num_experts": 4}, "config['num_experts']")]
+
+
+def _checks_with(rank: int, world_size: int, cases: dict[str, tuple[dict, list[str]]]) -> dict[str, str]:
+    """`_check_with` for each case (name -> (differ, data)), one after the other on the same ranks."""
+    return {name: _check_with(rank, world_size, differ, data) for name, (differ, data) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Each launch-check case of the tests below (name -> what ranks 0 and 1 said), all on one start of 2
+    ranks (a rank's start costs seconds): rank 1 with each of DIFFERENT_FLAGS on the same data; rank 1 with
+    other rank-only paths (metrics, loss curve, TensorBoard, W&B) and a copy of the data; rank 1 with other
+    data."""
+    tmp = tmp_path_factory.mktemp("texts")
+    one, copy, other = _texts(tmp, b"abc" * 100, b"abc" * 100, b"abd" * 100)
+    rank_only = {"metrics": str(tmp / "r1.jsonl"), "progress": False, "loss_curve": "x.png",
+                 "tensorboard_dir": "tb1", "wandb_project": "p", "wandb_exp_name": "x", "wandb_save_dir": "w"}
+    cases = {**{field: (differ, [one, one]) for differ, field in DIFFERENT_FLAGS},
+             "rank_only": (rank_only, [one, copy]), "other_data": ({}, [one, other])}
+    runs = [r.value for r in spawn(_checks_with, 2, cases)]
+    return {name: [run[name] for run in runs] for name in cases}
+
+
+@pytest.mark.parametrize("field", [field for _, field in DIFFERENT_FLAGS])
+def test_ranks_with_a_different_flag_all_fail_naming_it(checked: dict, field: str) -> None:
+    got = checked[field]
     assert got[0] == got[1], got  # every rank, the same line
     assert "\n" not in got[0] and field in got[0] and "ranks [0] and [1]" in got[0], got[0]
 
 
-def test_rank_only_paths_may_differ_but_the_data_may_not(tmp_path: Path) -> None:
-    one, copy, other = _texts(tmp_path, b"abc" * 100, b"abc" * 100, b"abd" * 100)
-    metrics = {"metrics": str(tmp_path / "r1.jsonl"), "progress": False, "loss_curve": "x.png",
-               "tensorboard_dir": "tb1", "wandb_project": "p", "wandb_exp_name": "x", "wandb_save_dir": "w"}
-    assert [r.value for r in spawn(_check_with, 2, metrics, [one, copy])] == ["agreed", "agreed"]
-    got = [r.value for r in spawn(_check_with, 2, {}, [one, other])]
+def test_rank_only_paths_may_differ_but_the_data_may_not(checked: dict) -> None:
+    assert checked["rank_only"] == ["agreed", "agreed"]
+    got = checked["other_data"]
     assert got[0] == got[1] and "disagree on data" in got[0], got
 
 

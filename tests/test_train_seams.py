@@ -1,6 +1,7 @@
-"""`fmoe train --router MODULE:FUNCTION` as a user runs it (the command in a subprocess, its spawned gloo
-ranks): the example routers of fmoe/examples/routers.py train on two ranks and match the one-process run,
-and a path that does not load stops the command before any rank starts (docs/research.md)."""
+"""`fmoe train --router MODULE:FUNCTION` as a user runs it (the command's main, its spawned gloo ranks; in
+a subprocess where a user's module is on its PYTHONPATH): the example routers of fmoe/examples/routers.py
+train on two ranks and match the one-process run, and a path that does not load stops the command before
+any rank starts (docs/research.md)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,21 @@ SMALL = ("--steps", "3", "--no-progress")  # the tiny preset
 
 
 def _train(tmp: Path, name: str, *flags: str, env: dict | None = None) -> tuple[list[dict], str]:
-    """Runs `fmoe train` with `flags` (and --metrics); returns its metric lines and its stdout."""
+    """Runs `fmoe train` with `flags` (and --metrics); returns its metric lines and its stdout. In a
+    subprocess with `env` (a user's module on its PYTHONPATH); else the command's main in this process,
+    its ranks spawned (tests/test_train.py's `_in_process`: the command's start saved)."""
+    from test_train import _in_process
+
     metrics = tmp / f"{name}.jsonl"
-    done = subprocess.run([sys.executable, "-m", "fmoe.cli.main", "train", *SMALL, "--metrics", str(metrics),
-                           *flags], cwd=tmp, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()], done.stdout
+    argv = ["train", *SMALL, "--metrics", str(metrics), *flags]
+    if env is None:
+        code, out, err = _in_process(tmp, argv)
+    else:
+        done = subprocess.run([sys.executable, "-m", "fmoe.cli.main", *argv], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    assert code == 0, f"{name}: {out}\n{err}"
+    return [json.loads(line) for line in metrics.read_text().splitlines()], out
 
 
 USER_ROUTER = """
