@@ -34,6 +34,7 @@ import torch
 
 from fmoe.config import GPTConfig
 from fmoe.hf.config_map import check_exportable
+from fmoe.ops import halves
 from fmoe.outline import outline
 from fmoe.structure import check_gpt
 
@@ -157,10 +158,9 @@ def params_to_hf(params: dict[str, Any], cfg: GPTConfig, arch: str) -> dict[str,
             continue
         sd[f"{P}.post_attention_layernorm.weight"] = p["mlp_norm"].clone()
         sd[f"{P}.{module}.gate.weight"] = _t(p["moe"]["router"]["w"])
-        experts, F = p["moe"]["experts"], cfg.moe.d_ff
+        experts = p["moe"]["experts"]
         for e in range(cfg.moe.num_experts):
-            gate_up = experts["w_gate_up"][e]
-            for w, theirs in zip((gate_up[:, :F], gate_up[:, F:], experts["w_down"][e]), names):
+            for w, theirs in zip((*halves(experts["w_gate_up"][e]), experts["w_down"][e]), names):
                 sd[f"{P}.{module}.experts.{e}.{theirs}.weight"] = _t(w)
     sd["model.norm.weight"] = params["norm"].clone()
     sd["lm_head.weight"] = _t(params["head"]["w"])

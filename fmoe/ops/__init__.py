@@ -29,5 +29,6 @@ from fmoe.ops._permute import permute_probs as permute_probs
 from fmoe.ops._permute import sort_layout as sort_layout
 from fmoe.ops._permute import unpermute as unpermute
 from fmoe.ops._rms_norm import rms_norm as rms_norm
+from fmoe.ops._swiglu import halves as halves
 from fmoe.ops._swiglu import swiglu as swiglu
 from fmoe.ops._swiglu import swiglu_packed as swiglu_packed

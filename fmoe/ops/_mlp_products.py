@@ -91,9 +91,10 @@ class _SwiGLUDown(Function):
         if needs_grad(ctx)[2]:
             dw = weight_grad_or_defer(ctx.w_plain, _down_weight_grad, gate_MF, up_MF, g_MD, prod,
                                       accumulate=_down_weight_grad_into)
+        if ctx.packed:  # one [M, 2F] gradient for gate | up
+            dgate_up = packed_swiglu_grad(prod.dx(g_MD, w_FD), a) if needs_grad(ctx)[0] else None
+            return dgate_up, None, dw, None
         dgate = dup = None
-        if ctx.packed and needs_grad(ctx)[0]:
-            return packed_swiglu_grad(prod.dx(g_MD, w_FD), a), None, dw, None
         if needs_grad(ctx)[0] or needs_grad(ctx)[1]:
             # dh is made here and read by nothing else: the SwiGLU backward may overwrite it.
             dh = prod.dx(g_MD, w_FD)

@@ -325,6 +325,7 @@ def read_gate_and_up_apart(checkpoint: str | Path, items: dict[str, torch.Tensor
     `...experts.w_gate_up` key the checkpoint lacks, its two halves under the old keys (views of the same
     tensor, [.., D, 2F]: gate's columns, then up's), so the load writes the old tensors into the fused
     one. The AdamW step counter, one per leaf, is read from w_gate's. Returns None."""
+    from fmoe.ops import halves
     from fmoe.train.safe_metadata import read_metadata
 
     held = read_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
@@ -336,8 +337,7 @@ def read_gate_and_up_apart(checkpoint: str | Path, items: dict[str, torch.Tensor
         if fused.dim() == 0:
             items[gate_key] = fused
             continue
-        half = fused.shape[-1] // 2
-        items[gate_key], items[up_key] = fused[..., :half], fused[..., half:]
+        items[gate_key], items[up_key] = halves(fused)
 
 
 def verify(checkpoint: str | Path) -> None:
