@@ -384,7 +384,9 @@ def finish(acts: dict[str, torch.Tensor], route: MoERoute,
     if "y_TD" in acts:
         y_TD = acts["y_TD"]
     else:
-        y_TD = combine_rows(acts["rows_RD"], acts.get("probs_TK"), route)
+        # the rows are the layer's own (its experts' output, or what its combine received), read nowhere
+        # after this: donated
+        y_TD = combine_rows(acts["rows_RD"], acts.get("probs_TK"), route, donate=True)
     if "shared_TD" in acts:
         y_TD = y_TD + acts["shared_TD"]
     used = ("rows_RD", "y_TD", "probs_TK", "shared_TD", "residual_BSD")

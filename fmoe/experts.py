@@ -68,9 +68,10 @@ def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor,
     """
     counts = group_counts(counts_E, x_MD, p["w_gate_up"], backend)  # once for the two products
     gate_up_MZ = grouped_linear(x_MD, p["w_gate_up"], counts, backend)
+    # gate_up is made here and read nowhere else: its memory takes its own gradient (donate)
     if probs_M is None:  # fused: a split backward then holds gate | up, not also their product
-        return swiglu_packed_grouped_linear(gate_up_MZ, p["w_down"], counts, backend)
-    h_MF = swiglu_packed(gate_up_MZ) * probs_M.to(gate_up_MZ.dtype).unsqueeze(-1)
+        return swiglu_packed_grouped_linear(gate_up_MZ, p["w_down"], counts, backend, donate=True)
+    h_MF = swiglu_packed(gate_up_MZ, donate=True) * probs_M.to(gate_up_MZ.dtype).unsqueeze(-1)
     return grouped_linear(h_MF, p["w_down"], counts, backend)
 
 

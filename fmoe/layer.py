@@ -276,10 +276,12 @@ def expert_rows(experts: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: t
     return transforms.remat(run, policy=expert_policy(remat))(experts, x_MD, probs_M)
 
 
-def combine_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERoute) -> torch.Tensor:
+def combine_rows(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, route: MoERoute, *,
+                 donate: bool = False) -> torch.Tensor:
     """Back to token order: return y_TD [T, D], the sum over the K slots, weighted by probs_TK unless
-    it is None (gate weights already applied inside the experts)."""
-    return unpermute(y_RD, probs_TK, route.layout)
+    it is None (gate weights already applied inside the experts). `donate`: y_RD is handed over
+    (`fmoe.ops.unpermute`'s donate: not to be read after the backward)."""
+    return unpermute(y_RD, probs_TK, route.layout, donate=donate)
 
 
 def make_aux(loss: torch.Tensor, route: MoERoute, new_state: dict[str, torch.Tensor]) -> MoEAux:

@@ -125,18 +125,20 @@ def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: tor
 
 def swiglu_packed_grouped_linear(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor,
                                  counts_E: torch.Tensor | Sequence[int] | Counts,
-                                 backend: str | None = None) -> torch.Tensor:
+                                 backend: str | None = None, *, donate: bool = False) -> torch.Tensor:
     """Return y_MD = grouped_linear(swiglu_packed(gate_up_MZ), w_EFD, counts_E) ([M, D], the input's dtype).
 
     gate_up_MZ [M, 2F]: gate | up, one fused product's output (`grouped_linear(x, w_gate_up_EDZ)`); its
     gradient is one [M, 2F] tensor, so that product's backward is one GEMM with no sum of two input
     gradients. Where a weight gradient may be deferred, the forward keeps gate_up, not h (module docstring).
+    `donate`: gate_up_MZ is handed over (`swiglu_packed`'s donate; where weight gradients may be deferred
+    it is kept for them, so nothing is donated there).
     """
     if gate_up_MZ.shape[-1] != 2 * w_EFD.shape[-2]:
         raise ValueError(f"swiglu_packed_grouped_linear: gate_up has {gate_up_MZ.shape[-1]} columns, the "
                          f"down weight {tuple(w_EFD.shape)} wants 2 x {w_EFD.shape[-2]}")
     if not may_defer():
-        return grouped_linear(swiglu_packed(gate_up_MZ), w_EFD, counts_E, backend)
+        return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, counts_E, backend)
     prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E, backend)
     return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe._compat import Function, needs_grad, under_vmap
+from fmoe.ops._donate import FRESH_BUFFERS_FAULT, may_donate
 from fmoe.ops._dtypes import compute_dtype
 from fmoe.transforms.pytree import pytree_dataclass
 
@@ -215,15 +216,15 @@ class _Unpermute(Function):
     """y_TD = sum_k probs_TK[t, k] * y_RD[row_dst_N[t * K + k]]; backward: the forward permutation."""
 
     @staticmethod
-    def forward(y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full):
+    def forward(y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full, donate):
         return _weighted_rows(_source(y_RD, full), row_dst_N.view(T, K), probs_TK)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full = inputs
+        y_RD, probs_TK, row_src_R, row_dst_N, tok_R, T, K, full, donate = inputs
         ctx.weighted = probs_TK is not None
         ctx.save_for_backward(y_RD, probs_TK if ctx.weighted else None, row_src_R, row_dst_N, tok_R)
-        ctx.T, ctx.K, ctx.full = T, K, full
+        ctx.T, ctx.K, ctx.full, ctx.donate = T, K, full, donate
 
     @staticmethod
     def backward(ctx, g_TD):
@@ -239,10 +240,26 @@ class _Unpermute(Function):
             # Row r's token's cotangent (the forward permutation), times the row's gate weight inside
             # the same pass, in y's dtype (the gradient rounds to it anyway; the gate weight's own
             # rounding, 2**-9 in bf16, is of the same size).
-            tok_R1 = tok_R.view(-1, 1)
+            src = _source(g_TD.to(y_RD.dtype), ctx.full)
             p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full) if ctx.weighted else None
-            dy = _weighted_rows(_source(g_TD.to(y_RD.dtype), ctx.full), tok_R1, p_R1)
-        return dy, dprobs, None, None, None, None, None, None
+            if ctx.donate and y_RD.device.type in FRESH_BUFFERS_FAULT and may_donate():
+                dy = _rows_over(y_RD, src, tok_R, p_R1)
+            else:
+                dy = _weighted_rows(src, tok_R.view(-1, 1), p_R1)
+        return dy, dprobs, None, None, None, None, None, None, None
+
+
+def _rows_over(out_RD: torch.Tensor, src_XD: torch.Tensor, rows_R: torch.Tensor,
+               weights_R1: torch.Tensor | None) -> torch.Tensor:
+    """`_weighted_rows(src_XD, rows_R[:, None], weights_R1)` written over out_RD (a donated buffer of that
+    shape and dtype) and returned: a gather into it, then the weights multiplied in place (each row's
+    product with its weight, cast to src's dtype, rounded once to nearest: the bag kernel's values in
+    fp32 / fp64; in bf16 the CPU bag kernel may round the last place differently). Two passes where the
+    bag sum is one, and no new buffer (fmoe/ops/_donate.py: FRESH_BUFFERS_FAULT)."""
+    torch.index_select(src_XD, 0, rows_R, out=out_RD)
+    if weights_R1 is not None:
+        out_RD.mul_(weights_R1.to(out_RD.dtype))
+    return out_RD
 
 
 def _probs_grad(g_TD: torch.Tensor, y_XD: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
@@ -268,11 +285,14 @@ def permute_probs(probs_TK: torch.Tensor, layout: Layout) -> torch.Tensor:
     return _Permute.apply(p_N1, layout.row_src_R, layout.row_dst_N, 1, layout.full).reshape(-1)
 
 
-def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout) -> torch.Tensor:
+def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout, *,
+              donate: bool = False) -> torch.Tensor:
     """Return y_TD = sum_k probs_TK[t, k] * y_RD[row of (t, k)] (dropped pairs add 0), in y's dtype.
 
     With probs_TK None the K rows are summed unweighted (gate weights already applied in the expert).
     The weighted sum accumulates in fp32 (fp64 for fp64). Differentiable in y and probs.
+    `donate` (fmoe/ops/_donate.py): y_RD is handed over; where new buffers fault (CPU) its backward
+    writes y's gradient over y_RD's memory, so y_RD must not be read after the backward.
     """
     if y_RD.shape[0] != layout.num_rows:
         raise ValueError(f"unpermute: y has {y_RD.shape[0]} rows, layout has {layout.num_rows}")
@@ -280,4 +300,4 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout)
         raise ValueError(f"unpermute: probs must be [{layout.num_tokens}, {layout.top_k}], got "
                          f"{tuple(probs_TK.shape)}")
     return _Unpermute.apply(y_RD, probs_TK, layout.row_src_R, layout.row_dst_N, layout.tok_R,
-                            layout.num_tokens, layout.top_k, layout.full)
+                            layout.num_tokens, layout.top_k, layout.full, donate)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fmoe._compat import Function, functorch_active, is_tracing, needs_grad
+from fmoe.ops._donate import may_donate
 
 
 class _SwiGLU(Function):
@@ -86,11 +87,25 @@ def packed_swiglu_grad(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor,
     return d_XZ
 
 
+def packed_swiglu_grad_over(g_XF: torch.Tensor, gate_up_XZ: torch.Tensor,
+                            silu_XF: torch.Tensor) -> torch.Tensor:
+    """`packed_swiglu_grad`, written over gate_up_XZ itself (a donated buffer) and returned: the same three
+    elementwise passes and bit-identical values, with no new [X, 2F] buffer. Each half is overwritten
+    once nothing reads it any more: up by g * up, gate by silu's derivative applied to that, up by
+    g * silu(gate) (kept from the forward). (On CPU a new buffer of that size costs several times the
+    passes: fmoe/ops/_donate.py.)"""
+    gate_XF, up_XF = halves(gate_up_XZ)
+    up_XF.mul_(g_XF)
+    torch.ops.aten.silu_backward.grad_input(up_XF, gate_XF, grad_input=gate_XF)
+    torch.mul(g_XF, silu_XF, out=up_XF)
+    return gate_up_XZ
+
+
 class _SwiGLUPacked(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(gate_up_XZ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(gate_up_XZ: torch.Tensor, donate: bool) -> tuple[torch.Tensor, torch.Tensor]:
         gate_XF, up_XF = halves(gate_up_XZ)
         silu_XF = torch.nn.functional.silu(gate_XF)
         return silu_XF * up_XF, silu_XF  # silu kept for the backward, as in _SwiGLU
@@ -100,22 +115,31 @@ class _SwiGLUPacked(Function):
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(inputs[0], output[1])
+        ctx.donate = inputs[1]
 
     @staticmethod
     def backward(ctx, g_XF, _g_silu):
         gate_up_XZ, silu_XF = ctx.saved_tensors
         if g_XF is None:
-            return None
-        return packed_swiglu_grad(g_XF, gate_up_XZ, silu_XF)
+            return None, None
+        if ctx.donate and may_donate():
+            return packed_swiglu_grad_over(g_XF, gate_up_XZ, silu_XF), None
+        return packed_swiglu_grad(g_XF, gate_up_XZ, silu_XF), None
 
 
-def swiglu_packed(gate_up_XZ: torch.Tensor) -> torch.Tensor:
+def swiglu_packed(gate_up_XZ: torch.Tensor, *, donate: bool = False) -> torch.Tensor:
     """Return h_XF = silu(gate) * up for gate, up = the column halves of gate_up_XZ [..., 2F] (one product's
-    output); its backward writes both halves' gradients into one [..., 2F] tensor."""
+    output); its backward writes both halves' gradients into one [..., 2F] tensor.
+
+    `donate` (as JAX's donate_argnums): the caller hands gate_up_XZ over; under tape autograd the backward
+    writes that gradient over gate_up_XZ's own memory instead of a new buffer, so gate_up_XZ must not be
+    read after the backward (fmoe's routed experts make it and read it nowhere else). Another autograd
+    node that saved it fails loudly at its backward (its saved version changed); under torch.func and
+    while tracing nothing is donated."""
     if gate_up_XZ.shape[-1] % 2 or not gate_up_XZ.is_floating_point():
         raise ValueError(f"swiglu_packed: gate_up must be floating with an even last dim (gate | up), got "
                          f"{tuple(gate_up_XZ.shape)} {gate_up_XZ.dtype}")
-    return _SwiGLUPacked.apply(gate_up_XZ)[0]
+    return _SwiGLUPacked.apply(gate_up_XZ, donate)[0]
 
 
 def swiglu(gate_XF: torch.Tensor, up_XF: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,151 @@
+"""Donated buffers (fmoe/ops/_donate.py): swiglu_packed(donate=True) and unpermute(donate=True) write a
+gradient over the donated input's memory, with the values of the undonated op (bit for bit) and of a
+float64 oracle; nothing is donated under torch.func or a create_graph backward; a node that saved the
+donated tensor and runs later fails loudly; the MoE layer donates on CPU.
+
+Legend (docs/moe.md): X rows, F features, Z = 2 F (gate | up), T tokens, K slots, R layout rows, D width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from fmoe.capacity import drop_layout
+from fmoe.config import MoEConfig
+from fmoe.layer import init_moe
+from fmoe.model import moe
+from fmoe.ops import sort_layout, swiglu_packed, unpermute
+from fmoe.transforms.testing import assert_close
+
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float64])
+
+
+def swiglu_oracle(gate_up_XZ: torch.Tensor, ct_XF: torch.Tensor) -> torch.Tensor:
+    a = gate_up_XZ.double().requires_grad_()
+    g, u = a[:, : a.shape[1] // 2], a[:, a.shape[1] // 2:]
+    return torch.autograd.grad(g / (1 + torch.exp(-g)) * u, a, ct_XF.double())[0]
+
+
+def packed_grad(gate_up_XZ: torch.Tensor, ct_XF: torch.Tensor, donate: bool) -> tuple[torch.Tensor, ...]:
+    leaf = gate_up_XZ.clone().requires_grad_()
+    mine = leaf * 1  # a non-leaf the caller owns, as the experts' product output is
+    h = swiglu_packed(mine, donate=donate)
+    (d,) = torch.autograd.grad(h, mine, ct_XF)
+    return h.detach(), d, mine.detach()
+
+
+@settings(max_examples=20, deadline=None)
+@example(rows=0, F=2, dtype=torch.float32, seed=0)
+@example(rows=1, F=1, dtype=torch.bfloat16, seed=1)
+@example(rows=5, F=3, dtype=torch.float64, seed=2)
+@given(rows=st.integers(0, 6), F=st.integers(1, 4), dtype=dtypes, seed=st.integers(0, 2**31 - 1))
+def test_donated_swiglu_gradient_is_the_undonated_one_in_the_donated_memory(rows, F, dtype, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(rows, 2 * F, generator=g, dtype=torch.float64) * 3).to(dtype)
+    ct = torch.randn(rows, F, generator=g, dtype=torch.float64).to(dtype)
+    h0, d0, kept = packed_grad(gate_up, ct, donate=False)
+    h1, d1, donated = packed_grad(gate_up, ct, donate=True)
+    assert torch.equal(h0, h1) and torch.equal(d0, d1)
+    assert torch.equal(kept, gate_up)  # not donated: the input is left as it was
+    if rows:
+        assert d1.data_ptr() == donated.data_ptr() and torch.equal(donated, d1)
+    assert_close(d1, swiglu_oracle(gate_up, ct), dtype=dtype, scale=2.0)
+
+
+def unpermute_grads(y_RD, p_TK, layout, ct_TD, donate):
+    y = y_RD.clone().requires_grad_()
+    mine = y * 1
+    p = None if p_TK is None else p_TK.clone().requires_grad_()
+    out = unpermute(mine, p, layout, donate=donate)
+    grads = torch.autograd.grad(out, [mine] + ([] if p is None else [p]), ct_TD)
+    return out.detach(), grads, mine.detach()
+
+
+@settings(max_examples=20, deadline=None)
+@example(T=0, K=2, weighted=True, dropped=False, dtype=torch.float32, seed=0)
+@example(T=3, K=1, weighted=False, dropped=False, dtype=torch.bfloat16, seed=1)
+@example(T=6, K=3, weighted=True, dropped=True, dtype=torch.float64, seed=2)
+@given(T=st.integers(0, 7), K=st.integers(1, 3), weighted=st.booleans(), dropped=st.booleans(), dtype=dtypes,
+       seed=st.integers(0, 2**31 - 1))
+def test_donated_unpermute_gradient_is_the_undonated_one_in_the_donated_memory(T, K, weighted, dropped, dtype,
+                                                                               seed) -> None:
+    E, D = 3, 4
+    g = torch.Generator().manual_seed(seed)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    probs_TK = torch.rand(T, K, generator=g, dtype=torch.float64)
+    layout = drop_layout(ids_TK, probs_TK, E, max(1, T * K // E), "probs", False)[0] if dropped else \
+        sort_layout(ids_TK, E)
+    y_RD = torch.randn(layout.num_rows, D, generator=g, dtype=torch.float64).to(dtype)
+    p_TK = probs_TK.to(dtype) if weighted else None
+    ct_TD = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
+    out0, grads0, kept = unpermute_grads(y_RD, p_TK, layout, ct_TD, donate=False)
+    out1, grads1, donated = unpermute_grads(y_RD, p_TK, layout, ct_TD, donate=True)
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(a, b) for a, b in zip(grads0[1:], grads1[1:]))  # dprobs: the same kernel
+    # dy: the same values in fp32 / fp64; in bf16 the donated product rounds once to nearest (exactly the
+    # oracle's rounding below), where the CPU bag kernel may round the last place differently
+    if dtype == torch.bfloat16:
+        assert_close(grads1[0], grads0[0], dtype=dtype)
+    else:
+        assert torch.equal(grads0[0], grads1[0])
+    assert torch.equal(kept, y_RD)
+    if layout.num_rows:
+        assert grads1[0].data_ptr() == donated.data_ptr() and torch.equal(donated, grads1[0])
+    # the oracle: row r takes its pair's cotangent times its gate weight (zero for padding rows)
+    src_R = layout.row_src_R
+    expect = torch.zeros(layout.num_rows, D, dtype=torch.float64)
+    for r in range(layout.num_rows):
+        n = int(src_R[r])
+        if n < T * K:
+            expect[r] = ct_TD[n // K].double() * (1.0 if p_TK is None else p_TK.reshape(-1)[n].double())
+    assert torch.equal(grads1[0], expect.to(dtype))  # one product per row, rounded once
+
+
+def test_nothing_is_donated_under_torch_func_or_a_create_graph_backward() -> None:
+    g = torch.Generator().manual_seed(0)
+    gate_up, ct = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g,
+                                                                                 dtype=torch.float64)
+    before = gate_up.clone()
+    _, vjp_fn = torch.func.vjp(lambda a: swiglu_packed(a, donate=True), gate_up)
+    (d_func,) = vjp_fn(ct)
+    assert torch.equal(gate_up, before)
+    leaf = gate_up.clone().requires_grad_()
+    mine = leaf * 1
+    (d_cg,) = torch.autograd.grad(swiglu_packed(mine, donate=True), mine, ct, create_graph=True)
+    assert torch.equal(mine.detach(), before) and d_cg.data_ptr() != mine.data_ptr()
+    assert_close(d_func, swiglu_oracle(before, ct))
+    assert_close(d_cg.detach(), swiglu_oracle(before, ct))
+
+
+def test_a_node_that_saved_the_donated_tensor_fails_loudly_if_it_runs_later() -> None:
+    leaf = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    mine = leaf * 1
+    other = mine.pow(2).sum()  # saves `mine`; made first, so its backward runs after the donation
+    h = swiglu_packed(mine, donate=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (h.sum() + other).backward()
+
+
+def test_the_moe_layer_donates_the_experts_gate_up_and_its_rows_on_cpu() -> None:
+    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F] and the rows its
+    combine got [R, D] (what the layer saved, checked against copies taken when saved); its gradients
+    are unchanged (tests/test_moe_layer.py holds them to the loop oracle)."""
+    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=2, aux_loss_coef=0.0)  # M 12, 2F 8, D 4
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    x_TD = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 2 and t.shape[0] == 12 and t.is_floating_point():
+            saved.append((t, t.detach().clone()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y_TD, _ = moe(params, x_TD, cfg)
+    y_TD.sum().backward()
+    changed = {tuple(t.shape) for t, copy in saved if not torch.equal(t, copy)}
+    assert changed == {(12, 8), (12, 4)}, changed
