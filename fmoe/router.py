@@ -24,7 +24,7 @@ from einops import rearrange, repeat
 from fmoe.balance import TokenShard, aux_loss, graph_zero, seq_aux_loss, z_loss
 from fmoe.config import MoEConfig
 from fmoe.init import scaled_normal
-from fmoe.ops import compute_dtype, expert_counts, linear
+from fmoe.ops import cast, compute_dtype, expert_counts, linear
 from fmoe.structure import check_router
 from fmoe.transforms.pytree import pytree_dataclass
 
@@ -107,7 +107,7 @@ def route(params: dict[str, torch.Tensor], x_TD: torch.Tensor, cfg: MoEConfig,
         check_router(params, cfg, state)
     ct = compute_dtype(x_TD.dtype)
     # The cast of w is the identity (same object, so its dw stays deferrable) when w is already ct.
-    logits_TE = linear(x_TD.to(ct), params["w"].to(ct))
+    logits_TE = linear(cast(x_TD, ct), cast(params["w"], ct))
     if cfg.score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
     else:

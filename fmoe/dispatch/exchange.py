@@ -207,14 +207,9 @@ class RowExchange:
         return self.start_plan_rows(route.layout.counts_E, route.layout.num_rows)
 
     def _start(self, plan: RowPlan, acts: dict, src: str, dst: str, name: str) -> Chain:
-        keys = [k for k in (f"rows_{src}D", f"probs_{src}") if k in acts]
-        rest = {k: v for k, v in acts.items() if k not in keys}
-
-        def renamed(got: dict) -> dict:
-            return {**rest, **{k.replace(f"_{src}", f"_{dst}"): v for k, v in got.items()}}
-
+        rows, rest = rows_apart(acts, src)
         move = partial(self.move, plan, reverse=src == "M", name=name)
-        return chained({k: acts[k] for k in keys}, move, then=renamed)
+        return chained(rows, move, then=lambda got: renamed(rest, got, src, dst))
 
     def start_dispatch(self, plan: RowPlan, acts: dict) -> Any:
         """Issues rows_RD (+ probs_R) -> rows_MD (+ probs_M); other acts pass through."""
@@ -231,6 +226,18 @@ class RowExchange:
     def start_combine_transpose(self, plan: RowPlan, ct: dict) -> Any:
         """Issues the cotangent of rows_RD back to that of rows_MD."""
         return self._start(plan, ct, "R", "M", "combine.bwd")
+
+
+def rows_apart(acts: dict, src: str) -> tuple[dict, dict]:
+    """Returns (rows, rest): the rows an exchange moves from side `src` ("R" layout, "M" experts: rows_<src>D
+    and probs_<src> where present) and the other acts, which pass through."""
+    keys = [k for k in (f"rows_{src}D", f"probs_{src}") if k in acts]
+    return {k: acts[k] for k in keys}, {k: v for k, v in acts.items() if k not in keys}
+
+
+def renamed(rest: dict, got: dict, src: str, dst: str) -> dict:
+    """The acts after an exchange: `rest` and the moved rows `got` under side `dst`'s names."""
+    return {**rest, **{k.replace(f"_{src}", f"_{dst}"): v for k, v in got.items()}}
 
 
 def traffic_op(prefix: str, name: str, key: str) -> str:

@@ -9,6 +9,7 @@ from fmoe.ops._attention import document_mask as document_mask
 from fmoe.ops._attention import rope as rope
 from fmoe.ops._attention import sdpa as sdpa
 from fmoe.ops._cross_entropy import cross_entropy as cross_entropy
+from fmoe.ops._dtypes import cast as cast
 from fmoe.ops._dtypes import compute_dtype as compute_dtype
 from fmoe.ops._embedding import embedding as embedding
 from fmoe.ops._grouped_linear import Counts as Counts

@@ -13,3 +13,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     float64 gradient checks keep their precision. Results are cast back by the caller where it says so.
     """
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return t in `dtype`: t itself when it already is (what `t.to(dtype)` returns then, without its
+    dispatch: a layer makes a dozen such no-op casts per call)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -167,7 +167,9 @@ class Counts:
             # Not cached: vmap's wrappers and compile's fake tensors belong to one transform level, and a
             # backward runs at another.
             return torch.cumsum(self.dev_E, 0, dtype=torch.int32)
-        if self.dev_E is not None and (self.host is None or device.type not in HOST_READS_FREE):
+        if self.dev_E is not None and (self.host is None or self.dev_E.device == device):
+            # one cumsum per Counts, shared by its products (host ints would make a new tensor per
+            # routing: a cache of them misses on every layer, whose counts differ)
             return self._dev_offs_E()
         return _offsets(self.host, device, torch.int32)
 

@@ -33,7 +33,7 @@ import torch
 
 from fmoe._compat import Function, needs_grad, under_vmap
 from fmoe.ops._donate import FRESH_BUFFERS_FAULT, may_donate
-from fmoe.ops._dtypes import compute_dtype
+from fmoe.ops._dtypes import cast, compute_dtype
 from fmoe.transforms.pytree import pytree_dataclass
 
 
@@ -65,9 +65,9 @@ class Layout:
 
 
 def _inverse(order_N: torch.Tensor) -> torch.Tensor:
-    inv_N = torch.empty_like(order_N)
-    inv_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return inv_N
+    # a scatter of positions, called directly (indexed assignment goes through Python's indexing)
+    positions_N = torch.arange(order_N.numel(), device=order_N.device)
+    return torch.empty_like(order_N).scatter_(0, order_N, positions_N)
 
 
 def expert_counts(ids_X: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def expert_counts(ids_X: torch.Tensor, num_experts: int) -> torch.Tensor:
     its own). The scatter-add of integer ones is exact in any order, so it is deterministic on
     accelerators too.
     """
-    ids_N = ids_X.reshape(-1).to(torch.int64)
+    ids_N = cast(ids_X.reshape(-1), torch.int64)
     # Out of place: torch.func.vmap batches `scatter_add` over a batch of id sets, not its in-place form
     # into an unbatched zeros.
     return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add(
@@ -146,9 +146,13 @@ def _bags(src_XD: torch.Tensor, rows_TJ: torch.Tensor, weights_TJ: torch.Tensor 
     kernel, which takes a 2-D table.
     """
     flat = src_XD.flatten(1)
-    w = None if weights_TJ is None else weights_TJ.to(flat.dtype)
-    out = torch.nn.functional.embedding_bag(rows_TJ, flat, mode="sum", per_sample_weights=w)
-    return out.view(rows_TJ.shape[0], *src_XD.shape[1:])
+    T, J = rows_TJ.shape
+    w_N = None if weights_TJ is None else cast(weights_TJ, flat.dtype).reshape(-1)
+    # aten's op itself (F.embedding_bag's checks and reshapes cost more than the kernel at small T):
+    # bag t holds entries [t * J, (t + 1) * J) of the flattened rows; mode 0 = sum, no padding index
+    offsets_T = torch.arange(0, T * J, J, device=rows_TJ.device)
+    out = torch.embedding_bag(flat, rows_TJ.reshape(-1), offsets_T, False, 0, False, w_N, False, None)[0]
+    return out.view(T, *src_XD.shape[1:])
 
 
 def _bag_weight_grads(g_TD: torch.Tensor, src_XD: torch.Tensor, rows_TJ: torch.Tensor) -> torch.Tensor:
@@ -159,7 +163,7 @@ def _bag_weight_grads(g_TD: torch.Tensor, src_XD: torch.Tensor, rows_TJ: torch.T
     bag_N = torch.arange(T * J, device=rows_TJ.device) // J  # the bag (token) of each flattened entry
     starts_T = torch.arange(0, T * J, J, device=rows_TJ.device)
     dw_N = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-        g_TD.flatten(1).to(src_XD.dtype), src_XD.flatten(1), rows_TJ.reshape(-1),
+        cast(g_TD.flatten(1), src_XD.dtype), src_XD.flatten(1), rows_TJ.reshape(-1),
         starts_T, bag_N, 0, -1)  # mode 0: sum; padding index -1: none
     return dw_N.view(T, J)
 
@@ -235,12 +239,12 @@ class _Unpermute(Function):
             # d probs[t, k] = <g[t], y[row of (t, k)]> (a dropped pair reads the zero row: 0), in pair
             # order, y's dtype, accumulated in fp32: no gathered or upcast copy of the rows.
             dprobs_TK = _probs_grad(g_TD, _source(y_RD, ctx.full), row_dst_N.view(ctx.T, ctx.K))
-            dprobs = dprobs_TK.to(probs_TK.dtype)
+            dprobs = cast(dprobs_TK, probs_TK.dtype)
         if want_dy:
             # Row r's token's cotangent (the forward permutation), times the row's gate weight inside
             # the same pass, in y's dtype (the gradient rounds to it anyway; the gate weight's own
             # rounding, 2**-9 in bf16, is of the same size).
-            src = _source(g_TD.to(y_RD.dtype), ctx.full)
+            src = _source(cast(g_TD, y_RD.dtype), ctx.full)
             p_R1 = _rows(probs_TK.reshape(-1, 1), row_src_R, ctx.full) if ctx.weighted else None
             if ctx.donate and y_RD.device.type in FRESH_BUFFERS_FAULT and may_donate():
                 dy = _rows_over(y_RD, src, tok_R, p_R1)

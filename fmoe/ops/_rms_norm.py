@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fmoe._compat import Function, functorch_active, needs_grad
-from fmoe.ops._dtypes import compute_dtype
+from fmoe.ops._dtypes import cast, compute_dtype
 
 
 class _RMSNorm(Function):
@@ -67,6 +67,6 @@ def rms_norm(x_XD: torch.Tensor, scale_D: torch.Tensor, eps: float = 1e-6) -> to
         # Tape autograd: aten's fused rms_norm on the fp32 copy (its own backward; the scale gradient is
         # never deferred, so nothing needs the Function's Python backward here).
         ct = compute_dtype(x_XD.dtype)
-        return torch.nn.functional.rms_norm(x_XD.to(ct), (x_XD.shape[-1],), scale_D.to(ct),
-                                            float(eps)).to(x_XD.dtype)
+        return cast(torch.nn.functional.rms_norm(cast(x_XD, ct), (x_XD.shape[-1],), cast(scale_D, ct),
+                                                 float(eps)), x_XD.dtype)
     return _RMSNorm.apply(x_XD, scale_D, float(eps))
