@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fmoe._compat import tree_flatten
+from fmoe._compat import trace_safe_cache, tree_flatten
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.local import LocalDispatcher
@@ -49,7 +49,7 @@ from fmoe.phases import H, gpt_layers, moe_layer
 from fmoe.router import check_seq_len
 from fmoe.structure import check_block, check_gpt, check_moe, local_experts
 from fmoe.tp_layout import SPLITS, check_shard, check_tp
-from fmoe.transforms.program import Ran, run_phases, tree_params
+from fmoe.transforms.program import Layer, Ran, run_phases, tree_params
 from fmoe.transforms.pytree import pytree_dataclass
 
 
@@ -97,6 +97,25 @@ def _layer_aux(ran: Ran, cfg: MoEConfig, state: dict[str, Any] | None, check: bo
     return make_aux(loss, route, new_state)
 
 
+def _gpt_layers(cfg: GPTConfig, parallel: ParallelContext) -> tuple[Layer, ...]:
+    """`gpt_loss`'s layers: the whole model as one chunk."""
+    return tuple(gpt_layers(cfg, outline(cfg).chunk(range(cfg.n_layers), first=True, head=True, last=True),
+                            parallel))
+
+
+@trace_safe_cache(maxsize=8)
+def _local_gpt_layers(cfg: GPTConfig) -> tuple[Layer, ...]:
+    """`_gpt_layers` in one process, built once per config (layers hold no params and no state)."""
+    return _gpt_layers(cfg, LOCAL)
+
+
+@trace_safe_cache(maxsize=32)
+def _local_moe_layer(cfg: MoEConfig, remat: bool | None, seq_len: int | None) -> Layer:
+    """`moe`'s layer over the local dispatcher (phases hold no params and no state: one serves every call)."""
+    return moe_layer(cfg, alone("moe"), ParallelContext(dispatcher=LocalDispatcher(cfg.num_experts)),
+                     remat=remat, bare=True, seq_len=seq_len)
+
+
 def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[str, Any] | None = None,
         *, seq_len: int | None = None, dispatcher: Dispatcher | None = None,
         remat: bool | None = None, check: bool = True) -> tuple[torch.Tensor, MoEAux]:
@@ -115,11 +134,13 @@ def moe(params: dict[str, Any], x_TD: torch.Tensor, cfg: MoEConfig, state: dict[
     if x_TD.dim() != 2 or x_TD.shape[1] != cfg.d_model:
         raise ValueError(f"moe: x must be [T, {cfg.d_model}], got {tuple(x_TD.shape)}")
     check_seq_len(seq_len, x_TD.shape[0])
-    dispatcher = dispatcher or LocalDispatcher(cfg.num_experts)
     if check:
         check_moe(params, cfg, state, num_local_experts=local_experts(dispatcher))
-    layer = moe_layer(cfg, alone("moe"), ParallelContext(dispatcher=dispatcher), remat=remat, bare=True,
-                      seq_len=seq_len)
+    if dispatcher is None:  # the local layer, built once per (cfg, remat, seq_len): it holds no state
+        layer = _local_moe_layer(cfg, remat, seq_len)
+    else:
+        layer = moe_layer(cfg, alone("moe"), ParallelContext(dispatcher=dispatcher), remat=remat, bare=True,
+                          seq_len=seq_len)
     ran = _run([layer], params, {"x_TD": x_TD}, {"state": state})
     return ran.acts["out_TD"].to(x_TD.dtype), _layer_aux(ran, cfg, state, check)
 
@@ -210,8 +231,7 @@ def gpt_loss(params: dict[str, Any], ids_BS: torch.Tensor, targets_BS: torch.Ten
         check_gpt(params, cfg, state, num_local_experts=local_experts(parallel.dispatcher))
     elif check:
         _check_tp_shards(params, cfg, parallel.tp_size)
-    layers = gpt_layers(cfg, outline(cfg).chunk(range(cfg.n_layers), first=True, head=True, last=True),
-                        parallel)
+    layers = _local_gpt_layers(cfg) if parallel is LOCAL else _gpt_layers(cfg, parallel)
     ran = _run(layers, params, {}, {"ids_BS": ids_BS, "targets_BS": targets_BS, "state": state,
                                     "packing": packing})
     main = ran.losses["ce"]
