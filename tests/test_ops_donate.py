@@ -149,3 +149,16 @@ def test_the_moe_layer_donates_the_experts_gate_up_and_its_rows_on_cpu() -> None
     y_TD.sum().backward()
     changed = {tuple(t.shape) for t, copy in saved if not torch.equal(t, copy)}
     assert changed == {(12, 8), (12, 4)}, changed
+
+
+def test_the_donated_buffers_benchmark_runs_and_its_two_sides_agree(capsys) -> None:
+    """benchmarks/donated.py at a small shape: it checks both sides equal before timing them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import donated
+
+    assert donated.main(["--rows", "64", "--d", "8", "--f", "4", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "swiglu backward" in out and "unpermute dy" in out
