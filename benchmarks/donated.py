@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --rows, --d and --f one value per shape each")
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, fp32; {args.rounds} rounds, medians; ratio = donated / new")
-    print(f"{'shape':<22} {'backward':<16} {'new ms':>8} {'donated ms':>10} {'ratio':>6} {'new MiB':>8}")
+    print(f"{'shape':<24} {'backward':<16} {'new ms':>8} {'donated ms':>10} {'ratio':>6} {'new MiB':>8}")
     for M, D, F in zip(args.rows, args.d, args.f):
         for what, t_new, t_don, mib in measure(M, D, F, args.rounds):
             shape = f"M {M}, D {D}, F {F}"
-            print(f"{shape:<22} {what:<16} {t_new:>8.2f} {t_don:>10.2f} {t_don / t_new:>6.3f} {mib:>8.1f}")
+            print(f"{shape:<24} {what:<16} {t_new:>8.2f} {t_don:>10.2f} {t_don / t_new:>6.3f} {mib:>8.1f}")
     return 0
 
 
