@@ -36,23 +36,32 @@ def layer_flops(T: int, D: int, F: int, E: int, K: int) -> float:
     return 3 * (2 * T * D * E + 3 * 2 * T * K * D * F)
 
 
-def interleaved_medians(steps: dict, repeats: int, warm_up: bool = True) -> dict[str, float]:
-    """Median wall time per step: one warm-up each (`warm_up`; False where the caller has run each step
-    already), then `repeats` rounds running every step in turn.
+def interleaved_samples(steps: dict, repeats: int,
+                        warm_up: bool = True) -> dict[str, list[tuple[float, float]]]:
+    """Per step, one (wall seconds, CPU seconds of this thread) per round: one warm-up each (`warm_up`;
+    False where the caller has run each step already), then `repeats` rounds running every step in turn.
 
     Each round starts one variant later (a rotation), so no variant always runs right after the same
-    neighbour: the order effects of the allocator and caches spread over all of them.
+    neighbour: the order effects of the allocator and caches spread over all of them. The thread's CPU
+    time (time.thread_time) is the steps' own work, which other processes on a loaded machine add to far
+    less than to wall time.
     """
     for fn in steps.values() if warm_up else ():
         fn()
     names = list(steps)
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             steps[name]()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in samples.items()}
+            samples[name].append((time.perf_counter() - t0, time.thread_time() - c0))
+    return samples
+
+
+def interleaved_medians(steps: dict, repeats: int, warm_up: bool = True) -> dict[str, float]:
+    """Median wall time per step over `interleaved_samples`' rounds."""
+    return {name: statistics.median(w for w, _ in ts)
+            for name, ts in interleaved_samples(steps, repeats, warm_up).items()}
 
 
 def layer_step(params, x_TD, cfg, ct_TD):

@@ -34,7 +34,9 @@ fastest peer's is the least fmoe / fastest peer any implementation on that kerne
 First the same function: in fp32 each peer's output and gradients must agree with fmoe's to 1e-4 relative
 to the largest entry, or the script stops; in bf16 every implementation's difference from fmoe's fp32 run
 is printed (a peer's bf16 router picks other experts for near-tied tokens). Times: one warm-up per
-implementation, then `--rounds` rounds, each starting one implementation later (medians). Peak memory:
+implementation, then `--rounds` rounds, each starting one implementation later (medians of wall time,
+"ms", and of the thread's CPU time, "cpu ms"; "paired": the median over rounds of one step's CPU time over
+another's in the same round, which a loaded machine moves far less than wall time). Peak memory:
 each (shape, precision, implementation) in a fresh process with freed blocks returned to the OS, the RSS
 high-water mark of one step after a warm-up, minus the RSS before it.
 """
@@ -46,6 +48,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import warnings
@@ -55,7 +58,7 @@ from typing import Any
 import torch
 from _ranks import measure_rss, return_freed_memory
 from grouped_ceiling import expert_products
-from moe_layer import ceiling_step, interleaved_medians, layer_flops
+from moe_layer import ceiling_step, interleaved_samples, layer_flops
 
 from fmoe import MoEConfig, init_moe, moe
 from fmoe.precision import POLICIES, accumulate, cast_to_compute
@@ -317,6 +320,12 @@ def _memory(name: str, shape: tuple[int, ...], precision: str) -> float:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["rise_mib"]
 
 
+def _paired(samples: dict[str, list[tuple[float, float]]], a: str, b: str) -> float:
+    """The median over rounds of a's CPU time / b's in the same round (seconds apart, so a drift of the
+    machine's speed between rounds cancels)."""
+    return statistics.median(x[1] / y[1] for x, y in zip(samples[a], samples[b]))
+
+
 def main() -> None:
     """Checks the same function, times every implementation interleaved, measures peak memory; prints one
     table per shape and precision with the targets."""
@@ -357,18 +366,21 @@ def main() -> None:
             steps["matmuls alone"] = expert_products(
                 T, D, F, E, K, torch.bfloat16 if precision == "bf16" else torch.float32, "grouped_mm",
                 torch.Generator().manual_seed(3))
-            times = interleaved_medians(steps, args.rounds)
+            samples = interleaved_samples(steps, args.rounds)
+            times = {n: statistics.median(w for w, _ in ts) for n, ts in samples.items()}
+            cpu = {n: statistics.median(c for _, c in ts) for n, ts in samples.items()}
             mem = {n: None if args.no_memory else _memory(n, shape, precision) for n in names}
             print(
                 f"\nD {D}, F {F}, E {E}, K {K}, T {T}, {precision}: {args.rounds} rounds, medians; "
                 "diff: largest relative difference of y and the gradients from fmoe fp32"
             )
-            print(f"{'implementation':<16} {'ms':>9} {'GFLOP/s':>8} {'peak rise MiB':>14} {'diff':>8}")
+            print(f"{'implementation':<16} {'ms':>9} {'cpu ms':>9} {'GFLOP/s':>8} {'peak rise MiB':>14} "
+                  f"{'diff':>8}")
             for n, t in times.items():
                 m, d = mem.get(n), diffs.get(n)
                 print(
-                    f"{n:<16} {t * 1e3:9.2f} {flops / t / 1e9:8.1f} {'' if m is None else f'{m:14.1f}'}"
-                    f" {'' if d is None else f'{d:8.1e}'}"
+                    f"{n:<16} {t * 1e3:9.2f} {cpu[n] * 1e3:9.2f} {flops / t / 1e9:8.1f} "
+                    f"{'' if m is None else f'{m:14.1f}'} {'' if d is None else f'{d:8.1e}'}"
                 )
             peers = [n for n in names if n != "fmoe"]
             if peers:
@@ -377,6 +389,10 @@ def main() -> None:
                     f"fmoe time / fastest peer ({fastest}): {times['fmoe'] / times[fastest]:.3f} "
                     f"(target <= 0.9; the matmuls alone: {times['matmuls alone'] / times[fastest]:.3f})"
                 )
+                fastest_cpu = min(peers, key=cpu.get)
+                line += (f"; CPU time, paired per round: fmoe / {fastest_cpu} "
+                         f"{_paired(samples, 'fmoe', fastest_cpu):.3f}, the matmuls alone "
+                         f"{_paired(samples, 'matmuls alone', fastest_cpu):.3f}")
                 if not args.no_memory:
                     low = min(peers, key=mem.get)
                     line += f"; fmoe peak / lowest peer ({low}): {mem['fmoe'] / mem[low]:.3f} (target <= 1.0)"
