@@ -1,47 +1,46 @@
-"""Flatten and unflatten for the trees split_vjp sees on every call: plain dicts, lists and tuples.
+"""Flatten and unflatten for the trees split_vjp sees on every call: dicts, lists, tuples and every node
+type torch's pytree knows (registered dataclasses, namedtuples, OrderedDict, torch.Size, ...).
 
-`torch.utils._pytree` is general (registered node types, namedtuples, key paths) and costs tens of
-microseconds per call in Python; split_vjp flattens five trees per call and a pipeline runs it for
-every phase of every microbatch. Here a plain dict / list / tuple is walked directly; a tree holding any
-other container torch's pytree knows (a namedtuple, an OrderedDict, torch.Size, a registered dataclass,
-a subclass of the three) is flattened by torch's pytree instead, so the leaves are always the ones
-`torch.utils._pytree.tree_flatten` gives, in the same order (dicts in insertion order, None a leaf).
+`torch.utils._pytree` is general (key paths, TreeSpec objects that count their leaves as they are built)
+and costs tens of microseconds per call in Python; split_vjp flattens five trees per call, one of them a
+phase's aux (routing layouts: frozen dataclasses), and a pipeline runs it for every phase of every
+microbatch. Here a plain dict / list / tuple is walked directly and any other node through the flatten
+and unflatten functions torch's registry holds for its type (`SUPPORTED_NODES`, looked up the way torch
+looks it up: every namedtuple under `namedtuple`), so the leaves are always the ones
+`torch.utils._pytree.tree_flatten` gives, in the same order (dicts in insertion order, None a leaf), and
+`unflatten` rebuilds what torch's `tree_unflatten` rebuilds.
 
     leaves, spec = flatten(tree)
     tree2 = unflatten(leaves, spec)        # same structure, leaves replaced
-    num_leaves(spec), spec == other_spec   # structural equality
+    num_leaves(spec), spec == other_spec   # structural equality (node types and contexts, as torch's)
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from torch.utils._pytree import SUPPORTED_NODES
-
-from fmoe._compat import tree_flatten, tree_unflatten
+from fmoe._compat import SUPPORTED_NODES, TreeSpec, is_namedtuple_class, treespec_leaf
 
 _LEAF = "*"  # a leaf position in a spec
-_CONTAINERS = (dict, list, tuple)
+# type -> the key of its node in SUPPORTED_NODES (namedtuple for every namedtuple class), None for a leaf;
+# emptied when a registration changes the registry's size (a type registered after it was met as a leaf)
+_KINDS: dict[type, Any] = {}
+_KINDS_OF: list[int] = [-1]  # len(SUPPORTED_NODES) when _KINDS was filled
 
 
-class _Fallback(Exception):
-    """The tree holds a container only torch's pytree knows how to walk."""
-
-
-class TorchSpec:
-    """A spec from torch's pytree, for a tree the fast walk handed over (compares like TreeSpec)."""
-
-    __slots__ = ("spec",)
-
-    def __init__(self, spec: Any):
-        self.spec = spec
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TorchSpec) and self.spec == other.spec
-
-    def __hash__(self) -> int:
-        return hash(str(self.spec))
+def _kind(t: type) -> Any:
+    """Returns the SUPPORTED_NODES key torch's pytree flattens a `t` by (None: a leaf)."""
+    if len(SUPPORTED_NODES) != _KINDS_OF[0]:
+        _KINDS.clear()
+        _KINDS_OF[0] = len(SUPPORTED_NODES)
+    try:
+        return _KINDS[t]
+    except KeyError:
+        kind = namedtuple if is_namedtuple_class(t) else t if t in SUPPORTED_NODES else None
+        _KINDS[t] = kind
+        return kind
 
 
 def _walk(x: Any, leaves: list) -> Any:
@@ -50,43 +49,41 @@ def _walk(x: Any, leaves: list) -> Any:
         return (dict, tuple(x), tuple([_walk(v, leaves) for v in x.values()]))
     if t is list or t is tuple:
         return (t, len(x), tuple([_walk(v, leaves) for v in x]))
-    if t in SUPPORTED_NODES or isinstance(x, _CONTAINERS):
-        raise _Fallback
-    leaves.append(x)
-    return _LEAF
+    kind = _kind(t)
+    if kind is None:
+        leaves.append(x)
+        return _LEAF
+    children, context = SUPPORTED_NODES[kind].flatten_fn(x)
+    return (kind, context, tuple([_walk(c, leaves) for c in children]))
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """Returns (leaves, spec): the leaves in torch pytree order and a spec for `unflatten`."""
     leaves: list[Any] = []
-    try:
-        return leaves, _walk(tree, leaves)
-    except _Fallback:
-        leaves, spec = tree_flatten(tree)
-        return leaves, TorchSpec(spec)
+    return leaves, _walk(tree, leaves)
 
 
 def _build(spec: Any, it: Iterator[Any]) -> Any:
     if spec is _LEAF:
         return next(it)
-    kind, keys, children = spec
+    kind, context, children = spec
     if kind is dict:
-        return dict(zip(keys, [_build(c, it) for c in children]))
+        return dict(zip(context, [_build(c, it) for c in children]))
     values = [_build(c, it) for c in children]
-    return values if kind is list else tuple(values)
+    if kind is list:
+        return values
+    if kind is tuple:
+        return tuple(values)
+    return SUPPORTED_NODES[kind].unflatten_fn(values, context)
 
 
 def unflatten(leaves: Iterable[Any], spec: Any) -> Any:
     """Returns the tree of `spec` with `leaves` in its leaf positions (in order)."""
-    if isinstance(spec, TorchSpec):
-        return tree_unflatten(list(leaves), spec.spec)
     return _build(spec, iter(leaves))
 
 
 def num_leaves(spec: Any) -> int:
     """Returns how many leaves a tree of `spec` holds."""
-    if isinstance(spec, TorchSpec):
-        return spec.spec.num_leaves
     if spec is _LEAF:
         return 1
     return sum(num_leaves(c) for c in spec[2])
@@ -94,6 +91,11 @@ def num_leaves(spec: Any) -> int:
 
 def torch_spec(spec: Any) -> Any:
     """Returns torch's TreeSpec of the same structure (for key paths in error messages)."""
-    if isinstance(spec, TorchSpec):
-        return spec.spec
-    return tree_flatten(unflatten(range(num_leaves(spec)), spec))[1]
+    if spec is _LEAF:
+        return treespec_leaf()
+    kind, context, children = spec
+    if kind is dict:
+        context = list(context)
+    elif kind is list or kind is tuple:
+        context = None
+    return TreeSpec(kind, context, [torch_spec(c) for c in children])

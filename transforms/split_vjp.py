@@ -154,9 +154,9 @@ def _writable(g: Any) -> Any:
     torch.func.vjp can hand back expanded gradients (the backward of a sum, the tape's zero placeholder);
     a caller that accumulates into a gradient in place needs one element per memory location.
     """
-    if isinstance(g, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
-        return g.contiguous()
-    return g
+    if not isinstance(g, torch.Tensor) or g.is_contiguous():  # most are: one call, not a walk of strides
+        return g
+    return g.contiguous() if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)) else g
 
 
 def _paths(spec: Any) -> list[tuple[Any, ...]] | None:
@@ -352,10 +352,18 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
 
     detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     out = unflatten(detach, out_spec)
-    if has_aux:
-        aux_leaves, aux_spec = flatten(aux)
-        aux = unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
-    return out, vjp_fn, aux, leaves, (detach, out_spec)
+    return out, vjp_fn, _detached(aux) if has_aux else None, leaves, (detach, out_spec)
+
+
+def _detached(tree: Any) -> Any:
+    """Returns pytree `tree` with its tensors detached: rebuilt when one of them requires grad (a view taken
+    under no_grad of one that does requires grad too), else `tree` itself (an aux of routing layouts and
+    loads, made under grad but holding no graph: its nodes, frozen dataclasses, would be rebuilt for
+    nothing)."""
+    leaves, spec = flatten(tree)
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in leaves):
+        return tree
+    return unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in leaves], spec)
 
 
 def _warn_left_in_dx(tape: WeightGradTape, dx_param_grads: list[Any], param_pos: list[int],
