@@ -87,11 +87,12 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "SUPPORTED_NODES", "Function", "GetAttrKey", "HAS_GROUPED_MM", "TreeSpec", "abort_process_group", "assume_constant", "disable_functorch",
-    "flatten_mesh", "functorch_active", "get_unwrapped", "group_options", "grouped_mm", "grouped_mm_op",
-    "grouped_mm_syncs", "is_functorch_wrapped", "is_namedtuple_class", "keystr", "needs_grad", "register_pytree_node",
-    "tensor_version", "trace_safe_cache", "tree_flatten",
-    "tree_flatten_with_path", "tree_map", "tree_unflatten", "treespec_leaf", "under_vmap",
+    "SUPPORTED_NODES", "Function", "GetAttrKey", "HAS_GROUPED_MM", "TreeSpec", "abort_process_group",
+    "assume_constant", "disable_functorch", "flatten_mesh", "functorch_active", "get_unwrapped",
+    "group_options", "grouped_mm", "grouped_mm_op", "grouped_mm_syncs", "is_functorch_wrapped",
+    "is_namedtuple_class", "keystr", "needs_grad", "register_pytree_node", "tensor_version",
+    "trace_safe_cache", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
+    "treespec_leaf", "under_vmap",
 ]
 
 T = TypeVar("T")
