@@ -56,7 +56,7 @@ from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send
 from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.schedule.rank_plan import RankPlan, rank_plan
-from fmoe.schedule.timeline import TraceEvent
+from fmoe.schedule.timeline import COMPUTE, TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
@@ -342,7 +342,7 @@ class _Executor:
         self.t0 = time.perf_counter()
         if compute_model is not None:  # the device is idle when the step begins
             compute_model.new_step(self.t0)
-        self.events: list[TraceEvent] = []
+        self.events: list[tuple] = []  # what `_event` recorded; TraceEvents made once the step ends
         self.records: dict[tuple[int, int], _Record] = {}
         self.deferred: dict[tuple[int, int], list[DwPass]] = {}
         self.local: dict[Dep, Acts] = {}
@@ -411,7 +411,8 @@ class _Executor:
             left = sorted(set(self.records) | set(self.deferred))
             raise ScheduleError(f"rank {self.rank}: (stage, mb) {left} still held at the end of the step")
         loss = sum(self.losses.values(), torch.zeros((), device=self.device))
-        return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
+        events = [_trace_event(self.rank, *raw) for raw in self.events]
+        return StepResult(loss, dict(self.losses), self.grads, self.stats, events, self.live.peak,
                           self.queued.peak)
 
     def op(self, op: Op, paired: bool = False) -> Iterator[None]:
@@ -780,11 +781,9 @@ class _Executor:
             self.compute_model.waited(time.perf_counter())
         self._release_sends(peer, self.plan.wire_at[dep])
         if self.trace:
-            msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
-            self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
-                        kind="wait p2p", **msg)
-            self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post,
-                        kind="p2p recv", peer=peer, **msg)
+            now, what = self._now(), dep.kind.value
+            self._event("compute", "wait", t, now, "wait p2p", dep.stage, dep.mb, what=what)
+            self._event("comm", "p2p", t_post, now, "p2p recv", dep.stage, dep.mb, what=what, peer=peer)
         return bufs
 
     def _give_boundary(self, key: tuple[str, int, int], acts: Acts) -> bool:
@@ -821,8 +820,7 @@ class _Executor:
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
             self.sends.setdefault(a.peer, []).append(_Sent(work, buf, what, self.plan.wire_at[dep]))
         if self.trace:
-            self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
-                        stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
+            self._event("comm", "p2p", t, self._now(), "p2p send", a.stage, a.mb, what=a.what, peer=a.peer)
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits the sends to pipeline rank `peer` that come before wire index `before` and drops their
@@ -950,15 +948,16 @@ class _Executor:
         if self.compute_model is not None:
             self.compute_model(kind, phase, stage, layer, mb, self.t0 + start)
         if self.trace:
-            self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start, kind=kind,
-                        stage=stage, microbatch=mb, layer=layer, phase=phase)
+            self._event("compute", kind, start, self._now(), kind, stage, mb, layer, phase)
 
-    def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None,
-               **typed: Any) -> None:
-        """Records an event from `start` to `end` (default: now); `typed`: its TraceEvent fields kind,
-        stage, microbatch, ... (timeline.py's table)."""
-        self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end,
-                                      self.step, **typed))
+    def _event(self, lane: str, cat: str, start: float, end: float, kind: str, stage: int, mb: int,
+               layer: str | None = None, phase: str | None = None, direction: str | None = None,
+               what: str | None = None, peer: int | None = None) -> None:
+        """Records an event of `kind` from `start` to `end` on `lane` (its TraceEvent fields: timeline.py's
+        table) as a tuple: the TraceEvent, and the name the pictures show, are made once the step ended
+        (`_trace_event`), not between its phases."""
+        self.events.append((lane, cat, start, end, self.step, kind, stage, mb, layer, phase, direction, what,
+                            peer))
 
     def _comm_events(self, pending: Any, phase: str, direction: str, stage: int, layer: str, mb: int,
                      issued: float, wait_start: float) -> None:
@@ -972,10 +971,8 @@ class _Executor:
             self.compute_model.waited(self.t0 + end)
         if not self.trace:
             return
-        label = f"{phase}-{direction} s{stage} {layer} mb{mb}"
-        typed = {"stage": stage, "microbatch": mb, "layer": layer, "phase": phase, "direction": direction}
-        self._event("comm", f"a2a {label}", "a2a", issued, end, kind="a2a", **typed)
-        self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end, kind="wait a2a", **typed)
+        self._event("comm", "a2a", issued, end, "a2a", stage, mb, layer, phase, direction)
+        self._event("compute", "wait", wait_start, wait_end, "wait a2a", stage, mb, layer, phase, direction)
 
 
 class _ForwardHooks:
@@ -994,6 +991,20 @@ class _ForwardHooks:
         """Records an exchange."""
         t0 = self.ex.t0
         self.ex._comm_events(pending, ph.name, "F", self.stage, layer, self.mb, start - t0, wait_start - t0)
+
+
+def _trace_event(rank: int, lane: str, cat: str, start: float, end: float, step: str, kind: str, stage: int,
+                 mb: int, layer: str | None, phase: str | None, direction: str | None, what: str | None,
+                 peer: int | None) -> TraceEvent:
+    """Returns the TraceEvent of one `_Executor._event` record, named as timeline.py's table shows it."""
+    if kind in COMPUTE:
+        name = f"{kind} {phase} s{stage} {layer} mb{mb}"
+    elif kind == "a2a" or kind == "wait a2a":
+        name = f"{kind} {phase}-{direction} s{stage} {layer} mb{mb}"
+    else:  # "p2p send", "p2p recv", "wait p2p"
+        name = f"{kind} {what} s{stage} mb{mb}" + (f" r{peer}" if kind == "p2p send" else "")
+    return TraceEvent(rank, lane, name, cat, start, end, step, kind, stage, mb, layer, phase, direction, what,
+                      peer)
 
 
 def _drain(gen: Iterator[None]) -> None:
