@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fmoe._compat import tree_flatten, tree_unflatten
-from fmoe.transforms._flat import flatten, num_leaves, torch_spec, unflatten
+from fmoe.transforms._flat import any_leaf, flatten, num_leaves, torch_spec, unflatten
 from fmoe.transforms.pytree import pytree_dataclass
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -75,6 +75,8 @@ def test_flatten_matches_torch_pytree(tree, other) -> None:
     assert _same(unflatten(marks, spec), tree_unflatten(marks, want_spec))
     other_spec = flatten(other)[1]
     assert (spec == other_spec) == (want_spec == tree_flatten(other)[1])
+    for pred in (lambda x: isinstance(x, torch.Tensor), lambda x: x is None, lambda x: type(x) is int and x > 0):
+        assert any_leaf(tree, pred) == any(pred(x) for x in want_leaves)
 
 
 def test_registered_nodes_are_rebuilt_by_their_own_unflatten() -> None:

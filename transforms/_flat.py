@@ -13,12 +13,13 @@ looks it up: every namedtuple under `namedtuple`), so the leaves are always the 
     leaves, spec = flatten(tree)
     tree2 = unflatten(leaves, spec)        # same structure, leaves replaced
     num_leaves(spec), spec == other_spec   # structural equality (node types and contexts, as torch's)
+    any_leaf(tree, pred)                   # whether a leaf satisfies pred (no spec built)
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from fmoe._compat import SUPPORTED_NODES, TreeSpec, is_namedtuple_class, treespec_leaf
@@ -28,19 +29,20 @@ _LEAF = "*"  # a leaf position in a spec
 # emptied when a registration changes the registry's size (a type registered after it was met as a leaf)
 _KINDS: dict[type, Any] = {}
 _KINDS_OF: list[int] = [-1]  # len(SUPPORTED_NODES) when _KINDS was filled
+_UNSEEN = object()
 
 
 def _kind(t: type) -> Any:
-    """Returns the SUPPORTED_NODES key torch's pytree flattens a `t` by (None: a leaf)."""
+    """Returns the SUPPORTED_NODES key torch's pytree flattens a `t` by (None: a leaf), and remembers it."""
+    kind = _KINDS[t] = namedtuple if is_namedtuple_class(t) else t if t in SUPPORTED_NODES else None
+    return kind
+
+
+def _fresh_kinds() -> None:
+    """Forgets the remembered kinds when the registry changed (called once per walk, not per node)."""
     if len(SUPPORTED_NODES) != _KINDS_OF[0]:
         _KINDS.clear()
         _KINDS_OF[0] = len(SUPPORTED_NODES)
-    try:
-        return _KINDS[t]
-    except KeyError:
-        kind = namedtuple if is_namedtuple_class(t) else t if t in SUPPORTED_NODES else None
-        _KINDS[t] = kind
-        return kind
 
 
 def _walk(x: Any, leaves: list) -> Any:
@@ -49,7 +51,9 @@ def _walk(x: Any, leaves: list) -> Any:
         return (dict, tuple(x), tuple([_walk(v, leaves) for v in x.values()]))
     if t is list or t is tuple:
         return (t, len(x), tuple([_walk(v, leaves) for v in x]))
-    kind = _kind(t)
+    kind = _KINDS.get(t, _UNSEEN)
+    if kind is _UNSEEN:
+        kind = _kind(t)
     if kind is None:
         leaves.append(x)
         return _LEAF
@@ -59,8 +63,30 @@ def _walk(x: Any, leaves: list) -> Any:
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
     """Returns (leaves, spec): the leaves in torch pytree order and a spec for `unflatten`."""
+    _fresh_kinds()
     leaves: list[Any] = []
     return leaves, _walk(tree, leaves)
+
+
+def any_leaf(tree: Any, pred: Callable[[Any], bool]) -> bool:
+    """Returns whether a leaf of `tree` (as `flatten` finds them) satisfies `pred`, walking no further than
+    the first that does and building no spec."""
+    _fresh_kinds()
+    return _any(tree, pred)
+
+
+def _any(x: Any, pred: Callable[[Any], bool]) -> bool:
+    t = type(x)
+    if t is dict:
+        return any(_any(v, pred) for v in x.values())
+    if t is list or t is tuple:
+        return any(_any(v, pred) for v in x)
+    kind = _KINDS.get(t, _UNSEEN)
+    if kind is _UNSEEN:
+        kind = _kind(t)
+    if kind is None:
+        return pred(x)
+    return any(_any(c, pred) for c in SUPPORTED_NODES[kind].flatten_fn(x)[0])
 
 
 def _build(spec: Any, it: Iterator[Any]) -> Any:

@@ -47,7 +47,7 @@ from fmoe._compat import (
     tree_unflatten,
     under_vmap,
 )
-from fmoe.transforms._flat import flatten, num_leaves, torch_spec, unflatten
+from fmoe.transforms._flat import any_leaf, flatten, num_leaves, torch_spec, unflatten
 from fmoe.transforms._plain_defer import split_backward
 from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, recording, unwrapped
 
@@ -108,6 +108,8 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     The tape tells weights apart by object identity; a tensor under two keys (tied weights) would
     otherwise give one key both keys' deferred gradients and the other none.
     """
+    if len({id(t) for t in tensors}) == len(tensors):  # the usual case: no repeat, nothing to alias
+        return list(tensors)
     seen: set[int] = set()
     out = list(tensors)
     for k, t in enumerate(out):
@@ -355,14 +357,18 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
     return out, vjp_fn, _detached(aux) if has_aux else None, leaves, (detach, out_spec)
 
 
+def _requires_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
 def _detached(tree: Any) -> Any:
     """Returns pytree `tree` with its tensors detached: rebuilt when one of them requires grad (a view taken
     under no_grad of one that does requires grad too), else `tree` itself (an aux of routing layouts and
     loads, made under grad but holding no graph: its nodes, frozen dataclasses, would be rebuilt for
     nothing)."""
-    leaves, spec = flatten(tree)
-    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in leaves):
+    if not any_leaf(tree, _requires_grad):
         return tree
+    leaves, spec = flatten(tree)
     return unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in leaves], spec)
 
 
@@ -434,11 +440,16 @@ def split_vjp(
     diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
     diff_leaves = _distinct([leaves[i] for i in diff_pos])
     param_diff = [(k, i) for k, i in enumerate(diff_pos) if i < n_param_leaves]
+    arg_diff = [(k, i) for k, i in enumerate(diff_pos) if i >= n_param_leaves]
+    every_leaf_diff = len(diff_pos) == n_leaves  # (params of float tensors only, acts): nothing to interleave
 
     def flat_f(*xs: torch.Tensor) -> Any:
-        full = list(leaves)
-        for i, x in zip(diff_pos, xs):
-            full[i] = x
+        if every_leaf_diff:
+            full = list(xs)
+        else:
+            full = list(leaves)
+            for i, x in zip(diff_pos, xs):
+                full[i] = x
         p, a = unflatten(full[:n_param_leaves], p_spec), unflatten(full[n_param_leaves:], a_spec)
         # recording(): the primitives in f keep their weight gradients deferrable; without it they may take
         # their native autograd paths (dw computed in the dx pass, as plain autograd does)
@@ -488,12 +499,12 @@ def split_vjp(
             else:
                 grads = fn(ct_leaves, into=acc, tape=state["tape"] if plain_ops == "defer" else None)
         del fn
-        full: list[Any] = [None] * n_leaves
-        for k, (i, g) in enumerate(zip(diff_pos, grads)):
-            if g is None and i >= n_param_leaves:  # autograd: an argument the output does not depend on
-                g = _zeros(leaf_meta[k])
-            full[i] = g if i < n_param_leaves else _writable(g)
-        dargs = unflatten(full[n_param_leaves:], a_spec)
+        full: list[Any] = [None] * (n_leaves - n_param_leaves)  # the arguments' gradients
+        for k, i in arg_diff:
+            g = grads[k]
+            # autograd: None for an argument the output does not depend on
+            full[i - n_param_leaves] = _zeros(leaf_meta[k]) if g is None else _writable(g)
+        dargs = unflatten(full, a_spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
         if state["tape"] is not None and plain_ops == "dx":
