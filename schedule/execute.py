@@ -60,7 +60,7 @@ from fmoe.schedule.timeline import COMPUTE, TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
-from fmoe.transforms.program import Acts, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
+from fmoe.transforms.program import Acts, Layer, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
 from fmoe.transforms.split_vjp import DxFn
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
@@ -513,29 +513,24 @@ class _Executor:
         nothing to overlap, so its dx pass is one autograd pass instead of one per phase (and, `defer`
         False, computes the weight gradients too, as plain autograd does). The forward's timeline keeps
         its phases; the backward is one event. Returns the acts the stage passes on (losses taken out)."""
-        steps = [(layer.name, ph) for layer in prog.layers for ph in layer.phases]
-        paths = [q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
-                 for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
-        loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
-        hooks = _ForwardHooks(self, stage, mb)
+        whole = _whole_stage(prog.layers)
+        hooks = None if self.compiled is not None else _ForwardHooks(self, stage, mb)  # a compiled stage
+        # has no phases
 
-        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, tuple[Meta, list]]:
-            it = iter(p)
-            ran = run_phases(prog.layers, lambda ph: tuple(next(it) for _ in ph.param_paths), a, m,
-                             None if self.compiled is not None else hooks)  # a compiled stage has no phases
-            return {**ran.acts, **ran.losses}, (ran.meta, ran.stats)
+        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, list]:
+            # aux: the stats only (the executor passes no meta on from a whole stage: nothing to detach)
+            ran = run_phases(prog.layers, _params_in_order(p), a, m, hooks)
+            return {**ran.acts, **ran.losses}, ran.stats
 
-        out, vjp_dx, (_, stats) = self._split(("stage", stage), fn, self._params_at(prog, tuple(paths)),
-                                              acts, meta, defer)
+        out, vjp_dx, stats = self._split(("stage", stage), fn, self._params_at(prog, whole.phase.param_paths),
+                                         acts, meta, defer)
         # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
         # AccumulateGrad does, instead of a pass over every gradient afterwards
         rec.sums_in_dx = not defer and (self.engine == "autograd" or self.compiled is not None)
-        names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
-        whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
-        rec.phases.append(PhaseRecord(whole, names, vjp_dx=vjp_dx,
+        rec.phases.append(PhaseRecord(whole.phase, whole.names, vjp_dx=vjp_dx,
                                       spec={k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
         self.stats.extend((stage, mb, layer, ph_name, st) for layer, ph_name, st in stats)
-        for k in loss_names:
+        for k in whole.phase.losses:
             self._add_loss(k, out.pop(k))
         return out
 
@@ -991,6 +986,52 @@ class _ForwardHooks:
         """Records an exchange."""
         t0 = self.ex.t0
         self.ex._comm_events(pending, ph.name, "F", self.stage, layer, self.mb, start - t0, wait_start - t0)
+
+
+class _WholeStage(NamedTuple):
+    """What a whole-stage forward (`_Executor._whole_stage_forward`) knows from the stage's layers alone:
+    `phase`, the stage as one compute phase (its param paths in the order its phases consume them, a comm
+    phase's being its side's; the losses its phases end; `fn` runs the layers with no hooks), and `names`,
+    the layers it spans for the timeline ("L0-L3")."""
+
+    phase: Phase
+    names: str
+
+
+# layers tuple id -> (the layers, their _WholeStage): a run's stage programs hold the same layers every step
+# (GPTProgram builds them once), so each step reuses what the first one derived; the entry holds its
+# layers, so the id cannot be reused while it is cached
+_WHOLE: dict[int, tuple[tuple[Layer, ...], _WholeStage]] = {}
+_WHOLE_MAX = 64
+
+
+def _whole_stage(layers: tuple[Layer, ...]) -> _WholeStage:
+    """Returns the _WholeStage of a stage with `layers`, made on the first step that asks for it."""
+    hit = _WHOLE.get(id(layers))
+    if hit is not None and hit[0] is layers:
+        return hit[1]
+    steps = [(layer.name, ph) for layer in layers for ph in layer.phases]
+    paths = tuple(q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
+                  for q in (ph.side.param_paths if ph.side is not None else ph.param_paths))
+    loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
+
+    def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, list]:
+        ran = run_phases(layers, _params_in_order(p), a, m)
+        return {**ran.acts, **ran.losses}, ran.stats
+
+    names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
+    got = _WholeStage(Phase("stage", "compute", fn=fn, param_paths=paths, losses=loss_names), names)
+    if len(_WHOLE) >= _WHOLE_MAX:
+        _WHOLE.pop(next(iter(_WHOLE)))
+    _WHOLE[id(layers)] = (layers, got)
+    return got
+
+
+def _params_in_order(p: tuple[Any, ...]) -> Callable[[Phase], tuple[Any, ...]]:
+    """`run_phases`'s params_of for a whole stage: `p` holds every phase's param subtrees in the order the
+    phases run, so each phase takes the next ones."""
+    it = iter(p)
+    return lambda ph: tuple(next(it) for _ in ph.param_paths)
 
 
 def _trace_event(rank: int, lane: str, cat: str, start: float, end: float, step: str, kind: str, stage: int,

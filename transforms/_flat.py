@@ -78,15 +78,20 @@ def any_leaf(tree: Any, pred: Callable[[Any], bool]) -> bool:
 def _any(x: Any, pred: Callable[[Any], bool]) -> bool:
     t = type(x)
     if t is dict:
-        return any(_any(v, pred) for v in x.values())
-    if t is list or t is tuple:
-        return any(_any(v, pred) for v in x)
-    kind = _KINDS.get(t, _UNSEEN)
-    if kind is _UNSEEN:
-        kind = _kind(t)
-    if kind is None:
-        return pred(x)
-    return any(_any(c, pred) for c in SUPPORTED_NODES[kind].flatten_fn(x)[0])
+        children: Any = x.values()
+    elif t is list or t is tuple:
+        children = x
+    else:
+        kind = _KINDS.get(t, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = _kind(t)
+        if kind is None:
+            return pred(x)
+        children = SUPPORTED_NODES[kind].flatten_fn(x)[0]
+    for c in children:  # a loop, not any(generator): no generator frame per node
+        if _any(c, pred):
+            return True
+    return False
 
 
 def _build(spec: Any, it: Iterator[Any]) -> Any:
