@@ -48,17 +48,27 @@ def _fresh_kinds() -> None:
 def _walk(x: Any, leaves: list) -> Any:
     t = type(x)
     if t is dict:
-        return (dict, tuple(x), tuple([_walk(v, leaves) for v in x.values()]))
-    if t is list or t is tuple:
-        return (t, len(x), tuple([_walk(v, leaves) for v in x]))
-    kind = _KINDS.get(t, _UNSEEN)
-    if kind is _UNSEEN:
-        kind = _kind(t)
-    if kind is None:
-        leaves.append(x)
-        return _LEAF
-    children, context = SUPPORTED_NODES[kind].flatten_fn(x)
-    return (kind, context, tuple([_walk(c, leaves) for c in children]))
+        head: tuple = (dict, tuple(x))
+        children: Any = x.values()
+    elif t is list or t is tuple:
+        head, children = (t, len(x)), x
+    else:
+        kind = _KINDS.get(t, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = _kind(t)
+        if kind is None:
+            leaves.append(x)
+            return _LEAF
+        children, context = SUPPORTED_NODES[kind].flatten_fn(x)
+        head = (kind, context)
+    specs = []
+    for c in children:
+        if _KINDS.get(type(c), _UNSEEN) is None:  # a leaf of a type met before: taken here, no call
+            leaves.append(c)
+            specs.append(_LEAF)
+        else:
+            specs.append(_walk(c, leaves))
+    return (*head, tuple(specs))
 
 
 def flatten(tree: Any) -> tuple[list[Any], Any]:
@@ -98,9 +108,9 @@ def _build(spec: Any, it: Iterator[Any]) -> Any:
     if spec is _LEAF:
         return next(it)
     kind, context, children = spec
+    values = [next(it) if c is _LEAF else _build(c, it) for c in children]
     if kind is dict:
-        return dict(zip(context, [_build(c, it) for c in children]))
-    values = [_build(c, it) for c in children]
+        return dict(zip(context, values))
     if kind is list:
         return values
     if kind is tuple:
