@@ -99,7 +99,10 @@ def _any(x: Any, pred: Callable[[Any], bool]) -> bool:
             return pred(x)
         children = SUPPORTED_NODES[kind].flatten_fn(x)[0]
     for c in children:  # a loop, not any(generator): no generator frame per node
-        if _any(c, pred):
+        if _KINDS.get(type(c), _UNSEEN) is None:  # a leaf of a type met before: asked here, no call
+            if pred(c):
+                return True
+        elif _any(c, pred):
             return True
     return False
 

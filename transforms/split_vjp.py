@@ -30,6 +30,7 @@ What is checked, so that deferred work never trusts what it captured without ask
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import warnings
@@ -437,10 +438,20 @@ def split_vjp(
     leaves = p_leaves + a_leaves
     n_leaves, n_param_leaves = len(leaves), len(p_leaves)
     del p_leaves, a_leaves
-    diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
+    # the differentiable leaves (floating or complex tensors: `_is_diff`, spelled out in one pass that also
+    # keeps each one's shape, dtype and device, for zero gradients of unused leaves and `into` checks)
+    diff_pos: list[int] = []
+    leaf_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            dtype = leaf.dtype
+            if dtype.is_floating_point or dtype.is_complex:
+                diff_pos.append(i)
+                leaf_meta.append((leaf.shape, dtype, leaf.device))
     diff_leaves = _distinct([leaves[i] for i in diff_pos])
-    param_diff = [(k, i) for k, i in enumerate(diff_pos) if i < n_param_leaves]
-    arg_diff = [(k, i) for k, i in enumerate(diff_pos) if i >= n_param_leaves]
+    n_param_diff = bisect.bisect_left(diff_pos, n_param_leaves)  # diff_pos is sorted: params' come first
+    param_diff = list(enumerate(diff_pos[:n_param_diff]))
+    arg_diff = [(k, diff_pos[k]) for k in range(n_param_diff, len(diff_pos))]
     every_leaf_diff = len(diff_pos) == n_leaves  # (params of float tensors only, acts): nothing to interleave
 
     def flat_f(*xs: torch.Tensor) -> Any:
@@ -458,7 +469,7 @@ def split_vjp(
 
     if engine == "autograd":
         out, vjp_fn, aux, diff_leaves, (out_leaves, out_spec) = _autograd_vjp(
-            flat_f, diff_leaves, has_aux, [i < n_param_leaves for i in diff_pos])
+            flat_f, diff_leaves, has_aux, [True] * n_param_diff + [False] * len(arg_diff))
     elif has_aux:
         # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
         aux_skeleton: list[Any] = []
@@ -476,7 +487,6 @@ def split_vjp(
     if engine != "autograd":
         out_leaves, out_spec = flatten(out)
     out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
-    leaf_meta = [(t.shape, t.dtype, t.device) for t in diff_leaves]  # for zero gradients of unused leaves
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff]) if defer else None
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
