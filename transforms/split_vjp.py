@@ -138,16 +138,18 @@ def _accumulators(into: Any, p_spec: Any, diff_pos: list[int], n_param_leaves: i
     if i_spec != p_spec:
         raise ValueError(f"{who}(into=...): `into` must have the structure of params (None where there is "
                          "no sum yet)")
-    acc: list[torch.Tensor | None] = []
+    acc: list[torch.Tensor | None] = [None] * len(diff_pos)  # the arguments' stay None
     for k, i in enumerate(diff_pos):
-        t = i_leaves[i] if i < n_param_leaves else None
+        if i >= n_param_leaves:  # diff_pos is sorted: the params' come first
+            break
+        t = acc[k] = i_leaves[i]
         if t is not None:
             shape, dtype, device = leaf_meta[k]
-            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (shape, dtype, device):
+            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+                    and t.device == device):
                 got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{who}(into=...): params leaf {i} is {tuple(shape)} {dtype} on {device}, "
                                  f"its sum is {got}")
-        acc.append(t)
     return acc
 
 
