@@ -1002,7 +1002,7 @@ class _WholeStage(NamedTuple):
 # (GPTProgram builds them once), so each step reuses what the first one derived; the entry holds its
 # layers, so the id cannot be reused while it is cached
 _WHOLE: dict[int, tuple[tuple[Layer, ...], _WholeStage]] = {}
-_WHOLE_MAX = 64
+_WHOLE_MAX = 16  # a rank runs a few stages; a caller that builds programs per step cycles through
 
 
 def _whole_stage(layers: tuple[Layer, ...]) -> _WholeStage:
