@@ -163,12 +163,15 @@ class _Record:
 
 class _Summed:
     """A dw pass whose gradients already are the step's sums (the dx pass added into them, or the dw pass
-    adds into them when called): its results are handed over, not added again."""
+    adds into them when called): its results are handed over, not added again. `complete`: every leaf
+    was given its sum (`_sums_of` from `sums_at`), so each gradient it returns is the sum already in the
+    step's tree, and there is nothing to hand over (set when the sums are given)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "complete")
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], complete: bool = False):
         self.fn = fn
+        self.complete = complete
 
     def __call__(self) -> Any:
         return self.fn()
@@ -622,8 +625,10 @@ class _Executor:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                 if rec.sums_in_dx:
-                    (ct,), vjp_dw = r.vjp_dx(full, into=self._sums_of(stage, ph))
-                    vjp_dw = _Summed(vjp_dw)
+                    into, complete = self._sums_of(stage, ph), self._sums_complete(stage, ph)
+                    (ct,), vjp_dw = r.vjp_dx(full, into=into)
+                    vjp_dw = _Summed(vjp_dw, complete)
+                    del into
                 else:
                     (ct,), vjp_dw = r.vjp_dx(full)
                     if rec.defer:
@@ -696,9 +701,11 @@ class _Executor:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
             summed = isinstance(vjp_dw, _Summed)
-            for path, g in zip(ph.param_paths, vjp_dw()):
-                _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
-            del vjp_dw
+            grads = vjp_dw()
+            if not (summed and vjp_dw.complete):  # complete: every gradient is its sum, in the tree already
+                for path, g in zip(ph.param_paths, grads):
+                    _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
+            del vjp_dw, grads
             if ph.param_paths:
                 self._computed("W", ph.name, stage, layer, mb, t)
 
@@ -710,7 +717,15 @@ class _Executor:
         each would be made, copied, then cast; `vjp_dw` is returned as it is."""
         if self.grad_dtype is not None:
             return vjp_dw
-        return _Summed(lambda: vjp_dw(into=self._sums_of(stage, ph)))
+        summed = _Summed(vjp_dw)
+
+        def run() -> Any:
+            into = self._sums_of(stage, ph)
+            summed.complete = self._sums_complete(stage, ph)
+            return vjp_dw(into=into)
+
+        summed.fn = run
+        return summed
 
     def _params_at(self, prog: StageProgram, paths: tuple[tuple[str, ...], ...]) -> tuple[Any, ...]:
         """Returns the params subtrees of `prog` at `paths`, looked up once per step (every microbatch's
@@ -733,6 +748,10 @@ class _Executor:
             if _complete(got):
                 self.sums_at[key] = got
         return got
+
+    def _sums_complete(self, stage: int, ph: Phase) -> bool:
+        """Whether `_sums_of(stage, ph)` gives every leaf its sum (it keeps only such trees)."""
+        return (stage, ph.param_paths) in self.sums_at
 
     def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
         """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for
