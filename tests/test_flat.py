@@ -75,7 +75,8 @@ def test_flatten_matches_torch_pytree(tree, other) -> None:
     assert _same(unflatten(marks, spec), tree_unflatten(marks, want_spec))
     other_spec = flatten(other)[1]
     assert (spec == other_spec) == (want_spec == tree_flatten(other)[1])
-    for pred in (lambda x: isinstance(x, torch.Tensor), lambda x: x is None, lambda x: type(x) is int and x > 0):
+    preds = (lambda x: isinstance(x, torch.Tensor), lambda x: x is None, lambda x: type(x) is int and x > 0)
+    for pred in preds:
         assert any_leaf(tree, pred) == any(pred(x) for x in want_leaves)
 
 
