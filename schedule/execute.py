@@ -564,9 +564,12 @@ class _Executor:
         out, vjp_dx, meta_out = self._split(("phase", stage, layer, ph.name), fn, params, acts, meta, defer)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
         rec.phases.append(PhaseRecord(ph, layer, vjp_dx=vjp_dx, spec=spec))
-        stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
-        if stats is not None:
-            self.stats.append((stage, mb, layer, ph.name, stats))
+        if isinstance(meta_out, dict) and "stats" in meta_out:
+            # a copy: split_vjp hands a graph-free aux back as the phase made it, which stays as it was
+            meta_out = dict(meta_out)
+            stats = meta_out.pop("stats")
+            if stats is not None:
+                self.stats.append((stage, mb, layer, ph.name, stats))
         passed = {}
         for k, v in out.items():
             if k in ph.losses:
