@@ -9,6 +9,8 @@ The pipeline benchmark's model (benchmarks/pipeline.py, same weights and microba
 - `untraced`: the same with `ExecOptions(trace=False)`;
 - `floor`: the same stage program's layers run by `run_phases` with the parameters as leaves that need
   gradients, one `backward()` per microbatch (what the executor runs, without it and without split_vjp);
+- `fresh`: the floor with the parameters detached into new leaves for every microbatch (`--fresh`; what
+  split_vjp makes per call: the part of its cost that is per leaf, not bookkeeping);
 - `torch`: benchmarks/pipeline.py's TorchStage (nn.Modules) under tape autograd, one `backward()` per
   microbatch (what torch.distributed.pipelining's stages run).
 Rounds rotate the order (and reverse it every other round); figures are the medians of each way's CPU
@@ -30,7 +32,7 @@ import torch
 
 from fmoe import init_gpt, init_gpt_state
 from fmoe import schedule as S
-from fmoe._compat import tree_flatten
+from fmoe._compat import tree_flatten, tree_unflatten
 from fmoe.pipeline import gpt_pipeline_step, gpt_program
 from fmoe.pipeline.step import microbatch_meta
 from fmoe.schedule.options import DEFAULTS, ExecOptions
@@ -39,7 +41,7 @@ from fmoe.transforms.program import run_phases, tree_params
 
 
 def ways(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
-    """Returns the four ways of running one step (module docstring), each a function of no argument."""
+    """Returns the ways of running one step (module docstring), each a function of no argument."""
     cfg = P.model_config(args)
     params = init_gpt(cfg, torch.Generator().manual_seed(0))
     state = init_gpt_state(cfg)
@@ -65,6 +67,17 @@ def ways(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
             x.requires_grad_(False)
             x.grad = None
 
+    def fresh() -> None:
+        flat, spec = tree_flatten(stage.params)
+        sums: list[torch.Tensor | None] = [None] * len(flat)
+        for meta in metas:
+            mine = [x.detach().requires_grad_() for x in flat]
+            ran = run_phases(stage.layers, tree_params(tree_unflatten(mine, spec)), {}, dict(meta))
+            for x, g in zip(mine, sums):
+                x.grad = g
+            (sum(ran.losses.values()) / len(metas)).backward()
+            sums = [x.grad for x in mine]
+
     def torch_stage() -> None:
         module.zero_grad(set_to_none=True)
         for ids, targets in data:
@@ -73,13 +86,18 @@ def ways(args: argparse.Namespace) -> dict[str, Callable[[], object]]:
     def step(options: ExecOptions = DEFAULTS) -> object:
         return gpt_pipeline_step(program, params, state, data, check=False, options=options)
 
-    return {"step": step, "untraced": lambda: step(untraced), "floor": floor, "torch": torch_stage}
+    out = {"step": step, "untraced": lambda: step(untraced), "floor": floor, "fresh": fresh,
+           "torch": torch_stage}
+    if not args.fresh:
+        del out["fresh"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _ranks.add_model_arguments(p)
     p.add_argument("--reps", type=int, default=20, help="rounds (each runs every way once)")
+    p.add_argument("--fresh", action="store_true", help="also run the floor on fresh leaves per microbatch")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     keep_freed_memory()
