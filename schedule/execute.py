@@ -163,18 +163,23 @@ class _Record:
 
 class _Summed:
     """A dw pass whose gradients already are the step's sums (the dx pass added into them, or the dw pass
-    adds into them when called): its results are handed over, not added again. `complete`: every leaf
-    was given its sum (`_sums_of` from `sums_at`), so each gradient it returns is the sum already in the
-    step's tree, and there is nothing to hand over (set when the sums are given)."""
+    adds into them when called): its results are handed over, not added again. `sums`: None when the dx
+    pass was given its sums (`fn()` hands them over), else a function returning (the `into` tree, whether
+    it is complete), asked as the pass runs and given to `fn(into=...)`. `complete`: every leaf was given
+    its sum (`_sums_of` from `sums_at`), so each gradient the pass returns is the sum already in the
+    step's tree, and there is nothing to hand over."""
 
-    __slots__ = ("fn", "complete")
+    __slots__ = ("fn", "sums", "complete")
 
-    def __init__(self, fn: Callable[[], Any], complete: bool = False):
-        self.fn = fn
-        self.complete = complete
+    def __init__(self, fn: Callable[..., Any], sums: Callable[[], tuple[Any, bool]] | None = None,
+                 complete: bool = False):
+        self.fn, self.sums, self.complete = fn, sums, complete
 
     def __call__(self) -> Any:
-        return self.fn()
+        if self.sums is None:
+            return self.fn()
+        into, self.complete = self.sums()
+        return self.fn(into=into)
 
 
 class _Counter:
@@ -720,15 +725,9 @@ class _Executor:
         each would be made, copied, then cast; `vjp_dw` is returned as it is."""
         if self.grad_dtype is not None:
             return vjp_dw
-        summed = _Summed(vjp_dw)
-
-        def run() -> Any:
-            into = self._sums_of(stage, ph)
-            summed.complete = self._sums_complete(stage, ph)
-            return vjp_dw(into=into)
-
-        summed.fn = run
-        return summed
+        # the sums as the pass runs (a closure over the executor, never over the pass: no reference cycle,
+        # which would hold the thunk's activations past its run until the cycle collector came by)
+        return _Summed(vjp_dw, lambda: (self._sums_of(stage, ph), self._sums_complete(stage, ph)))
 
     def _params_at(self, prog: StageProgram, paths: tuple[tuple[str, ...], ...]) -> tuple[Any, ...]:
         """Returns the params subtrees of `prog` at `paths`, looked up once per step (every microbatch's
