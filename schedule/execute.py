@@ -635,7 +635,7 @@ class _Executor:
                 if rec.sums_in_dx:
                     into, complete = self._sums_of(stage, ph), self._sums_complete(stage, ph)
                     (ct,), vjp_dw = r.vjp_dx(full, into=into)
-                    vjp_dw = _Summed(vjp_dw, complete)
+                    vjp_dw = _Summed(vjp_dw, complete=complete)
                     del into
                 else:
                     (ct,), vjp_dw = r.vjp_dx(full)
