@@ -522,8 +522,8 @@ class _Executor:
         False, computes the weight gradients too, as plain autograd does). The forward's timeline keeps
         its phases; the backward is one event. Returns the acts the stage passes on (losses taken out)."""
         whole = _whole_stage(prog.layers)
-        hooks = None if self.compiled is not None else _ForwardHooks(self, stage, mb)  # a compiled stage
-        # has no phases
+        # a compiled stage has no phases to record
+        hooks = None if self.compiled is not None else _ForwardHooks(self, stage, mb)
 
         def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, list]:
             # aux: the stats only (the executor passes no meta on from a whole stage: nothing to detach)

@@ -399,12 +399,13 @@ def split_vjp(
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
     With has_aux, f returns `(out, aux)`; aux may be any pytree (ints, dataclasses) and comes back
-    unwrapped. `vjp_dx: DxFn` maps a cotangent of `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns
-    `dparams` with the structure of `params`. Each may be called once; `vjp_dw` exists only after
-    `vjp_dx`, so the order is enforced by construction. After `vjp_dw` returns, neither activations nor
-    tape entries are held; the inputs are not held by `vjp_dw` (only what its thunks read). A tensor
-    under several keys gets one gradient per key, as with `torch.func.vjp`. Raises RuntimeError under
-    `torch.func.vmap` (see `VMAP_MESSAGE`).
+    unwrapped; under engine "autograd" an aux with no tensor that requires grad comes back as f returned
+    it (the same objects), any other rebuilt with its tensors detached. `vjp_dx: DxFn` maps a cotangent of
+    `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns `dparams` with the structure of `params`. Each may
+    be called once; `vjp_dw` exists only after `vjp_dx`, so the order is enforced by construction. After
+    `vjp_dw` returns, neither activations nor tape entries are held; the inputs are not held by `vjp_dw`
+    (only what its thunks read). A tensor under several keys gets one gradient per key, as with
+    `torch.func.vjp`. Raises RuntimeError under `torch.func.vmap` (see `VMAP_MESSAGE`).
 
     `engine`: "func" runs f under `torch.func.vjp`; "autograd" runs it once on tape autograd (fresh
     leaves, `torch.autograd.grad` for dx): the same contract and gradients, less per-op overhead, and the
