@@ -27,7 +27,10 @@ an upgrade that moves one fails one test here, not a dozen elsewhere. Checked on
   Used by transforms/split_vjp.py, remat.py, testing.py and the tests. `tree_flatten_with_path` and
   `keystr` (same module) name a leaf by its path (`[0]['h']`); split_vjp and testing.check_vjp use them in
   error messages only. `register_pytree_node` and `GetAttrKey` (same module) make a class a pytree
-  node, as torch.func and torch.compile read them; used by transforms/pytree.py.
+  node, as torch.func and torch.compile read them; used by transforms/pytree.py. `SUPPORTED_NODES` (the
+  registry: node type -> its flatten / unflatten functions), `is_namedtuple_class`, `TreeSpec` and
+  `treespec_leaf` (same module) let transforms/_flat.py walk every registered node as torch's
+  `tree_flatten` does, without its per-node TreeSpec objects, and build torch's spec for key paths.
 - `tensor_version`: `Tensor._version`, the counter every in-place write bumps (shared by views and
   `detach()`), which tape autograd checks on its saved tensors. Used by transforms/tape.py: a deferred
   weight-grad thunk checks that the tensors it captured were not modified in place before it runs.
@@ -66,13 +69,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch._C._functorch as _functorch
 from torch.utils._pytree import (
+    SUPPORTED_NODES,
     GetAttrKey,
+    TreeSpec,
+    is_namedtuple_class,
     keystr,
     register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
     tree_map,
     tree_unflatten,
+    treespec_leaf,
 )
 
 if TYPE_CHECKING:
@@ -80,11 +87,12 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "Function", "GetAttrKey", "HAS_GROUPED_MM", "abort_process_group", "assume_constant", "disable_functorch",
-    "flatten_mesh", "functorch_active", "get_unwrapped", "group_options", "grouped_mm", "grouped_mm_op",
-    "grouped_mm_syncs", "is_functorch_wrapped", "keystr", "needs_grad", "register_pytree_node",
-    "tensor_version", "trace_safe_cache", "tree_flatten",
-    "tree_flatten_with_path", "tree_map", "tree_unflatten", "under_vmap",
+    "SUPPORTED_NODES", "Function", "GetAttrKey", "HAS_GROUPED_MM", "TreeSpec", "abort_process_group",
+    "assume_constant", "disable_functorch", "flatten_mesh", "functorch_active", "get_unwrapped",
+    "group_options", "grouped_mm", "grouped_mm_op", "grouped_mm_syncs", "is_functorch_wrapped",
+    "is_namedtuple_class", "keystr", "needs_grad", "register_pytree_node", "tensor_version",
+    "trace_safe_cache", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
+    "treespec_leaf", "under_vmap",
 ]
 
 T = TypeVar("T")

@@ -56,11 +56,11 @@ from fmoe.schedule.group import check_group
 from fmoe.schedule.ir import B, F, I, Op, Overlap, Recv, Schedule, ScheduleError, Send
 from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.schedule.rank_plan import RankPlan, rank_plan
-from fmoe.schedule.timeline import TraceEvent
+from fmoe.schedule.timeline import COMPUTE, TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import wire_order
 from fmoe.transforms import split_vjp
-from fmoe.transforms.program import Acts, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
+from fmoe.transforms.program import Acts, Layer, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
 from fmoe.transforms.split_vjp import DxFn
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
@@ -163,15 +163,23 @@ class _Record:
 
 class _Summed:
     """A dw pass whose gradients already are the step's sums (the dx pass added into them, or the dw pass
-    adds into them when called): its results are handed over, not added again."""
+    adds into them when called): its results are handed over, not added again. `sums`: None when the dx
+    pass was given its sums (`fn()` hands them over), else a function returning (the `into` tree, whether
+    it is complete), asked as the pass runs and given to `fn(into=...)`. `complete`: every leaf was given
+    its sum (`_sums_of` from `sums_at`), so each gradient the pass returns is the sum already in the
+    step's tree, and there is nothing to hand over."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "sums", "complete")
 
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], sums: Callable[[], tuple[Any, bool]] | None = None,
+                 complete: bool = False):
+        self.fn, self.sums, self.complete = fn, sums, complete
 
     def __call__(self) -> Any:
-        return self.fn()
+        if self.sums is None:
+            return self.fn()
+        into, self.complete = self.sums()
+        return self.fn(into=into)
 
 
 class _Counter:
@@ -342,7 +350,7 @@ class _Executor:
         self.t0 = time.perf_counter()
         if compute_model is not None:  # the device is idle when the step begins
             compute_model.new_step(self.t0)
-        self.events: list[TraceEvent] = []
+        self.events: list[tuple] = []  # what `_event` recorded; TraceEvents made once the step ends
         self.records: dict[tuple[int, int], _Record] = {}
         self.deferred: dict[tuple[int, int], list[DwPass]] = {}
         self.local: dict[Dep, Acts] = {}
@@ -411,7 +419,8 @@ class _Executor:
             left = sorted(set(self.records) | set(self.deferred))
             raise ScheduleError(f"rank {self.rank}: (stage, mb) {left} still held at the end of the step")
         loss = sum(self.losses.values(), torch.zeros((), device=self.device))
-        return StepResult(loss, dict(self.losses), self.grads, self.stats, self.events, self.live.peak,
+        events = [_trace_event(self.rank, *raw) for raw in self.events]
+        return StepResult(loss, dict(self.losses), self.grads, self.stats, events, self.live.peak,
                           self.queued.peak)
 
     def op(self, op: Op, paired: bool = False) -> Iterator[None]:
@@ -512,29 +521,24 @@ class _Executor:
         nothing to overlap, so its dx pass is one autograd pass instead of one per phase (and, `defer`
         False, computes the weight gradients too, as plain autograd does). The forward's timeline keeps
         its phases; the backward is one event. Returns the acts the stage passes on (losses taken out)."""
-        steps = [(layer.name, ph) for layer in prog.layers for ph in layer.phases]
-        paths = [q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
-                 for q in (ph.side.param_paths if ph.side is not None else ph.param_paths)]
-        loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
-        hooks = _ForwardHooks(self, stage, mb)
+        whole = _whole_stage(prog.layers)
+        # a compiled stage has no phases to record
+        hooks = None if self.compiled is not None else _ForwardHooks(self, stage, mb)
 
-        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, tuple[Meta, list]]:
-            it = iter(p)
-            ran = run_phases(prog.layers, lambda ph: tuple(next(it) for _ in ph.param_paths), a, m,
-                             None if self.compiled is not None else hooks)  # a compiled stage has no phases
-            return {**ran.acts, **ran.losses}, (ran.meta, ran.stats)
+        def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, list]:
+            # aux: the stats only (the executor passes no meta on from a whole stage: nothing to detach)
+            ran = run_phases(prog.layers, _params_in_order(p), a, m, hooks)
+            return {**ran.acts, **ran.losses}, ran.stats
 
-        out, vjp_dx, (_, stats) = self._split(("stage", stage), fn, self._params_at(prog, tuple(paths)),
-                                              acts, meta, defer)
+        out, vjp_dx, stats = self._split(("stage", stage), fn, self._params_at(prog, whole.phase.param_paths),
+                                         acts, meta, defer)
         # its B adds each weight gradient into the step's sum as the backward makes it (in cache), as
         # AccumulateGrad does, instead of a pass over every gradient afterwards
         rec.sums_in_dx = not defer and (self.engine == "autograd" or self.compiled is not None)
-        names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
-        whole = Phase("stage", "compute", fn=fn, param_paths=tuple(paths), losses=loss_names)
-        rec.phases.append(PhaseRecord(whole, names, vjp_dx=vjp_dx,
+        rec.phases.append(PhaseRecord(whole.phase, whole.names, vjp_dx=vjp_dx,
                                       spec={k: (v.shape, v.dtype, v.device) for k, v in out.items()}))
         self.stats.extend((stage, mb, layer, ph_name, st) for layer, ph_name, st in stats)
-        for k in loss_names:
+        for k in whole.phase.losses:
             self._add_loss(k, out.pop(k))
         return out
 
@@ -565,9 +569,12 @@ class _Executor:
         out, vjp_dx, meta_out = self._split(("phase", stage, layer, ph.name), fn, params, acts, meta, defer)
         spec = {k: (v.shape, v.dtype, v.device) for k, v in out.items()}
         rec.phases.append(PhaseRecord(ph, layer, vjp_dx=vjp_dx, spec=spec))
-        stats = meta_out.pop("stats", None) if isinstance(meta_out, dict) else None
-        if stats is not None:
-            self.stats.append((stage, mb, layer, ph.name, stats))
+        if isinstance(meta_out, dict) and "stats" in meta_out:
+            # a copy: split_vjp hands a graph-free aux back as the phase made it, which stays as it was
+            meta_out = dict(meta_out)
+            stats = meta_out.pop("stats")
+            if stats is not None:
+                self.stats.append((stage, mb, layer, ph.name, stats))
         passed = {}
         for k, v in out.items():
             if k in ph.losses:
@@ -626,8 +633,10 @@ class _Executor:
                         g = ct.get(k)
                         full[k] = torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                 if rec.sums_in_dx:
-                    (ct,), vjp_dw = r.vjp_dx(full, into=self._sums_of(stage, ph))
-                    vjp_dw = _Summed(vjp_dw)
+                    into, complete = self._sums_of(stage, ph), self._sums_complete(stage, ph)
+                    (ct,), vjp_dw = r.vjp_dx(full, into=into)
+                    vjp_dw = _Summed(vjp_dw, complete=complete)
+                    del into
                 else:
                     (ct,), vjp_dw = r.vjp_dx(full)
                     if rec.defer:
@@ -700,9 +709,11 @@ class _Executor:
             ph, layer, vjp_dw = queue.pop(0)
             t = self._now()
             summed = isinstance(vjp_dw, _Summed)
-            for path, g in zip(ph.param_paths, vjp_dw()):
-                _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
-            del vjp_dw
+            grads = vjp_dw()
+            if not (summed and vjp_dw.complete):  # complete: every gradient is its sum, in the tree already
+                for path, g in zip(ph.param_paths, grads):
+                    _add_at(self.grads, path, g, self.grad_dtype, self.owned, summed)
+            del vjp_dw, grads
             if ph.param_paths:
                 self._computed("W", ph.name, stage, layer, mb, t)
 
@@ -714,7 +725,9 @@ class _Executor:
         each would be made, copied, then cast; `vjp_dw` is returned as it is."""
         if self.grad_dtype is not None:
             return vjp_dw
-        return _Summed(lambda: vjp_dw(into=self._sums_of(stage, ph)))
+        # the sums as the pass runs (a closure over the executor, never over the pass: no reference cycle,
+        # which would hold the thunk's activations past its run until the cycle collector came by)
+        return _Summed(vjp_dw, lambda: (self._sums_of(stage, ph), self._sums_complete(stage, ph)))
 
     def _params_at(self, prog: StageProgram, paths: tuple[tuple[str, ...], ...]) -> tuple[Any, ...]:
         """Returns the params subtrees of `prog` at `paths`, looked up once per step (every microbatch's
@@ -737,6 +750,10 @@ class _Executor:
             if _complete(got):
                 self.sums_at[key] = got
         return got
+
+    def _sums_complete(self, stage: int, ph: Phase) -> bool:
+        """Whether `_sums_of(stage, ph)` gives every leaf its sum (it keeps only such trees)."""
+        return (stage, ph.param_paths) in self.sums_at
 
     def _sums_like(self, path: tuple[str, ...], params: Any) -> Any:
         """Returns `params` (the subtree at `path`) with each leaf replaced by the step's gradient sum for
@@ -780,11 +797,9 @@ class _Executor:
             self.compute_model.waited(time.perf_counter())
         self._release_sends(peer, self.plan.wire_at[dep])
         if self.trace:
-            msg = {"stage": dep.stage, "microbatch": dep.mb, "what": dep.kind.value}
-            self._event("compute", f"wait p2p {dep.kind.value} s{dep.stage} mb{dep.mb}", "wait", t,
-                        kind="wait p2p", **msg)
-            self._event("comm", f"p2p recv {dep.kind.value} s{dep.stage} mb{dep.mb}", "p2p", t_post,
-                        kind="p2p recv", peer=peer, **msg)
+            now, what = self._now(), dep.kind.value
+            self._event("compute", "wait", t, now, "wait p2p", dep.stage, dep.mb, what=what)
+            self._event("comm", "p2p", t_post, now, "p2p recv", dep.stage, dep.mb, what=what, peer=peer)
         return bufs
 
     def _give_boundary(self, key: tuple[str, int, int], acts: Acts) -> bool:
@@ -821,8 +836,7 @@ class _Executor:
                 work = dist.isend(buf, self._global(a.peer), group=self.group, tag=self._tag(dep, k))
             self.sends.setdefault(a.peer, []).append(_Sent(work, buf, what, self.plan.wire_at[dep]))
         if self.trace:
-            self._event("comm", f"p2p send {a.what} s{a.stage} mb{a.mb} r{a.peer}", "p2p", t, kind="p2p send",
-                        stage=a.stage, microbatch=a.mb, what=a.what, peer=a.peer)
+            self._event("comm", "p2p", t, self._now(), "p2p send", a.stage, a.mb, what=a.what, peer=a.peer)
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits the sends to pipeline rank `peer` that come before wire index `before` and drops their
@@ -950,15 +964,16 @@ class _Executor:
         if self.compute_model is not None:
             self.compute_model(kind, phase, stage, layer, mb, self.t0 + start)
         if self.trace:
-            self._event("compute", f"{kind} {phase} s{stage} {layer} mb{mb}", kind, start, kind=kind,
-                        stage=stage, microbatch=mb, layer=layer, phase=phase)
+            self._event("compute", kind, start, self._now(), kind, stage, mb, layer, phase)
 
-    def _event(self, lane: str, name: str, cat: str, start: float, end: float | None = None,
-               **typed: Any) -> None:
-        """Records an event from `start` to `end` (default: now); `typed`: its TraceEvent fields kind,
-        stage, microbatch, ... (timeline.py's table)."""
-        self.events.append(TraceEvent(self.rank, lane, name, cat, start, self._now() if end is None else end,
-                                      self.step, **typed))
+    def _event(self, lane: str, cat: str, start: float, end: float, kind: str, stage: int, mb: int,
+               layer: str | None = None, phase: str | None = None, direction: str | None = None,
+               what: str | None = None, peer: int | None = None) -> None:
+        """Records an event of `kind` from `start` to `end` on `lane` (its TraceEvent fields: timeline.py's
+        table) as a tuple: the TraceEvent, and the name the pictures show, are made once the step ended
+        (`_trace_event`), not between its phases."""
+        self.events.append((lane, cat, start, end, self.step, kind, stage, mb, layer, phase, direction, what,
+                            peer))
 
     def _comm_events(self, pending: Any, phase: str, direction: str, stage: int, layer: str, mb: int,
                      issued: float, wait_start: float) -> None:
@@ -972,10 +987,8 @@ class _Executor:
             self.compute_model.waited(self.t0 + end)
         if not self.trace:
             return
-        label = f"{phase}-{direction} s{stage} {layer} mb{mb}"
-        typed = {"stage": stage, "microbatch": mb, "layer": layer, "phase": phase, "direction": direction}
-        self._event("comm", f"a2a {label}", "a2a", issued, end, kind="a2a", **typed)
-        self._event("compute", f"wait a2a {label}", "wait", wait_start, wait_end, kind="wait a2a", **typed)
+        self._event("comm", "a2a", issued, end, "a2a", stage, mb, layer, phase, direction)
+        self._event("compute", "wait", wait_start, wait_end, "wait a2a", stage, mb, layer, phase, direction)
 
 
 class _ForwardHooks:
@@ -994,6 +1007,66 @@ class _ForwardHooks:
         """Records an exchange."""
         t0 = self.ex.t0
         self.ex._comm_events(pending, ph.name, "F", self.stage, layer, self.mb, start - t0, wait_start - t0)
+
+
+class _WholeStage(NamedTuple):
+    """What a whole-stage forward (`_Executor._whole_stage_forward`) knows from the stage's layers alone:
+    `phase`, the stage as one compute phase (its param paths in the order its phases consume them, a comm
+    phase's being its side's; the losses its phases end; `fn` runs the layers with no hooks), and `names`,
+    the layers it spans for the timeline ("L0-L3")."""
+
+    phase: Phase
+    names: str
+
+
+# layers tuple id -> (the layers, their _WholeStage): a run's stage programs hold the same layers every step
+# (GPTProgram builds them once), so each step reuses what the first one derived; the entry holds its
+# layers, so the id cannot be reused while it is cached
+_WHOLE: dict[int, tuple[tuple[Layer, ...], _WholeStage]] = {}
+_WHOLE_MAX = 16  # a rank runs a few stages; a caller that builds programs per step cycles through
+
+
+def _whole_stage(layers: tuple[Layer, ...]) -> _WholeStage:
+    """Returns the _WholeStage of a stage with `layers`, made on the first step that asks for it."""
+    hit = _WHOLE.get(id(layers))
+    if hit is not None and hit[0] is layers:
+        return hit[1]
+    steps = [(layer.name, ph) for layer in layers for ph in layer.phases]
+    paths = tuple(q for _, ph in steps  # in the order fn consumes them: a comm phase's are its side's
+                  for q in (ph.side.param_paths if ph.side is not None else ph.param_paths))
+    loss_names = tuple(k for _, ph in steps if ph.kind == "compute" for k in ph.losses)
+
+    def fn(p: tuple, a: Acts, m: Meta) -> tuple[Acts, list]:
+        ran = run_phases(layers, _params_in_order(p), a, m)
+        return {**ran.acts, **ran.losses}, ran.stats
+
+    names = f"{steps[0][0]}-{steps[-1][0]}" if steps[0][0] != steps[-1][0] else steps[0][0]
+    got = _WholeStage(Phase("stage", "compute", fn=fn, param_paths=paths, losses=loss_names), names)
+    if len(_WHOLE) >= _WHOLE_MAX:
+        _WHOLE.pop(next(iter(_WHOLE)))
+    _WHOLE[id(layers)] = (layers, got)
+    return got
+
+
+def _params_in_order(p: tuple[Any, ...]) -> Callable[[Phase], tuple[Any, ...]]:
+    """`run_phases`'s params_of for a whole stage: `p` holds every phase's param subtrees in the order the
+    phases run, so each phase takes the next ones."""
+    it = iter(p)
+    return lambda ph: tuple(next(it) for _ in ph.param_paths)
+
+
+def _trace_event(rank: int, lane: str, cat: str, start: float, end: float, step: str, kind: str, stage: int,
+                 mb: int, layer: str | None, phase: str | None, direction: str | None, what: str | None,
+                 peer: int | None) -> TraceEvent:
+    """Returns the TraceEvent of one `_Executor._event` record, named as timeline.py's table shows it."""
+    if kind in COMPUTE:
+        name = f"{kind} {phase} s{stage} {layer} mb{mb}"
+    elif kind == "a2a" or kind == "wait a2a":
+        name = f"{kind} {phase}-{direction} s{stage} {layer} mb{mb}"
+    else:  # "p2p send", "p2p recv", "wait p2p"
+        name = f"{kind} {what} s{stage} mb{mb}" + (f" r{peer}" if kind == "p2p send" else "")
+    return TraceEvent(rank, lane, name, cat, start, end, step, kind, stage, mb, layer, phase, direction, what,
+                      peer)
 
 
 def _drain(gen: Iterator[None]) -> None:

@@ -4,9 +4,11 @@ whole model run microbatch after microbatch in one process (the oracle never tou
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import re
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -383,3 +385,38 @@ def test_a_phase_gets_the_users_tree_below_its_root() -> None:
                param_paths=((*root, "w_q"),), param_root=root)
     ph.run((a,), {}, {})
     assert seen == {"w_q": a}
+
+
+def test_nothing_of_a_step_outlives_it_without_the_cycle_collector():
+    """A phased stage (its exchange not local) on one rank: B defers its dw passes and adds them into the
+    step's sums. With the cycle collector off, once the caller drops the StepResult nothing of the step is
+    left: not the input each microbatch's deferred weight gradient read, not the gradient sums (no
+    reference cycle through a dw pass, or through the executor that holds the sums, keeps them until a
+    collection: memory every step would carry)."""
+    s = S.build("1f1b", 1, 3)
+    params, data = _params(1), _data(3)
+    inputs = []
+
+    def body(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        x = meta["x"] * 1.0  # only this microbatch's passes hold it: linear's deferred dw reads it
+        inputs.append(weakref.ref(x))
+        return {"h": _chunk(p["c0"], x)}, meta
+
+    def loss(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        return {"mse": ((acts["h"] - meta["y"]) ** 2).mean()}, meta
+
+    layer = Layer("L0", (Phase("body", "compute", fn=body, param_paths=(("c0",),)), _doubling(),
+                         Phase("loss", "compute", fn=loss, losses=("mse",))))
+    program = StageProgram(0, (layer,), {"c0": params["c0"]}, {})
+    gc.collect()
+    gc.disable()
+    try:
+        res = execute(s, 0, {0: program}, lambda mb: data[mb])
+        loss_value = float(res.loss)
+        refs = inputs + [weakref.ref(g) for g in res.grads["c0"].values()]
+        del res
+        alive = [ref() is not None for ref in refs]
+    finally:
+        gc.enable()
+    assert len(refs) == 5 and not any(alive), alive
+    assert loss_value == pytest.approx(_oracle(s, {"c0": params["c0"]})[0], rel=1e-12)

@@ -31,6 +31,7 @@ from fmoe.transforms import (
     defer_weight_grad,
     split_vjp,
 )
+from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.split_vjp import ENGINES, PLAIN_OPS
 from fmoe.transforms.tape import unwrapped
 from fmoe.transforms.testing import assert_close, float_dtypes
@@ -207,6 +208,37 @@ def test_has_aux_returns_any_aux():
     assert not is_functorch_wrapped(aux["info"].total)
     (dx,), vjp_dw = vjp_dx(torch.ones_like(out))
     assert_close(vjp_dw(), torch.full((2, 2), 4.0, dtype=torch.float64))
+
+
+@pytree_dataclass(static=("k",))
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    total: torch.Tensor | None
+    k: int
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_aux_comes_back_holding_no_graph(engine):
+    """An aux tensor made under grad (a sum of the input), a view of an activation taken under no_grad
+    (its _base holds the graph) and plain integer tensors: none comes back requiring grad or viewing a
+    tensor that does, with the values f made; an aux with no graph comes back with its values as well."""
+    def f(p, x):
+        h = linear(x, p)
+        with torch.no_grad():
+            row = h[0]
+        return h, {"info": Routed(h.sum(), 3), "row": row, "ids": [torch.arange(3)], "n": 2}
+
+    w, x = torch.randn(2, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    out, _, aux = split_vjp(f, w, x, has_aux=True, engine=engine)
+    leaves = [aux["info"].total, aux["row"], aux["ids"][0]]
+    assert aux["n"] == 2 and aux["info"].k == 3
+    assert not any(t.requires_grad or (t._base is not None and t._base.requires_grad) for t in leaves)
+    assert_close(aux["info"].total, (x @ w).sum())
+    assert_close(aux["row"], (x @ w)[0])
+    assert aux["ids"][0].tolist() == [0, 1, 2]
+    _, _, plain = split_vjp(lambda p, x: (linear(x, p), {"ids": torch.arange(2), "k": Routed(None, 1)}), w, x,
+                            has_aux=True, engine=engine)
+    assert plain["ids"].tolist() == [0, 1] and plain["k"] == Routed(None, 1)
 
 
 # ---- deferred work must not trust what it captured ------------------------------------------------

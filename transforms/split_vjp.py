@@ -30,6 +30,7 @@ What is checked, so that deferred work never trusts what it captured without ask
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import warnings
@@ -47,7 +48,7 @@ from fmoe._compat import (
     tree_unflatten,
     under_vmap,
 )
-from fmoe.transforms._flat import flatten, num_leaves, torch_spec, unflatten
+from fmoe.transforms._flat import any_leaf, flatten, num_leaves, torch_spec, unflatten
 from fmoe.transforms._plain_defer import split_backward
 from fmoe.transforms.tape import CaptureModifiedError, WeightGradTape, active_tape, recording, unwrapped
 
@@ -108,6 +109,8 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     The tape tells weights apart by object identity; a tensor under two keys (tied weights) would
     otherwise give one key both keys' deferred gradients and the other none.
     """
+    if len({id(t) for t in tensors}) == len(tensors):  # the usual case: no repeat, nothing to alias
+        return list(tensors)
     seen: set[int] = set()
     out = list(tensors)
     for k, t in enumerate(out):
@@ -135,16 +138,18 @@ def _accumulators(into: Any, p_spec: Any, diff_pos: list[int], n_param_leaves: i
     if i_spec != p_spec:
         raise ValueError(f"{who}(into=...): `into` must have the structure of params (None where there is "
                          "no sum yet)")
-    acc: list[torch.Tensor | None] = []
+    acc: list[torch.Tensor | None] = [None] * len(diff_pos)  # the arguments' stay None
     for k, i in enumerate(diff_pos):
-        t = i_leaves[i] if i < n_param_leaves else None
+        if i >= n_param_leaves:  # diff_pos is sorted: the params' come first
+            break
+        t = acc[k] = i_leaves[i]
         if t is not None:
             shape, dtype, device = leaf_meta[k]
-            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (shape, dtype, device):
+            if not (isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+                    and t.device == device):
                 got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{who}(into=...): params leaf {i} is {tuple(shape)} {dtype} on {device}, "
                                  f"its sum is {got}")
-        acc.append(t)
     return acc
 
 
@@ -154,9 +159,9 @@ def _writable(g: Any) -> Any:
     torch.func.vjp can hand back expanded gradients (the backward of a sum, the tape's zero placeholder);
     a caller that accumulates into a gradient in place needs one element per memory location.
     """
-    if isinstance(g, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
-        return g.contiguous()
-    return g
+    if not isinstance(g, torch.Tensor) or g.is_contiguous():  # most are: one call, not a walk of strides
+        return g
+    return g.contiguous() if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)) else g
 
 
 def _paths(spec: Any) -> list[tuple[Any, ...]] | None:
@@ -352,10 +357,22 @@ def _autograd_vjp(flat_f: Callable[..., Any], xs: list[torch.Tensor], has_aux: b
 
     detach = [o.detach() if isinstance(o, torch.Tensor) else o for o in out_leaves]
     out = unflatten(detach, out_spec)
-    if has_aux:
-        aux_leaves, aux_spec = flatten(aux)
-        aux = unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in aux_leaves], aux_spec)
-    return out, vjp_fn, aux, leaves, (detach, out_spec)
+    return out, vjp_fn, _detached(aux) if has_aux else None, leaves, (detach, out_spec)
+
+
+def _requires_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
+
+
+def _detached(tree: Any) -> Any:
+    """Returns pytree `tree` with its tensors detached: rebuilt when one of them requires grad (a view taken
+    under no_grad of one that does requires grad too), else `tree` itself (an aux of routing layouts and
+    loads, made under grad but holding no graph: its nodes, frozen dataclasses, would be rebuilt for
+    nothing)."""
+    if not any_leaf(tree, _requires_grad):
+        return tree
+    leaves, spec = flatten(tree)
+    return unflatten([a.detach() if isinstance(a, torch.Tensor) else a for a in leaves], spec)
 
 
 def _warn_left_in_dx(tape: WeightGradTape, dx_param_grads: list[Any], param_pos: list[int],
@@ -382,12 +399,13 @@ def split_vjp(
     """Run `f(params, *args)` and return `(out, vjp_dx)` (or `(out, vjp_dx, aux)` with has_aux).
 
     With has_aux, f returns `(out, aux)`; aux may be any pytree (ints, dataclasses) and comes back
-    unwrapped. `vjp_dx: DxFn` maps a cotangent of `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns
-    `dparams` with the structure of `params`. Each may be called once; `vjp_dw` exists only after
-    `vjp_dx`, so the order is enforced by construction. After `vjp_dw` returns, neither activations nor
-    tape entries are held; the inputs are not held by `vjp_dw` (only what its thunks read). A tensor
-    under several keys gets one gradient per key, as with `torch.func.vjp`. Raises RuntimeError under
-    `torch.func.vmap` (see `VMAP_MESSAGE`).
+    unwrapped; under engine "autograd" an aux with no tensor that requires grad comes back as f returned
+    it (the same objects), any other rebuilt with its tensors detached. `vjp_dx: DxFn` maps a cotangent of
+    `out` to `(dargs, vjp_dw)`; `vjp_dw: DwFn` returns `dparams` with the structure of `params`. Each may
+    be called once; `vjp_dw` exists only after `vjp_dx`, so the order is enforced by construction. After
+    `vjp_dw` returns, neither activations nor tape entries are held; the inputs are not held by `vjp_dw`
+    (only what its thunks read). A tensor under several keys gets one gradient per key, as with
+    `torch.func.vjp`. Raises RuntimeError under `torch.func.vmap` (see `VMAP_MESSAGE`).
 
     `engine`: "func" runs f under `torch.func.vjp`; "autograd" runs it once on tape autograd (fresh
     leaves, `torch.autograd.grad` for dx): the same contract and gradients, less per-op overhead, and the
@@ -423,14 +441,29 @@ def split_vjp(
     leaves = p_leaves + a_leaves
     n_leaves, n_param_leaves = len(leaves), len(p_leaves)
     del p_leaves, a_leaves
-    diff_pos = [i for i, leaf in enumerate(leaves) if _is_diff(leaf)]
+    # the differentiable leaves (floating or complex tensors: `_is_diff`, spelled out in one pass that also
+    # keeps each one's shape, dtype and device, for zero gradients of unused leaves and `into` checks)
+    diff_pos: list[int] = []
+    leaf_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            dtype = leaf.dtype
+            if dtype.is_floating_point or dtype.is_complex:
+                diff_pos.append(i)
+                leaf_meta.append((leaf.shape, dtype, leaf.device))
     diff_leaves = _distinct([leaves[i] for i in diff_pos])
-    param_diff = [(k, i) for k, i in enumerate(diff_pos) if i < n_param_leaves]
+    n_param_diff = bisect.bisect_left(diff_pos, n_param_leaves)  # diff_pos is sorted: params' come first
+    param_diff = list(enumerate(diff_pos[:n_param_diff]))
+    arg_diff = [(k, diff_pos[k]) for k in range(n_param_diff, len(diff_pos))]
+    every_leaf_diff = len(diff_pos) == n_leaves  # (params of float tensors only, acts): nothing to interleave
 
     def flat_f(*xs: torch.Tensor) -> Any:
-        full = list(leaves)
-        for i, x in zip(diff_pos, xs):
-            full[i] = x
+        if every_leaf_diff:
+            full = list(xs)
+        else:
+            full = list(leaves)
+            for i, x in zip(diff_pos, xs):
+                full[i] = x
         p, a = unflatten(full[:n_param_leaves], p_spec), unflatten(full[n_param_leaves:], a_spec)
         # recording(): the primitives in f keep their weight gradients deferrable; without it they may take
         # their native autograd paths (dw computed in the dx pass, as plain autograd does)
@@ -439,7 +472,7 @@ def split_vjp(
 
     if engine == "autograd":
         out, vjp_fn, aux, diff_leaves, (out_leaves, out_spec) = _autograd_vjp(
-            flat_f, diff_leaves, has_aux, [i < n_param_leaves for i in diff_pos])
+            flat_f, diff_leaves, has_aux, [True] * n_param_diff + [False] * len(arg_diff))
     elif has_aux:
         # torch.func.vjp accepts only tensors as aux; route the rest (ints, dataclasses) around it.
         aux_skeleton: list[Any] = []
@@ -457,7 +490,6 @@ def split_vjp(
     if engine != "autograd":
         out_leaves, out_spec = flatten(out)
     out_meta = [(o.shape, o.dtype) for o in out_leaves]  # shapes and dtypes only: out is not kept alive
-    leaf_meta = [(t.shape, t.dtype, t.device) for t in diff_leaves]  # for zero gradients of unused leaves
     tape = WeightGradTape([diff_leaves[k] for k, _ in param_diff]) if defer else None
     state: dict[str, Any] = {"vjp_fn": vjp_fn, "tape": tape}
     dx_once = _Once("vjp_dx")
@@ -480,12 +512,12 @@ def split_vjp(
             else:
                 grads = fn(ct_leaves, into=acc, tape=state["tape"] if plain_ops == "defer" else None)
         del fn
-        full: list[Any] = [None] * n_leaves
-        for k, (i, g) in enumerate(zip(diff_pos, grads)):
-            if g is None and i >= n_param_leaves:  # autograd: an argument the output does not depend on
-                g = _zeros(leaf_meta[k])
-            full[i] = g if i < n_param_leaves else _writable(g)
-        dargs = unflatten(full[n_param_leaves:], a_spec)
+        full: list[Any] = [None] * (n_leaves - n_param_leaves)  # the arguments' gradients
+        for k, i in arg_diff:
+            g = grads[k]
+            # autograd: None for an argument the output does not depend on
+            full[i - n_param_leaves] = _zeros(leaf_meta[k]) if g is None else _writable(g)
+        dargs = unflatten(full, a_spec)
         # The dx pass already produced grads for parameters used outside weight-bearing primitives.
         dx_param_grads = [grads[k] for k, _ in param_diff]
         if state["tape"] is not None and plain_ops == "dx":
