@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_NODES", "Function", "GetAttrKey", "HAS_GROUPED_MM", "TreeSpec", "abort_process_group",
-    "assume_constant", "disable_functorch", "flatten_mesh", "functorch_active", "get_unwrapped",
+    "assume_constant", "disable_functorch", "flatten_mesh", "functorch_active", "get_unwrapped", "graph_kept",
     "group_options", "grouped_mm", "grouped_mm_op", "grouped_mm_syncs", "is_functorch_wrapped",
     "is_namedtuple_class", "keystr", "needs_grad", "register_pytree_node", "tensor_version",
     "trace_safe_cache", "tree_flatten", "tree_flatten_with_path", "tree_map", "tree_unflatten",
@@ -278,6 +278,14 @@ def needs_grad(ctx: Any) -> tuple[bool, ...]:
 def _under_jvp() -> bool:
     """True inside torch.func.jvp (or jacfwd) at any depth of the transform stack."""
     return any(i.key() == _functorch.TransformType.Jvp for i in _functorch.get_interpreter_stack())
+
+
+def graph_kept() -> bool:
+    """Inside a backward: True when autograd keeps the graph after it (retain_graph or create_graph), so its
+    saved tensors may be read again. `torch._C._autograd._get_current_graph_task_keep_graph` (what
+    AOTAutograd's donated buffers ask); True where this torch cannot tell."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
 
 
 def functorch_active() -> bool:

@@ -121,6 +121,21 @@ def test_nothing_is_donated_under_torch_func_or_a_create_graph_backward() -> Non
     assert_close(d_cg.detach(), swiglu_oracle(before, ct))
 
 
+def test_a_retained_graph_donates_nothing_and_backwards_again_to_the_same_gradients() -> None:
+    """retain_graph keeps the saved tensors for another backward: nothing is written over them then."""
+    g = torch.Generator().manual_seed(3)
+    leaf = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mine = leaf * 1
+    before = mine.detach().clone()
+    h = swiglu_packed(mine, donate=True)
+    ct = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    (d1,) = torch.autograd.grad(h, mine, ct, retain_graph=True)
+    assert torch.equal(mine.detach(), before) and d1.data_ptr() != mine.data_ptr()
+    (d2,) = torch.autograd.grad(h, mine, ct)  # the graph freed after this one: donated
+    assert torch.equal(d1, d2) and d2.data_ptr() == mine.data_ptr()
+    assert_close(d1, swiglu_oracle(before, ct))
+
+
 def test_a_node_that_saved_the_donated_tensor_fails_loudly_if_it_runs_later() -> None:
     leaf = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     mine = leaf * 1

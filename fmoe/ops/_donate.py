@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe._compat import functorch_active, is_tracing
+from fmoe._compat import functorch_active, graph_kept, is_tracing
 
 FRESH_BUFFERS_FAULT: tuple[str, ...] = ("cpu",)
 """Device types whose new buffers are paged in on first touch: CPU memory from the C allocator, where
@@ -26,5 +26,6 @@ takes one more pass; accelerators' caching allocators hand back mapped memory, s
 def may_donate() -> bool:
     """Whether a backward may write over a donated input now: eager tape autograd only (no torch.func
     transform, whose wrappers the writes would bypass; no trace, whose graph follows values; no
-    create_graph backward, which would record the writes)."""
-    return not (functorch_active() or is_tracing() or torch.is_grad_enabled())
+    create_graph backward, which would record the writes), and only when autograd frees the graph after
+    this backward (not under retain_graph, whose next backward reads the saved tensors again)."""
+    return not (functorch_active() or is_tracing() or torch.is_grad_enabled() or graph_kept())
