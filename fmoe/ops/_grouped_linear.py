@@ -138,7 +138,8 @@ class Counts:
 
     host: python ints, or None where reading them would be a host sync; dev_E: integer [E] on the rows'
     device, or None when only host ints exist. `offsets` gives torch._grouped_mm's int32 cumulative ends,
-    from dev_E by a cumsum on the device (made once, then shared) unless host ints serve for free.
+    from dev_E by a cumsum on its device (made once, then shared), from the host ints only where there is
+    no dev_E on the rows' device.
     """
 
     host: tuple[int, ...] | None

@@ -262,7 +262,7 @@ def _rows_over(out_RD: torch.Tensor, src_XD: torch.Tensor, rows_R: torch.Tensor,
     bag sum is one, and no new buffer (fmoe/ops/_donate.py: FRESH_BUFFERS_FAULT)."""
     torch.index_select(src_XD, 0, rows_R, out=out_RD)
     if weights_R1 is not None:
-        out_RD.mul_(weights_R1.to(out_RD.dtype))
+        out_RD.mul_(cast(weights_R1, out_RD.dtype))
     return out_RD
 
 
