@@ -60,19 +60,22 @@ def init_shared(cfg: MoEConfig, generator: torch.Generator | None = None,
 
 def routed_experts(p: dict[str, torch.Tensor], x_MD: torch.Tensor,
                    counts_E: torch.Tensor | Sequence[int] | Counts,
-                   probs_M: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+                   probs_M: torch.Tensor | None = None, backend: str | None = None, *,
+                   donate: bool = False) -> torch.Tensor:
     """Return y_MD [M, D] = w_down(swiglu(gate | up = w_gate_up x) [* probs_M]) per expert block of rows.
 
     `probs_M` (optional) multiplies each row's activation by its gate weight before w_down (gate
     weights inside the expert; padding rows have weight 0). `backend` is passed to grouped_linear.
+    `donate`: x_MD is handed over, not to be read after the backward (`grouped_linear`'s donate: on
+    the CPU its memory takes its own gradient). The rows the experts make themselves are donated always.
     """
     counts = group_counts(counts_E, x_MD, p["w_gate_up"], backend)  # once for the two products
-    gate_up_MZ = grouped_linear(x_MD, p["w_gate_up"], counts, backend)
+    gate_up_MZ = grouped_linear(x_MD, p["w_gate_up"], counts, backend, donate=donate)
     # gate_up is made here and read nowhere else: its memory takes its own gradient (donate)
     if probs_M is None:  # fused: a split backward then holds gate | up, not also their product
         return swiglu_packed_grouped_linear(gate_up_MZ, p["w_down"], counts, backend, donate=True)
     h_MF = swiglu_packed(gate_up_MZ, donate=True) * probs_M.to(gate_up_MZ.dtype).unsqueeze(-1)
-    return grouped_linear(h_MF, p["w_down"], counts, backend)
+    return grouped_linear(h_MF, p["w_down"], counts, backend, donate=True)
 
 
 def shared_experts(p: dict[str, torch.Tensor], x_TD: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from fmoe.capacity import init_capacity_state, make_layout
 from fmoe.config import MoEConfig
 from fmoe.dispatch.base import Dispatcher
 from fmoe.dispatch.sync import as_exchange
-from fmoe.experts import init_experts, init_shared
+from fmoe.experts import init_experts, init_shared, routed_experts
 from fmoe.ops import Counts, Layout, permute, permute_probs, unpermute
 from fmoe.parallel.collectives import CommGroup
 from fmoe.parallel.tensor import tp_weight
@@ -270,8 +270,14 @@ def expert_rows(experts: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: t
     """
     if check:
         check_moe({"experts": experts}, cfg, num_local_experts=len(counts_L), paths=[("experts",)])
+    fn = experts_of(cfg)  # cfg.experts (fmoe/seams.py)
+    # the rows are the dispatcher's, read by nothing after the experts' backward: fmoe's own experts take
+    # them over (a user's function is handed nothing it did not ask for); not under remat, whose recompute
+    # reads them again in a backward that keeps its graph
+    own = {"donate": True} if fn is routed_experts and not remat else {}
+
     def run(p: dict[str, torch.Tensor], x_MD: torch.Tensor, probs_M: torch.Tensor | None) -> torch.Tensor:
-        return experts_of(cfg)(p, x_MD, counts_L, probs_M, cfg.backend)  # cfg.experts (fmoe/seams.py)
+        return fn(p, x_MD, counts_L, probs_M, cfg.backend, **own)
 
     return transforms.remat(run, policy=expert_policy(remat))(experts, x_MD, probs_M)
 

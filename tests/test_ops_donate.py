@@ -1,7 +1,8 @@
-"""Donated buffers (fmoe/ops/_donate.py): swiglu_packed(donate=True) and unpermute(donate=True) write a
-gradient over the donated input's memory, with the values of the undonated op (bit for bit) and of a
-float64 oracle; nothing is donated under torch.func or a create_graph backward; a node that saved the
-donated tensor and runs later fails loudly; the MoE layer donates on CPU.
+"""Donated buffers (fmoe/ops/_donate.py): swiglu_packed(donate=True), unpermute(donate=True) and
+grouped_linear(donate=True) write a gradient over the donated input's memory, with the values of the
+undonated op (bit for bit, the grouped dx to rounding) and of a float64 oracle; nothing is donated under
+torch.func or a create_graph backward; a node that saved the donated tensor and runs later fails loudly;
+the MoE layer donates on CPU.
 
 Legend (docs/moe.md): X rows, F features, Z = 2 F (gate | up), T tokens, K slots, R layout rows, D width.
 """
@@ -17,7 +18,7 @@ from fmoe.capacity import drop_layout
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe
 from fmoe.model import moe
-from fmoe.ops import sort_layout, swiglu_packed, unpermute
+from fmoe.ops import grouped_linear, sort_layout, swiglu_packed, unpermute
 from fmoe.transforms.testing import assert_close
 
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float64])
@@ -105,6 +106,73 @@ def test_donated_unpermute_gradient_is_the_undonated_one_in_the_donated_memory(T
     assert torch.equal(grads1[0], expect.to(dtype))  # one product per row, rounded once
 
 
+def grouped_grads(x_MD, w_EDF, counts, ct_MF, donate, retain=False):
+    mine = x_MD.clone().requires_grad_() * 1  # a non-leaf the caller owns, as the dispatcher's rows are
+    w = w_EDF.clone().requires_grad_()
+    y = grouped_linear(mine, w, counts, donate=donate)
+    dx, dw = torch.autograd.grad(y, [mine, w], ct_MF, retain_graph=retain)
+    return y, dx, dw, mine
+
+
+def grouped_oracle(x_MD, w_EDF, counts, ct_MF):
+    """float64 loop: dx rows of e = ct @ w[e]^T, dw[e] = x^T ct over e's rows."""
+    dx, dw = torch.zeros(x_MD.shape, dtype=torch.float64), torch.zeros(w_EDF.shape, dtype=torch.float64)
+    start = 0
+    for e, c in enumerate(counts):
+        rows = slice(start, start + c)
+        dx[rows] = ct_MF[rows].double() @ w_EDF[e].double().T
+        dw[e] = x_MD[rows].double().T @ ct_MF[rows].double()
+        start += c
+    return dx, dw
+
+
+@settings(max_examples=20, deadline=None)
+@example(counts=[0, 3], D=8, F=8, dtype=torch.float32, seed=0)  # a zero-token expert, grouped_mm
+@example(counts=[4], D=8, F=3, dtype=torch.bfloat16, seed=1)  # one expert, the loop
+@example(counts=[0, 0], D=3, F=8, dtype=torch.float64, seed=2)  # no rows at all
+@example(counts=[2, 0, 5], D=1, F=1, dtype=torch.float32, seed=3)
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=4), D=st.sampled_from([1, 3, 8]),
+       F=st.sampled_from([1, 3, 8]), dtype=dtypes, seed=st.integers(0, 2**31 - 1))
+def test_donated_grouped_linear_gradients_are_the_undonated_ones_with_dx_in_the_rows_memory(
+        counts, D, F, dtype, seed) -> None:
+    """dx written over x's rows, expert by expert, after dw has read them: the undonated values (both
+    backends, chosen by shape: grouped_mm where D and F are 16-byte multiples in fp32 / bf16), and the
+    float64 loop's."""
+    g = torch.Generator().manual_seed(seed)
+    M, E = sum(counts), len(counts)
+    x = torch.randn(M, D, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(E, D, F, generator=g, dtype=torch.float64).to(dtype)
+    ct = torch.randn(M, F, generator=g, dtype=torch.float64).to(dtype)
+    y0, dx0, dw0, kept = grouped_grads(x, w, counts, ct, donate=False)
+    y1, dx1, dw1, donated = grouped_grads(x, w, counts, ct, donate=True)
+    assert torch.equal(y0, y1) and torch.equal(dw0, dw1)
+    assert_close(dx1, dx0, dtype=dtype)
+    assert torch.equal(kept.detach(), x)  # not donated: the input is left as it was
+    if M and D:
+        assert dx1.data_ptr() == donated.data_ptr() and torch.equal(donated.detach(), dx1)
+    dx_ref, dw_ref = grouped_oracle(x, w, counts, ct)
+    assert_close(dx1, dx_ref, dtype=dtype, scale=float(max(F, 1)))
+    assert_close(dw1, dw_ref, dtype=dtype, scale=float(max(max(counts), 1)))
+
+
+def test_grouped_linear_donates_nothing_to_a_retained_graph_or_torch_func() -> None:
+    g = torch.Generator().manual_seed(4)
+    counts = [3, 0, 2]
+    x = torch.randn(5, 8, generator=g)
+    w = torch.randn(3, 8, 4, generator=g)
+    ct = torch.randn(5, 4, generator=g)
+    mine = x.clone().requires_grad_() * 1
+    wl = w.clone().requires_grad_()
+    y = grouped_linear(mine, wl, counts, donate=True)
+    (d1,) = torch.autograd.grad(y, mine, ct, retain_graph=True)
+    assert torch.equal(mine.detach(), x) and d1.data_ptr() != mine.data_ptr()
+    (d2,) = torch.autograd.grad(y, mine, ct)  # the graph freed after this one: donated
+    assert torch.equal(d1, d2) and d2.data_ptr() == mine.data_ptr()
+    _, vjp_fn = torch.func.vjp(lambda a: grouped_linear(a, w, counts, donate=True), x.clone())
+    assert_close(vjp_fn(ct)[0], d1)
+    assert_close(d1, grouped_oracle(x, w, counts, ct)[0].float())
+
+
 def test_nothing_is_donated_under_torch_func_or_a_create_graph_backward() -> None:
     g = torch.Generator().manual_seed(0)
     gate_up, ct = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g,
@@ -145,11 +213,13 @@ def test_a_node_that_saved_the_donated_tensor_fails_loudly_if_it_runs_later() ->
         (h.sum() + other).backward()
 
 
-def test_the_moe_layer_donates_the_experts_gate_up_and_its_rows_on_cpu() -> None:
-    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F] and the rows its
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_moe_layer_donates_its_rows_and_the_experts_buffers_on_cpu(remat: bool) -> None:
+    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F], their h [M, F], the
+    rows the experts got [M, D] (not under remat, whose recompute reads them again) and the rows its
     combine got [R, D] (what the layer saved, checked against copies taken when saved); its gradients
     are unchanged (tests/test_moe_layer.py holds them to the loop oracle)."""
-    cfg = MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=2, aux_loss_coef=0.0)  # M 12, 2F 8, D 4
+    cfg = MoEConfig(d_model=4, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0)  # M 12, 2F 16, F 8, D 4
     params = init_moe(cfg, torch.Generator().manual_seed(0))
     x_TD = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -160,10 +230,12 @@ def test_the_moe_layer_donates_the_experts_gate_up_and_its_rows_on_cpu() -> None
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y_TD, _ = moe(params, x_TD, cfg)
+        y_TD, _ = moe(params, x_TD, cfg, remat=remat)
     y_TD.sum().backward()
-    changed = {tuple(t.shape) for t, copy in saved if not torch.equal(t, copy)}
-    assert changed == {(12, 8), (12, 4)}, changed
+    changed = sorted(tuple(t.shape) for t, copy in saved if not torch.equal(t, copy))
+    # under remat the experts' buffers are made again inside the backward (out of these hooks' sight) and
+    # their rows, which the recompute reads, are not donated: the combine's rows only
+    assert changed == ([(12, 4)] if remat else [(12, 4), (12, 4), (12, 8), (12, 16)]), changed
 
 
 def test_the_donated_buffers_benchmark_runs_and_its_two_sides_agree(capsys) -> None:

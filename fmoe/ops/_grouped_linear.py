@@ -52,6 +52,7 @@ from fmoe._compat import (
     under_vmap,
 )
 from fmoe.ops import _grouped_op
+from fmoe.ops._donate import FRESH_BUFFERS_FAULT, may_donate
 from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
@@ -251,6 +252,17 @@ def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Ten
     return out_EDF
 
 
+def _dx_over(x_MD: torch.Tensor, g_MF: torch.Tensor, w_EDF: torch.Tensor, counts: Counts) -> torch.Tensor:
+    """The dx product written over x_MD's own memory (a donated buffer; host ints known): expert e's rows
+    take g_MF[rows of e] @ w_EDF[e]^T, one GEMM per expert into its rows. Returns x_MD."""
+    b = _bounds(counts.host)
+    w_EFD = w_EDF.transpose(-2, -1)
+    for e in range(len(counts.host)):
+        if counts.host[e]:
+            torch.mm(g_MF[b[e]:b[e + 1]], w_EFD[e], out=x_MD[b[e]:b[e + 1]])
+    return x_MD
+
+
 @dataclass(frozen=True, eq=False)
 class Grouped:
     """The grouped product over expert row blocks, y = x @ w[e] for the rows of expert e, and its two
@@ -272,19 +284,26 @@ class Grouped:
         """Adds dw(x, g) into out_EDF in place; returns out_EDF."""
         return _weight_grad_into(out_EDF, x_MD, g_MF, self.counts, self.backend)
 
+    def donates(self, x_MD: torch.Tensor) -> bool:
+        """Whether dx can be written over a donated x_MD: where new buffers fault (FRESH_BUFFERS_FAULT),
+        with the host ints known and x's rows one contiguous block (a per-expert GEMM writes each block)."""
+        return (x_MD.device.type in FRESH_BUFFERS_FAULT and self.counts.host is not None
+                and x_MD.is_contiguous() and self.backend in ("grouped_mm", "loop"))
+
 
 class _GroupedLinear(Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x_MD: torch.Tensor, w_EDF: torch.Tensor, prod: Grouped) -> torch.Tensor:
+    def forward(x_MD: torch.Tensor, w_EDF: torch.Tensor, prod: Grouped, donate: bool) -> torch.Tensor:
         return prod.fwd(x_MD, w_EDF)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x_MD, w_EDF, prod = inputs
+        x_MD, w_EDF, prod, donate = inputs
         ctx.save_for_backward(x_MD, w_EDF)
         ctx.prod = prod
+        ctx.donate = donate
         ctx.w_plain = w_EDF  # the caller's tensor object: the tape keys deferral on it
 
     @staticmethod
@@ -293,10 +312,14 @@ class _GroupedLinear(Function):
         prod = ctx.prod
         # A cotangent may be expanded (stride 0); the grouped kernels reject that, so materialise it.
         g_MF = g_MF.contiguous()
+        if ctx.donate and needs_grad(ctx)[0] and may_donate():
+            # dw first (made now, not deferred: it reads x), then x's memory takes dx (fmoe/ops/_donate.py)
+            dw = prod.dw(x_MD, g_MF) if needs_grad(ctx)[1] else None
+            return _dx_over(x_MD, g_MF, w_EDF, prod.counts), dw, None, None
         dx = prod.dx(g_MF, w_EDF) if needs_grad(ctx)[0] else None
         dw = (weight_grad_or_defer(ctx.w_plain, prod.dw, x_MD, g_MF, accumulate=prod.dw_into)
               if needs_grad(ctx)[1] else None)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _choose_backend(x_MD: torch.Tensor, w_EDF: torch.Tensor, backend: str | None) -> str:
@@ -407,7 +430,7 @@ def _compiled_transform_product(x_MD: torch.Tensor, w_EDF: torch.Tensor, prod: G
 
 
 def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor | Sequence[int] | Counts,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, *, donate: bool = False) -> torch.Tensor:
     """Return y_MF where the rows of expert e are x_MD[rows of e] @ w_EDF[e].
 
     Rows are contiguous per-expert blocks: expert e owns counts_E[e] consecutive rows, in expert order,
@@ -416,6 +439,11 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     for when it is read to the host. Differentiable in x_MD and w_EDF; the weight gradient is deferred
     when a `split_vjp` tape defers w_EDF.
     `backend`: "grouped_mm", "loop", "npu" or None (choose automatically; see module docstring).
+    `donate` (as JAX's donate_argnums): the caller hands x_MD over, to be read by nothing after this
+    product's backward. Under plain tape autograd on a device whose new buffers fault (the CPU,
+    fmoe/ops/_donate.py) the backward then makes dw first and writes dx over x_MD's memory, one GEMM per
+    expert, instead of into a new [M, D] buffer; nowhere else, and not under torch.func, while tracing or
+    in a backward that keeps its graph, is anything donated.
     """
     prod = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E, backend)
     if torch.compiler.is_compiling() and functorch_active():
@@ -426,6 +454,9 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
         return _grouped_op.product(x_MD, w_EDF, prod.counts.offsets(x_MD.device), prod.backend)
     if prod.backend != "npu" and not (may_defer() or functorch_active()):
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
-        # ops (torch._grouped_mm has its own backward) with no Python backward per call.
+        # ops (torch._grouped_mm has its own backward) with no Python backward per call, unless x is
+        # donated where that pays.
+        if donate and x_MD.requires_grad and prod.donates(x_MD):
+            return _GroupedLinear.apply(x_MD, w_EDF, prod, True)
         return _fwd(x_MD, w_EDF, prod.counts, prod.backend)
-    return _GroupedLinear.apply(x_MD, w_EDF, prod)
+    return _GroupedLinear.apply(x_MD, w_EDF, prod, False)

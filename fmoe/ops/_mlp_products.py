@@ -117,8 +117,8 @@ def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: tor
     if gate_MF.shape != up_MF.shape or gate_MF.dtype != up_MF.dtype:
         raise ValueError(f"swiglu_grouped_linear: gate {tuple(gate_MF.shape)} {gate_MF.dtype} and up "
                          f"{tuple(up_MF.shape)} {up_MF.dtype} must share one shape and dtype")
-    if not may_defer():
-        return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend)
+    if not may_defer():  # h is made here and read by nothing else: its memory takes its gradient
+        return grouped_linear(swiglu(gate_MF, up_MF), w_EFD, counts_E, backend, donate=True)
     prod = check_grouped_args("swiglu_grouped_linear", gate_MF, w_EFD, counts_E, backend)
     return _SwiGLUDown.apply(gate_MF, up_MF, w_EFD, prod)
 
@@ -137,8 +137,8 @@ def swiglu_packed_grouped_linear(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor,
     if gate_up_MZ.shape[-1] != 2 * w_EFD.shape[-2]:
         raise ValueError(f"swiglu_packed_grouped_linear: gate_up has {gate_up_MZ.shape[-1]} columns, the "
                          f"down weight {tuple(w_EFD.shape)} wants 2 x {w_EFD.shape[-2]}")
-    if not may_defer():
-        return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, counts_E, backend)
+    if not may_defer():  # h is made here and read by nothing else: its memory takes its gradient
+        return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, counts_E, backend, donate=True)
     prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E, backend)
     return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
 
