@@ -18,7 +18,13 @@ from fmoe.capacity import drop_layout
 from fmoe.config import MoEConfig
 from fmoe.layer import init_moe
 from fmoe.model import moe
-from fmoe.ops import grouped_linear, sort_layout, swiglu_packed, unpermute
+from fmoe.ops import (
+    grouped_linear,
+    sort_layout,
+    swiglu_packed,
+    swiglu_packed_grouped_linear,
+    unpermute,
+)
 from fmoe.transforms.testing import assert_close
 
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float64])
@@ -155,6 +161,62 @@ def test_donated_grouped_linear_gradients_are_the_undonated_ones_with_dx_in_the_
     assert_close(dw1, dw_ref, dtype=dtype, scale=float(max(max(counts), 1)))
 
 
+def blocked_oracle(gu_MZ, w_EFD, counts, ct_MD):
+    """float64: y = loop(silu(gate) * up, w); returns (y, d gate_up, dw)."""
+    F = w_EFD.shape[1]
+    a, w = gu_MZ.double().requires_grad_(), w_EFD.double().requires_grad_()
+    h = torch.nn.functional.silu(a[:, :F]) * a[:, F:]
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    y = torch.cat([h[bounds[e]:bounds[e + 1]] @ w[e] for e in range(len(counts))])
+    return (y.detach(), *torch.autograd.grad(y, [a, w], ct_MD.double()))
+
+
+@settings(max_examples=20, deadline=None)
+@example(counts=[0, 3], F=8, D=8, dtype=torch.float32, seed=0, wants="both")  # a zero-token expert
+@example(counts=[4], F=3, D=8, dtype=torch.bfloat16, seed=1, wants="dx")  # one expert, the loop
+@example(counts=[0, 0], F=8, D=3, dtype=torch.float64, seed=2, wants="dw")  # no rows at all
+@example(counts=[1, 0, 2], F=1, D=1, dtype=torch.float32, seed=3, wants="both")
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=4), F=st.sampled_from([1, 3, 8]),
+       D=st.sampled_from([1, 3, 8]), dtype=dtypes, seed=st.integers(0, 2**31 - 1),
+       wants=st.sampled_from(["both", "dx", "dw"]))
+def test_the_blocked_swiglu_down_product_matches_the_oracle_with_its_gradient_over_gate_up(
+        counts, F, D, dtype, seed, wants) -> None:
+    """The CPU's blocked SwiGLU + down product (one expert's rows at a time, donate=True): y, the gate | up
+    gradient written over gate_up's memory, and dw, against float64; with either gradient alone."""
+    g = torch.Generator().manual_seed(seed)
+    M, E = sum(counts), len(counts)
+    gu = (torch.randn(M, 2 * F, generator=g, dtype=torch.float64) * 2).to(dtype)
+    w = torch.randn(E, F, D, generator=g, dtype=torch.float64).to(dtype)
+    ct = torch.randn(M, D, generator=g, dtype=torch.float64).to(dtype)
+    mine = gu.clone().requires_grad_() * 1 if wants != "dw" else gu.clone()
+    wl = w.clone().requires_grad_(wants != "dx")
+    y = swiglu_packed_grouped_linear(mine, wl, counts, donate=True)
+    grads = torch.autograd.grad(y, ([mine] if wants != "dw" else []) + ([wl] if wants != "dx" else []), ct)
+    y_ref, dgu_ref, dw_ref = blocked_oracle(gu, w, counts, ct)
+    assert_close(y, y_ref, dtype=dtype, scale=float(F))
+    if wants != "dw":
+        assert_close(grads[0], dgu_ref, dtype=dtype, scale=2.0 * D)
+        assert (not M) or grads[0].data_ptr() == mine.data_ptr()  # written over gate_up
+    else:
+        assert torch.equal(mine, gu)  # no gate | up gradient asked for: gate_up left as it was
+    if wants != "dx":
+        assert_close(grads[-1], dw_ref, dtype=dtype, scale=2.0 * max(max(counts), 1))
+
+
+def test_the_blocked_swiglu_down_product_donates_nothing_to_a_retained_graph() -> None:
+    g = torch.Generator().manual_seed(5)
+    counts = [2, 0, 3]
+    gu, w = torch.randn(5, 8, generator=g), torch.randn(3, 4, 6, generator=g)
+    ct = torch.randn(5, 6, generator=g)
+    mine = gu.clone().requires_grad_() * 1
+    y = swiglu_packed_grouped_linear(mine, w, counts, donate=True)
+    (d1,) = torch.autograd.grad(y, mine, ct, retain_graph=True)
+    assert torch.equal(mine.detach(), gu) and d1.data_ptr() != mine.data_ptr()
+    (d2,) = torch.autograd.grad(y, mine, ct)
+    assert torch.equal(d1, d2) and d2.data_ptr() == mine.data_ptr()
+    assert_close(d1, blocked_oracle(gu, w, counts, ct)[1].float())
+
+
 def test_grouped_linear_donates_nothing_to_a_retained_graph_or_torch_func() -> None:
     g = torch.Generator().manual_seed(4)
     counts = [3, 0, 2]
@@ -215,8 +277,8 @@ def test_a_node_that_saved_the_donated_tensor_fails_loudly_if_it_runs_later() ->
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_the_moe_layer_donates_its_rows_and_the_experts_buffers_on_cpu(remat: bool) -> None:
-    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F], their h [M, F], the
-    rows the experts got [M, D] (not under remat, whose recompute reads them again) and the rows its
+    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F], the rows the experts
+    got [M, D] (not under remat, whose recompute reads them again) and the rows its
     combine got [R, D] (what the layer saved, checked against copies taken when saved); its gradients
     are unchanged (tests/test_moe_layer.py holds them to the loop oracle)."""
     cfg = MoEConfig(d_model=4, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0)  # M 12, 2F 16, F 8, D 4
@@ -234,8 +296,11 @@ def test_the_moe_layer_donates_its_rows_and_the_experts_buffers_on_cpu(remat: bo
     y_TD.sum().backward()
     changed = sorted(tuple(t.shape) for t, copy in saved if not torch.equal(t, copy))
     # under remat the experts' buffers are made again inside the backward (out of these hooks' sight) and
-    # their rows, which the recompute reads, are not donated: the combine's rows only
-    assert changed == ([(12, 4)] if remat else [(12, 4), (12, 4), (12, 8), (12, 16)]), changed
+    # their rows, which the recompute reads, are not donated: the combine's rows only. Otherwise the
+    # experts' rows, gate | up and the combine's rows; silu(gate) and h [M, F] live one expert's block at a
+    # time (the blocked SwiGLU + down product): nothing of that shape is saved
+    assert changed == ([(12, 4)] if remat else [(12, 4), (12, 4), (12, 16)]), changed
+    assert remat or all(tuple(t.shape) != (12, 8) for t, _ in saved)
 
 
 def test_the_donated_buffers_benchmark_runs_and_its_two_sides_agree(capsys) -> None:

@@ -33,10 +33,11 @@ from collections.abc import Sequence
 
 import torch
 
-from fmoe._compat import Function, needs_grad
-from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear
+from fmoe._compat import Function, functorch_active, needs_grad
+from fmoe.ops._donate import may_donate
+from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear, traced
 from fmoe.ops._linear import DENSE, Dense, linear
-from fmoe.ops._swiglu import halves, packed_swiglu_grad, swiglu, swiglu_packed
+from fmoe.ops._swiglu import halves, packed_swiglu_grad, packed_swiglu_grad_over, swiglu, swiglu_packed
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
 
@@ -105,6 +106,77 @@ class _SwiGLUDown(Function):
         return dgate, dup, dw, None
 
 
+def _expert_blocks(host: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows."""
+    out, start = [], 0
+    for e, c in enumerate(host):
+        if c:
+            out.append((e, start, start + c))
+        start += c
+    return out
+
+
+class _SwiGLUDownBlocked(Function):
+    """y = prod(swiglu_packed(gate_up_MZ), w_EFD) one expert's rows at a time (the CPU, host ints known,
+    plain tape autograd): a block's silu(gate) * up lives in a scratch buffer that the block's GEMM reads
+    at once, from cache, instead of two new [M, F] buffers (silu and h) that a page fault maps in and
+    the next products read back from memory. The forward saves gate_up only; the backward recomputes a
+    block's silu and h, makes its dw slice and dh, and writes the block's gate | up gradient over
+    gate_up's rows when `donate` (a new buffer otherwise). The same aten ops on the same values, per
+    block, as the composition."""
+
+    @staticmethod
+    def forward(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor, prod: Grouped, donate: bool) -> torch.Tensor:
+        y_MD = gate_up_MZ.new_empty(gate_up_MZ.shape[0], w_EFD.shape[-1])
+        h_scratch = gate_up_MZ.new_empty(max(prod.counts.host, default=0), w_EFD.shape[-2])
+        for e, a, b in _expert_blocks(prod.counts.host):
+            gate_XF, up_XF = halves(gate_up_MZ[a:b])
+            h_XF = torch.ops.aten.silu.out(gate_XF, out=h_scratch[:b - a]).mul_(up_XF)
+            torch.mm(h_XF, w_EFD[e], out=y_MD[a:b])
+        return y_MD
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gate_up_MZ, w_EFD, prod, donate = inputs
+        ctx.save_for_backward(gate_up_MZ, w_EFD)
+        ctx.prod = prod
+        ctx.donate = donate
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        gate_up_MZ, w_EFD = ctx.saved_tensors
+        g_MD = g_MD.contiguous()  # an expanded (stride-0) cotangent
+        need_x, need_w = needs_grad(ctx)[0], needs_grad(ctx)[1]
+        over = need_x and ctx.donate and may_donate()
+        d_MZ = gate_up_MZ if over else torch.empty_like(gate_up_MZ) if need_x else None
+        dw_EFD = torch.zeros_like(w_EFD) if need_w else None  # an expert with no rows: a zero slice
+        host = ctx.prod.counts.host
+        silu_scratch = gate_up_MZ.new_empty(max(host, default=0), w_EFD.shape[-2])
+        h_scratch = torch.empty_like(silu_scratch)  # h for the dw, then dh
+        for e, a, b in _expert_blocks(host):
+            rows_XZ = gate_up_MZ[a:b]
+            gate_XF, up_XF = halves(rows_XZ)
+            silu_XF = torch.ops.aten.silu.out(gate_XF, out=silu_scratch[:b - a])
+            if need_w:  # dw first: it reads the block's gate | up as the forward had them
+                torch.mm(torch.mul(silu_XF, up_XF, out=h_scratch[:b - a]).t(), g_MD[a:b], out=dw_EFD[e])
+            if need_x:
+                dh_XF = torch.mm(g_MD[a:b], w_EFD[e].t(), out=h_scratch[:b - a])
+                if over:
+                    packed_swiglu_grad_over(dh_XF, rows_XZ, silu_XF)
+                else:
+                    dgate_XF, dup_XF = halves(d_MZ[a:b])
+                    torch.mul(dh_XF, silu_XF, out=dup_XF)
+                    torch.mul(dh_XF, up_XF, out=dgate_XF)
+                    torch.ops.aten.silu_backward.grad_input(dgate_XF, gate_XF, grad_input=dgate_XF)
+        return d_MZ, dw_EFD, None, None
+
+
+def _blocks_pay(gate_up_MZ: torch.Tensor, prod: Grouped) -> bool:
+    """Whether the blocked SwiGLU + down product runs: plain tape autograd or no autograd (no tape, no
+    torch.func, no trace), where new buffers fault and the host ints are known (`Grouped.donates`)."""
+    return not (functorch_active() or traced()) and prod.donates(gate_up_MZ)
+
+
 def swiglu_grouped_linear(gate_MF: torch.Tensor, up_MF: torch.Tensor, w_EFD: torch.Tensor,
                           counts_E: torch.Tensor | Sequence[int] | Counts,
                           backend: str | None = None) -> torch.Tensor:
@@ -137,10 +209,13 @@ def swiglu_packed_grouped_linear(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor,
     if gate_up_MZ.shape[-1] != 2 * w_EFD.shape[-2]:
         raise ValueError(f"swiglu_packed_grouped_linear: gate_up has {gate_up_MZ.shape[-1]} columns, the "
                          f"down weight {tuple(w_EFD.shape)} wants 2 x {w_EFD.shape[-2]}")
-    if not may_defer():  # h is made here and read by nothing else: its memory takes its gradient
-        return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, counts_E, backend, donate=True)
     prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E, backend)
-    return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
+    if may_defer():
+        return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
+    if _blocks_pay(gate_up_MZ, prod):
+        return _SwiGLUDownBlocked.apply(gate_up_MZ, w_EFD, prod, donate)
+    # h is made here and read by nothing else: its memory takes its gradient
+    return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, prod.counts, backend, donate=True)
 
 
 class _Pair(Function):
