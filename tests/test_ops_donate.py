@@ -30,6 +30,13 @@ from fmoe.transforms.testing import assert_close
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float64])
 
 
+@pytest.fixture(autouse=True)
+def every_new_buffer_faults(monkeypatch):
+    """The ops that avoid new buffers do so only at sizes where one faults for sure (32 MiB on the CPU,
+    fmoe.ops._donate.ALWAYS_MAPPED_BYTES); these tests take that size down to their shapes."""
+    monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 0)
+
+
 def swiglu_oracle(gate_up_XZ: torch.Tensor, ct_XF: torch.Tensor) -> torch.Tensor:
     a = gate_up_XZ.double().requires_grad_()
     g, u = a[:, : a.shape[1] // 2], a[:, a.shape[1] // 2:]
@@ -215,6 +222,25 @@ def test_the_blocked_swiglu_down_product_donates_nothing_to_a_retained_graph() -
     (d2,) = torch.autograd.grad(y, mine, ct)
     assert torch.equal(d1, d2) and d2.data_ptr() == mine.data_ptr()
     assert_close(d1, blocked_oracle(gu, w, counts, ct)[1].float())
+
+
+def test_below_the_size_that_faults_nothing_is_donated_and_no_block_loop_runs(monkeypatch) -> None:
+    """At the CPU's own size rule a small buffer is paged in already: the products run as before (the
+    rows keep their values, the SwiGLU's h is saved)."""
+    monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 32 * 2**20)
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    ct = torch.randn(5, 4, generator=g)
+    mine = x.clone().requires_grad_() * 1
+    (dx,) = torch.autograd.grad(grouped_linear(mine, w, [2, 3], donate=True), mine, ct)
+    assert torch.equal(mine.detach(), x) and dx.data_ptr() != mine.data_ptr()
+    gu = torch.randn(5, 8, generator=g).requires_grad_() * 1
+    y = swiglu_packed_grouped_linear(gu, torch.randn(2, 4, 6, generator=g), [2, 3], donate=True)
+    assert "SwiGLUDownBlocked" not in type(y.grad_fn).__name__
+    monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 5 * 8 * 4)  # x's own size: donated
+    mine = x.clone().requires_grad_() * 1
+    (dx,) = torch.autograd.grad(grouped_linear(mine, w, [2, 3], donate=True), mine, ct)
+    assert dx.data_ptr() == mine.data_ptr()
 
 
 def test_grouped_linear_donates_nothing_to_a_retained_graph_or_torch_func() -> None:

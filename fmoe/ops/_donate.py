@@ -23,6 +23,19 @@ each 4 KiB page then faults and is zero-filled, several times the cost of one el
 takes one more pass; accelerators' caching allocators hand back mapped memory, so there it does not."""
 
 
+ALWAYS_MAPPED_BYTES = 32 * 2**20
+"""glibc's largest mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): a block at least this big is
+mapped afresh at every allocation, so each new buffer that size faults page by page. A smaller block may
+come back from the heap already paged in; there writing into a donated buffer saves nothing, and an op
+that works one expert's rows at a time to avoid new buffers only adds host work (BENCHMARKS.md)."""
+
+
+def new_buffer_faults(t: torch.Tensor) -> bool:
+    """Whether a new buffer the size of `t`, on its device, is paged in on first touch for sure
+    (FRESH_BUFFERS_FAULT, at least ALWAYS_MAPPED_BYTES)."""
+    return t.device.type in FRESH_BUFFERS_FAULT and t.numel() * t.element_size() >= ALWAYS_MAPPED_BYTES
+
+
 def may_donate() -> bool:
     """Whether a backward may write over a donated input now: eager tape autograd only (no torch.func
     transform, whose wrappers the writes would bypass; no trace, whose graph follows values; no

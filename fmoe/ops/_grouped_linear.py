@@ -52,7 +52,7 @@ from fmoe._compat import (
     under_vmap,
 )
 from fmoe.ops import _grouped_op
-from fmoe.ops._donate import FRESH_BUFFERS_FAULT, may_donate
+from fmoe.ops._donate import may_donate, new_buffer_faults
 from fmoe.transforms.pytree import pytree_dataclass
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
 
@@ -285,10 +285,11 @@ class Grouped:
         return _weight_grad_into(out_EDF, x_MD, g_MF, self.counts, self.backend)
 
     def donates(self, x_MD: torch.Tensor) -> bool:
-        """Whether dx can be written over a donated x_MD: where new buffers fault (FRESH_BUFFERS_FAULT),
-        with the host ints known and x's rows one contiguous block (a per-expert GEMM writes each block)."""
-        return (x_MD.device.type in FRESH_BUFFERS_FAULT and self.counts.host is not None
-                and x_MD.is_contiguous() and self.backend in ("grouped_mm", "loop"))
+        """Whether writing into x_MD's memory (or one expert's rows at a time) beats a new buffer of its
+        size: where that buffer would fault for sure (`new_buffer_faults`), with the host ints known and
+        x's rows one contiguous block (a per-expert GEMM writes each block)."""
+        return (new_buffer_faults(x_MD) and self.counts.host is not None and x_MD.is_contiguous()
+                and self.backend in ("grouped_mm", "loop"))
 
 
 class _GroupedLinear(Function):

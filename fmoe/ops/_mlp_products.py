@@ -149,8 +149,11 @@ class _SwiGLUDownBlocked(Function):
         need_x, need_w = needs_grad(ctx)[0], needs_grad(ctx)[1]
         over = need_x and ctx.donate and may_donate()
         d_MZ = gate_up_MZ if over else torch.empty_like(gate_up_MZ) if need_x else None
-        dw_EFD = torch.zeros_like(w_EFD) if need_w else None  # an expert with no rows: a zero slice
         host = ctx.prod.counts.host
+        dw_EFD = torch.empty_like(w_EFD) if need_w else None
+        for e in range(len(host) if need_w else 0):
+            if not host[e]:  # an expert with no rows: a zero slice (the others are written whole below)
+                dw_EFD[e].zero_()
         silu_scratch = gate_up_MZ.new_empty(max(host, default=0), w_EFD.shape[-2])
         h_scratch = torch.empty_like(silu_scratch)  # h for the dw, then dh
         for e, a, b in _expert_blocks(host):
