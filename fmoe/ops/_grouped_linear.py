@@ -252,14 +252,18 @@ def _weight_grad_into(out_EDF: torch.Tensor, x_MD: torch.Tensor, g_MF: torch.Ten
     return out_EDF
 
 
+def expert_blocks(host: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows, in expert order."""
+    b = _bounds(host)
+    return [(e, b[e], b[e + 1]) for e in range(len(host)) if host[e]]
+
+
 def _dx_over(x_MD: torch.Tensor, g_MF: torch.Tensor, w_EDF: torch.Tensor, counts: Counts) -> torch.Tensor:
     """The dx product written over x_MD's own memory (a donated buffer; host ints known): expert e's rows
     take g_MF[rows of e] @ w_EDF[e]^T, one GEMM per expert into its rows. Returns x_MD."""
-    b = _bounds(counts.host)
     w_EFD = w_EDF.transpose(-2, -1)
-    for e in range(len(counts.host)):
-        if counts.host[e]:
-            torch.mm(g_MF[b[e]:b[e + 1]], w_EFD[e], out=x_MD[b[e]:b[e + 1]])
+    for e, a, b in expert_blocks(counts.host):
+        torch.mm(g_MF[a:b], w_EFD[e], out=x_MD[a:b])
     return x_MD
 
 

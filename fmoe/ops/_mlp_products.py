@@ -35,7 +35,14 @@ import torch
 
 from fmoe._compat import Function, functorch_active, needs_grad
 from fmoe.ops._donate import may_donate
-from fmoe.ops._grouped_linear import Counts, Grouped, check_grouped_args, grouped_linear, traced
+from fmoe.ops._grouped_linear import (
+    Counts,
+    Grouped,
+    check_grouped_args,
+    expert_blocks,
+    grouped_linear,
+    traced,
+)
 from fmoe.ops._linear import DENSE, Dense, linear
 from fmoe.ops._swiglu import halves, packed_swiglu_grad, packed_swiglu_grad_over, swiglu, swiglu_packed
 from fmoe.transforms.tape import may_defer, weight_grad_or_defer
@@ -106,16 +113,6 @@ class _SwiGLUDown(Function):
         return dgate, dup, dw, None
 
 
-def _expert_blocks(host: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of every expert with rows."""
-    out, start = [], 0
-    for e, c in enumerate(host):
-        if c:
-            out.append((e, start, start + c))
-        start += c
-    return out
-
-
 class _SwiGLUDownBlocked(Function):
     """y = prod(swiglu_packed(gate_up_MZ), w_EFD) one expert's rows at a time (the CPU, host ints known,
     plain tape autograd): a block's silu(gate) * up lives in a scratch buffer that the block's GEMM reads
@@ -129,7 +126,7 @@ class _SwiGLUDownBlocked(Function):
     def forward(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor, prod: Grouped, donate: bool) -> torch.Tensor:
         y_MD = gate_up_MZ.new_empty(gate_up_MZ.shape[0], w_EFD.shape[-1])
         h_scratch = gate_up_MZ.new_empty(max(prod.counts.host, default=0), w_EFD.shape[-2])
-        for e, a, b in _expert_blocks(prod.counts.host):
+        for e, a, b in expert_blocks(prod.counts.host):
             gate_XF, up_XF = halves(gate_up_MZ[a:b])
             h_XF = torch.ops.aten.silu.out(gate_XF, out=h_scratch[:b - a]).mul_(up_XF)
             torch.mm(h_XF, w_EFD[e], out=y_MD[a:b])
@@ -156,7 +153,7 @@ class _SwiGLUDownBlocked(Function):
                 dw_EFD[e].zero_()
         silu_scratch = gate_up_MZ.new_empty(max(host, default=0), w_EFD.shape[-2])
         h_scratch = torch.empty_like(silu_scratch)  # h for the dw, then dh
-        for e, a, b in _expert_blocks(host):
+        for e, a, b in expert_blocks(host):
             rows_XZ = gate_up_MZ[a:b]
             gate_XF, up_XF = halves(rows_XZ)
             silu_XF = torch.ops.aten.silu.out(gate_XF, out=silu_scratch[:b - a])
