@@ -340,3 +340,32 @@ def test_the_donated_buffers_benchmark_runs_and_its_two_sides_agree(capsys) -> N
     assert donated.main(["--rows", "64", "--d", "8", "--f", "4", "--experts", "3", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert all(case in out for case in ("swiglu backward", "unpermute dy", "experts dx", "swiglu + down"))
+
+
+@pytest.mark.parametrize("probs_in_expert", [False, True])
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_layer_takes_the_same_gradients_with_and_without_the_cpu_buffer_paths(
+        monkeypatch, probs_in_expert, remat) -> None:
+    """fmoe.moe with every CPU-only path on (the donated rows and h, the blocked SwiGLU + down) against the
+    same layer with them off (the size rule at its real 32 MiB): the same output and gradients, with the
+    gate weights at the combine or inside the experts, with and without remat."""
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.01,
+                    probs_in_expert=probs_in_expert)
+    params = init_moe(cfg, torch.Generator().manual_seed(0))
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+    ct = torch.randn(10, 8, generator=torch.Generator().manual_seed(2))
+
+    def run(size: int) -> list[torch.Tensor]:
+        monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", size)
+        leaves = [p.detach().clone().requires_grad_() for p in (params["router"]["w"],
+                                                                 params["experts"]["w_gate_up"],
+                                                                 params["experts"]["w_down"])]
+        p = {"router": {"w": leaves[0]}, "experts": {"w_gate_up": leaves[1], "w_down": leaves[2]}}
+        x_TD = x.clone().requires_grad_()
+        y, aux = moe(p, x_TD, cfg, remat=remat)
+        grads = torch.autograd.grad((y * ct).sum() + aux.loss, [x_TD, *leaves])
+        return [y.detach(), *grads]
+
+    on, off = run(0), run(32 * 2**20)
+    for a, b in zip(on, off):
+        assert_close(a, b, dtype=torch.float32)
