@@ -369,3 +369,48 @@ def test_the_layer_takes_the_same_gradients_with_and_without_the_cpu_buffer_path
     on, off = run(0), run(32 * 2**20)
     for a, b in zip(on, off):
         assert_close(a, b, dtype=torch.float32)
+
+
+def test_a_pipeline_stage_run_whole_takes_the_cpu_buffer_paths_and_the_oracle_gradients(
+        monkeypatch) -> None:
+    """The executor runs a 1F1B stage with nothing to overlap whole, under split_vjp(defer=False): plain
+    autograd, so at sizes that fault the CPU paths run inside it (rows and gate | up taking their
+    gradients, the blocked SwiGLU + down). One rank's step, every path on, against gpt_loss differentiated
+    by torch.func.vjp (where nothing is donated), in float64."""
+    import fmoe.ops._grouped_linear as grouped
+    import fmoe.ops._mlp_products as products
+    from fmoe import GPTConfig, gpt_loss, init_gpt, init_gpt_state
+    from fmoe import schedule as S
+    from fmoe.pipeline import gpt_pipeline_step, gpt_program
+
+    ran = {"rows": 0, "blocks": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            ran[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(grouped, "_dx_over", counted("rows", grouped._dx_over))
+    monkeypatch.setattr(products, "packed_swiglu_grad_over",
+                        counted("blocks", products.packed_swiglu_grad_over))
+    moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=1e-2)
+    cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, moe=moe_cfg)
+    params = init_gpt(cfg, torch.Generator().manual_seed(0), torch.float64)
+    state = init_gpt_state(cfg)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 16, (2, 6), generator=g) for _ in range(3)]
+    batches = [(s[:, :-1], s[:, 1:]) for s in seqs]
+    step = gpt_pipeline_step(gpt_program(cfg, S.build("1f1b", 1, 3), 0), params, state, batches)
+    assert ran["rows"] > 0 and ran["blocks"] > 0  # the paths ran inside the executor
+
+    def mean_loss(p):
+        return sum(gpt_loss(p, ids, t, cfg, state)[0] for ids, t in batches) / 3
+
+    loss, vjp = torch.func.vjp(mean_loss, params)
+    (want,) = vjp(torch.ones((), dtype=torch.float64))
+    assert float(step.loss) == pytest.approx(float(loss), rel=1e-12)
+    got, expect = (dict(torch.utils._pytree.tree_flatten_with_path(t)[0]) for t in (step.grads, want))
+    assert got.keys() == expect.keys()
+    for path, g in expect.items():
+        torch.testing.assert_close(got[path], g, rtol=1e-9, atol=1e-12, msg=str(path))
