@@ -210,10 +210,48 @@ PP1_OVERLAP_CASES = [("alltoall", 2, "combined_1f1b", True), ("allgather", 2, "c
 
 
 def _pp1_ranks(rank: int, world: int) -> dict:
-    """One pp 1 x EP rank's answers for both tests below that run on 2 ranks (`_overlap_rank`'s at pp 1 and
-    `_chain_completion`'s): one start of the 2 ranks rather than one per test."""
+    """One pp 1 x EP rank's answers for the tests below that run on 2 ranks (`_overlap_rank`'s at pp 1,
+    `_chain_completion`'s and `_donated_rank`'s): one start of the 2 ranks rather than one per test."""
     return {"overlap": _overlap_rank(rank, world, PP1_OVERLAP_CASES, 1),
-            "chain": _chain_completion(rank, world)}
+            "chain": _chain_completion(rank, world), "donated": _donated_rank(rank, world)}
+
+
+def _donated_rank(rank: int, world: int) -> dict:
+    """`_overlap_rank`'s first pp 1 case with the CPU's buffer paths at every size (fmoe/ops/_donate.py's
+    rule taken down to these shapes): without fb overlap each phase's backward is plain autograd, so the
+    experts write dx over the rows the all-to-all delivered and run SwiGLU + down by expert block; with it
+    the weight gradients wait for the dw pass and nothing is donated. Returns {overlap: (ep_rank, loss,
+    grads, times the rows took their gradient)}."""
+    import fmoe.ops._donate as donate
+    import fmoe.ops._grouped_linear as grouped
+
+    calls = [0]
+    over = grouped._dx_over
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return over(*a, **k)
+
+    size, donate.ALWAYS_MAPPED_BYTES, grouped._dx_over = donate.ALWAYS_MAPPED_BYTES, 0, counted
+    try:
+        kind, rpn, name, imbalanced = PP1_OVERLAP_CASES[0]
+        layout = ParallelLayout(pp=1, ep=EP, topology=Topology(world, rpn))
+        d = _dispatcher(kind, layout)
+        cfg = _cfg(True, imbalanced)
+        ep_rank = torch.distributed.get_rank(layout.group("expert"))
+        out = {}
+        for overlap in (True, False):
+            calls[0] = 0
+            params = _local(init_gpt(cfg, torch.Generator().manual_seed(0), DT), cfg, ep_rank)
+            step = gpt_pipeline_step(gpt_program(cfg, S.build(name, 1, M), 0,
+                                                 parallel=ParallelContext(dispatcher=d)),
+                                     params, _state(cfg, imbalanced), _batches(cfg, ep_rank, M),
+                                     group=layout.group("pp"), options=ExecOptions(overlap=overlap))
+            grads = {k: v.tolist() for k, v in _flat(step.grads).items()}
+            out[overlap] = (ep_rank, float(step.loss), grads, calls[0])
+        return out
+    finally:
+        donate.ALWAYS_MAPPED_BYTES, grouped._dx_over = size, over
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +290,15 @@ def _chain_completion(rank: int, world: int) -> tuple[float, float]:
     time.sleep(0.2)
     chain.wait()
     return h.not_before - t0, chain.completed_at - t0
+
+
+def test_the_cpu_buffer_paths_inside_an_ep_step_give_the_oracle_gradients(pp1_runs: list[dict]) -> None:
+    kind, rpn, name, imbalanced = PP1_OVERLAP_CASES[0]
+    for overlap in (True, False):
+        got = [r["donated"][overlap] for r in pp1_runs]
+        assert_equal_to_oracles(_cfg(True, imbalanced), imbalanced, got, (kind, name, overlap))
+        donated = [n for *_, n in got]
+        assert all(n > 0 for n in donated) if not overlap else donated == [0] * EP, (overlap, donated)
 
 
 def test_an_exchange_completes_when_the_link_model_says_not_when_waited(pp1_runs: list[dict]) -> None:
