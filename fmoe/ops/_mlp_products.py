@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from fmoe._compat import Function, functorch_active, needs_grad
-from fmoe.ops._donate import may_donate
+from fmoe.ops._donate import may_donate, new_buffer_faults
 from fmoe.ops._grouped_linear import (
     Counts,
     Grouped,
@@ -209,13 +209,15 @@ def swiglu_packed_grouped_linear(gate_up_MZ: torch.Tensor, w_EFD: torch.Tensor,
     if gate_up_MZ.shape[-1] != 2 * w_EFD.shape[-2]:
         raise ValueError(f"swiglu_packed_grouped_linear: gate_up has {gate_up_MZ.shape[-1]} columns, the "
                          f"down weight {tuple(w_EFD.shape)} wants 2 x {w_EFD.shape[-2]}")
-    prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E, backend)
-    if may_defer():
-        return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
-    if _blocks_pay(gate_up_MZ, prod):
-        return _SwiGLUDownBlocked.apply(gate_up_MZ, w_EFD, prod, donate)
+    if may_defer() or new_buffer_faults(gate_up_MZ):  # else the composition, whose grouped_linear checks
+        prod = check_grouped_args("swiglu_packed_grouped_linear", halves(gate_up_MZ)[0], w_EFD, counts_E,
+                                  backend)
+        if may_defer():
+            return _SwiGLUDown.apply(gate_up_MZ, None, w_EFD, prod)
+        if _blocks_pay(gate_up_MZ, prod):
+            return _SwiGLUDownBlocked.apply(gate_up_MZ, w_EFD, prod, donate)
     # h is made here and read by nothing else: its memory takes its gradient
-    return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, prod.counts, backend, donate=True)
+    return grouped_linear(swiglu_packed(gate_up_MZ, donate=donate), w_EFD, counts_E, backend, donate=True)
 
 
 class _Pair(Function):
