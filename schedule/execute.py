@@ -25,11 +25,13 @@ Contract:
   it on the wire cannot go yet, then at the latest at its Send action; receives up to `recv_ahead`
   compute actions before their consumer (a gradient's once its own forward gave the shapes, and any
   that stand before a ready send) but never past an op before them on the wire, and waited just before
-  use. A send is waited, and its buffer dropped, as soon as it completed: when its work says so (NCCL,
-  HCCL), at the latest when a later message on the wire arrives from its peer (which posted its receive
-  before sending that one); what is left at the end of the step is waited there. Adjacent stages on one
-  rank (the turn of a V) hand over in memory. Every message has its own buffer, on the stage's device:
-  nothing is reused while a deferred dw could still read it.
+  use. On gloo, which matches by tag (wire.tag_matched), a receive asked for goes out at once, past the
+  wire order: a receive posted right behind a send to the same peer would wait for gloo to push that
+  send (the pair's lock). A send is waited, and its buffer dropped, as soon as it completed: when its
+  work says so (NCCL, HCCL), at the latest when a later message on the wire arrives from its peer
+  (which posted its receive before sending that one); what is left at the end of the step is waited
+  there. Adjacent stages on one rank (the turn of a V) hand over in memory. Every message has its own
+  buffer, on the stage's device: nothing is reused while a deferred dw could still read it.
 - Loss: the mean over microbatches of the sum of every phase's losses; gradients are those of that mean.
 - A measured timeline: compute phases on the compute lane, exchanges (issue to completion) on the comm
   lane, and every wait as its own compute-lane event.
@@ -58,7 +60,7 @@ from fmoe.schedule.options import DEFAULTS, ExecOptions
 from fmoe.schedule.rank_plan import RankPlan, rank_plan
 from fmoe.schedule.timeline import COMPUTE, TraceEvent
 from fmoe.schedule.verify import verify
-from fmoe.schedule.wire import wire_order
+from fmoe.schedule.wire import tag_matched, wire_order
 from fmoe.transforms import split_vjp
 from fmoe.transforms.program import Acts, Layer, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
 from fmoe.transforms.split_vjp import DxFn
@@ -362,6 +364,7 @@ class _Executor:
         # completed, at the latest when a later message from its peer arrived (`_release_sends`)
         self.sends: dict[int, list[_Sent]] = {}
         self.trace = options.trace
+        self.early_recv = tag_matched(group) if options.early_recv is None else options.early_recv
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated
@@ -872,6 +875,8 @@ class _Executor:
         """Issues what can go out at the head of the wire: a send whose data exists (the moment its op made
         it, not at its Send action), a receive asked for early whose shapes are known; stops at the first
         op that cannot."""
+        if self.early_recv:
+            self._post_early()
         while self.wire:
             op, dep = self.wire[-1], carried(self.wire[-1])
             if isinstance(op, Send) and dep in self.local:
@@ -881,6 +886,17 @@ class _Executor:
                 self._irecv(carried(self.wire.pop()), self._recv_spec(dep))
             else:
                 return
+
+    def _post_early(self) -> None:
+        """Posts every receive asked for early whose shapes are known, wherever it stands on the wire (a
+        transport that matches messages by tag: `early_recv`), in wire order among themselves."""
+        ready = [dep for dep in self.wanted if self._recv_spec(dep) is not None]
+        for dep in sorted(ready, key=self.plan.wire_at.__getitem__):
+            recv = Recv(dep.kind.value, dep.stage, dep.mb, self.s.placement.stage_rank[dep.stage])
+            if recv in self.wire:  # not issued yet (a receive may be asked for after it went out)
+                self.wire.remove(recv)
+                self._irecv(dep, self._recv_spec(dep))
+            self.wanted.discard(dep)
 
     def _send_ready_behind(self) -> bool:
         """True when, past receives that could be posted now, the wire holds a send whose data exists: the
@@ -927,6 +943,7 @@ class _Executor:
         if spec is None:
             raise ScheduleError(f"rank {self.rank}: the receive of {dep.kind.value} s{dep.stage} mb{dep.mb} "
                                 "has no shapes to allocate (its forward has not run on this rank)")
+        self.wanted.discard(dep)
         pp_peer = self.s.placement.stage_rank[dep.stage]
         peer = self._global(pp_peer)
         bufs: Acts = {}

@@ -29,7 +29,9 @@ class ExecOptions:
     off); `device` where receive buffers and loss sums live (None: the stages' parameters'); `trace` record
     the step's timeline (StepResult.events; False: none, and none of its cost); `compiled` run every compute
     phase as three compiled graphs, forward, dx and dw (fmoe.transforms.compiled.CompiledPhases, made once
-    per run so that each phase is traced once; None: split_vjp, eagerly)."""
+    per run so that each phase is traced once; None: split_vjp, eagerly); `early_recv` post a receive as
+    soon as it is asked for, past the wire order (None: where the transport matches by tag, gloo:
+    fmoe.schedule.wire.tag_matched; True on NCCL or HCCL would hang)."""
 
     overlap: bool = True
     engine: str = "autograd"
@@ -42,6 +44,7 @@ class ExecOptions:
     device: torch.device | None = None
     trace: bool = True
     compiled: Any = None
+    early_recv: bool | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):

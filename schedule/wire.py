@@ -17,13 +17,23 @@ orders each rank's sends as its own list does and puts every message after every
 - a rank can always issue its next op when it gets there: a send when its Send action runs; a receive no
   later than its consumer, and before any later send, with its buffer's shapes known (an ACT's from the
   stage's input spec; a GRAD's from this rank's own forward, which ran before the message it answers).
-Receives may go out early, but never past an op that comes before them in the wire order.
+Receives may go out early, but never past an op that comes before them in the wire order, except on a
+transport that matches by tag (`tag_matched`: gloo), where a posted receive holds nothing up and meets its
+own message whatever came before it: there a receive goes out as soon as it is asked for (sends and the
+receives not asked for early keep the wire order).
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from fmoe.schedule.ir import Recv, Schedule, Send
 from fmoe.schedule.verify import replay
+
+TAG_MATCHED_BACKENDS = ("gloo",)
+"""torch.distributed backends that match a point-to-point message by (peer, tag) and post a receive
+without holding up the sender's next op: gloo (its pairs keep a buffer slot per tag). NCCL and HCCL match
+by issue order on one stream."""
 
 
 def wire_order(full: Schedule) -> tuple[tuple[Send | Recv, ...], ...]:
@@ -35,3 +45,12 @@ def wire_order(full: Schedule) -> tuple[tuple[Send | Recv, ...], ...]:
         per_rank[dst].append(Recv(dep.kind.value, dep.stage, dep.mb, src))
     return tuple(tuple(ops) for ops in per_rank)
 
+
+
+def tag_matched(group: dist.ProcessGroup | None) -> bool:
+    """True when the P2P messages of `group` (None: the default group) are matched by tag
+    (`TAG_MATCHED_BACKENDS`), so receives may leave the wire order (module docstring); False without a
+    process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    return dist.get_backend(group) in TAG_MATCHED_BACKENDS

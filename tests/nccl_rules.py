@@ -98,9 +98,14 @@ class _Work:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, CommOp]]]:
+def recording(order_matched: bool = True) -> Iterator[list[tuple[str, CommOp]]]:
     """Patches torch.distributed's P2P and collective calls in this process while the block runs; yields
-    the log: ("issue", op) and ("wait", op) in the order they happened (a blocking call logs both)."""
+    the log: ("issue", op) and ("wait", op) in the order they happened (a blocking call logs both).
+    `order_matched`: fmoe is told that its transport matches messages by issue order, as NCCL's and HCCL's
+    do (fmoe.schedule.wire.TAG_MATCHED_BACKENDS emptied): what it issues on a device; False leaves gloo's
+    own rule (receives leave the wire order)."""
+    from fmoe.schedule import wire
+
     log: list[tuple[str, CommOp]] = []
     rank = dist.get_rank()
     saved = {name: getattr(dist, name) for name in (*_P2P, *_COLLECTIVES) if hasattr(dist, name)}
@@ -135,11 +140,15 @@ def recording() -> Iterator[list[tuple[str, CommOp]]]:
 
     for name, real in saved.items():
         setattr(dist, name, wrap(name, real))
+    matched = wire.TAG_MATCHED_BACKENDS
+    if order_matched:
+        wire.TAG_MATCHED_BACKENDS = ()
     try:
         yield log
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)
+        wire.TAG_MATCHED_BACKENDS = matched
 
 
 def _match_key(op: CommOp, seq: dict) -> tuple:

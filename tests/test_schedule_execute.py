@@ -171,13 +171,17 @@ def test_every_schedule_is_right_when_messages_match_by_order_alone(pp: int, nam
 def _untagged_rank(rank: int, world: int, names: tuple[str, ...], m: int) -> dict:
     import torch.distributed as dist
 
+    from fmoe.schedule import wire
+
     isend, irecv = dist.isend, dist.irecv
     dist.isend = lambda *a, **k: isend(*a, **{**k, "tag": 0})
     dist.irecv = lambda *a, **k: irecv(*a, **{**k, "tag": 0})
+    matched, wire.TAG_MATCHED_BACKENDS = wire.TAG_MATCHED_BACKENDS, ()  # the executor is told: by order
     try:
         return _rank(rank, world, names, m)
     finally:
         dist.isend, dist.irecv = isend, irecv
+        wire.TAG_MATCHED_BACKENDS = matched
 
 
 def _check_against_oracle(results: list, names: tuple[str, ...], pp: int, m: int) -> None:
@@ -311,12 +315,14 @@ def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
     assert S.write_png(res.events, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def _grad_posts(rank: int, world: int) -> list:
+def _grad_posts(rank: int, world: int) -> dict[str, list]:
+    """1F1B's timeline on this rank with every receive asked for at the start of the step, the receives
+    kept in the wire order ("wire", what NCCL needs) and as gloo runs it by default ("early")."""
     s = S.one_f_one_b(2, 4)
     params = _params(2)
-    res = execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
-                  options=ExecOptions(recv_ahead=100))
-    return res.events
+    return {mode: execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
+                          options=ExecOptions(recv_ahead=100, early_recv=mode == "early")).events
+            for mode in ("wire", "early")}
 
 
 def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Callable) -> None:
@@ -325,7 +331,7 @@ def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Ca
     no compute runs in between (its gradient's shapes came from a forward that ran earlier)."""
     from fmoe.schedule.wire import wire_order
 
-    events = next(r.value for r in ranks_at(2, "grad_posts") if r.rank == 0)
+    events = next(r.value for r in ranks_at(2, "grad_posts") if r.rank == 0)["wire"]
     p2p = sorted((e for e in events if e.kind in ("p2p send", "p2p recv")), key=lambda e: e.start)
     assert all(e.lane == "comm" and e.peer == 1 for e in p2p)
     for e in events:  # the typed fields say what the name shows
@@ -343,6 +349,29 @@ def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Ca
         if post.kind == "p2p recv":
             ran = [e.name for e in events if e.lane == "compute" and before.start < e.start < post.start]
             assert not ran, (post.name, ran)
+
+
+def test_on_gloo_receives_go_out_when_asked_for_and_sends_keep_the_wire_order(ranks_at: Callable) -> None:
+    """Gloo matches messages by tag (fmoe.schedule.wire.tag_matched), so there a receive asked for leaves
+    the wire order and goes out at once: with every receive asked for at the start of the step, each rank
+    posts every receive whose shapes it knows before its first send (the last stage all of its activation
+    receives; the first stage each gradient receive once its forward ran, before that forward's send), so
+    no receive queues behind a send on the pair. The sends go out in the wire order all the same."""
+    from fmoe.schedule.wire import wire_order
+
+    wire = wire_order(S.verify(S.one_f_one_b(2, 4)))
+    for r in ranks_at(2, "grad_posts"):
+        events = r.value["early"]
+        p2p = sorted((e for e in events if e.kind in ("p2p send", "p2p recv")), key=lambda e: e.start)
+        got = [f"{e.kind[4]}{e.what[0]}{e.stage}.{e.microbatch}" for e in p2p]
+        want = [str(a).split(">")[0].split("<")[0] for a in wire[r.rank]]
+        assert sorted(got) == sorted(want) and got != want, (r.rank, got)
+        assert [g for g in got if g[0] == "s"] == [w for w in want if w[0] == "s"], (r.rank, got)
+        if r.rank == 1:  # activations: shapes known from the stage's input spec
+            assert all(g[0] == "r" for g in got[:4]), got
+        else:  # a gradient's receive goes out when its forward gave the shapes, before the forward's send
+            for mb in range(4):
+                assert got.index(f"rg1.{mb}") < got.index(f"sa0.{mb}"), got
 
 
 def _dies(rank: int, world: int) -> None:
