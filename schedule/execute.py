@@ -364,7 +364,12 @@ class _Executor:
         # completed, at the latest when a later message from its peer arrived (`_release_sends`)
         self.sends: dict[int, list[_Sent]] = {}
         self.trace = options.trace
-        self.early_recv = tag_matched(group) if options.early_recv is None else options.early_recv
+        matched = tag_matched(group)
+        if options.early_recv and dist.is_initialized() and not matched:
+            raise ValueError(f"execute: early_recv=True on {dist.get_backend(group)}, which matches messages "
+                             "by issue order: receives out of the wire order would hang or swap messages "
+                             "(leave early_recv None: gloo's receives go early by themselves)")
+        self.early_recv = matched if options.early_recv is None else options.early_recv
         self.losses: dict[str, torch.Tensor] = {}
         self.grads: dict[str, Any] = {}
         self.owned: set[tuple[str, ...]] = set()  # paths in grads whose tensor the executor allocated

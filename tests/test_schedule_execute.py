@@ -318,11 +318,22 @@ def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
 def _grad_posts(rank: int, world: int) -> dict[str, list]:
     """1F1B's timeline on this rank with every receive asked for at the start of the step, the receives
     kept in the wire order ("wire", what NCCL needs) and as gloo runs it by default ("early")."""
+    from fmoe.schedule import wire
+
     s = S.one_f_one_b(2, 4)
     params = _params(2)
-    return {mode: execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
-                          options=ExecOptions(recv_ahead=100, early_recv=mode == "early")).events
-            for mode in ("wire", "early")}
+    out = {mode: execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
+                         options=ExecOptions(recv_ahead=100, early_recv=mode == "early")).events
+           for mode in ("wire", "early")}
+    matched, wire.TAG_MATCHED_BACKENDS = wire.TAG_MATCHED_BACKENDS, ()  # a transport that matches by order
+    try:
+        execute(s, rank, {rank: _program(s, rank, params)}, lambda mb: _data(4)[mb],
+                options=ExecOptions(early_recv=True))
+    except ValueError as err:
+        out["refused"] = str(err)
+    finally:
+        wire.TAG_MATCHED_BACKENDS = matched
+    return out
 
 
 def test_receives_go_out_in_the_wire_order_as_early_as_it_lets_them(ranks_at: Callable) -> None:
@@ -372,6 +383,13 @@ def test_on_gloo_receives_go_out_when_asked_for_and_sends_keep_the_wire_order(ra
         else:  # a gradient's receive goes out when its forward gave the shapes, before the forward's send
             for mb in range(4):
                 assert got.index(f"rg1.{mb}") < got.index(f"sa0.{mb}"), got
+
+
+def test_early_receives_are_refused_where_messages_match_by_order(ranks_at: Callable) -> None:
+    """Asked for explicitly on a transport that matches by issue order (NCCL, HCCL; here gloo declared
+    so), early receives are refused before anything is issued: there they would hang or swap messages."""
+    for r in ranks_at(2, "grad_posts"):
+        assert "early_recv=True on gloo, which matches messages by issue order" in r.value["refused"]
 
 
 def _dies(rank: int, world: int) -> None:
