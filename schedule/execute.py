@@ -900,8 +900,9 @@ class _Executor:
             recv = Recv(dep.kind.value, dep.stage, dep.mb, self.s.placement.stage_rank[dep.stage])
             if recv in self.wire:  # not issued yet (a receive may be asked for after it went out)
                 self.wire.remove(recv)
-                self._irecv(dep, self._recv_spec(dep))
-            self.wanted.discard(dep)
+                self._irecv(dep, self._recv_spec(dep))  # drops it from `wanted`
+            else:
+                self.wanted.discard(dep)
 
     def _send_ready_behind(self) -> bool:
         """True when, past receives that could be posted now, the wire holds a send whose data exists: the
