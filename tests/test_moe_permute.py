@@ -116,10 +116,11 @@ def test_permute_is_a_stable_sort() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("full", [True, False])
-def test_every_pass_is_one_gather_or_one_bag_sum_and_no_scatter(dtype, full) -> None:
-    """Each forward and backward of permute / unpermute runs one row gather or one bag sum (no
-    scatter, index_add or index_put: atomics on a device, nondeterministic), and no [T, K, D] product
-    or fp32 copy of the rows; the values match the loop."""
+def test_every_pass_is_one_gather_or_one_bag_sum_and_no_scatter(dtype, full, monkeypatch) -> None:
+    """On a device (the CPU standing in: no aten glue there), each forward and backward of permute /
+    unpermute runs one row gather or one bag sum (no scatter, index_add or index_put: atomics on a device,
+    nondeterministic), and no [T, K, D] product or fp32 copy of the rows; the values match the loop."""
+    monkeypatch.setattr("fmoe.ops._host_bound.ATEN_GLUE_DEVICES", ())
     ids_TK = torch.tensor([[1, 0], [0, 1], [1, 0]])
     probs_TK = torch.tensor([[0.75, 0.25], [0.5, 0.5], [1.0, 0.0]], dtype=dtype)
     layout = sort_layout(ids_TK, 2) if full else drop_layout(ids_TK, probs_TK.float(), 2, 2, "position",
@@ -149,9 +150,10 @@ def test_every_pass_is_one_gather_or_one_bag_sum_and_no_scatter(dtype, full) -> 
 def test_a_device_without_a_kernel_takes_the_gather_form_with_the_same_values(kernels, monkeypatch) -> None:
     """The rule of BAG_KERNELS / BAG_WEIGHT_GRAD_KERNELS (CUDA's per-sample-weight backward takes no bf16):
     where a table leaves a (device, dtype) out, its op never runs and the gather form gives the same
-    values. Checked on CPU by taking CPU fp64 out of the tables."""
+    values. Checked on CPU by taking CPU fp64 out of the tables (and the CPU out of the aten glue's)."""
     from fmoe.ops import _permute
 
+    monkeypatch.setattr("fmoe.ops._host_bound.ATEN_GLUE_DEVICES", ())
     if kernels != "bags and their weight gradient":
         monkeypatch.setitem(_permute.BAG_WEIGHT_GRAD_KERNELS, "cpu", ())
     if kernels == "neither":

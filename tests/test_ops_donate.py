@@ -33,8 +33,11 @@ dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float64])
 @pytest.fixture(autouse=True)
 def every_new_buffer_faults(monkeypatch):
     """The ops that avoid new buffers do so only at sizes where one faults for sure (32 MiB on the CPU,
-    fmoe.ops._donate.ALWAYS_MAPPED_BYTES); these tests take that size down to their shapes."""
+    fmoe.ops._donate.ALWAYS_MAPPED_BYTES), and the glue runs as its Functions only from a size where their
+    host cost pays (fmoe.ops._host_bound.HOST_BOUND_BYTES); these tests take both sizes down to their
+    shapes."""
     monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 0)
+    monkeypatch.setattr("fmoe.ops._host_bound.HOST_BOUND_BYTES", 0)
 
 
 def swiglu_oracle(gate_up_XZ: torch.Tensor, ct_XF: torch.Tensor) -> torch.Tensor:

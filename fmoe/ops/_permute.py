@@ -34,6 +34,7 @@ import torch
 from fmoe._compat import Function, needs_grad, under_vmap
 from fmoe.ops._donate import FRESH_BUFFERS_FAULT, may_donate
 from fmoe.ops._dtypes import cast, compute_dtype
+from fmoe.ops._host_bound import host_bound
 from fmoe.transforms.pytree import pytree_dataclass
 
 
@@ -280,12 +281,16 @@ def permute(x_TD: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return x_RD: row r is x_TD[layout.tok_R[r]] (zeros for padding rows). Differentiable in x."""
     if x_TD.shape[0] != layout.num_tokens:
         raise ValueError(f"permute: x has {x_TD.shape[0]} rows, layout is for {layout.num_tokens} tokens")
+    if host_bound(x_TD, layout.num_rows * math.prod(x_TD.shape[1:])):  # aten's gather, its backward index_add
+        return _rows(x_TD, layout.tok_R, layout.full)
     return _Permute.apply(x_TD, layout.tok_R, layout.row_dst_N, layout.top_k, layout.full)
 
 
 def permute_probs(probs_TK: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Return probs_R: the gate weight of each layout row (0 for padding rows). Differentiable."""
     p_N1 = probs_TK.reshape(-1, 1)  # pair n = t * K + k
+    if host_bound(p_N1, layout.num_rows):
+        return _rows(p_N1, layout.row_src_R, layout.full).reshape(-1)
     return _Permute.apply(p_N1, layout.row_src_R, layout.row_dst_N, 1, layout.full).reshape(-1)
 
 
@@ -303,5 +308,8 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout,
     if probs_TK is not None and probs_TK.shape != (layout.num_tokens, layout.top_k):
         raise ValueError(f"unpermute: probs must be [{layout.num_tokens}, {layout.top_k}], got "
                          f"{tuple(probs_TK.shape)}")
+    if host_bound(y_RD, y_RD.numel()):  # aten's gather, product and sum over the K slots
+        rows_TK = layout.row_dst_N.view(layout.num_tokens, layout.top_k)
+        return _gathered_sum(_source(y_RD, layout.full), rows_TK, probs_TK)
     return _Unpermute.apply(y_RD, probs_TK, layout.row_src_R, layout.row_dst_N, layout.tok_R,
                             layout.num_tokens, layout.top_k, layout.full, donate)

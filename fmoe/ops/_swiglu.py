@@ -18,6 +18,7 @@ import torch
 
 from fmoe._compat import Function, functorch_active, is_tracing, needs_grad
 from fmoe.ops._donate import may_donate
+from fmoe.ops._host_bound import host_bound
 
 
 class _SwiGLU(Function):
@@ -139,6 +140,9 @@ def swiglu_packed(gate_up_XZ: torch.Tensor, *, donate: bool = False) -> torch.Te
     if gate_up_XZ.shape[-1] % 2 or not gate_up_XZ.is_floating_point():
         raise ValueError(f"swiglu_packed: gate_up must be floating with an even last dim (gate | up), got "
                          f"{tuple(gate_up_XZ.shape)} {gate_up_XZ.dtype}")
+    if host_bound(gate_up_XZ, gate_up_XZ.numel()):  # aten's ops: one split node makes the [X, 2F] gradient
+        gate_XF, up_XF = gate_up_XZ.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate_XF) * up_XF
     return _SwiGLUPacked.apply(gate_up_XZ, donate)[0]
 
 
