@@ -8,12 +8,13 @@ fmoe's glue Functions (permute, unpermute, the packed SwiGLU) exist for bytes: e
 gather or one bag sum, and a donated buffer takes a gradient where a new one would fault. Their price is
 host time: a Python forward and a Python backward per call, run between the layer's GEMMs, which have
 evicted the caches the interpreter's objects live in. At the pipeline benchmark's shapes (rows of 512 KiB)
-that costs more than the passes save: the layer with aten's gather-multiply-sum in their place took 1.5%
-less CPU per training step, and from rows of 2 MiB the two forms were even (BENCHMARKS.md, "Small glue
-as aten ops"). Below HOST_BOUND_BYTES of rows the public ops run the aten composition, under plain tape
-autograd only (torch.func and traced graphs keep the Functions, whose rules they read), on devices whose
-aten gather backward (index_add) is deterministic and for dtypes the composition computes exactly as the
-op states (fp32 and fp64: half precision keeps the bag sums' fp32 accumulation).
+that costs more than the passes save: its model with aten's gather, product and sum in their place took
+1-2% less CPU per training step, with rows of 2 MiB 1% less, with rows of 8 MiB 0.7% more
+(benchmarks/host_bound_glue.py; BENCHMARKS.md, "Small glue as aten ops"). Below HOST_BOUND_BYTES of rows
+the public ops run the aten composition, under plain tape autograd only (torch.func and traced graphs keep
+the Functions, whose rules they read), on devices whose aten gather backward (index_add) is deterministic
+and for dtypes the composition computes as the op states (fp32 and fp64: half precision keeps the bag
+sums' fp32 accumulation). The values are the Functions' to rounding (the K slots summed in another order).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ ATEN_GLUE_DEVICES: tuple[str, ...] = ("cpu",)
 index order on the CPU; on CUDA it adds with atomics, in no fixed order (fmoe's glue stays deterministic
 there). Tests empty it to check the device path on CPU."""
 
-HOST_BOUND_BYTES = 2 << 20
-"""Rows smaller than this (bytes) are moved by aten ops under tape autograd (module docstring): the size
-from which the two forms measured even (aten ahead at 512 KiB of permuted rows and 1 MiB of gate | up)."""
+HOST_BOUND_BYTES = 8 << 20
+"""Rows smaller than this (bytes) are moved by aten ops under tape autograd (module docstring): aten was
+ahead with permuted rows of 2 MiB and gate | up of 4 MiB, the Functions with 8 MiB and 16 MiB."""
 
 
 def host_bound(x: torch.Tensor, rows_numel: int) -> bool:
