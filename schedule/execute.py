@@ -77,8 +77,10 @@ class StepResult:
     loss: mean over microbatches of the losses computed on this rank (0-dim tensor; 0 when none);
     losses: the same per loss name; grads: nested dicts with the global keys of this rank's stage params,
     summed over its stages; stats: (stage, mb, layer, phase, value) for every phase that reported
-    meta["stats"]; events: the measured timeline; peak_activations: most (stage, microbatch) forwards alive
-    at once; peak_deferred: most (stage, microbatch) dw passes queued at once."""
+    meta["stats"]; events: the measured timeline (empty when not traced: ExecOptions.trace); peak_activations:
+    most (stage, microbatch) forwards alive at once; peak_deferred: most (stage, microbatch) dw passes queued
+    at once; waited: seconds this rank spent waiting for exchanges and receives (the timeline's "wait"
+    events' total, kept when it is not traced)."""
 
     loss: torch.Tensor
     losses: dict[str, torch.Tensor]
@@ -87,6 +89,7 @@ class StepResult:
     events: list[TraceEvent]
     peak_activations: int
     peak_deferred: int
+    waited: float = 0.0
 
 
 class Side(NamedTuple):
@@ -353,6 +356,7 @@ class _Executor:
         if compute_model is not None:  # the device is idle when the step begins
             compute_model.new_step(self.t0)
         self.events: list[tuple] = []  # what `_event` recorded; TraceEvents made once the step ends
+        self.waited = 0.0  # seconds waited for exchanges and receives, traced or not
         self.records: dict[tuple[int, int], _Record] = {}
         self.deferred: dict[tuple[int, int], list[DwPass]] = {}
         self.local: dict[Dep, Acts] = {}
@@ -429,7 +433,7 @@ class _Executor:
         loss = sum(self.losses.values(), torch.zeros((), device=self.device))
         events = [_trace_event(self.rank, *raw) for raw in self.events]
         return StepResult(loss, dict(self.losses), self.grads, self.stats, events, self.live.peak,
-                          self.queued.peak)
+                          self.queued.peak, self.waited)
 
     def op(self, op: Op, paired: bool = False) -> Iterator[None]:
         """Returns the generator that runs compute op `op`, yielding after each issued exchange that is
@@ -804,8 +808,10 @@ class _Executor:
         if self.compute_model is not None:  # gloo tells no completion time: the wait's end bounds it
             self.compute_model.waited(time.perf_counter())
         self._release_sends(peer, self.plan.wire_at[dep])
+        now = self._now()
+        self.waited += now - t
         if self.trace:
-            now, what = self._now(), dep.kind.value
+            what = dep.kind.value
             self._event("compute", "wait", t, now, "wait p2p", dep.stage, dep.mb, what=what)
             self._event("comm", "p2p", t_post, now, "p2p recv", dep.stage, dep.mb, what=what, peer=peer)
         return bufs
@@ -1008,6 +1014,7 @@ class _Executor:
         end = wait_end if done is None else min(wait_end, max(issued, done - self.t0))
         if self.compute_model is not None:  # what the next phase needs arrived then, not before
             self.compute_model.waited(self.t0 + end)
+        self.waited += wait_end - wait_start
         if not self.trace:
             return
         self._event("comm", "a2a", issued, end, "a2a", stage, mb, layer, phase, direction)

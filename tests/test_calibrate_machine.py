@@ -82,7 +82,7 @@ def test_sample_of_reads_a_real_executor_step() -> None:
     from fmoe.train.loop import Trainer
 
     tc = TrainConfig.from_sources("tiny", None, {**LC.CALIBRATION_RUN, "dp": 1, "global_batch_size": 8})
-    trainer = Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1))
+    trainer = Trainer(tc, _world(tc, 0, f"file://{tempfile.mktemp()}", 0, 1), timeline=True)
     try:
         wall = trainer.step()["step_s"]
         events = trainer.last_result.events

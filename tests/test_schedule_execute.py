@@ -315,6 +315,36 @@ def test_measured_timeline_names_lanes_and_writers(tmp_path) -> None:
     assert S.write_png(res.events, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
+class _Slow(Ready):
+    """A Pending whose wait takes 4 ms (an exchange still travelling when the op waits for it)."""
+
+    in_flight = True
+
+    def wait(self) -> object:
+        time.sleep(0.004)
+        return self.value
+
+
+def test_an_untraced_step_records_no_timeline_and_still_counts_its_waits() -> None:
+    """ExecOptions(trace=False): no events, the same loss and gradients, and StepResult.waited still the
+    time spent waiting (traced, it is the "wait" events' total: what `fmoe train` reports every step)."""
+    s = S.one_f_one_b(1, 2)
+    params = _params(1)
+    prog = _program(s, 0, params)
+    slow = Phase("slow", "comm", start=lambda a, m: _Slow(({"h": 2 * a["h"]}, m)),
+                 start_transpose=lambda ct, m: _Slow({"h": 2 * ct["h"]}))
+    layer = prog.layers[0]
+    prog = StageProgram(0, (Layer(layer.name, tuple(slow if ph.name == "double" else ph
+                                                    for ph in layer.phases)),), prog.params, prog.in_spec)
+    traced = execute(s, 0, {0: prog}, lambda mb: _data(2)[mb])
+    quiet = execute(s, 0, {0: prog}, lambda mb: _data(2)[mb], options=ExecOptions(trace=False))
+    waits = [e for e in traced.events if e.cat == "wait"]
+    assert len(waits) == 4 and traced.waited == pytest.approx(sum(e.duration for e in waits), rel=1e-9)
+    assert quiet.events == [] and quiet.waited >= 4 * 0.004
+    assert float(quiet.loss) == float(traced.loss)
+    assert all(torch.equal(quiet.grads[k]["w"], traced.grads[k]["w"]) for k in traced.grads)
+
+
 def _grad_posts(rank: int, world: int) -> dict[str, list]:
     """1F1B's timeline on this rank with every receive asked for at the start of the step, the receives
     kept in the wire order ("wire", what NCCL needs) and as gloo runs it by default ("early")."""

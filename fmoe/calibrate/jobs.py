@@ -41,7 +41,7 @@ def _job_rank(tc: TrainConfig, rank: int, store: str, events: bool, commands: An
         from fmoe.train.launch import _world
         from fmoe.train.loop import Trainer
 
-        trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size))
+        trainer = Trainer(tc, _world(tc, 0, f"file://{store}", rank, tc.world_size), timeline=events)
         results.put((rank, _READY, None))
         while commands.get() == _STEP:
             step_s = trainer.step()["step_s"]

@@ -89,10 +89,15 @@ def build_dataset(tc: TrainConfig) -> Dataset | Blend:
 
 
 class Trainer:
-    """The training state of one rank (weights, AdamW, MoE state, data position) and its step."""
+    """The training state of one rank (weights, AdamW, MoE state, data position) and its step.
 
-    def __init__(self, tc: TrainConfig, world: World):
+    `timeline`: record every pipeline step's timeline (`last_result.events`, as the calibration jobs
+    read it); otherwise only the steps that need one (--trace's step, the first step under
+    --compute-model): the executor's trace records are host work on every phase."""
+
+    def __init__(self, tc: TrainConfig, world: World, *, timeline: bool = False):
         self.tc, self.world = tc, world
+        self.timeline = timeline
         self.cfg = cfg = tc.model()
         layout = world.layout
         self.pp_rank = layout.local_rank("pp") if layout else 0
@@ -371,9 +376,13 @@ class Trainer:
     def _pipeline(self, batches: list) -> tuple:
         policy = self.policy
         params = cast_to_compute(self.params, policy) if policy.mixed else self.params
-        # what changes from step to step: the fp16 loss scale, the compute model after the first step
+        # what changes from step to step: the fp16 loss scale, the compute model after the first step, and
+        # whether this step's timeline is read (the wait time is counted either way)
+        tc = self.tc
+        traced = bool(self.timeline or (tc.trace is not None and self.step_done + 1 == tc.trace_step)
+                      or (tc.compute_model and self.compute_model is None))
         options = replace(self.options, loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
-                          compute_model=self.compute_model)
+                          compute_model=self.compute_model, trace=traced)
         out = gpt_pipeline_step(self.program, params, self.state, batches, group=self.pp_group,
                                 shared=self.shared, options=options, on_stage_done=self._stage_done,
                                 check=not self._checked, packings=[self.packing(ids) for ids, _ in batches])
@@ -390,7 +399,7 @@ class Trainer:
         losses = torch.stack([r.loss, r.losses.get("ce", r.loss.new_zeros(())),
                               mtp / w if w else mtp]).double().cpu()
         dropped = sum(stats["route"].dropped for *_, stats in r.stats)  # read once, in _metrics
-        waited = sum(e.end - e.start for e in r.events if e.cat == "wait")
+        waited = r.waited
         return flat, losses, out.loads, dropped, waited
 
     def _build_compute_model(self, events: list) -> ComputeModel:
