@@ -301,7 +301,8 @@ def unpermute(y_RD: torch.Tensor, probs_TK: torch.Tensor | None, layout: Layout,
     With probs_TK None the K rows are summed unweighted (gate weights already applied in the expert).
     The weighted sum accumulates in fp32 (fp64 for fp64). Differentiable in y and probs.
     `donate` (fmoe/ops/_donate.py): y_RD is handed over; where new buffers fault (CPU) its backward
-    writes y's gradient over y_RD's memory, so y_RD must not be read after the backward.
+    writes y's gradient over y_RD's memory, so y_RD must not be read after the backward. Rows under
+    fmoe/ops/_host_bound.py's limit on the CPU, under tape autograd, take aten's ops (nothing donated).
     """
     if y_RD.shape[0] != layout.num_rows:
         raise ValueError(f"unpermute: y has {y_RD.shape[0]} rows, layout has {layout.num_rows}")

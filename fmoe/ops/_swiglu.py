@@ -136,7 +136,8 @@ def swiglu_packed(gate_up_XZ: torch.Tensor, *, donate: bool = False) -> torch.Te
     writes that gradient over gate_up_XZ's own memory instead of a new buffer, so gate_up_XZ must not be
     read after the backward (fmoe's routed experts make it and read it nowhere else). Another autograd
     node that saved it fails loudly at its backward (its saved version changed); under torch.func, while
-    tracing and in a backward that keeps its graph (retain_graph, create_graph) nothing is donated."""
+    tracing and in a backward that keeps its graph (retain_graph, create_graph) nothing is donated, nor
+    where aten's ops run small rows on the CPU (fmoe/ops/_host_bound.py)."""
     if gate_up_XZ.shape[-1] % 2 or not gate_up_XZ.is_floating_point():
         raise ValueError(f"swiglu_packed: gate_up must be floating with an even last dim (gate | up), got "
                          f"{tuple(gate_up_XZ.shape)} {gate_up_XZ.dtype}")
