@@ -363,6 +363,7 @@ class _Executor:
         self.posted: dict[Dep, _Posted] = {}
         self.wire: list[Send | Recv] = []  # this rank's P2P ops not issued yet, in wire order
         self.wanted: set[Dep] = set()  # receives asked for early (posted once the wire order allows)
+        self.issued: set[Dep] = set()  # receives gone out (a receive leaves the wire only by `_irecv`)
         self.sent: set[Dep] = set()  # messages sent before their Send action (the moment they existed)
         # sends in flight per peer, in wire order: each is released (waited, its buffer dropped) once it
         # completed, at the latest when a later message from its peer arrived (`_release_sends`)
@@ -903,12 +904,11 @@ class _Executor:
         transport that matches messages by tag: `early_recv`), in wire order among themselves."""
         ready = [dep for dep in self.wanted if self._recv_spec(dep) is not None]
         for dep in sorted(ready, key=self.plan.wire_at.__getitem__):
-            recv = Recv(dep.kind.value, dep.stage, dep.mb, self.s.placement.stage_rank[dep.stage])
-            if recv in self.wire:  # not issued yet (a receive may be asked for after it went out)
-                self.wire.remove(recv)
-                self._irecv(dep, self._recv_spec(dep))  # drops it from `wanted`
-            else:
+            if dep in self.issued:  # a receive may be asked for after it went out
                 self.wanted.discard(dep)
+                continue
+            self.wire.remove(Recv(dep.kind.value, dep.stage, dep.mb, self.s.placement.stage_rank[dep.stage]))
+            self._irecv(dep, self._recv_spec(dep))  # drops it from `wanted`
 
     def _send_ready_behind(self) -> bool:
         """True when, past receives that could be posted now, the wire holds a send whose data exists: the
@@ -956,6 +956,7 @@ class _Executor:
             raise ScheduleError(f"rank {self.rank}: the receive of {dep.kind.value} s{dep.stage} mb{dep.mb} "
                                 "has no shapes to allocate (its forward has not run on this rank)")
         self.wanted.discard(dep)
+        self.issued.add(dep)
         pp_peer = self.s.placement.stage_rank[dep.stage]
         peer = self._global(pp_peer)
         bufs: Acts = {}
