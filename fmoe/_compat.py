@@ -151,6 +151,8 @@ def under_vmap() -> bool:
     """True when the caller runs inside `torch.func.vmap` (at any depth of the torch.func transform stack)."""
     if torch.compiler.is_compiling():
         return False  # dynamo cannot read the interpreter stack; it runs its own vmap over traced code
+    if not torch._C._are_functorch_transforms_active():  # eager and no transform: no stack to walk
+        return False
     stack = _functorch.get_interpreter_stack()
     return bool(stack) and any(i.key() == _functorch.TransformType.Vmap for i in stack)
 

@@ -406,9 +406,11 @@ def group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, x_MD: torch.Te
 
 def _group_counts(counts_E: torch.Tensor | Sequence[int] | Counts, device: torch.device, backend: str,
                   name: str) -> Counts:
+    if isinstance(counts_E, Counts) and counts_E.host is not None:  # shared by a layer's products: as it is
+        return counts_E
     need_host = (backend == "loop" or device.type in HOST_READS_FREE) and not traced()
     if isinstance(counts_E, Counts):
-        if counts_E.host is None and need_host:
+        if need_host:
             return Counts(counts_E.read(), counts_E.dev_E)
         return counts_E
     if isinstance(counts_E, torch.Tensor):
@@ -451,13 +453,15 @@ def grouped_linear(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     in a backward that keeps its graph, is anything donated.
     """
     prod = check_grouped_args("grouped_linear", x_MD, w_EDF, counts_E, backend)
-    if torch.compiler.is_compiling() and functorch_active():
-        return _compiled_transform_product(x_MD, w_EDF, prod)
-    if prod.backend != "npu" and traced():
-        # The library op, whose own autograd, vmap and fake rules transforms read; the offsets go in as a
-        # tensor argument (a Function's non-tensor argument would hide them from vmap's levels).
-        return _grouped_op.product(x_MD, w_EDF, prod.counts.offsets(x_MD.device), prod.backend)
-    if prod.backend != "npu" and not (may_defer() or functorch_active()):
+    transformed = functorch_active()
+    if transformed or is_tracing():  # the mode probed once: the eager path below asks nothing more
+        if torch.compiler.is_compiling() and transformed:
+            return _compiled_transform_product(x_MD, w_EDF, prod)
+        if prod.backend != "npu" and traced():
+            # The library op, whose own autograd, vmap and fake rules transforms read; the offsets go in as
+            # a tensor argument (a Function's non-tensor argument would hide them from vmap's levels).
+            return _grouped_op.product(x_MD, w_EDF, prod.counts.offsets(x_MD.device), prod.backend)
+    elif prod.backend != "npu" and not may_defer():
         # Plain autograd and no tape: nothing can defer dw, so the products run as differentiable aten
         # ops (torch._grouped_mm has its own backward) with no Python backward per call, unless x is
         # donated where that pays.
