@@ -13,8 +13,9 @@ model and weights as benchmarks/pipeline.py's nn.Modules):
   with `--aten-below BYTES` rows under that size (to find where the two forms meet).
 Rounds rotate the order and reverse it every other round; printed: medians of each way's CPU time of the
 main thread (time.thread_time) for the forwards and the backwards of a step, and the medians of the
-per-round ratios to `torch` and to `functions`. The gradients of the two fmoe ways are compared first.
-CPU only.
+per-round ratios to `torch` and to `functions`; beside them each way's peak tensor memory over one step
+(`fmoe.transforms.testing.tracked_peak_bytes`: allocations counted, not the machine's RSS). The gradients
+of the two fmoe ways are compared first. CPU only.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from fmoe.pipeline import gpt_program
 from fmoe.pipeline.step import microbatch_meta
 from fmoe.train.host_memory import keep_freed_memory
 from fmoe.transforms.program import run_phases, tree_params
+from fmoe.transforms.testing import tracked_peak_bytes
 
 Way = Callable[[list[float]], list[torch.Tensor]]
 
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(float((x - y).abs().max() / x.abs().max().clamp(min=1e-30)) for x, y in zip(a, b))
     fns["torch"]([0.0, 0.0])
     names = list(fns)
+    peak_mib = {k: tracked_peak_bytes(lambda k=k: fns[k]([0.0, 0.0]))[1] / 2**20 for k in names}
     cpu: dict[str, list[list[float]]] = {k: [] for k in names}
     for r in range(args.reps):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"glue as Functions vs aten ops (rows under {args.aten_below} bytes): gradients within "
           f"{worst:.1e} of each other (max relative)")
     print(f"CPU ms per step (median of {args.reps} rounds) and per-round ratios (medians)")
-    print(f"{'way':10} {'fwd ms':>8} {'bwd ms':>8} {'/ torch':>8} {'fwd/torch':>10} {'/ functions':>12}")
+    print(f"{'way':10} {'fwd ms':>8} {'bwd ms':>8} {'/ torch':>8} {'fwd/torch':>10} {'/ functions':>12} "
+          f"{'peak MiB':>9}")
 
     def ratio(k: str, base: str, part: Callable[[list[float]], float]) -> float:
         return statistics.median(part(x) / part(y) for x, y in zip(cpu[k], cpu[base]))
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         fwd = 1e3 * statistics.median(x[0] for x in cpu[k])
         bwd = 1e3 * statistics.median(x[1] for x in cpu[k])
         print(f"{k:10} {fwd:8.1f} {bwd:8.1f} {ratio(k, 'torch', sum):8.3f} "
-              f"{ratio(k, 'torch', lambda x: x[0]):10.3f} {ratio(k, 'functions', sum):12.3f}")
+              f"{ratio(k, 'torch', lambda x: x[0]):10.3f} {ratio(k, 'functions', sum):12.3f} "
+              f"{peak_mib[k]:9.1f}")
     return 0
 
 

@@ -379,7 +379,7 @@ class Trainer:
         # what changes from step to step: the fp16 loss scale, the compute model after the first step, and
         # whether this step's timeline is read (the wait time is counted either way)
         tc = self.tc
-        traced = bool(self.timeline or (tc.trace is not None and self.step_done + 1 == tc.trace_step)
+        traced = bool(self.timeline or (tc.trace and self.step_done + 1 == tc.trace_step)
                       or (tc.compute_model and self.compute_model is None))
         options = replace(self.options, loss_scale=self.loss_scale.scale if self.loss_scale else 1.0,
                           compute_model=self.compute_model, trace=traced)
