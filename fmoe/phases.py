@@ -33,8 +33,18 @@ from fmoe import block
 from fmoe.config import GPTConfig, MoEConfig
 from fmoe.dispatch.exchange import Exchange
 from fmoe.dispatch.sync import as_exchange
+from fmoe.experts import routed_experts
 from fmoe.layer import plan_route
-from fmoe.ops import cross_entropy, embedding, linear, permute, permute_probs, rms_norm
+from fmoe.ops import (
+    cross_entropy,
+    embedding,
+    linear,
+    local_experts,
+    local_experts_pay,
+    permute,
+    permute_probs,
+    rms_norm,
+)
 from fmoe.outline import Site, outline, state_at
 from fmoe.overlap import LayerOverlap, Overlap, check_names, layer_overlap
 from fmoe.packing import Packing, mtp_targets
@@ -53,6 +63,7 @@ from fmoe.parallel.tensor import (
     vocab_parallel_embedding,
 )
 from fmoe.recompute import chunk_layers
+from fmoe.seams import experts_of
 from fmoe.structure import block_keys
 from fmoe.transforms.program import Layer, Phase, Ready
 
@@ -195,6 +206,11 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
                          "another route (use AllToAllDispatcher, or move the rows whole)")
     name, moe_path = site.name, site.params if bare else (*site.params, "moe")  # where the MoE params are
     route_key, plan_key = f"route:{name}", f"plan:{name}"
+    # a local layer of fmoe's own experts may run them with permute and unpermute inside (the mlp phase,
+    # when fmoe.ops.local_experts_pay at run time); the permute phase then leaves the tokens in place
+    fused_key = f"fused:{name}" if (ex.local and not token_level and not moe_cfg.probs_in_expert
+                                     and moe_cfg.backend in (None, "grouped_mm", "loop")
+                                     and experts_of(moe_cfg) is routed_experts) else None
     head = (
         _front_phase(cfg, site, parallel, remat, bare, seq_len),
         # issued as soon as routing is known, waited where the dispatch needs it: permute-1 hides it, and
@@ -202,17 +218,19 @@ def moe_layer(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelContext 
         Phase("counts", "comm", start=lambda a, m: _Then(ex.start_plan(m[route_key]),
                                                           lambda plan: (a, {**m, plan_key: plan})),
               start_transpose=lambda ct, meta: Ready(ct), local=ex.local, switch=False, defer_wait=True),
-        *(() if token_level else (Phase("permute", "compute", fn=_permute_rows(moe_cfg, route_key)),)),
+        *(() if token_level else (Phase("permute", "compute",
+                                        fn=_permute_rows(moe_cfg, route_key, fused_key)),)),
     )
     # the shared expert reads the tokens only: it runs while the dispatch travels
     shared_side = _shared_phase(moe_path, parallel) if moe_cfg.num_shared_experts else None
 
     def finish(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
         out = block.finish(acts, meta[route_key], parallel)
-        return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key)}
+        return out, {k: v for k, v in meta.items() if k not in (route_key, plan_key, fused_key)}
 
     hand = overlap.hands_over  # the same in both forms: a backward follows whichever its forward ran
-    whole = head + _whole_moe_phases(cfg, ex, name, moe_path, shared_side, finish, token_level, hand)
+    whole = head + _whole_moe_phases(cfg, ex, name, moe_path, shared_side, finish, token_level, hand,
+                                     fused_key)
     if ex.local or not overlap.chunks:  # nothing travels, or whole in both contexts
         return Layer(name, whole)
     chunked = head + chunked_moe_phases(cfg, ex, name, moe_path, shared_side, finish, switch=hand)
@@ -256,10 +274,17 @@ def _front_phase(cfg: GPTConfig | MoEConfig, site: Site, parallel: ParallelConte
                  losses=(balance,))
 
 
-def _permute_rows(moe_cfg: MoEConfig, route_key: str) -> Any:
-    """Permute-1: the normed tokens (and with probs_in_expert the gate weights) into the route's layout."""
+def _permute_rows(moe_cfg: MoEConfig, route_key: str, fused_key: str | None = None) -> Any:
+    """Permute-1: the normed tokens (and with probs_in_expert the gate weights) into the route's layout.
+    `fused_key` (a local layer of fmoe's own experts): where `fmoe.ops.local_experts_pay` and the route is
+    not rematerialised, the tokens stay as they are and meta[fused_key] holds the experts' row counts,
+    for the mlp phase's `local_experts` (permute and unpermute inside)."""
     def permute_rows(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
-        layout = meta[route_key].layout
+        route = meta[route_key]
+        layout = route.layout
+        if fused_key is not None and not route.remat and local_experts_pay(acts["normed_TD"], layout):
+            counts = layout.counts or tuple(layout.counts_E.tolist())  # the CPU's: read without a wait
+            return acts, {**meta, fused_key: counts}
         out = {**acts, "rows_RD": permute(acts["normed_TD"], layout)}
         if moe_cfg.probs_in_expert:  # the gate weights ride with their rows
             out["probs_R"] = permute_probs(out.pop("probs_TK"), layout)
@@ -282,16 +307,24 @@ def _shared_phase(moe_path: tuple[str, ...], parallel: ParallelContext) -> Phase
 
 def _whole_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: tuple[str, ...],
                       shared_side: Phase | None, finish: Any, token_level: bool,
-                      hand: bool) -> tuple[Phase, ...]:
+                      hand: bool, fused_key: str | None = None) -> tuple[Phase, ...]:
     """The phases of an MoE layer after permute-1 with whole exchanges: dispatch (+ the shared expert
     beside it), the experts, combine, unpermute; `hand`: the dispatch and combine hand over to an F&B
-    pair."""
+    pair. `fused_key`: a local layer whose permute phase may leave the tokens for `local_experts`
+    (`_permute_rows`); the mlp phase runs it where meta[fused_key] says so (the exchanges move nothing,
+    and the shared expert leaves the tokens in acts)."""
     route_key, plan_key = f"route:{name}", f"plan:{name}"
 
     def with_meta(pending: Any, meta: dict) -> Any:
         return _Then(pending, lambda a: (a, meta))
 
     def mlp(p: dict, acts: dict, meta: dict) -> tuple[dict, dict]:
+        if fused_key in meta:  # the tokens, not layout rows: permute, experts and unpermute in one op
+            experts = p["experts"]
+            y_TD = local_experts(acts["normed_TD"], acts["probs_TK"], experts["w_gate_up"], experts["w_down"],
+                                 meta[route_key].layout, meta[fused_key])
+            rest = {k: v for k, v in acts.items() if k not in ("normed_TD", "probs_TK")}
+            return {**rest, "y_TD": y_TD}, meta
         plan: RowPlan = meta[plan_key]
         grouped = {**acts, "rows_MD": plan.to_experts(acts["rows_MD"])}  # permute-2
         if "probs_M" in acts:
@@ -304,7 +337,8 @@ def _whole_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: 
     return (
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
-              side_consumes=("normed_TD",) if shared_side is not None else (), local=ex.local, switch=hand),
+              side_consumes=("normed_TD",) if shared_side is not None and fused_key is None else (),
+              local=ex.local, switch=hand),
         Phase("mlp", "compute", fn=mlp, param_paths=((*moe_path, "experts"),), param_root=moe_path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=ex.local,

@@ -18,6 +18,8 @@ from fmoe.ops._grouped_linear import group_counts as group_counts
 from fmoe.ops._grouped_linear import grouped_linear as grouped_linear
 from fmoe.ops._grouped_linear import traced as traced
 from fmoe.ops._linear import linear as linear
+from fmoe.ops._local_experts import local_experts as local_experts
+from fmoe.ops._local_experts import local_experts_pay as local_experts_pay
 from fmoe.ops._mlp_products import grouped_linear_pair as grouped_linear_pair
 from fmoe.ops._mlp_products import linear_pair as linear_pair
 from fmoe.ops._mlp_products import swiglu_grouped_linear as swiglu_grouped_linear

@@ -30,10 +30,11 @@ come back from the heap already paged in; there writing into a donated buffer sa
 that works one expert's rows at a time to avoid new buffers only adds host work (BENCHMARKS.md)."""
 
 
-def new_buffer_faults(t: torch.Tensor) -> bool:
-    """Whether a new buffer the size of `t`, on its device, is paged in on first touch for sure
-    (FRESH_BUFFERS_FAULT, at least ALWAYS_MAPPED_BYTES)."""
-    return t.device.type in FRESH_BUFFERS_FAULT and t.numel() * t.element_size() >= ALWAYS_MAPPED_BYTES
+def new_buffer_faults(t: torch.Tensor, numel: int | None = None) -> bool:
+    """Whether a new buffer the size of `t` (or of `numel` elements of t's dtype), on t's device, is paged
+    in on first touch for sure (FRESH_BUFFERS_FAULT, at least ALWAYS_MAPPED_BYTES)."""
+    n = t.numel() if numel is None else numel
+    return t.device.type in FRESH_BUFFERS_FAULT and n * t.element_size() >= ALWAYS_MAPPED_BYTES
 
 
 def may_donate() -> bool:
