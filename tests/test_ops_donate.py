@@ -305,11 +305,13 @@ def test_a_node_that_saved_the_donated_tensor_fails_loudly_if_it_runs_later() ->
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_the_moe_layer_donates_its_rows_and_the_experts_buffers_on_cpu(remat: bool) -> None:
-    """fmoe.moe's backward on CPU writes over the experts' gate | up rows [M, 2F], the rows the experts
-    got [M, D] (not under remat, whose recompute reads them again) and the rows its
-    combine got [R, D] (what the layer saved, checked against copies taken when saved); its gradients
-    are unchanged (tests/test_moe_layer.py holds them to the loop oracle)."""
+def test_the_moe_layer_donates_its_rows_and_the_experts_buffers_on_cpu(remat: bool, monkeypatch) -> None:
+    """fmoe.moe's backward on CPU, in three steps (permute, experts, unpermute: fmoe.ops.local_experts,
+    which makes none of these rows, refused; tests/test_ops_local_experts.py), writes over the experts'
+    gate | up rows [M, 2F], the rows the experts got [M, D] (not under remat, whose recompute reads them
+    again) and the rows its combine got [R, D] (what the layer saved, checked against copies taken when
+    saved); its gradients are unchanged (tests/test_moe_layer.py holds them to the loop oracle)."""
+    monkeypatch.setattr("fmoe.phases.local_experts_pay", lambda *a: False)
     cfg = MoEConfig(d_model=4, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=0.0)  # M 12, 2F 16, F 8, D 4
     params = init_moe(cfg, torch.Generator().manual_seed(0))
     x_TD = torch.randn(6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -374,14 +376,17 @@ def test_the_layer_takes_the_same_gradients_with_and_without_the_cpu_buffer_path
         assert_close(a, b, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 def test_a_pipeline_stage_run_whole_takes_the_cpu_buffer_paths_and_the_oracle_gradients(
-        monkeypatch) -> None:
+        fused: bool, monkeypatch) -> None:
     """The executor runs a 1F1B stage with nothing to overlap whole, under split_vjp(defer=False): plain
-    autograd, so at sizes that fault the CPU paths run inside it (rows and gate | up taking their
-    gradients, the blocked SwiGLU + down). One rank's step, every path on, against gpt_loss differentiated
-    by torch.func.vjp (where nothing is donated), in float64."""
+    autograd, so at sizes that fault the CPU paths run inside it: `fused`, fmoe.ops.local_experts (the
+    layer is local), else the three steps' (rows and gate | up taking their gradients, the blocked SwiGLU
+    + down). One rank's step against gpt_loss differentiated by torch.func.vjp (where nothing is donated
+    and nothing fused), in float64."""
     import fmoe.ops._grouped_linear as grouped
     import fmoe.ops._mlp_products as products
+    import fmoe.phases as phases
     from fmoe import GPTConfig, gpt_loss, init_gpt, init_gpt_state
     from fmoe import schedule as S
     from fmoe.pipeline import gpt_pipeline_step, gpt_program
@@ -397,6 +402,10 @@ def test_a_pipeline_stage_run_whole_takes_the_cpu_buffer_paths_and_the_oracle_gr
     monkeypatch.setattr(grouped, "_dx_over", counted("rows", grouped._dx_over))
     monkeypatch.setattr(products, "packed_swiglu_grad_over",
                         counted("blocks", products.packed_swiglu_grad_over))
+    ran["fused"] = 0
+    monkeypatch.setattr(phases, "local_experts", counted("fused", phases.local_experts))
+    if not fused:
+        monkeypatch.setattr(phases, "local_experts_pay", lambda *a: False)
     moe_cfg = MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, aux_loss_coef=1e-2)
     cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, moe=moe_cfg)
     params = init_gpt(cfg, torch.Generator().manual_seed(0), torch.float64)
@@ -405,7 +414,12 @@ def test_a_pipeline_stage_run_whole_takes_the_cpu_buffer_paths_and_the_oracle_gr
     seqs = [torch.randint(0, 16, (2, 6), generator=g) for _ in range(3)]
     batches = [(s[:, :-1], s[:, 1:]) for s in seqs]
     step = gpt_pipeline_step(gpt_program(cfg, S.build("1f1b", 1, 3), 0), params, state, batches)
-    assert ran["rows"] > 0 and ran["blocks"] > 0  # the paths ran inside the executor
+    # the paths ran inside the executor
+    assert (ran["fused"] > 0 and ran["rows"] == ran["blocks"] == 0) if fused else (
+        ran["fused"] == 0 and ran["rows"] > 0 and ran["blocks"] > 0)
+    monkeypatch.undo()  # the oracle: torch.func, where neither runs
+    monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 0)
+    monkeypatch.setattr("fmoe.ops._host_bound.HOST_BOUND_BYTES", 0)
 
     def mean_loss(p):
         return sum(gpt_loss(p, ids, t, cfg, state)[0] for ids, t in batches) / 3
