@@ -66,9 +66,10 @@ def routed(T, E, K, seed, empty):
 @example(T=6, E=4, K=2, D=5, F=3, dtype=torch.float64, seed=4, empty=0, wants="weights")
 @example(T=6, E=4, K=2, D=5, F=3, dtype=torch.float64, seed=5, empty=None, wants="x")
 @example(T=6, E=4, K=2, D=5, F=3, dtype=torch.float32, seed=6, empty=None, wants="probs")
-@given(T=st.integers(0, 8), E=st.integers(1, 4), K=st.integers(1, 4), D=st.integers(1, 6), F=st.integers(1, 5),
-       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**31 - 1),
-       empty=st.none() | st.integers(0, 3), wants=st.sampled_from(["all", "x", "probs", "weights"]))
+@given(T=st.integers(0, 8), E=st.integers(1, 4), K=st.integers(1, 4), D=st.integers(1, 6),
+       F=st.integers(1, 5), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 2**31 - 1), empty=st.none() | st.integers(0, 3),
+       wants=st.sampled_from(["all", "x", "probs", "weights"]))
 def test_local_experts_match_a_loop_over_tokens_and_slots(T, E, K, D, F, dtype, seed, empty, wants) -> None:
     K = min(K, E)
     empty = empty if empty is not None and empty < E and K < E else None
@@ -134,7 +135,8 @@ def test_the_layer_runs_them_and_matches_the_three_steps_and_the_loop_oracle(sha
     x64 = x_TD.clone().requires_grad_()
     p64 = {k: {n: v.detach().clone().requires_grad_() for n, v in d.items()} for k, d in params.items()}
     y_o, loss_o, _ = oracle_moe(p64, x64, cfg)
-    want = torch.autograd.grad((y_o * ct).sum() + loss_o, [x64] + [v for d in p64.values() for v in d.values()])
+    leaves = [x64] + [v for d in p64.values() for v in d.values()]
+    want = torch.autograd.grad((y_o * ct).sum() + loss_o, leaves)
     assert_close(y1, y_o)
     for a, b in zip(g1, want):
         assert_close(a, b)
@@ -192,8 +194,9 @@ def test_a_retained_graph_backwards_again_to_the_same_gradients(rows_fault) -> N
     ids_TK, probs = routed(7, 3, 2, 0, None)
     layout = sort_layout(ids_TK, 3)
     g = torch.Generator().manual_seed(2)
-    ins = [torch.randn(7, 4, generator=g).requires_grad_(), probs.float().requires_grad_(),
-           torch.randn(3, 4, 6, generator=g).requires_grad_(), torch.randn(3, 3, 4, generator=g).requires_grad_()]
+    ins = [torch.randn(7, 4, generator=g), probs.float(), torch.randn(3, 4, 6, generator=g),
+           torch.randn(3, 3, 4, generator=g)]
+    ins = [t.requires_grad_() for t in ins]
     y = local_experts(*ins, layout, tuple(layout.counts_E.tolist()))
     first = torch.autograd.grad(y.sum(), ins, retain_graph=True)
     second = torch.autograd.grad(y.sum(), ins)
@@ -261,3 +264,23 @@ def test_bad_inputs_are_refused() -> None:
         local_experts(x, p, wgu, wdn, layout, counts[:2])
     with pytest.raises(ValueError, match="cast"):
         local_experts(x, p, wgu.double(), wdn, layout, counts)
+
+
+def test_the_benchmark_runs_and_its_two_sides_agree(rows_fault, capsys) -> None:
+    """benchmarks/local_experts.py at a small shape (every buffer counted as faulting, so the rule picks
+    the op): it checks both sides agree before timing them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import local_experts as bench
+
+    calls = []
+    real = phases.local_experts
+    phases.local_experts = lambda *a: calls.append(1) or real(*a)
+    try:
+        assert bench.main(["--shapes", "8,6,3,2,10", "--rounds", "1", "--no-memory"]) == 0
+    finally:
+        phases.local_experts = real
+        phases.local_experts_pay = bench.RULE
+    assert calls and "fused / 3 steps" in capsys.readouterr().out
