@@ -4,6 +4,7 @@
     .venv/bin/pip install --no-deps torchtitan && .venv/bin/pip install spmd_types tyro triton  # optional
     .venv/bin/python benchmarks/peers.py       # the three shapes of issue 14, fp32 and bf16
     .venv/bin/python benchmarks/peers.py --shapes 256,512,8,2,64 --rounds 5
+    .venv/bin/python benchmarks/peers.py --shapes 256,512,8,2,64 --precisions fp32 --op-split --no-memory
 
 Legend (docs/moe.md): T tokens, D model width, F expert width, E experts, K top-k slots.
 
@@ -38,7 +39,10 @@ implementation, then `--rounds` rounds, each starting one implementation later (
 "ms", and of the thread's CPU time, "cpu ms"; "paired": the median over rounds of one step's CPU time over
 another's in the same round, which a loaded machine moves far less than wall time). Peak memory:
 each (shape, precision, implementation) in a fresh process with freed blocks returned to the OS, the RSS
-high-water mark of one step after a warm-up, minus the RSS before it.
+high-water mark of one step after a warm-up, minus the RSS before it. `--op-split`: each implementation's
+step again under a dispatch mode that times every aten call (thread CPU time), GEMMs apart from the other
+ops, against the fastest peer's step: where the GEMMs and the other ops alone exceed 0.9 of it, no work on
+the Python around them reaches the target.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -320,6 +325,39 @@ def _memory(name: str, shape: tuple[int, ...], precision: str) -> float:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["rise_mib"]
 
 
+GEMMS = ("aten.mm", "aten._grouped_mm", "aten.bmm", "aten.addmm")
+
+
+def op_split(step: Callable[[], Any], rounds: int) -> tuple[float, float, int]:
+    """Returns (GEMM seconds, other aten ops' seconds, other ops' count) of one step, medians over
+    `rounds`: every aten call timed by the thread's CPU time under a dispatch mode (the calls only: the
+    Python around them and autograd's bookkeeping are neither)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Timed(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gemm = self.other = 0.0
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.thread_time()
+            out = func(*args, **(kwargs or {}))
+            dt = time.thread_time() - t0
+            if str(func).startswith(GEMMS):
+                self.gemm += dt
+            else:
+                self.other, self.ops = self.other + dt, self.ops + 1
+            return out
+
+    runs = []
+    for _ in range(rounds):
+        with Timed() as m:
+            step()
+        runs.append(m)
+    return (statistics.median(m.gemm for m in runs), statistics.median(m.other for m in runs), runs[-1].ops)
+
+
 def _paired(samples: dict[str, list[tuple[float, float]]], a: str, b: str) -> float:
     """The median over rounds of a's CPU time / b's in the same round (seconds apart, so a drift of the
     machine's speed between rounds cancels)."""
@@ -335,6 +373,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--op-split", action="store_true",
+                    help="also time each implementation's GEMMs and its other aten ops apart (dispatch mode)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-precision", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--child-shape", nargs=5, type=int, default=None, help=argparse.SUPPRESS)
@@ -397,6 +437,13 @@ def main() -> None:
                     low = min(peers, key=mem.get)
                     line += f"; fmoe peak / lowest peer ({low}): {mem['fmoe'] / mem[low]:.3f} (target <= 1.0)"
                 print(line)
+            if args.op_split:  # what a step spends in aten calls, against the fastest peer's step
+                base = min((n for n in names if n != "fmoe"), key=times.get, default="fmoe")
+                for n in names:
+                    gemm, other, ops = op_split(steps[n], args.rounds)
+                    print(f"  {n:<14} under a dispatch mode: GEMMs {gemm * 1e3:9.2f} ms, other aten ops "
+                          f"{other * 1e3:8.2f} ms ({ops} calls); GEMMs + other ops / {base}'s step "
+                          f"{(gemm + other) / times[base]:.3f}")
             if precision == "bf16":
                 print(
                     f"fmoe bf16 / bf16 plain-matmul ceiling: {times['bf16 mm ceiling'] / times['fmoe']:.3f} "
