@@ -328,10 +328,21 @@ def _memory(name: str, shape: tuple[int, ...], precision: str) -> float:
 GEMMS = ("aten.mm", "aten._grouped_mm", "aten.bmm", "aten.addmm")
 
 
-def op_split(step: Callable[[], Any], rounds: int) -> tuple[float, float, int]:
-    """Returns (GEMM seconds, other aten ops' seconds, other ops' count) of one step, medians over
-    `rounds`: every aten call timed by the thread's CPU time under a dispatch mode (the calls only: the
-    Python around them and autograd's bookkeeping are neither)."""
+@dataclasses.dataclass
+class OpSplit:
+    """One step's aten calls (thread CPU time, seconds) under a dispatch mode: GEMMs, the other ops and
+    their number; `step`: the same step run plainly in the same round."""
+
+    step: float
+    gemm: float
+    other: float
+    ops: int
+
+
+def op_split(steps: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[OpSplit]]:
+    """Per implementation and round, its step run plainly and then under a dispatch mode timing every aten
+    call (the calls only: the Python around them and autograd's bookkeeping are neither), GEMMs apart;
+    rounds rotate the implementations' order as `interleaved_samples` does."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Timed(TorchDispatchMode):
@@ -350,12 +361,17 @@ def op_split(step: Callable[[], Any], rounds: int) -> tuple[float, float, int]:
                 self.other, self.ops = self.other + dt, self.ops + 1
             return out
 
-    runs = []
-    for _ in range(rounds):
-        with Timed() as m:
-            step()
-        runs.append(m)
-    return (statistics.median(m.gemm for m in runs), statistics.median(m.other for m in runs), runs[-1].ops)
+    names = list(steps)
+    out: dict[str, list[OpSplit]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.thread_time()
+            steps[n]()
+            plain = time.thread_time() - t0
+            with Timed() as m:
+                steps[n]()
+            out[n].append(OpSplit(plain, m.gemm, m.other, m.ops))
+    return out
 
 
 def _paired(samples: dict[str, list[tuple[float, float]]], a: str, b: str) -> float:
@@ -437,13 +453,17 @@ def main() -> None:
                     low = min(peers, key=mem.get)
                     line += f"; fmoe peak / lowest peer ({low}): {mem['fmoe'] / mem[low]:.3f} (target <= 1.0)"
                 print(line)
-            if args.op_split:  # what a step spends in aten calls, against the fastest peer's step
+            if args.op_split:  # the aten calls alone, against the fastest peer's plain step in each round
+                split = op_split({n: steps[n] for n in names}, args.rounds)
                 base = min((n for n in names if n != "fmoe"), key=times.get, default="fmoe")
                 for n in names:
-                    gemm, other, ops = op_split(steps[n], args.rounds)
-                    print(f"  {n:<14} under a dispatch mode: GEMMs {gemm * 1e3:9.2f} ms, other aten ops "
-                          f"{other * 1e3:8.2f} ms ({ops} calls); GEMMs + other ops / {base}'s step "
-                          f"{(gemm + other) / times[base]:.3f}")
+                    gemm = statistics.median(o.gemm for o in split[n]) * 1e3
+                    other = statistics.median(o.other for o in split[n]) * 1e3
+                    floor = statistics.median((o.gemm + o.other) / b.step
+                                              for o, b in zip(split[n], split[base]))
+                    print(f"  {n:<14} aten calls under a dispatch mode: GEMMs {gemm:9.2f} ms, other ops "
+                          f"{other:8.2f} ms ({split[n][-1].ops} calls); their sum / {base}'s plain step "
+                          f"in the same round {floor:.3f}")
             if precision == "bf16":
                 print(
                     f"fmoe bf16 / bf16 plain-matmul ceiling: {times['bf16 mm ceiling'] / times['fmoe']:.3f} "
