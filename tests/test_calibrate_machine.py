@@ -160,11 +160,28 @@ def test_bad_overhead_fields(change: dict, field: str) -> None:
         _machine().replace(**change)
 
 
+def _first_cut(real_cut):
+    """The planner's `_cut`, returning for each (layout, placement) the cut of its first call."""
+    seen: dict = {}
+
+    def cut(ctx, lay, chunks):
+        return seen.setdefault((lay, chunks), real_cut(ctx, lay, chunks))
+
+    return cut
+
+
 @given(step_oh=st.floats(0.0, 1e-2), extra=st.floats(1e-6, 1e-2), kind=st.sampled_from(LAYER_KINDS),
        per_token=st.floats(0.0, 1e-5), micro_batch=st.sampled_from([1, 2, 4, 8, 16]))
 @example(step_oh=0.0, extra=1e-6, kind="moe", per_token=0.0, micro_batch=1)
+@example(step_oh=0.0, extra=6.103515625e-05, kind="embed", per_token=3.0716575418984036e-06, micro_batch=4)
 def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, kind: str,
                                                   per_token: float, micro_batch: int) -> None:
+    """On one layer cut: the runtime's cut (`balance_layers_or_empty`) follows the costs, and where two
+    cuts even the ranks alike more overhead may tip it to one the simulator finds faster (the second
+    example: interleaved, (1, 1, 1, 1) -> (0, 2, 2, 0), 6% faster on either machine; BENCHMARKS.md), so
+    both machines are priced on the base machine's cut."""
+    import fmoe.plan.estimate as estimate
+
     ctx, _ = _calibration_layout()
     base = _machine().replace(step_overhead_s=step_oh, layer_overhead_s={k: 1e-3 for k in LAYER_KINDS},
                               token_overhead_s={k: per_token for k in LAYER_KINDS})
@@ -175,8 +192,9 @@ def test_more_host_overhead_never_speeds_a_layout(step_oh: float, extra: float, 
         if sched == "dualpipev" and 32 // micro_batch < 4:
             continue  # dualpipev needs 2 x pp microbatches
         lay = Layout(tp=1, pp=pp, ep=1, dp=1, vpp=v, schedule=sched, overlap=False, micro_batch=micro_batch)
-        t0 = evaluate(Context(ctx.model, base, 2, 32), lay).step_s
-        t1 = evaluate(Context(ctx.model, more, 2, 32), lay).step_s
+        with mock.patch.object(estimate, "_cut", _first_cut(estimate._cut)):
+            t0 = evaluate(Context(ctx.model, base, 2, 32), lay).step_s
+            t1 = evaluate(Context(ctx.model, more, 2, 32), lay).step_s
         assert t1 >= t0 * (1 - 1e-9), (sched, kind)
 
 
