@@ -43,9 +43,9 @@ def local_experts_pay(x_TD: torch.Tensor, layout: Layout) -> bool:
     inputs for the dw pass), a dropless layout, a contiguous fp32 / fp64 x on the CPU (whose host reads
     the counts without a wait), and permuted rows [R, D] big enough that a new buffer of them faults
     (`new_buffer_faults`)."""
-    return (layout.full and x_TD.dtype in LOCAL_EXPERT_DTYPES
-            and x_TD.device.type == "cpu" and x_TD.is_contiguous()
-            and new_buffer_faults(x_TD, layout.num_rows * x_TD.shape[-1])
+    # the size first: a pipeline's small microbatches ask at every MoE layer, and fail there
+    return (new_buffer_faults(x_TD, layout.num_rows * x_TD.shape[-1]) and layout.full
+            and x_TD.dtype in LOCAL_EXPERT_DTYPES and x_TD.device.type == "cpu" and x_TD.is_contiguous()
             and not (functorch_active() or is_tracing() or may_defer()))
 
 
