@@ -292,6 +292,9 @@ def _permute_rows(moe_cfg: MoEConfig, route_key: str, fused_key: str | None = No
     return permute_rows
 
 
+SHARED_READS = ("normed_TD",)  # what the shared expert's side phase reads (block.shared_expert)
+
+
 def _shared_phase(moe_path: tuple[str, ...], parallel: ParallelContext) -> Phase:
     """The shared expert, a side phase of the dispatch (it reads the tokens only); under tensor
     parallelism its replicated weights take their gradient summed over the group."""
@@ -338,7 +341,7 @@ def _whole_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path: 
         Phase("dispatch", "comm", start=lambda a, m: with_meta(ex.start_dispatch(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_dispatch_transpose(m[plan_key], ct), side=shared_side,
               side_consumes=("normed_TD",) if shared_side is not None and fused_key is None else (),
-              local=ex.local, switch=hand),
+              side_reads=SHARED_READS if shared_side is not None else (), local=ex.local, switch=hand),
         Phase("mlp", "compute", fn=mlp, param_paths=((*moe_path, "experts"),), param_root=moe_path),
         Phase("combine", "comm", start=lambda a, m: with_meta(ex.start_combine(m[plan_key], a), m),
               start_transpose=lambda ct, m: ex.start_combine_transpose(m[plan_key], ct), local=ex.local,
@@ -443,7 +446,8 @@ def chunked_moe_phases(cfg: GPTConfig | MoEConfig, ex: Any, name: str, moe_path:
     combine1, combine1_t = combine(1)
     return (
         Phase("dispatch", "comm", start=dispatch0, start_transpose=dispatch0_t, side=shared_side,
-              side_consumes=("normed_TD",) if shared_side is not None else (), switch=switch),
+              side_consumes=("normed_TD",) if shared_side is not None else (),
+              side_reads=SHARED_READS if shared_side is not None else (), switch=switch),
         Phase("dispatch.1", "comm", start=dispatch1, start_transpose=dispatch1_t, switch=False,
               defer_wait=True, reads=("rows_RD", *probs)),
         Phase("mlp.0", "compute", fn=mlp(0), param_paths=mlp_paths, param_root=moe_path),

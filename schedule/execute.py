@@ -62,7 +62,18 @@ from fmoe.schedule.timeline import COMPUTE, TraceEvent
 from fmoe.schedule.verify import verify
 from fmoe.schedule.wire import tag_matched, wire_order
 from fmoe.transforms import split_vjp
-from fmoe.transforms.program import Acts, Layer, Meta, Phase, StageProgram, issue, run_phases, subtree, turns
+from fmoe.transforms.program import (
+    Acts,
+    Layer,
+    Meta,
+    Phase,
+    StageProgram,
+    issue,
+    run_phases,
+    side_acts,
+    subtree,
+    turns,
+)
 from fmoe.transforms.split_vjp import DxFn
 
 _MAX_KEYS = 64  # acts per message; message tags are (what, stage, microbatch, key index)
@@ -476,7 +487,8 @@ class _Executor:
                     if paired and ph.side is not None:
                         # the paired op's compute hides this exchange; the side (it reads acts only, the
                         # same before and after the held wait) hides the held one, whose EP peer may be late
-                        side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
+                        side = self._timed_side(prog, ph.side, layer.name, side_acts(ph, acts), meta, defer,
+                                                stage, mb)
                     acts, meta = self._wait_held(held, acts, meta, rec)
                     held = None
                 if ph.kind == "compute":
@@ -491,7 +503,8 @@ class _Executor:
                         held, acts = _Held(ph, layer.name, stage, mb, pending, t, set(meta)), rest
                         continue
                     if ph.side is not None and side is None:  # runs while the exchange travels
-                        side = self._timed_side(prog, ph.side, layer.name, acts, meta, defer, stage, mb)
+                        side = self._timed_side(prog, ph.side, layer.name, side_acts(ph, acts), meta, defer,
+                                                stage, mb)
                     if _in_flight(pending) and ph.switch:
                         yield
                     tw = self._now()

@@ -284,3 +284,4 @@ def test_the_benchmark_runs_and_its_two_sides_agree(rows_fault, capsys) -> None:
         phases.local_experts = real
         phases.local_experts_pay = bench.RULE
     assert calls and "fused / 3 steps" in capsys.readouterr().out
+

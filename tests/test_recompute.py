@@ -176,3 +176,32 @@ def test_expert_parallel_training_with_fb_overlap_is_unchanged_by_recompute() ->
         want = r.value["none"]
         for name in ("full", "parts"):
             assert r.value[name] == pytest.approx(want, rel=1e-5), (r.rank, name)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_recomputed_shared_expert_keeps_only_the_tokens_it_reads(fused, monkeypatch) -> None:
+    """Selective recompute of the shared expert (a side phase of the dispatch, under remat) with the
+    experts taking their rows over (`fused` False; True: fmoe.ops.local_experts, which makes no rows):
+    the side phase is handed the tokens only (Phase.side_reads), so its remat does not keep the rows a
+    later phase writes (it raised RecomputeError on them before), and the gradients are those of the run
+    without recompute."""
+    import fmoe.phases as phases
+    from fmoe import GPTConfig, MoEConfig
+    from fmoe.transforms.testing import assert_close
+
+    monkeypatch.setattr("fmoe.ops._donate.ALWAYS_MAPPED_BYTES", 0)  # the experts take their rows over
+
+    def grads(rc):
+        cfg = GPTConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, recompute=rc,
+                        moe=MoEConfig(d_model=8, d_ff=6, num_experts=4, top_k=2, num_shared_experts=1))
+        params = init_gpt(cfg, torch.Generator().manual_seed(0), dtype=torch.float64)
+        ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+        leaves = [v.detach().requires_grad_() for v in torch.utils._pytree.tree_leaves(params)]
+        p = torch.utils._pytree.tree_unflatten(leaves, torch.utils._pytree.tree_structure(params))
+        loss = gpt_loss(p, ids[:, :-1], ids[:, 1:], cfg)[0]
+        return torch.autograd.grad(loss, leaves)
+
+    if not fused:
+        monkeypatch.setattr(phases, "local_experts_pay", lambda *a: False)
+    for a, b in zip(grads(Recompute("selective", ("shared_experts",))), grads(Recompute())):
+        assert_close(a, b)

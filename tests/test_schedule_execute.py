@@ -497,3 +497,24 @@ def test_nothing_of_a_step_outlives_it_without_the_cycle_collector():
         gc.enable()
     assert len(refs) == 5 and not any(alive), alive
     assert loss_value == pytest.approx(_oracle(s, {"c0": params["c0"]})[0], rel=1e-12)
+
+
+def test_a_side_phase_is_given_the_acts_it_names() -> None:
+    """Phase.side_reads: run_phases hands the side those acts only (all of them when it names none);
+    naming them without a side is refused."""
+    from fmoe.transforms.program import run_phases
+
+    seen: list[set] = []
+    side = Phase("side", "compute", fn=lambda p, a, m: (seen.append(set(a)) or {"s": a["x"] * 2}, m))
+
+    def exchange(reads):
+        return Phase("ex", "comm", start=lambda a, m: Ready((a, m)), start_transpose=lambda c, m: Ready(c),
+                     side=side, side_reads=reads, local=True)
+
+    for reads, want in ((("x",), {"x"}), ((), {"x", "y"})):
+        got = run_phases((Layer("l", (exchange(reads),)),), lambda ph: (), {"x": torch.ones(2),
+                                                                          "y": torch.zeros(2)}, {})
+        assert seen.pop() == want and torch.equal(got.acts["s"], torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match="side_reads"):
+        Phase("ex", "comm", start=lambda a, m: Ready((a, m)), start_transpose=lambda c, m: Ready(c),
+              side_reads=("x",))

@@ -18,8 +18,8 @@ gradients in its dx pass instead of deferring them.
 
 A comm phase may carry a `side`: a compute phase that reads only acts passing through the exchange
 (never what it delivers), so the executor runs it while the exchange travels (the shared expert beside
-the dispatch). Its outputs (new keys) join the acts after the wait, and the keys in `side_consumes` leave
-them. In the backward the side runs at the first exchange whose cotangents include all of its outputs
+the dispatch). It is handed the acts named in `side_reads` (all of them when none are named), its outputs
+(new keys) join the acts after the wait, and the keys in `side_consumes` leave them. In the backward the side runs at the first exchange whose cotangents include all of its outputs
 (the combine's, for the shared expert), and its input cotangents are added where the exchange it rides
 on is transposed.
 
@@ -89,6 +89,10 @@ class Phase:
     start_transpose: Callable[[Acts, Meta], Pending] | None = None
     side: Phase | None = None
     side_consumes: tuple[str, ...] = ()
+    # comm with a side: the acts the side is given (all of them when empty). A side that names what it
+    # reads is handed nothing else: under remat it then keeps only that, not acts that later phases may
+    # take over and write (the rows the experts donate)
+    side_reads: tuple[str, ...] = ()
     local: bool = False  # comm: the exchange never leaves this process (nothing travels, nothing to hide)
     # comm: an fb-overlap pair hands over to its other op while this exchange travels. False for an
     # exchange whose result the op's very next step needs (a count exchange that sizes the dispatch):
@@ -115,6 +119,9 @@ class Phase:
                              "or losses")
         if self.defer_wait and (self.kind != "comm" or self.side is not None):
             raise ValueError(f"phase {self.name!r}: only a comm phase without a side may defer its wait")
+        if self.side_reads and self.side is None:
+            raise ValueError(f"phase {self.name!r}: `side_reads` names the acts of its side phase, and it "
+                             "has none")
         if self.reads and not self.defer_wait:
             raise ValueError(f"phase {self.name!r}: `reads` names the acts of a deferred exchange "
                              "(defer_wait)")
@@ -339,7 +346,7 @@ def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...
         if ph.side is None:
             return None
         side_start = _clock(hooks)()
-        out, _ = ph.side.run(params_of(ph.side), acts, meta)
+        out, _ = ph.side.run(params_of(ph.side), side_acts(ph, acts), meta)
         if hooks is not None:
             hooks.computed(ph.side, layer, out, side_start)
         return out
@@ -359,6 +366,11 @@ def _exchange(ph: Phase, layer: str, params_of: Callable[[Phase], tuple[Any, ...
     if side is not None:
         acts = {**{k: v for k, v in acts.items() if k not in ph.side_consumes}, **side}
     return acts, meta
+
+
+def side_acts(ph: Phase, acts: Acts) -> Acts:
+    """The acts comm phase `ph`'s side is given: those it names (`side_reads`), else all of them."""
+    return {k: acts[k] for k in ph.side_reads} if ph.side_reads else acts
 
 
 def _differentiable(ph: Phase, acts: Acts, meta: Meta) -> tuple[Acts, Meta, Any]:
