@@ -365,12 +365,38 @@ def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size, device_type),
-                               save_claimed=True)
+    try:
+        summary = _train_and_close(tc, _world(tc, local_rank, init_method, local_rank, size, device_type),
+                                   save_claimed=True)
+    except Exception:  # noqa: BLE001 - every failure goes to the launcher, as torch's spawn would send it
+        # written where the launcher reads it, then the same exit as a success: a rank that raised and
+        # went through finalization could abort in gloo's threads ("terminate called without an active
+        # exception", teardown.py) and add that to the one line the launcher prints
+        with open(_error_path(out_path, local_rank), "w") as f:
+            f.write(traceback.format_exc())
+        exit_process(1)
     if summary is not None:
         with open(out_path, "w") as f:
             f.write(summary)
     exit_process(0)  # the group is closed; leave before gloo's threads meet finalization (teardown.py)
+
+
+def _error_path(out_path: str, local_rank: int) -> str:
+    """Where spawned rank `local_rank` of the run whose summary goes to `out_path` writes its traceback."""
+    return f"{out_path}.rank{local_rank}.err"
+
+
+def _rank_failed(index: int, msg: str) -> int:
+    """Reports a spawned rank's failure from its traceback `msg`: a checkpoint or run error as its one line
+    (the other ranks met the same), anything else whole; returns the exit code (1)."""
+    message = _raised_checkpoint_error(msg)
+    if message is not None:
+        return _checkpoint_failed(message)
+    message = raised_run_error(msg)
+    if message is not None:
+        return _run_failed(message)
+    print(f"fmoe train: rank {index} failed:\n{msg}", file=sys.stderr)
+    return 1
 
 
 def _train_and_close(tc: TrainConfig, world: World, save_claimed: bool = False) -> str | None:
@@ -517,18 +543,15 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
             if stopped is not None:
                 return _stopped(tc, stopped - 128)
         except mp.ProcessExitedException as exc:
+            path = _error_path(out_path, exc.error_index)
+            if exc.exit_code == 1 and os.path.isfile(path):  # it raised: its traceback (`_spawned`)
+                with open(path) as f:
+                    return _rank_failed(exc.error_index, f.read())
             print(f"fmoe train: rank {exc.error_index} exited with code {exc.exit_code}; the other ranks "
                   "were stopped", file=sys.stderr)
             return 1
         except mp.ProcessRaisedException as exc:
-            message = _raised_checkpoint_error(exc.msg)
-            if message is not None:  # the other ranks met the same checkpoint: one line, not one per rank
-                return _checkpoint_failed(message)
-            message = raised_run_error(exc.msg)
-            if message is not None:
-                return _run_failed(message)
-            print(f"fmoe train: rank {exc.error_index} failed:\n{exc.msg}", file=sys.stderr)
-            return 1
+            return _rank_failed(exc.error_index, exc.msg)
         with open(out_path) as f:
             print(f.read())
         return 0
@@ -541,3 +564,6 @@ def _spawn(tc: TrainConfig, device_type: str) -> int:
         return 1
     finally:
         os.unlink(out_path)
+        for k in range(tc.world_size):
+            if os.path.isfile(_error_path(out_path, k)):
+                os.unlink(_error_path(out_path, k))
