@@ -1,7 +1,7 @@
 """A local MoE layer's routed SwiGLU experts with permute and unpermute inside, one expert's rows at a time.
 
-    if local_experts_pay(x_TD, layout, counts): y_TD = local_experts(x_TD, probs_TK, w_gate_up_EDZ,
-                                                                       w_down_EFD, layout, counts)
+    if local_experts_pay(x_TD, layout):  # counts: the layout's rows per expert, as host ints
+        y_TD = local_experts(x_TD, probs_TK, w_gate_up_EDZ, w_down_EFD, layout, counts)
 
 Legend (the package's, docs/moe.md): T tokens, D model width, F expert width, Z = 2 F (gate | up),
 E experts (all local), K top-k slots, R = T * K rows of the dropless expert-sorted layout, X one expert's
@@ -13,12 +13,15 @@ a new [R, *] buffer (the permuted rows, gate | up, y) and the next reads it back
 this rank (no exchange between the steps) and new buffers fault (the CPU: fmoe/ops/_donate.py), this op
 walks the experts' blocks instead: a block's rows are gathered into a scratch buffer, its gate | up
 written into the one [R, Z] buffer the backward needs, its silu * up and its y made in scratch and added
-into y_TD with their gate weights at once. Saved: gate | up and the inputs (no rows, no y). The backward
-walks the blocks again: the block's tokens' cotangents gathered into scratch, silu and h recomputed, the
-gate weights' gradient as <g @ w_down^T, h> per row (= <g, y>: no y kept), the SwiGLU backward into a
-scratch [X, Z], the rows gathered again for the gate | up weight gradient, and the rows' gradient added
-into dx_TD. The same products as the three steps; the sums over a token's K slots run in expert order
-(the three steps' in slot order), so values agree to rounding, not bit for bit.
+into y_TD with their gate weights at once. Saved: gate | up, the rows' gate weights and the inputs (no
+rows, no y). The backward walks the blocks twice. First the down product and the SwiGLU backward: the
+block's tokens' cotangents gathered into scratch, silu and h recomputed, the gate weights' gradient as
+<g @ w_down^T, h> per row (= <g, y>: no y kept), gate | up's gradient written over gate | up (a new
+buffer where the graph is kept). Then the gate | up product: the rows gathered again for its weight
+gradient, its input gradient added into dx_TD. Each GEMM kind runs back to back (interleaved per block,
+the same GEMMs ran ~2% slower: BENCHMARKS.md). The same products as the three steps; the sums over a
+token's K slots run in expert order (the three steps' in slot order), so values agree to rounding, not
+bit for bit.
 """
 
 from __future__ import annotations
