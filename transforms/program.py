@@ -19,9 +19,9 @@ gradients in its dx pass instead of deferring them.
 A comm phase may carry a `side`: a compute phase that reads only acts passing through the exchange
 (never what it delivers), so the executor runs it while the exchange travels (the shared expert beside
 the dispatch). It is handed the acts named in `side_reads` (all of them when none are named), its outputs
-(new keys) join the acts after the wait, and the keys in `side_consumes` leave them. In the backward the side runs at the first exchange whose cotangents include all of its outputs
-(the combine's, for the shared expert), and its input cotangents are added where the exchange it rides
-on is transposed.
+(new keys) join the acts after the wait, and the keys in `side_consumes` leave them. In the backward
+the side runs at the first exchange whose cotangents include all of its outputs (the combine's, for the
+shared expert), and its input cotangents are added where the exchange it rides on is transposed.
 
 A compute phase may name some of its outputs `losses`: scalars that end there (the cross-entropy, a
 balancing loss). The executor takes them out of `acts`, adds them to the step's loss and gives them the
