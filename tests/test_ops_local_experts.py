@@ -285,3 +285,14 @@ def test_the_benchmark_runs_and_its_two_sides_agree(rows_fault, capsys) -> None:
         phases.local_experts_pay = bench.RULE
     assert calls and "fused / 3 steps" in capsys.readouterr().out
 
+
+
+def test_torch_func_gets_one_line_naming_the_three_steps() -> None:
+    """Its blocks write with out=, which torch.func cannot differentiate: a clear error, not aten's."""
+    ids_TK, probs = routed(5, 3, 2, 0, None)
+    layout = sort_layout(ids_TK, 3)
+    counts = tuple(layout.counts_E.tolist())
+    x, wgu, wdn = torch.randn(5, 4), torch.randn(3, 4, 6), torch.randn(3, 3, 4)
+    for transform in (torch.func.grad, lambda f: torch.func.vmap(lambda x: f(x))):
+        with pytest.raises(RuntimeError, match="permute, routed_experts and unpermute"):
+            transform(lambda x: local_experts(x, probs.float(), wgu, wdn, layout, counts).sum())(x)

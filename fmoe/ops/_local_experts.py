@@ -150,8 +150,13 @@ def local_experts(x_TD: torch.Tensor, probs_TK: torch.Tensor, w_gate_up_EDZ: tor
                   w_down_EFD: torch.Tensor, layout: Layout, counts: tuple[int, ...]) -> torch.Tensor:
     """Return y_TD [T, D] = unpermute(routed_experts({"w_gate_up", "w_down"}, permute(x_TD, layout), counts),
     probs_TK, layout) in x's dtype, one expert's rows at a time (module docstring). Differentiable in x,
-    probs and both weights. Needs what `local_experts_pay` checks of the inputs: a dropless layout, host
-    counts, a contiguous fp32 / fp64 x on the CPU; raises ValueError otherwise or on mismatched shapes."""
+    probs and both weights, under tape autograd (RuntimeError under torch.func or a trace). Needs what
+    `local_experts_pay` checks of the inputs: a dropless layout, host counts, a contiguous fp32 / fp64 x
+    on the CPU; raises ValueError otherwise or on mismatched shapes."""
+    if functorch_active() or is_tracing():
+        raise RuntimeError("local_experts runs under tape autograd only (its blocks write into buffers with "
+                           "out=); under torch.func or torch.compile use permute, routed_experts and "
+                           "unpermute (fmoe.moe picks the path itself: local_experts_pay)")
     T, D = x_TD.shape
     E, _, Z = w_gate_up_EDZ.shape
     if not (layout.full and x_TD.dtype in LOCAL_EXPERT_DTYPES and x_TD.device.type == "cpu"):
