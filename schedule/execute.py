@@ -487,8 +487,7 @@ class _Executor:
                     if paired and ph.side is not None:
                         # the paired op's compute hides this exchange; the side (it reads acts only, the
                         # same before and after the held wait) hides the held one, whose EP peer may be late
-                        side = self._timed_side(prog, ph.side, layer.name, side_acts(ph, acts), meta, defer,
-                                                stage, mb)
+                        side = self._timed_side(prog, ph, layer.name, acts, meta, defer, stage, mb)
                     acts, meta = self._wait_held(held, acts, meta, rec)
                     held = None
                 if ph.kind == "compute":
@@ -503,8 +502,7 @@ class _Executor:
                         held, acts = _Held(ph, layer.name, stage, mb, pending, t, set(meta)), rest
                         continue
                     if ph.side is not None and side is None:  # runs while the exchange travels
-                        side = self._timed_side(prog, ph.side, layer.name, side_acts(ph, acts), meta, defer,
-                                                stage, mb)
+                        side = self._timed_side(prog, ph, layer.name, acts, meta, defer, stage, mb)
                     if _in_flight(pending) and ph.switch:
                         yield
                     tw = self._now()
@@ -570,10 +568,11 @@ class _Executor:
 
     def _timed_side(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta, defer: bool,
                     stage: int, mb: int) -> Side:
-        """Runs side phase `ph` forward (`_side_forward`) and records it on the timeline."""
+        """Runs comm phase `ph`'s side forward (`_side_forward`) on the acts it is given (`side_acts`) and
+        records it on the timeline."""
         ts = self._now()
-        side = self._side_forward(prog, ph, layer, acts, meta, defer, stage)
-        self._computed("F", ph.name, stage, layer, mb, ts)
+        side = self._side_forward(prog, ph.side, layer, side_acts(ph, acts), meta, defer, stage)
+        self._computed("F", ph.side.name, stage, layer, mb, ts)
         return side
 
     def _side_forward(self, prog: StageProgram, ph: Phase, layer: str, acts: Acts, meta: Meta,

@@ -258,6 +258,16 @@ def expert_blocks(host: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return [(e, b[e], b[e + 1]) for e in range(len(host)) if host[e]]
 
 
+def expert_weight_grads(w_E: torch.Tensor, host: tuple[int, ...]) -> torch.Tensor:
+    """A new tensor like w_E for per-expert weight gradients written one expert's slice at a time: the
+    slices of experts without rows zero, the others left for their GEMMs to write whole."""
+    out = torch.empty_like(w_E)
+    for e, c in enumerate(host):
+        if not c:
+            out[e].zero_()
+    return out
+
+
 def _dx_over(x_MD: torch.Tensor, g_MF: torch.Tensor, w_EDF: torch.Tensor, counts: Counts) -> torch.Tensor:
     """The dx product written over x_MD's own memory (a donated buffer; host ints known): expert e's rows
     take g_MF[rows of e] @ w_EDF[e]^T, one GEMM per expert into its rows. Returns x_MD."""

@@ -30,7 +30,7 @@ import torch
 
 from fmoe._compat import Function, functorch_active, is_tracing, needs_grad
 from fmoe.ops._donate import may_donate, new_buffer_faults
-from fmoe.ops._grouped_linear import expert_blocks
+from fmoe.ops._grouped_linear import expert_blocks, expert_weight_grads
 from fmoe.ops._permute import Layout
 from fmoe.ops._swiglu import halves
 from fmoe.transforms.tape import may_defer
@@ -96,8 +96,8 @@ class _LocalExperts(Function):
         dx_TD = torch.zeros_like(x_TD) if need_x else None
         dp_R1 = torch.zeros_like(p_R1) if need_p else None
         # an expert with no rows keeps a zero slice; the others are written whole below
-        dw_gu = _zero_empty_experts(w_gu, ctx.counts) if need_gu else None
-        dw_dn = _zero_empty_experts(w_dn, ctx.counts) if need_dn else None
+        dw_gu = expert_weight_grads(w_gu, ctx.counts) if need_gu else None
+        dw_dn = expert_weight_grads(w_dn, ctx.counts) if need_dn else None
         g, silu, h, dh = (x_TD.new_empty(most, n) for n in (D, F, F, F))
         # gate | up's gradient over gate | up (this op's own buffer, read by nothing after this backward)
         # where autograd frees the graph after it, else into a new buffer
@@ -135,15 +135,6 @@ class _LocalExperts(Function):
             dprobs_N = torch.empty_like(dp_R1).index_copy_(0, row_src_R, dp_R1)
             dprobs_TK = dprobs_N.view(probs_TK.shape).to(probs_TK.dtype)
         return dx_TD, dprobs_TK, dw_gu, dw_dn, None, None, None
-
-
-def _zero_empty_experts(w_E: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-    """A new tensor like w_E whose slices of experts without rows are zero (the rest uninitialised)."""
-    out = torch.empty_like(w_E)
-    for e, c in enumerate(counts):
-        if not c:
-            out[e].zero_()
-    return out
 
 
 def local_experts(x_TD: torch.Tensor, probs_TK: torch.Tensor, w_gate_up_EDZ: torch.Tensor,

@@ -40,6 +40,7 @@ from fmoe.ops._grouped_linear import (
     Grouped,
     check_grouped_args,
     expert_blocks,
+    expert_weight_grads,
     grouped_linear,
     traced,
 )
@@ -147,10 +148,7 @@ class _SwiGLUDownBlocked(Function):
         over = need_x and ctx.donate and may_donate()
         d_MZ = gate_up_MZ if over else torch.empty_like(gate_up_MZ) if need_x else None
         host = ctx.prod.counts.host
-        dw_EFD = torch.empty_like(w_EFD) if need_w else None
-        for e in range(len(host) if need_w else 0):
-            if not host[e]:  # an expert with no rows: a zero slice (the others are written whole below)
-                dw_EFD[e].zero_()
+        dw_EFD = expert_weight_grads(w_EFD, host) if need_w else None
         silu_scratch = gate_up_MZ.new_empty(max(host, default=0), w_EFD.shape[-2])
         h_scratch = torch.empty_like(silu_scratch)  # h for the dw, then dh
         for e, a, b in expert_blocks(host):
