@@ -10,10 +10,13 @@ the V and interleaved placements); 8 microbatches per step, the same microbatche
 optimizer step, so every step computes the same loss and gradients).
 
 For every 2-rank schedule of fmoe.schedule.registry.NAMES, through fmoe.pipeline.gpt_pipeline_step:
-- step: wall time of one gpt_pipeline_step (max over the ranks, both started by a barrier);
-- the executor's timeline (step.result.events): busy = compute-lane events of category F/B/I/W, idle =
-  "wait" events; makespan = the latest compute-lane event end over both ranks (each rank's clock starts
-  when its executor does, right after the barrier); measured bubble per rank = 1 - busy / makespan.
+- step: wall time of one gpt_pipeline_step (max over the ranks, both started by a barrier), run as `fmoe
+  train` runs it: the program built once per run, the params checked on the first step, no timeline;
+- the executor's timeline (step.result.events, from --reps more steps that record it, after the timed
+  rounds: recording costs host time that neither the timed steps nor torch's pay): busy = compute-lane
+  events of category F/B/I/W, idle = "wait" events; makespan = the latest compute-lane event end over
+  both ranks (each rank's clock starts when its executor does, right after the barrier); measured bubble
+  per rank = 1 - busy / makespan.
   What is neither busy nor wait counts as bubble too: the time after a rank's last event, and the "gap"
   (printed) before its first event and between events (executor bookkeeping, receive posting);
 - predicted: fmoe.schedule.simulate on Costs calibrated from each repetition's events: per stage, the
@@ -29,7 +32,9 @@ weights copied from the fmoe params), paired like with like (same cut, same plac
     ends with split I / W backwards, as fmoe's dualpipev+dw_detach does; fmoe's dualpipev ends with B).
 For the multi-stage torch schedules the script checks that the action lists torch executes equal fmoe's,
 rank by rank ("order"). The first step's loss and gradients of each torch schedule are compared with
-those of its fmoe pair.
+those of its fmoe pair. "bound" divides the simulated makespan on fmoe's measured op times (the schedule
+with no host time between its ops) by torch's step: what any executor running fmoe's ops would reach,
+which separates the executor's share of a ratio from the schedule's and the model's.
 
 Both run in the same timing processes, whose malloc keeps freed memory (fmoe.train.host_memory, as `fmoe
 train` sets its CPU ranks; --default-malloc leaves glibc's defaults, under which fmoe's GPipe faults its
@@ -74,6 +79,7 @@ from fmoe._compat import grouped_mm
 from fmoe.calibrate.machine import ping_pong
 from fmoe.parallel.shared_grads import SharedGrads
 from fmoe.pipeline import ChunkSpec, gpt_pipeline_step, gpt_program, holders
+from fmoe.schedule.options import ExecOptions
 from fmoe.schedule.timeline import summarize
 from fmoe.train.host_memory import keep_freed_memory
 
@@ -218,17 +224,28 @@ class Variant:
     fmoe: bool
     order: dict[int, list[str]] | None = None  # torch: its compute actions per rank
     reset: Any = None  # called before each (timed or measured) step: torch drops the last step's grads
+    traced: Any = None  # fmoe: () -> PipelineStep with its timeline recorded (run apart from the timed steps)
+
+
+UNTRACED, TRACED = ExecOptions(trace=False), ExecOptions(trace=True)
 
 
 def _fmoe_variant(cfg, name, m, rank, params, state, data) -> Variant:
+    """fmoe's step as `fmoe train` runs it: the program built once per run, the params and state checked on
+    the first step only, no timeline recorded (torch's runtime records none); `traced` records it."""
     s = S.build(name, WORLD, m)
     chunks = _ranks.even_chunks(cfg, len(set(s.placement.layer_chunk)))
     shared = SharedGrads(holders(cfg, s.placement, chunks), None)  # built once: it creates process groups
+    program = gpt_program(cfg, s, rank, chunks=chunks)
+    checked: list[bool] = []
 
-    def run():
-        return gpt_pipeline_step(gpt_program(cfg, s, rank, chunks=chunks), params, state, data, shared=shared)
+    def step(options: ExecOptions) -> Any:
+        out = gpt_pipeline_step(program, params, state, data, shared=shared, options=options,
+                                check=not checked)
+        checked.append(True)
+        return out
 
-    return Variant(name, run, True)
+    return Variant(name, lambda: step(UNTRACED), True, traced=lambda: step(TRACED))
 
 
 def _torch_variant(cfg, cls_name, per_rank, m, rank, params, data) -> Variant:
@@ -401,8 +418,15 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             res = v.run()
             out["wall"][v.name].append(time.perf_counter() - t)
             out["cpu"][v.name].append(time.thread_time() - c)
-            if v.fmoe:
-                out["timeline"][v.name].append(timeline_stats(res.result.events))
+            del res
+    # the timelines from steps of their own: recording one costs host time that the timed steps (and
+    # torch's, which record none) do not pay
+    for _ in range(args.reps):
+        for v in (v for v in variants if v.fmoe):
+            _reset(v)
+            dist.barrier()
+            res = v.traced()
+            out["timeline"][v.name].append(timeline_stats(res.result.events))
             del res
     return out
 
@@ -583,9 +607,11 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
               "autograd);\norder: the torch schedule's compute actions equal fmoe's, rank by rank; |dloss|: "
               "first step; grad: max relative gradient difference;\nfmoe/torch: the medians' ratio; paired: "
               "the median over rounds of the ratio of the two steps run back to back; cpu: the same for "
-              "the ranks' CPU time (host work)")
+              "the ranks' CPU time (host work);\nbound: the simulated makespan on fmoe's own op times (sim "
+              "ms above: no host time between ops) / torch's step, what an executor with no cost of its "
+              "own reaches")
         print(f"{'fmoe':<20} {'torch':<30} {'order':>5} {'fmoe ms':>7} {'torch ms':>8} {'spread':>6} "
-              f"{'fmoe/torch':>10} {'paired':>6} {'cpu':>6}  "
+              f"{'fmoe/torch':>10} {'paired':>6} {'cpu':>6} {'bound':>6}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
         ran = [(n, c) for n, c in PAIRS if n in args.schedules and TORCH[c][0] in args.schedules]
@@ -599,7 +625,7 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             print(f"{name:<20} {cls_name:<30} {'-' if same is None else 'same' if same else 'diff':>5} "
                   f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
                   f"{by[name]['wall'] / tw:>10.3f} {_paired(timing, name, tn):>6.3f} "
-                  f"{_paired_cpu(timing, name, tn):>6.3f}  "
+                  f"{_paired_cpu(timing, name, tn):>6.3f} {by[name]['sim_ms'] / tw:>6.3f}  "
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
