@@ -32,9 +32,13 @@ weights copied from the fmoe params), paired like with like (same cut, same plac
     ends with split I / W backwards, as fmoe's dualpipev+dw_detach does; fmoe's dualpipev ends with B).
 For the multi-stage torch schedules the script checks that the action lists torch executes equal fmoe's,
 rank by rank ("order"). The first step's loss and gradients of each torch schedule are compared with
-those of its fmoe pair. "bound" divides the simulated makespan on fmoe's measured op times (the schedule
-with no host time between its ops) by torch's step: what any executor running fmoe's ops would reach,
-which separates the executor's share of a ratio from the schedule's and the model's.
+those of its fmoe pair. What separates a ratio's parts: "bound" is the replay of fmoe's measured op times
+through the simulator (every compute action taking the time it took, no host time between them) over
+torch's step, what any executor running fmoe's ops would reach; "torch sim" the same replay of the times
+torch's runtime took for the same actions (forward_one_chunk with its loss, backward_one_chunk,
+backward_weight_one_chunk, timed in --reps steps of their own), "t-eff" it over torch's step (how close
+torch's runtime comes to its own ops' makespan), and "ops" fmoe's replay over torch's: the two models'
+compute on this schedule, the executors apart.
 
 Both run in the same timing processes, whose malloc keeps freed memory (fmoe.train.host_memory, as `fmoe
 train` sets its CPU ranks; --default-malloc leaves glibc's defaults, under which fmoe's GPipe faults its
@@ -57,6 +61,7 @@ gradients, buffers and temporaries of the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -224,7 +229,9 @@ class Variant:
     fmoe: bool
     order: dict[int, list[str]] | None = None  # torch: its compute actions per rank
     reset: Any = None  # called before each (timed or measured) step: torch drops the last step's grads
-    traced: Any = None  # fmoe: () -> PipelineStep with its timeline recorded (run apart from the timed steps)
+    # () -> one step with its timeline recorded (fmoe: a PipelineStep), or its compute actions timed (torch:
+    # {(kind, stage, mb): seconds}); run apart from the timed steps
+    traced: Any = None
 
 
 UNTRACED, TRACED = ExecOptions(trace=False), ExecOptions(trace=True)
@@ -280,7 +287,57 @@ def _torch_variant(cfg, cls_name, per_rank, m, rank, params, data) -> Variant:
         loss = torch.stack(losses).detach().mean() if last else None
         return loss, mods
 
-    return Variant(f"torch:{cls_name}", run, False, torch_order(sched), reset)
+    ops: dict[tuple[str, int, int], float] = {}
+    timed = _time_torch_ops(sched, stages, ops)
+
+    def traced():  # one step with its compute actions timed: {(kind, stage, mb): seconds}
+        ops.clear()
+        with timed():
+            run()
+        return dict(ops)
+
+    return Variant(f"torch:{cls_name}", run, False, torch_order(sched), reset, traced)
+
+
+def _time_torch_ops(sched: Any, stages: list[Any], ops: dict[tuple[str, int, int], float]) -> Any:
+    """Returns a context manager under which every compute action of torch's runtime on `stages` adds its
+    duration to `ops[(kind, stage, mb)]`: F = forward_one_chunk (plus the loss, which torch computes
+    after it), B / I = backward_one_chunk (a full backward or the input gradients), W =
+    backward_weight_one_chunk; what the runtime does around them (P2P, its bookkeeping) is not counted."""
+    def timer(kind_of: Any, stage: Any, fn: Any) -> Any:
+        def timed(chunk: int, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(chunk, *a, **k)
+            key = (kind_of(k), stage.stage_index, chunk)
+            ops[key] = ops.get(key, 0.0) + time.perf_counter() - t
+            return out
+        return timed
+
+    def loss_timer(fn: Any) -> Any:
+        def timed(stage: Any, output: Any, target_mbs: Any, mb: int, *a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(stage, output, target_mbs, mb, *a, **k)
+            key = ("F", stage.stage_index, mb)
+            ops[key] = ops.get(key, 0.0) + time.perf_counter() - t
+            return out
+        return timed
+
+    @contextlib.contextmanager
+    def on() -> Any:
+        for st in stages:  # instance attributes shadow the methods while timed
+            st.forward_one_chunk = timer(lambda k: "F", st, st.forward_one_chunk)
+            st.backward_one_chunk = timer(lambda k: "B" if k.get("full_backward", True) else "I", st,
+                                          st.backward_one_chunk)
+            st.backward_weight_one_chunk = timer(lambda k: "W", st, st.backward_weight_one_chunk)
+        sched._maybe_compute_loss = loss_timer(sched._maybe_compute_loss)
+        try:
+            yield
+        finally:
+            for st in stages:
+                for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                    del st.__dict__[name]
+            del sched.__dict__["_maybe_compute_loss"]
+    return on
 
 
 def build_variants(cfg, args, rank, params, state, data) -> list[Variant]:
@@ -419,14 +476,18 @@ def _timing(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             out["wall"][v.name].append(time.perf_counter() - t)
             out["cpu"][v.name].append(time.thread_time() - c)
             del res
-    # the timelines from steps of their own: recording one costs host time that the timed steps (and
-    # torch's, which record none) do not pay
+    # the timelines (fmoe) and the compute actions' times (torch) from steps of their own: recording costs
+    # host time that the timed steps do not pay
+    out["torch_ops"] = {v.name: [] for v in variants if not v.fmoe and v.name != CONTROL}
     for _ in range(args.reps):
-        for v in (v for v in variants if v.fmoe):
+        for v in (v for v in variants if v.name != CONTROL):
             _reset(v)
             dist.barrier()
             res = v.traced()
-            out["timeline"][v.name].append(timeline_stats(res.result.events))
+            if v.fmoe:
+                out["timeline"][v.name].append(timeline_stats(res.result.events))
+            else:
+                out["torch_ops"][v.name].append(res)
             del res
     return out
 
@@ -522,11 +583,35 @@ def analyse(name: str, m: int, timing: list[dict], mem: list[dict] | None) -> di
             "makespan": med(makespans), "bubble": [1 - b for b in per_rank("busy")], "gap": per_rank("gap"),
             "sim_ms": med(x.makespan for x in sims), "sim_ratio": ratio([x.makespan for x in sims]),
             "sim_bubble": [med(x.bubble_fraction[r] for x in sims) for r in range(WORLD)],
-            "median_ratio": ratio(medians), "replay": ratio(replays),
+            "median_ratio": ratio(medians), "replay": ratio(replays), "replay_ms": med(replays),
             "costs": calibrated_costs(s, reps, p2p, statistics.fmean),
             "mem": None if mem is None else [mem[r][name] for r in range(WORLD)],
             "peak_acts": [timing[r]["peak_acts"][name] for r in range(WORLD)],
             "sim_acts": list(sims[0].peak_activations), "loss": timing[0]["loss"][name]}
+
+
+def torch_tables(timing: list[dict], torch_name: str) -> list[dict[tuple[str, int, int], float]]:
+    """Per repetition, the time torch's runtime took for each compute action, both ranks' in one table as
+    ReplayCosts reads it: a full backward under ("I", stage, mb) with no W (its W part is in it)."""
+    return [{({"B": "I"}.get(kind, kind), st, mb): d for t in timing
+             for (kind, st, mb), d in t["torch_ops"][torch_name][k].items()}
+            for k in range(len(timing[0]["torch_ops"][torch_name]))]
+
+
+def _stage_mean(tables: list[dict[tuple[str, int, int], float]], kind: str, stage: int) -> float:
+    """The median over repetitions of the mean time of `kind` actions of `stage` (0 where none ran)."""
+    return statistics.median(statistics.fmean([d for (k, st, _), d in t.items() if k == kind and st == stage]
+                                              or [0.0]) for t in tables)
+
+
+def torch_replay_ms(name: str, m: int, timing: list[dict], torch_name: str) -> float:
+    """The makespan fmoe's simulator gives schedule `name` (whose lists torch's runtime ran: "order") with
+    every compute action taking the time torch's runtime took for it (ReplayCosts); the median over
+    repetitions."""
+    s = S.build(name, WORLD, m)
+    p2p = statistics.median(t["p2p"] for t in timing)
+    return statistics.median(S.simulate(s, ReplayCosts(p2p=p2p, table=table)).makespan
+                             for table in torch_tables(timing, torch_name))
 
 
 def _spread(timing: list[dict], name: str) -> float:
@@ -582,6 +667,12 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             c = r["costs"]
             per = ", ".join(f"s{st} {_ms(c.f[st])}/{_ms(c.i[st])}/{_ms(c.w[st])}" for st in range(len(c.f)))
             print(f"calibrated F/I/W per stage (ms), {r['name']}: {per}")
+            pair = next((c for n, c in PAIRS if n == r["name"]), None)
+            if pair is not None and not args.no_torch and TORCH[pair][0] in args.schedules:
+                tables = torch_tables(timing, f"torch:{pair}")
+                per = ", ".join(f"s{st} " + "/".join(_ms(_stage_mean(tables, kind, st)) for kind in "FIW")
+                                for st in range(len(c.f)))
+                print(f"  torch's runtime on the same actions (a full backward under I): {per}")
     print()
     print("fmoe executor vs simulator (costs: per-stage means of F/I/W, per repetition). span: timeline "
           "makespan;\nbubble = 1 - busy/span (%, r0/r1); gap: its part before and between events (executor "
@@ -607,11 +698,14 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
               "autograd);\norder: the torch schedule's compute actions equal fmoe's, rank by rank; |dloss|: "
               "first step; grad: max relative gradient difference;\nfmoe/torch: the medians' ratio; paired: "
               "the median over rounds of the ratio of the two steps run back to back; cpu: the same for "
-              "the ranks' CPU time (host work);\nbound: the simulated makespan on fmoe's own op times (sim "
-              "ms above: no host time between ops) / torch's step, what an executor with no cost of its "
-              "own reaches")
+              "the ranks' CPU time (host work);\nbound: the replay of fmoe's measured op times through the "
+              "simulator (no host time between ops) / torch's step, what an executor with no cost of its "
+              "own reaches;\ntorch sim: the same replay of the times torch's runtime took for the same "
+              "actions; t-eff: torch sim / torch's step; ops: fmoe's replay / torch sim (the models' "
+              "compute)")
         print(f"{'fmoe':<20} {'torch':<30} {'order':>5} {'fmoe ms':>7} {'torch ms':>8} {'spread':>6} "
-              f"{'fmoe/torch':>10} {'paired':>6} {'cpu':>6} {'bound':>6}  "
+              f"{'fmoe/torch':>10} {'paired':>6} {'cpu':>6} {'bound':>6} {'torch sim':>9} {'t-eff':>5} "
+              f"{'ops':>5}  "
               f"{'|dloss|':>7} {'grad':>7}  {'fmoe MiB':>9} {'torch MiB':>9}")
         by = {r["name"]: r for r in rows}
         ran = [(n, c) for n, c in PAIRS if n in args.schedules and TORCH[c][0] in args.schedules]
@@ -622,10 +716,12 @@ def report(args: argparse.Namespace, timing: list[dict], mem: list[dict] | None,
             order = timing[0]["order"][tn]
             same = all([str(a) for a in ours[rk]] == order.get(rk) for rk in range(WORLD)) if order else None
             tw = _wall(timing, tn)
+            tsim = torch_replay_ms(name, m, timing, tn)
             print(f"{name:<20} {cls_name:<30} {'-' if same is None else 'same' if same else 'diff':>5} "
                   f"{_ms(by[name]['wall']):>7} {_ms(tw):>8} {100 * _spread(timing, tn):>5.0f}% "
                   f"{by[name]['wall'] / tw:>10.3f} {_paired(timing, name, tn):>6.3f} "
-                  f"{_paired_cpu(timing, name, tn):>6.3f} {by[name]['sim_ms'] / tw:>6.3f}  "
+                  f"{_paired_cpu(timing, name, tn):>6.3f} {by[name]['replay_ms'] / tw:>6.3f} "
+                  f"{_ms(tsim):>9} {tsim / tw:>5.3f} {by[name]['replay_ms'] / tsim:>5.3f}  "
                   f"{abs(by[name]['loss'] - tloss):>7.1e} {max(t['grad_diff'][tn] for t in timing):>7.1e}  "
                   f"{'-' if mem is None else per_rank([x[name] for x in mem]):>9} "
                   f"{'-' if mem is None else per_rank([x[tn] for x in mem]):>9}")
