@@ -1,11 +1,17 @@
 """fmoe.parallel.local_ranks, the one way tests, benchmarks and the calibration start local gloo ranks:
 values come back in rank order, a rank's traceback comes back as its error, a rank that hangs is killed at
-the timeout (its peers' results kept), and `stop_on_error` stops waiting at the first traceback.
+the timeout (its peers' results kept), `stop_on_error` stops waiting at the first traceback, and a rank
+that draws a tqdm bar (torch's inductor does in every compile) leaves no semaphore for the launcher's
+resource tracker to report.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,3 +68,31 @@ def test_stop_on_error_stops_at_the_first_traceback() -> None:
     assert "rank 1 fails on purpose" in (results[1].error or "")
     assert "no result" in (results[0].error or "")  # killed at once, not left to the gloo timeout
     assert time.monotonic() - t0 < 60
+
+
+_BAR_SCRIPT = """
+from fmoe.parallel.local_ranks import run_ranks
+
+def bar(rank, world):
+    from tqdm import tqdm
+    with tqdm(total=1, disable=True) as b:  # tqdm's default lock: a named semaphore, made at the first bar
+        b.update(1)
+    return rank
+
+if __name__ == "__main__":
+    print([r.value for r in run_ranks(bar, 2, timeout_s=60)])
+"""
+
+
+def test_a_rank_with_a_progress_bar_leaves_no_semaphore(tmp_path: Path) -> None:
+    """A rank ends with os._exit, which skips multiprocessing's exit handlers: a semaphore it made stays
+    registered with the launcher's resource tracker, which warns of it when the launcher exits."""
+    script = tmp_path / "bars.py"
+    script.write_text(_BAR_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]"
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fmoe.parallel.teardown import exit_process
+from fmoe.parallel.teardown import exit_process, thread_locks_for_bars
 
 GRACE_S = 10.0  # how long reported ranks get to leave the group and exit before they are killed
 
@@ -51,6 +51,7 @@ def _rank_main(rank: int, world_size: int, store: str, pg_timeout_s: float, q: A
     """One spawned rank: joins the group, runs fn, reports (rank, value, traceback or None, seconds), leaves
     the group and ends with exit code 0 (a failure is in the report), skipping finalization."""
     torch.set_num_threads(1)
+    thread_locks_for_bars()  # it ends with exit_process: no semaphore may be left to the tracker
     t0 = time.perf_counter()
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,

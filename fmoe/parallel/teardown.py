@@ -9,12 +9,19 @@ exception" after all its work is done. A core of the research script showed exac
 PyThread_exit_thread) while the main thread was in Py_FinalizeEx, one run in four on this machine;
 `destroy_process_group` had been called (torch 2.13 does not join gloo's threads there). So a rank that
 finished closes the group and ends with `os._exit`, after flushing what it printed.
+
+Leaving with `os._exit` skips multiprocessing's exit handlers too, so a named semaphore made in the rank
+is never unlinked, and the resource tracker reports it when it shuts down ("There appear to be 4 leaked
+semaphore objects", once per rank). tqdm makes one for its default write lock the first time a bar is
+built, and torch's inductor builds a bar (disabled) in every compile: `thread_locks_for_bars` gives a
+rank's bars a thread lock instead, before anything builds one.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -40,3 +47,15 @@ def exit_process(code: int = 0) -> NoReturn:
     sys.stderr.flush()
     os._exit(code)
 
+
+
+def thread_locks_for_bars() -> None:
+    """Makes every tqdm bar of this process write under a thread lock, not tqdm's default (a thread lock
+    and a multiprocessing RLock: a named semaphore, which a process ending with `exit_process` leaves to
+    the resource tracker to report as leaked). For a rank's own process, whose bars are its own: call it
+    first. A no-op without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())

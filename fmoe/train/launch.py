@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from fmoe.parallel import ParallelLayout, Topology
-from fmoe.parallel.teardown import close_default_group, exit_process
+from fmoe.parallel.teardown import close_default_group, exit_process, thread_locks_for_bars
 from fmoe.pipeline.cut import cut_costs
 from fmoe.precision import float32_matmul_precision
 from fmoe.schedule.imbalance import imbalance_pct
@@ -362,6 +362,7 @@ def _describe(tc: TrainConfig, trainer: Trainer) -> str:
 def _spawned(local_rank: int, tc: TrainConfig, init_method: str, size: int, out_path: str,
              device_type: str, launcher_pid: int) -> None:
     die_with_parent(launcher_pid)  # a launcher killed outright leaves no rank training
+    thread_locks_for_bars()  # it ends with exit_process: no semaphore may be left to the tracker
     # As torchrun does: ranks sharing the machine split its cores, or their OpenMP regions wait on each
     # other's descheduled threads (a small grouped GEMM goes from 0.1 ms to 60 ms on 2 busy cores).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
@@ -428,6 +429,7 @@ def launch(tc: TrainConfig) -> int:
     if lr_warning is not None and (not torchrun or os.environ.get("RANK", "0") == "0"):  # once per run
         print(f"fmoe train: warning: {lr_warning}", file=sys.stderr)
     if torchrun:  # this process is one rank: it ends here, without finalization (teardown.py)
+        thread_locks_for_bars()
         exit_process(_torchrun_rank(tc))
     try:
         device_type = _device_type(tc)

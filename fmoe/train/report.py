@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -133,17 +132,12 @@ def _line(m: dict[str, Any]) -> str:
 
 
 def _progress_bar(total: int, first_step: int) -> Any:
-    """A tqdm bar from `first_step` of `total` whose write lock is a thread lock. tqdm's default lock
-    adds a multiprocessing RLock: a named semaphore the launcher's resource tracker records, which a rank
-    ending with os._exit (fmoe.parallel.teardown) never unlinks, so every spawned run ended with
-    "resource_tracker: There appear to be 1 leaked semaphore objects". One process writes the bar."""
+    """A tqdm bar from `first_step` of `total`. One process writes it: a rank, whose bars write under a
+    thread lock (fmoe.parallel.teardown.thread_locks_for_bars: tqdm's default lock is a named semaphore that
+    a rank's os._exit would leave to the resource tracker)."""
     from tqdm import tqdm
 
-    class Bar(tqdm):  # the lock set on a subclass: tqdm's global one (other bars') is left alone
-        pass
-
-    Bar.set_lock(threading.RLock())
-    return Bar(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="fmoe train")
+    return tqdm(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="fmoe train")
 
 
 def _keep_steps_through(path: Path, step: int) -> list[dict[str, Any]]:
