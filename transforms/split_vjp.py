@@ -380,9 +380,11 @@ def _warn_left_in_dx(tape: WeightGradTape, dx_param_grads: list[Any], param_pos:
     """Warns (once per call site: Python's default filter) naming the weight leaves (2-D and up) whose
     gradient the dx pass computed although a tape deferred: they were read by plain torch ops
     (`F.linear`, `x @ w`), which know no tape. Norm scales and biases are cheap to leave there and are not
-    named. fmoe's own blocks read every weight through fmoe.ops, so they never warn."""
+    named, nor are leaves whose gradient is all zeros: torch.func.vjp hands zeros to a leaf the function
+    never read (a stage given a whole block's params), which no pass computed. fmoe's own blocks read every
+    weight through fmoe.ops, so they never warn."""
     left = [i for g, i in zip(dx_param_grads, param_pos)
-            if isinstance(g, torch.Tensor) and g.dim() >= 2 and not tape.is_placeholder(g)]
+            if isinstance(g, torch.Tensor) and g.dim() >= 2 and not tape.is_placeholder(g) and bool(g.any())]
     if not left:
         return
     paths = _paths(p_spec)
