@@ -87,6 +87,9 @@ def _to_r(key: str) -> str:
     return {"rows_MD": "rows_RD", "probs_M": "probs_R"}.get(key, key)
 
 
+# each stage is handed the whole block's params (a pipeline's phases are not): torch.func gives the weights a
+# stage never reads zeros, which split_vjp's plain-ops warning names (telling them apart would need a sync)
+@pytest.mark.filterwarnings("ignore:split_vjp. the dx pass computed:UserWarning")
 @pytest.mark.parametrize("mode", list(MODES))
 @settings(max_examples=5, deadline=None)
 @given(B=st.integers(1, 2), S=st.integers(1, 5), E=st.integers(1, 5), k_frac=st.floats(0, 1),

@@ -380,18 +380,19 @@ def _warn_left_in_dx(tape: WeightGradTape, dx_param_grads: list[Any], param_pos:
     """Warns (once per call site: Python's default filter) naming the weight leaves (2-D and up) whose
     gradient the dx pass computed although a tape deferred: they were read by plain torch ops
     (`F.linear`, `x @ w`), which know no tape. Norm scales and biases are cheap to leave there and are not
-    named, nor are leaves whose gradient is all zeros: torch.func.vjp hands zeros to a leaf the function
-    never read (a stage given a whole block's params), which no pass computed. fmoe's own blocks read every
-    weight through fmoe.ops, so they never warn."""
+    named. A leaf the function never read gets zeros from torch.func.vjp (engine "func"), which cannot be
+    told apart without reading them (a host sync in the dx pass): it is named too, and the message says so.
+    fmoe's own blocks read every weight through fmoe.ops, so they never warn."""
     left = [i for g, i in zip(dx_param_grads, param_pos)
-            if isinstance(g, torch.Tensor) and g.dim() >= 2 and not tape.is_placeholder(g) and bool(g.any())]
+            if isinstance(g, torch.Tensor) and g.dim() >= 2 and not tape.is_placeholder(g)]
     if not left:
         return
     paths = _paths(p_spec)
     names = [f"params{keystr(paths[i])}" if paths is not None else f"params leaf {i}" for i in left]
     warnings.warn(f"split_vjp: the dx pass computed the weight gradients of {', '.join(names)} (plain torch "
                   "ops know no tape); pass engine='autograd', plain_ops='defer' to defer them too, or read "
-                  "them through fmoe.ops (linear, grouped_linear)", UserWarning, stacklevel=3)
+                  "them through fmoe.ops (linear, grouped_linear); a leaf f never reads is named as well "
+                  "(torch.func gives it zeros)", UserWarning, stacklevel=3)
 
 
 def split_vjp(
