@@ -304,12 +304,14 @@ def _time_torch_ops(sched: Any, stages: list[Any], ops: dict[tuple[str, int, int
     duration to `ops[(kind, stage, mb)]`: F = forward_one_chunk (plus the loss, which torch computes
     after it), B / I = backward_one_chunk (a full backward or the input gradients), W =
     backward_weight_one_chunk; what the runtime does around them (P2P, its bookkeeping) is not counted."""
+    def add(key: tuple[str, int, int], started: float) -> None:
+        ops[key] = ops.get(key, 0.0) + time.perf_counter() - started
+
     def timer(kind_of: Any, stage: Any, fn: Any) -> Any:
         def timed(chunk: int, *a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             out = fn(chunk, *a, **k)
-            key = (kind_of(k), stage.stage_index, chunk)
-            ops[key] = ops.get(key, 0.0) + time.perf_counter() - t
+            add((kind_of(k), stage.stage_index, chunk), t)
             return out
         return timed
 
@@ -317,8 +319,7 @@ def _time_torch_ops(sched: Any, stages: list[Any], ops: dict[tuple[str, int, int
         def timed(stage: Any, output: Any, target_mbs: Any, mb: int, *a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             out = fn(stage, output, target_mbs, mb, *a, **k)
-            key = ("F", stage.stage_index, mb)
-            ops[key] = ops.get(key, 0.0) + time.perf_counter() - t
+            add(("F", stage.stage_index, mb), t)
             return out
         return timed
 

@@ -48,7 +48,6 @@ def exit_process(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-
 def thread_locks_for_bars() -> None:
     """Makes every tqdm bar of this process write under a thread lock, not tqdm's default (a thread lock
     and a multiprocessing RLock: a named semaphore, which a process ending with `exit_process` leaves to
